@@ -1,0 +1,22 @@
+"""Llama 3 flavors (published shapes) and model construction."""
+
+from titanlite.models.llama3.model import ModelArgs, Transformer
+
+# vocab_size of debugmodel comes from the tokenizer at build time.
+llama3_configs: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, rope_theta=500000, max_seq_len=2048),
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
+    ),
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
+    ),
+    "405B": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
+    ),
+}
+
+__all__ = ["ModelArgs", "Transformer", "llama3_configs"]

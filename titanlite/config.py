@@ -1,0 +1,402 @@
+"""The training configuration: one dataclass per TOML section, loaded from a file, then CLI overrides.
+
+Precedence is defaults < TOML file < command line. Every key is typed by its dataclass field, so an
+unknown key or a value of the wrong type is reported in one line (naming the key, the file and the
+closest valid key) as a `ConfigError`, before anything is built.
+
+Command-line forms: `--section.key value`, `--section.key=value`, `--section.flag` / `--no-section.flag`
+for booleans, comma-separated lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from titanlite.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """Path of the TOML file this config was read from (set by the loader)."""
+    dump_folder: str = "./outputs"
+    """Root of everything a run writes: metrics, TensorBoard events, checkpoints, traces."""
+    description: str = ""
+    print_config: bool = False
+    """Print the merged config as JSON on rank 0 before training."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debugmodel"
+    tokenizer_path: str = ""
+    """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "foreach"
+    """`foreach`, `fused` or `for-loop`."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    decay_ratio: float = 1.0
+    """Fraction of the post-warmup steps spent decaying; < 1 gives warmup-stable-decay (WSD)."""
+    decay_type: str = "linear"
+    """`linear`, `cosine` or `sqrt`."""
+    min_lr_factor: float = 0.0
+    """The final learning rate as a fraction of `optimizer.lr`."""
+
+
+@dataclass
+class Training:
+    dataset_path: str = ""
+    """A file, directory or glob of .txt/.jsonl/.parquet, or `hf://name[:config][@split]`; empty = bundled corpus."""
+    dataset_text_field: str = "text"
+    dataset_virtual_shards: int = 0
+    """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""
+    dataloader_num_workers: int = 0
+    local_batch_size: int = 8
+    global_batch_size: int = -1
+    """-1 = local batch size x data-parallel degree; larger values use gradient accumulation."""
+    seq_len: int = 2048
+    max_norm: float = 1.0
+    steps: int = 10000
+    seed: int = 0
+    deterministic: bool = False
+    gc_freq: int = 50
+    mixed_precision_param: str = "bfloat16"
+    """Dtype of the gathered parameters in forward/backward (training on CUDA; CPU runs use float32)."""
+    mixed_precision_reduce: str = "float32"
+    skip_nonfinite_steps: int = 0
+    """How many optimizer steps with a non-finite loss or grad norm may be skipped; 0 = stop on the first."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1
+    """-1 = whatever the world size leaves after the other degrees."""
+    tensor_parallel_degree: int = 1
+    dp_impl: str = "simple_fsdp"
+    """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
+    fsdp_reshard_after_forward: str = "default"
+    """`default` (all blocks but the last), `always` or `never`."""
+    disable_loss_parallel: bool = False
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 500
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0 = keep all)."""
+    async_mode: str = "disabled"
+    """`disabled`, `async` or `async_with_pinned_mem`."""
+    load_step: int = -1
+    """-1 = the newest complete checkpoint."""
+    initial_load_path: str = ""
+    initial_load_in_hf: bool = False
+    last_save_model_only: bool = False
+    export_dtype: str = "float32"
+    create_seed_checkpoint: bool = False
+    stop_on_save_error: bool = False
+    """If a save fails (disk full, permissions), stop instead of warning and training on."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """`none`, `full` or `selective`."""
+    selective_ac_option: str = "op"
+    """`op` (save matmul/attention outputs, recompute the rest) or an integer k (every k-th block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    backend: str = "inductor"
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    bucketing: str = "none"
+    """`none`, `auto` (torch's overlap scheduler) or `transformer_block` (one bucket per block)."""
+    reorder: bool = True
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    disable_color_printing: bool = False
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 100
+    max_restarts: int = 0
+    mode: str = "default"
+    """`default` or `fake_backend` (dry run on a fake process group)."""
+    fake_world_size: int = 0
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# Allowed values of the string-valued choices, checked by `validate`.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer.implementation": ("foreach", "fused", "for-loop"),
+    "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
+    "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
+    "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "parallelism.dp_impl": ("simple_fsdp", "fsdp2"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "compile.backend": ("inductor", "aot_eager", "eager"),
+    "compile.bucketing": ("none", "auto", "transformer_block"),
+    "comm.mode": ("default", "fake_backend"),
+}
+
+
+def _sections() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    return typing.get_type_hints(JobConfig)
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s, cls in _sections().items() for k in typing.get_type_hints(cls)]
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise a one-line ConfigError."""
+    where = f" in {origin}" if origin else ""
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}'{where}: expected a list, got {value!r}")
+        return [_coerce(key, v, item, origin) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"config key '{key}'{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
+    where = f" in {origin}" if origin else ""
+    section, _, name = key.partition(".")
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}'{where}{_suggest(section, list(sections))}")
+    hints = typing.get_type_hints(sections[section])
+    if not name or name not in hints:
+        raise ConfigError(f"unknown config key '{key}'{where}{_suggest(key, _all_keys())}")
+    setattr(getattr(cfg, section), name, _coerce(key, value, hints[name], origin))
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"invalid TOML in {path}: {e}") from None
+
+
+def apply_dict(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"config entry '{section}' in {origin} is not a [section]{_suggest(section, list(_sections()))}"
+            )
+        for name, value in body.items():
+            _set(cfg, f"{section}.{name}", value, origin)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn `--a.b v`, `--a.b=v`, `--a.flag`, `--no-a.flag` into (key, raw value) pairs."""
+    bool_keys = {
+        f"{s}.{k}" for s, cls in _sections().items() for k, t in typing.get_type_hints(cls).items() if t is bool
+    }
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected command-line argument '{arg}' (overrides look like --section.key value)")
+        key, eq, value = arg[2:].partition("=")
+        if eq:
+            out.append((key, value))
+        elif key.startswith("no-") and key[3:] in bool_keys:
+            out.append((key[3:], False))
+        elif key in bool_keys and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            out.append((key, True))
+        elif i + 1 < len(args):
+            out.append((key, args[i + 1]))
+            i += 1
+        else:
+            raise ConfigError(f"command-line option '--{key}' needs a value")
+        i += 1
+    return out
+
+
+def load_config(argv: list[str], default_config: str = "") -> JobConfig:
+    """Build the JobConfig from `--config PATH` (or `default_config`) and the remaining overrides."""
+    argv = list(argv)
+    path = default_config
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a path")
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--config=") or arg.startswith("--job.config_file="):
+            path = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    cfg = JobConfig()
+    if path:
+        apply_dict(cfg, load_toml(path), path)
+        cfg.job.config_file = path
+    for key, value in parse_overrides(argv):
+        _set(cfg, key, value, "the command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check values that the types alone cannot: choices, signs, ranges."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}")
+    positive = {
+        "training.steps": cfg.training.steps,
+        "training.seq_len": cfg.training.seq_len,
+        "training.local_batch_size": cfg.training.local_batch_size,
+        "metrics.log_freq": cfg.metrics.log_freq,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "parallelism.data_parallel_replicate_degree": cfg.parallelism.data_parallel_replicate_degree,
+        "parallelism.tensor_parallel_degree": cfg.parallelism.tensor_parallel_degree,
+        "profiling.profile_freq": cfg.profiling.profile_freq,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value}")
+    non_negative = {
+        "lr_scheduler.warmup_steps": cfg.lr_scheduler.warmup_steps,
+        "training.dataset_virtual_shards": cfg.training.dataset_virtual_shards,
+        "training.dataloader_num_workers": cfg.training.dataloader_num_workers,
+        "training.gc_freq": cfg.training.gc_freq,
+        "training.skip_nonfinite_steps": cfg.training.skip_nonfinite_steps,
+        "checkpoint.keep_latest_k": cfg.checkpoint.keep_latest_k,
+        "comm.max_restarts": cfg.comm.max_restarts,
+        "comm.fake_world_size": cfg.comm.fake_world_size,
+        "optimizer.lr": cfg.optimizer.lr,
+        "training.max_norm": cfg.training.max_norm,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must not be negative, got {value}")
+    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"config key 'lr_scheduler.decay_ratio' must be in [0, 1], got {cfg.lr_scheduler.decay_ratio}")
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError(
+            f"config key 'lr_scheduler.min_lr_factor' must be in [0, 1], got {cfg.lr_scheduler.min_lr_factor}"
+        )
+    if cfg.parallelism.data_parallel_shard_degree == 0 or cfg.parallelism.data_parallel_shard_degree < -1:
+        raise ConfigError(
+            "config key 'parallelism.data_parallel_shard_degree' must be -1 (the rest) or positive, "
+            f"got {cfg.parallelism.data_parallel_shard_degree}"
+        )
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) > 0):
+        raise ConfigError(
+            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: expected 'op' or a positive integer"
+        )
+    for component in cfg.compile.components:
+        if component not in ("model", "loss"):
+            raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")

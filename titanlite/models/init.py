@@ -1,0 +1,73 @@
+"""Layout-independent parameter initialisation.
+
+A parameter's values are defined as a function of (seed, parameter name, element position) only: the
+full tensor is viewed as rows, cut into fixed row chunks, and each chunk is drawn from its own CPU
+generator seeded from (seed, name, chunk index). A rank that holds only a block of the parameter (a
+DTensor shard under FSDP and/or TP) draws just the chunks overlapping its rows and keeps its columns.
+So the initial weights are bit-identical on one process and on any mesh, on CPU and on CUDA, and no
+rank ever materialises a full parameter.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    kind: str
+    """`normal`, `trunc_normal` or `ones`."""
+    std: float = 0.02
+    cutoff: float | None = None
+    """Truncate at +-cutoff; None = torch's default bounds (-2, 2)."""
+
+
+def _fill(t: torch.Tensor, spec: InitSpec, gen: torch.Generator) -> None:
+    if spec.kind == "normal":
+        torch.nn.init.normal_(t, 0.0, spec.std, generator=gen)
+    elif spec.kind == "trunc_normal":
+        a, b = (-spec.cutoff, spec.cutoff) if spec.cutoff is not None else (-2.0, 2.0)
+        torch.nn.init.trunc_normal_(t, 0.0, spec.std, a, b, generator=gen)
+    else:
+        raise ValueError(f"unknown init kind {spec.kind!r}")
+
+
+def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor this rank holds and its offset in the full parameter."""
+    if isinstance(param, DTensor):
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), tuple(offset)
+    return param, (0,) * param.dim()
+
+
+@torch.no_grad()
+def init_parameter_(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+    local, offset = local_block(param)
+    if spec.kind == "ones":
+        local.fill_(1.0)
+        return
+    if local.numel() == 0:
+        return
+    if param.dim() > 2:
+        raise ValueError(f"{name}: layout-independent init supports 1D and 2D parameters")
+    rows = param.shape[0]
+    cols = param.shape[1] if param.dim() == 2 else 1
+    row0, n_rows = offset[0], local.shape[0]
+    col0 = offset[1] if param.dim() == 2 else 0
+    n_cols = local.shape[1] if param.dim() == 2 else 1
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // cols)
+    base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+    local2d = local.view(n_rows, n_cols)
+    for chunk in range(row0 // rows_per_chunk, (row0 + n_rows - 1) // rows_per_chunk + 1):
+        start = chunk * rows_per_chunk
+        block = torch.empty(min(rows_per_chunk, rows - start), cols, dtype=torch.float32)
+        _fill(block, spec, torch.Generator().manual_seed(base + chunk))
+        lo, hi = max(start, row0), min(start + block.shape[0], row0 + n_rows)
+        local2d[lo - row0 : hi - row0].copy_(block[lo - start : hi - start, col0 : col0 + n_cols])

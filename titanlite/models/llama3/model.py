@@ -1,0 +1,198 @@
+"""Llama 3: RMSNorm, RoPE (with optional Llama 3.1 frequency scaling), GQA attention, SwiGLU.
+
+The module tree and parameter names follow TorchTitan (`tok_embeddings`, `layers.{i}.attention.wq`,
+`feed_forward.w1`, `norm`, `output`) so that parallelize plans and checkpoint converters can address
+parameters by FQN. RoPE uses Meta's interleaved-pair convention; the Hugging Face converter permutes
+q/k weights accordingly.
+
+The model is built on the meta device and initialised with `init_weights` after materialisation. Each
+parameter is filled from a stream that depends only on the seed and the parameter's name, and each rank
+fills only the block it holds, so the initial weights are identical for every parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.init import InitSpec, init_parameter_
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_scaled_rope: bool = False
+    max_seq_len: int = 8192
+    """The longest sequence the flavor supports; RoPE tables are built for the training seq_len."""
+    tie_embeddings: bool = False
+    depth_init: bool = True
+    """Scale output-projection init by layer depth (TorchTitan's default) instead of by layer count."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        d, h, kv, hd, f, v = self.dim, self.n_heads, self.kv_heads, self.head_dim, self.ffn_hidden_dim, self.vocab_size
+        block = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f + 2 * d
+        total = self.n_layers * block + d + v * d + (0 if self.tie_embeddings else v * d)
+        return total - (v * d if exclude_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus the attention scores (as in the PaLM paper)."""
+        n = self.num_params(exclude_embedding=True)
+        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim // 2], with Llama 3.1 long-context scaling if enabled."""
+    hd = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
+    if args.use_scaled_rope:
+        freqs = _scale_freqs(freqs)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _scale_freqs(freqs: torch.Tensor, factor: float = 8.0, low: float = 1.0, high: float = 4.0, old_ctx: int = 8192):
+    """Llama 3.1's frequency scaling: long wavelengths are slowed by `factor`, short ones kept, smooth between."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, freqs / factor, freqs)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, (1 - smooth) * freqs / factor + smooth * freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the position's angle."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, seq_len: int | None = None):
+        super().__init__()
+        self.args = args
+        self.seq_len = seq_len or args.max_seq_len
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."n-1" keeps FQNs stable when blocks are wrapped or compiled.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args, self.seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    def init_spec(self, fqn: str) -> InitSpec:
+        """How the parameter named `fqn` is initialised (TorchTitan's scheme)."""
+        a = self.args
+        if fqn.startswith("tok_embeddings."):
+            return InitSpec("normal", std=1.0)
+        if fqn.startswith("output."):
+            std = a.dim**-0.5
+            return InitSpec("trunc_normal", std=std, cutoff=3 * std)
+        if fqn.endswith("norm.weight"):
+            return InitSpec("ones")
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+            layer_id = int(fqn.split(".")[1])
+            depth = layer_id + 1 if a.depth_init else a.n_layers
+            return InitSpec("trunc_normal", std=0.02 / (2 * depth) ** 0.5)
+        return InitSpec("trunc_normal", std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter (sharded or not) deterministically and rebuild the RoPE tables."""
+        for fqn, param in self.named_parameters():
+            init_parameter_(param, self.init_spec(fqn), seed, fqn)
+        cos, sin = rope_tables(self.args, self.seq_len, device=buffer_device or self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin

@@ -1,0 +1,68 @@
+"""AdamW, learning-rate schedules and gradient clipping that is correct for DTensor gradients."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import LRScheduler, Optimizer
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+    if cfg.name != "AdamW":
+        raise ValueError(f"optimizer.name {cfg.name!r}: only AdamW is provided")
+    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[cfg.implementation]
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl,
+    )
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str,
+              min_lr_factor: float) -> float:
+    """Multiplier of the base LR after `step` completed optimizer steps (0-based): warmup, stable, decay.
+
+    Warmup is linear from 1/(warmup+1) to 1; the last `decay_ratio` of the post-warmup steps decay to
+    `min_lr_factor` (decay_ratio < 1 is warmup-stable-decay, WSD).
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = max(1, round((total_steps - warmup_steps) * decay_ratio))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    curve = {
+        "linear": 1.0 - progress,
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+        "sqrt": 1.0 - math.sqrt(progress),
+    }[decay_type]
+    return min_lr_factor + (1.0 - min_lr_factor) * curve
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
+    fn = partial(
+        lr_factor, total_steps=total_steps, warmup_steps=cfg.warmup_steps, decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip by the total L2 norm over every rank's shards; returns the (global) norm before clipping.
+
+    The norm of DTensor gradients is computed per mesh (a Partial result) and reduced to the full value,
+    so it is the same number on every rank and equals the single-process norm.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
