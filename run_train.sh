@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Launch titanlite training through torchrun.
+#
+#   ./run_train.sh [--config FILE] [--section.key value ...]
+#
+# Environment:
+#   NGPU         processes per node (default: number of visible CUDA GPUs, else 2 CPU processes)
+#   NNODES       number of nodes (default 1); NODE_RANK is implied by torchrun's c10d rendezvous
+#   RDZV_ENDPOINT / MASTER_ADDR:MASTER_PORT   rendezvous host:port for multi-node (default localhost:29500)
+#   RDZV_ID      job id shared by all nodes (default titanlite)
+#   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
+#   MAX_RESTARTS torchrun restarts after a failure (default: comm.max_restarts from the config, else 0)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
+
+CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) CONFIG="$2"; shift 2 ;;
+    --config=*) CONFIG="${1#--config=}"; shift ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+
+if [ -z "${NGPU:-}" ]; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    NGPU=$(nvidia-smi -L | wc -l)
+  else
+    NGPU=2
+  fi
+fi
+NNODES=${NNODES:-1}
+LOG_RANK=${LOG_RANK:-0}
+
+# Validate the config, mesh and paths in one process first: bad input is one line and exit code 2,
+# before any rank starts.
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"
+if [ -z "${MAX_RESTARTS:-}" ]; then
+  MAX_RESTARTS=$("$PYTHON" -m titanlite.preflight --config "$CONFIG" --print-key comm.max_restarts "${ARGS[@]+"${ARGS[@]}"}")
+fi
+
+if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+  RDZV=(--standalone)
+else
+  RDZV=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_id "${RDZV_ID:-titanlite}"
+        --rdzv_endpoint "${RDZV_ENDPOINT:-${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}}")
+fi
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"

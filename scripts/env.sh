@@ -1,0 +1,42 @@
+# Sourced by run_train.sh and run_tests.sh: find or build a Python environment with titanlite's
+# dependencies and export PYTHON. An active environment that already has them is used as is; otherwise
+# a project-local .venv is created. Machines without an NVIDIA GPU get torch's CPU wheel, never the
+# multi-GB CUDA build.
+TITANLITE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TORCH_VERSION=2.13.0
+_have_deps() {
+  "$1" - <<'PY' >/dev/null 2>&1
+import importlib.util as u, sys
+sys.exit(0 if all(u.find_spec(m) for m in ("torch", "torchdata", "tiktoken", "tensorboard", "safetensors", "pytest")) else 1)
+PY
+}
+if [ -n "${PYTHON:-}" ] && _have_deps "$PYTHON"; then
+  :
+elif command -v python >/dev/null && _have_deps python && [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ]; then
+  PYTHON=$(command -v python)
+else
+  VENV="$TITANLITE_ROOT/.venv"
+  PYTHON="$VENV/bin/python"
+  STAMP="$VENV/.titanlite-deps"
+  WANT=$(cat "$TITANLITE_ROOT/pyproject.toml" | cksum)
+  if [ ! -x "$PYTHON" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! _have_deps "$PYTHON"; then
+    echo "titanlite: setting up $VENV (one time)" >&2
+    SYS_PY=$(command -v python3 || command -v python)
+    [ -x "$PYTHON" ] || "$SYS_PY" -m venv "$VENV"
+    PIP=("$PYTHON" -m pip install -q --disable-pip-version-check)
+    if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+      if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        "${PIP[@]}" "torch==$TORCH_VERSION"
+      else
+        # The CPU wheel: from a local wheel cache if pip is configured with one, else PyTorch's CPU index.
+        "${PIP[@]}" "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+          || "${PIP[@]}" "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu \
+               --extra-index-url https://pypi.org/simple
+      fi
+    fi
+    "${PIP[@]}" -e "$TITANLITE_ROOT[dev]"
+    echo "$WANT" > "$STAMP"
+  fi
+fi
+export PYTHON
+export PYTHONPATH="$TITANLITE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
