@@ -83,8 +83,9 @@ class ReplicateComputation(nn.Module):
     def forward(self, x: DTensor) -> torch.Tensor:
         out = self.replicate_compute(x)
         if self.reshard_after_forward and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            _GATHERED[id(out)] = out
-            _RECIPES[id(out)] = (self, x)
+            root = out._base if out._is_view() else out
+            _GATHERED[id(root)] = root
+            _RECIPES[id(root)] = (self, x, out.shape, out.stride())
         return out
 
 
@@ -139,7 +140,7 @@ def _shard_parameter(
         dt = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         return nn.Parameter(dt, requires_grad=param.requires_grad), {}
     tp_placements = tuple(param.placements)
-    tp_local = param.to_local()
+    tp_local = param.detach().to_local()
     dp_mesh = mesh[mesh.mesh_dim_names[:dp_ndim]] if dp_ndim > 1 else mesh[mesh.mesh_dim_names[0]]
     dp_local = distribute_tensor(tp_local, dp_mesh, placements, src_data_rank=None).to_local()
     # When tp also shards dim 0, the dp shards are taken within each tp shard: a strided layout.
@@ -200,7 +201,7 @@ def set_reshard_after_forward(module: nn.Module, enabled: bool) -> None:
 # Gathered outputs of this forward, by id, and how to gather each again. Weak values: an entry lives only
 # as long as the gathered tensor itself.
 _GATHERED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_RECIPES: dict[int, tuple[ReplicateComputation, DTensor]] = {}
+_RECIPES: dict[int, tuple[ReplicateComputation, DTensor, torch.Size, tuple[int, ...]]] = {}
 
 
 class _Regather:
@@ -218,14 +219,15 @@ class _Regather:
 
 
 def _pack(t: torch.Tensor) -> Any:
-    base = t._base if t._is_view() else t
-    key = id(base)
-    if _GATHERED.get(key) is not base:
+    """Replace a saved gathered weight (the tensor the gather returned, or its transpose) by a recipe."""
+    root = t._base if t._is_view() else t
+    key = id(root)
+    if _GATHERED.get(key) is not root:
         return t
-    gather, sharded = _RECIPES[key]
-    if t is base:
+    gather, sharded, shape, stride = _RECIPES[key]
+    if t.shape == shape and t.stride() == stride:
         return _Regather(gather, sharded, transposed=False)
-    if t.dim() == 2 and t.shape == base.shape[::-1] and t.stride() == base.stride()[::-1]:
+    if t.dim() == 2 and t.shape == shape[::-1] and t.stride() == stride[::-1]:
         return _Regather(gather, sharded, transposed=True)
     return t  # an unexpected view: keep it (correct, just not resharded)
 

@@ -1,0 +1,94 @@
+"""Config loading: TOML, command-line overrides, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, child_env
+from titanlite.config import ConfigError, JobConfig, load_config
+
+
+def test_defaults_and_toml(tmp_path):
+    cfg = load_config([], default_config=str(ROOT / "train_configs/debug_model.toml"))
+    assert cfg.model.flavor == "debugmodel" and cfg.training.steps == 100
+    assert cfg.job.config_file.endswith("debug_model.toml")
+
+
+@pytest.mark.parametrize("configs", ["debug_model", "llama3_8b", "llama3_70b", "llama3_405b"])
+def test_shipped_configs_load(configs):
+    cfg = load_config(["--config", str(ROOT / f"train_configs/{configs}.toml")])
+    assert isinstance(cfg, JobConfig)
+
+
+def test_overrides_all_forms():
+    cfg = load_config([
+        "--training.steps", "7", "--optimizer.lr=0.5", "--compile.enable", "--no-metrics.enable_tensorboard",
+        "--training.deterministic=true", "--compile.components", "model", "--parallelism.tensor_parallel_degree=2",
+    ])
+    assert cfg.training.steps == 7 and cfg.optimizer.lr == 0.5
+    assert cfg.compile.enable is True and cfg.metrics.enable_tensorboard is False
+    assert cfg.training.deterministic is True and cfg.compile.components == ["model"]
+    assert cfg.parallelism.tensor_parallel_degree == 2
+
+
+def test_override_beats_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nsteps = 3\nseq_len = 64\n")
+    cfg = load_config(["--config", str(f), "--training.steps", "9"])
+    assert (cfg.training.steps, cfg.training.seq_len) == (9, 64)
+
+
+BAD = [
+    # (file text or None, overrides, expected fragments)
+    ("[training]\nstepz = 3\n", [], ["training.stepz", "c.toml", "did you mean 'training.steps'"]),
+    ("[trainig]\nsteps = 3\n", [], ["section 'trainig'", "c.toml", "did you mean 'training'"]),
+    ("[training]\nsteps = 'ten'\n", [], ["training.steps", "expected int", "'ten'"]),
+    ("[training]\nsteps = 3\n", ["--training.seq_len", "abc"], ["training.seq_len", "expected int", "command line"]),
+    ("[training]\nsteps = -1\n", [], ["training.steps", "positive"]),
+    ("[training\nsteps = 3\n", [], ["invalid TOML", "c.toml", "line 1"]),
+    ("[compile]\nbackend = 'tvm'\n", [], ["compile.backend", "inductor"]),
+    ("[compile]\nenable = 'maybe'\n", [], ["compile.enable", "expected bool"]),
+    ("[parallelism]\ndata_parallel_shard_degree = 0\n", [], ["data_parallel_shard_degree", "-1"]),
+    ("[activation_checkpoint]\nselective_ac_option = 'sometimes'\n", [], ["selective_ac_option", "'op'"]),
+    ("[lr_scheduler]\ndecay_ratio = 1.5\n", [], ["decay_ratio", "[0, 1]"]),
+    ("steps = 3\n", [], ["'steps'", "not a [section]"]),
+    ("", ["--optimizer.lr"], ["--optimizer.lr", "needs a value"]),
+    ("", ["training.steps", "3"], ["unexpected command-line argument"]),
+    ("[compile]\ncomponents = ['model', 'optimizer']\n", [], ["compile.components", "optimizer"]),
+    ("[training]\nlocal_batch_size = 2.5\n", [], ["training.local_batch_size", "expected int"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,fragments", BAD)
+def test_bad_configs(tmp_path, text, overrides, fragments):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", str(f), *overrides])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["--config", "/nonexistent/x.toml"])
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nstepz = 3\n")
+    proc = subprocess.run([sys.executable, "-m", "titanlite.train", "--config", str(f)], env=child_env(),
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "training.stepz" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_print_config_roundtrip():
+    cfg = load_config(["--training.steps", "11"])
+    assert '"steps": 11' in cfg.to_json()

@@ -1,0 +1,46 @@
+"""LR schedule shapes and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titanlite.optim import clip_grad_norm_, lr_factor
+
+
+def curve(**kw):
+    base = dict(total_steps=100, warmup_steps=10, decay_ratio=1.0, decay_type="linear", min_lr_factor=0.0)
+    base.update(kw)
+    return [lr_factor(s, **base) for s in range(100)]
+
+
+def test_warmup_is_linear_and_reaches_one():
+    c = curve()
+    assert c[0] == pytest.approx(1 / 11) and c[9] == pytest.approx(10 / 11)
+    assert all(b > a for a, b in zip(c[:10], c[1:11]))
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "sqrt"])
+def test_decay_to_min(kind):
+    c = curve(decay_type=kind, min_lr_factor=0.1)
+    assert max(c) == pytest.approx(1.0)
+    assert all(b <= a + 1e-12 for a, b in zip(c[10:], c[11:]))
+    assert c[-1] == pytest.approx(0.1 + 0.9 * {"linear": 1 / 90, "cosine": 0.5 * (1 + math.cos(math.pi * 89 / 90)),
+                                                "sqrt": 1 - math.sqrt(89 / 90)}[kind])
+
+
+def test_wsd_has_a_stable_phase():
+    c = curve(decay_ratio=0.2)
+    assert all(v == 1.0 for v in c[10:83]) and c[83] < 1.0  # 18 decay steps from step 82
+
+
+def test_clip_grad_norm_matches_torch():
+    ps = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    expected = torch.sqrt(sum((p.grad**2).sum() for p in ps))
+    norm = clip_grad_norm_(ps, 1.0)
+    assert torch.allclose(norm, expected)
+    assert torch.allclose(torch.sqrt(sum((p.grad**2).sum() for p in ps)), torch.tensor(1.0), atol=1e-5)

@@ -1,0 +1,39 @@
+"""The loss and one optimizer step, shared by the Trainer, the benchmarks and the parity tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.optim import clip_grad_norm_
+
+
+def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in fp32."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def training_step(model, optimizer, lr_scheduler, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over the microbatches `batches`; returns (local mean loss, global grad norm).
+
+    The loss of each microbatch is divided by their count, so the accumulated gradient is that of the
+    mean over the rank's whole batch; SimpleFSDP/FSDP2 then average it over the data-parallel ranks.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for inputs, labels in batches:
+        inputs, labels = inputs.to(device), labels.to(device)
+        with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+            pred = model(inputs)
+            loss = loss_fn(pred, labels) / len(batches)
+            loss.backward()
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+    optimizer.step()
+    lr_scheduler.step()
+    return total, grad_norm
