@@ -14,17 +14,19 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig, load_config
 from titanlite.data.loader import build_dataloader
-from titanlite.data.tokenizer import build_tokenizer
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError, UserError
 from titanlite.metrics import MetricsLogger, StepStats
-from titanlite.models.llama3 import Transformer, llama3_configs
+from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.parallel_dims import ParallelDims
@@ -55,6 +57,35 @@ def model_args(cfg: JobConfig, vocab_size: int):
     return args
 
 
+@dataclass
+class RunPlan:
+    """Everything derived from the config and world size alone: checked before any rank does work."""
+
+    tokenizer: Tokenizer
+    model_args: ModelArgs
+    dims: ParallelDims
+    global_batch: int
+    grad_accum: int
+
+    @classmethod
+    def build(cls, cfg: JobConfig, world_size: int) -> "RunPlan":
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
+        args = model_args(cfg, tokenizer.n_words)
+        p, t = cfg.parallelism, cfg.training
+        dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree, world_size=world_size, n_heads=args.n_heads,
+            n_kv_heads=args.kv_heads, dp_impl=p.dp_impl,
+        )
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
+        if global_batch % (t.local_batch_size * dims.dp):
+            raise ConfigError(
+                f"training.global_batch_size {global_batch} is not a multiple of "
+                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
+            )
+        return cls(tokenizer, args, dims, global_batch, global_batch // (t.local_batch_size * dims.dp))
+
+
 class Trainer:
     """Builds every component from the config and runs the step loop."""
 
@@ -68,23 +99,10 @@ class Trainer:
             print(cfg.to_json(), flush=True)
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
-        self.model_args = model_args(cfg, self.tokenizer.n_words)
-        p = cfg.parallelism
-        self.dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            tp=p.tensor_parallel_degree, world_size=self.world_size, n_heads=self.model_args.n_heads,
-            n_kv_heads=self.model_args.kv_heads, dp_impl=p.dp_impl,
-        )
-        t = cfg.training
-        dp = self.dims.dp
-        self.global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
-        if self.global_batch % (t.local_batch_size * dp):
-            raise ConfigError(
-                f"training.global_batch_size {self.global_batch} is not a multiple of "
-                f"local_batch_size {t.local_batch_size} x data-parallel degree {dp}"
-            )
-        self.grad_accum = self.global_batch // (t.local_batch_size * dp)
+        plan = RunPlan.build(cfg, self.world_size)
+        self.tokenizer, self.model_args, self.dims = plan.tokenizer, plan.model_args, plan.dims
+        self.global_batch, self.grad_accum = plan.global_batch, plan.grad_accum
+        t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         self.dataloader = build_dataloader(
             tokenizer=self.tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field,
@@ -119,6 +137,10 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self.step = 0
+        self.checkpointer = CheckpointManager(
+            cfg, model=model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+            dims=self.dims, rank=self.rank, world_size=self.world_size, device=self.device,
+        )
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, self.device,
             flops_per_token=self.model_args.flops_per_token(t.seq_len), enabled=self.rank == 0,
@@ -169,6 +191,12 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.cfg.training
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(0, force=True, model_only=True)
+            self.checkpointer.close()
+            logger.info("seed checkpoint written; exiting")
+            return
+        self.step = self.checkpointer.load()
         data_iter = iter(self.dataloader)
         gc.disable()
         gc.collect(1)
@@ -182,6 +210,7 @@ class Trainer:
             window_data += time.perf_counter() - t0
             loss, grad_norm = self.train_step(batches)
             window_steps += 1
+            self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
             if cfg.gc_freq and self.step % cfg.gc_freq == 0:
                 gc.collect(1)
             if self.step % self.cfg.metrics.log_freq == 0 or self.step == cfg.steps or self.step == 1:
@@ -196,6 +225,7 @@ class Trainer:
         logger.info("training finished")
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
+
+Validates the config, the mesh for WORLD_SIZE, the tokenizer file, the dataset path and the dump folder
+in one process, so bad input is one line and exit code 2 instead of one traceback per rank. On success
+prints the torchrun restart budget (`comm.max_restarts`) for run_train.sh.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from titanlite.config import load_config
+from titanlite.errors import ConfigError, UserError
+
+
+def check_dump_folder(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder {path!r} is not writable: {e.strerror}") from None
+
+
+def preflight(argv: list[str], world_size: int) -> int:
+    from titanlite.data.loader import build_dataloader
+    from titanlite.train import DEFAULT_CONFIG, RunPlan
+
+    cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+    plan = RunPlan.build(cfg, world_size)
+    t = cfg.training
+    if not t.dataset_path.startswith("hf://"):
+        build_dataloader(
+            tokenizer=plan.tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field,
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size, global_batch_size=plan.global_batch,
+            dp_rank=0, dp_degree=plan.dims.dp, virtual_shards=t.dataset_virtual_shards,
+            num_workers=t.dataloader_num_workers,
+        )
+    check_dump_folder(cfg.job.dump_folder)
+    return cfg.comm.max_restarts
+
+
+def main() -> int:
+    try:
+        restarts = preflight(sys.argv[1:], int(os.environ.get("WORLD_SIZE", "1")))
+    except UserError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(restarts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
