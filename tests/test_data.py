@@ -1,0 +1,320 @@
+"""The data loader: layout-invariant global batches, exact and reshardable resume, robust reading."""
+
+import gzip
+import json
+import logging
+import pickle
+import random
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlite.data.loader import build_dataloader, merge_loader_states
+from titanlite.data.sources import open_source
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import CheckpointError, ConfigError, DataError
+
+SEQ = 32
+TOK = build_tokenizer(None)
+WORDS = "the data loader packs documents into windows of tokens for every shard and rank".split()
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    """Distinct documents from a few words to several windows long."""
+    rng = random.Random(seed)
+    return [f"Document {i}: " + " ".join(rng.choices(WORDS, k=rng.randint(3, 90))) for i in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def write_txt(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+def loader(path, *, rank=0, dp=1, gbs=8, lbs=1, shards=0, workers=0, field="text", seq_len=SEQ):
+    return build_dataloader(
+        tokenizer=TOK, dataset_path=str(path), text_field=field, seq_len=seq_len, local_batch_size=lbs,
+        global_batch_size=gbs, dp_rank=rank, dp_degree=dp, virtual_shards=shards, num_workers=workers,
+    )
+
+
+def windows(batch) -> list[tuple[int, ...]]:
+    """Each sample as its full window of seq_len + 1 tokens."""
+    inputs, labels = batch
+    assert inputs.shape == labels.shape and inputs.dtype == torch.long
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    return [tuple(row) + (last,) for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
+
+
+def take(it, n: int) -> list[tuple[int, ...]]:
+    return [w for _ in range(n) for w in windows(next(it))]
+
+
+def global_steps(loaders, n_steps: int, accum: int) -> list[list[tuple[int, ...]]]:
+    """Per step, the sorted samples of all ranks (one loader per rank)."""
+    iters = [iter(dl) for dl in loaders]
+    return [sorted(s for it in iters for s in take(it, accum)) for _ in range(n_steps)]
+
+
+def ranks(path, dp: int, **kw):
+    return [loader(path, rank=r, dp=dp, **kw) for r in range(dp)]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    return make_docs(60)
+
+
+@pytest.fixture
+def data(tmp_path, docs) -> Path:
+    return write_jsonl(tmp_path / "data.jsonl", docs)
+
+
+@pytest.mark.parametrize("lbs", [1, 2])
+def test_global_batches_do_not_depend_on_dp_degree(data, lbs):
+    gbs, n_steps = 8, 25  # ~2 epochs of the data: shards also wrap around
+    reference = global_steps(ranks(data, 1, gbs=gbs, lbs=lbs), n_steps, gbs // lbs)
+    assert all(len(set(step)) == gbs for step in reference)  # no sample twice in a step
+    for dp in (2, 4):
+        assert global_steps(ranks(data, dp, gbs=gbs, lbs=lbs), n_steps, gbs // (lbs * dp)) == reference
+    assert global_steps(ranks(data, 2, gbs=gbs, lbs=lbs, shards=4), n_steps, gbs // (lbs * 2)) != reference
+
+
+def test_ranks_read_disjoint_shards(data):
+    loaders = ranks(data, 4, gbs=8)
+    owned = [set(dl.state_dict()["shards"]) for dl in loaders]
+    assert owned == [{"0", "4"}, {"1", "5"}, {"2", "6"}, {"3", "7"}]
+
+
+def test_a_rank_tokenizes_only_its_own_documents(data, docs):
+    class SpyTokenizer:
+        def __init__(self):
+            self.seen = []
+
+        def encode(self, text, *, bos, eos):
+            self.seen.append(text)
+            return TOK.encode(text, bos=bos, eos=eos)
+
+    spy = SpyTokenizer()
+    dl = build_dataloader(
+        tokenizer=spy, dataset_path=str(data), text_field="text", seq_len=SEQ, local_batch_size=1,
+        global_batch_size=8, dp_rank=1, dp_degree=2,
+    )
+    take(iter(dl), 40)
+    assert spy.seen and {docs.index(t) % 8 for t in spy.seen} <= {1, 3, 5, 7}
+
+
+def test_packing_concatenates_bos_doc_eos_per_shard(tmp_path, docs):
+    """Rank 0 of dp=2 with 2 shards reads shard 0 alone: documents 0, 2, 4, ... packed, cycling."""
+    path = write_txt(tmp_path / "docs.txt", docs)
+    it = iter(loader(path, dp=2, gbs=2, shards=2))
+    stream = [t for w in take(it, 120) for t in w]
+    epoch = [t for d in docs[0::2] for t in TOK.encode(d, bos=True, eos=True)]
+    assert len(stream) > 1.5 * len(epoch)  # the shard wrapped around into its second epoch
+    assert stream == (epoch * 2)[: len(stream)]
+
+
+@pytest.mark.parametrize("consumed", [3, 8])  # mid-step and at a step boundary
+def test_resume_continues_exactly(data, consumed):
+    reference = take(iter(loader(data, dp=2, rank=1, gbs=8, lbs=2)), 12)
+    first = loader(data, dp=2, rank=1, gbs=8, lbs=2)
+    it = iter(first)
+    take(it, consumed)
+    state = json.loads(json.dumps(first.state_dict()))  # plain data: survives any serialisation
+    resumed = loader(data, dp=2, rank=1, gbs=8, lbs=2)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert take(iter(resumed), 12 - consumed) == reference[consumed * 2 :]
+    assert take(it, 2) == reference[consumed * 2 : consumed * 2 + 4]  # saving does not disturb the run
+
+
+@pytest.mark.parametrize("new_dp", [4, 1])
+def test_resume_on_another_dp_degree(data, new_dp):
+    gbs, before, after = 8, 7, 12
+    reference = global_steps(ranks(data, 1, gbs=gbs), before + after, gbs)
+    old = ranks(data, 2, gbs=gbs)
+    first = global_steps(old, before, gbs // 2)
+    merged = merge_loader_states([dl.state_dict() for dl in old])
+    new = ranks(data, new_dp, gbs=gbs)
+    for dl in new:
+        dl.load_state_dict(merged)
+    assert first + global_steps(new, after, gbs // new_dp) == reference
+
+
+def test_merge_rejects_mid_step_and_incomplete_states(data):
+    old = ranks(data, 2, gbs=8)
+    take(iter(old[0]), 1)
+    with pytest.raises(CheckpointError, match="step boundary"):
+        merge_loader_states([dl.state_dict() for dl in old])
+    with pytest.raises(CheckpointError, match="cover 4 of 8"):
+        merge_loader_states([old[1].state_dict()])
+    other_rank = loader(data, dp=2, rank=0, gbs=8)
+    with pytest.raises(CheckpointError, match="lacks virtual shards"):
+        other_rank.load_state_dict(old[1].state_dict())
+    with pytest.raises(CheckpointError, match="virtual shards cannot change"):
+        loader(data, gbs=8, shards=4).load_state_dict(old[1].state_dict())
+
+
+def test_bad_data_is_skipped_with_counted_warnings(tmp_path, caplog):
+    root = tmp_path / "mixed"
+    (root / "sub").mkdir(parents=True)
+    (root / "empty.txt").write_text("")
+    (root / "blank.txt").write_text("\n  \n\t\n")
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 20)
+    (root / "notes.csv").write_text("ignored,unsupported\n")
+    (root / "latin1.txt").write_bytes("good paragraph\n\nbad caf\xe9\n\nanother good one\n".encode("latin-1"))
+    long_doc = " ".join(["a long document"] * 400)  # ~1200 tokens: dozens of windows
+    lines = [
+        json.dumps({"text": "valid record one"}),
+        "{not json",
+        json.dumps({"body": "no text field"}),
+        json.dumps({"text": 42}),
+        json.dumps({"text": "   "}),
+        json.dumps(["not", "an", "object"]),
+        "",
+        json.dumps({"text": long_doc}),
+        json.dumps({"text": "surrogate \ud800 and special <|end_of_text|> text"}),
+    ]
+    (root / "sub" / "records.jsonl").write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        source = open_source(str(root), "text")
+    assert source.num_documents == 2 + 3
+    log = caplog.text
+    assert "empty.txt: empty file" in log and "blank.txt: empty file" in log
+    assert "binary.txt: binary file" in log
+    assert "1 undecodable paragraphs; kept 2 documents" in log
+    for why in ("1 lines with invalid JSON", "1 lines with no 'text' field", "1 lines with non-string 'text'",
+                "1 lines with empty 'text'", "1 lines with not a JSON object"):
+        assert why in log
+    assert len([r for r in caplog.records if "records.jsonl" in r.getMessage()]) == 1  # one summary per file
+    it = iter(loader(root, gbs=4, shards=1))  # one shard: the stream is the documents in order
+    text = TOK.decode([t for _ in range(60) for t in windows(next(it))[0]])
+    assert long_doc in text and "another good one" in text
+
+
+def test_nothing_usable_is_a_data_error(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\nnope\n')
+    with pytest.raises(DataError, match="no usable documents"):
+        loader(tmp_path)
+
+
+@pytest.mark.parametrize("pattern", ["missing.jsonl", "missing_dir/", "*.nothing", "only_csv"])
+def test_path_matching_nothing_is_a_data_error(tmp_path, pattern):
+    (tmp_path / "only_csv").mkdir()
+    (tmp_path / "only_csv" / "a.csv").write_text("x\n")
+    path = str(tmp_path / pattern)
+    with pytest.raises(DataError, match="matches no"):
+        loader(path)
+
+
+def test_fewer_documents_than_shards_is_a_data_error(tmp_path):
+    path = write_jsonl(tmp_path / "few.jsonl", make_docs(5))
+    with pytest.raises(DataError, match="5 documents, fewer than the 8 virtual shards"):
+        loader(path, gbs=8)
+    loader(path, gbs=8, shards=4)
+
+
+def test_custom_text_field(tmp_path, docs):
+    custom = write_jsonl(tmp_path / "custom.jsonl", docs, field="content")
+    plain = write_txt(tmp_path / "plain.txt", docs)
+    assert take(iter(loader(custom, field="content")), 20) == take(iter(loader(plain)), 20)
+    with pytest.raises(DataError, match="no usable documents"):
+        loader(custom)  # field "text" is missing everywhere
+
+
+def test_glob_of_files_in_sorted_order(tmp_path, docs):
+    parts = [docs[:20], docs[20:45], docs[45:]]
+    for i, part in reversed(list(enumerate(parts))):
+        write_jsonl(tmp_path / f"part-{i}.jsonl", part)
+    (tmp_path / "skip.txt").write_text("not matched by the glob\n")
+    write_jsonl(tmp_path / "all.jsonl.bak", docs)
+    (tmp_path / "single").mkdir()
+    single = write_jsonl(tmp_path / "single" / "all.jsonl", docs)
+    assert open_source(str(tmp_path / "part-*.jsonl"), "text").num_documents == len(docs)
+    assert take(iter(loader(tmp_path / "part-*.jsonl")), 16) == take(iter(loader(single)), 16)
+
+
+def test_gzip_variants(tmp_path, docs):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "gz").mkdir()
+    plain = write_txt(tmp_path / "plain" / "d.txt", docs)
+    (tmp_path / "gz" / "d.txt.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "gz" / "e.jsonl.gz").write_bytes(gzip.compress(b'{"text": "one more"}\n'))
+    assert open_source(str(tmp_path / "gz"), "text").num_documents == len(docs) + 1
+    assert take(iter(loader(tmp_path / "gz")), 8) == take(iter(loader(plain)), 8)
+
+
+def test_parquet(tmp_path, docs):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs + [None, ""]}), tmp_path / "d.parquet")
+    plain = write_txt(tmp_path / "d.txt", docs)
+    assert take(iter(loader(tmp_path / "d.parquet")), 8) == take(iter(loader(plain)), 8)
+
+
+def test_hf_streaming_source(tmp_path, docs, monkeypatch):
+    seen = {}
+
+    def load_dataset(name, config, split, streaming):
+        seen.update(name=name, config=config, split=split, streaming=streaming)
+        return iter([{"text": d} for d in docs[:30]] + [{"text": None}] + [{"text": d} for d in docs[30:]])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    hf = loader("hf://org/name:cfg@validation", dp=2, rank=1)
+    assert seen == {"name": "org/name", "config": "cfg", "split": "validation", "streaming": True}
+    local = loader(write_jsonl(tmp_path / "d.jsonl", docs), dp=2, rank=1)
+    assert take(iter(hf), 40) == take(iter(local), 40)  # the same documents, the same batches
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match="pip install datasets"):
+        loader("hf://org/name")
+
+
+def test_layout_validation(data):
+    with pytest.raises(ConfigError, match="not a multiple of the 3 virtual shards"):
+        loader(data, gbs=8, shards=3)
+    with pytest.raises(ConfigError, match="not a multiple of the data-parallel degree 3"):
+        loader(data, gbs=12, dp=3, shards=4)
+    with pytest.raises(ConfigError, match="local_batch_size 3 x data-parallel degree 2"):
+        loader(data, gbs=8, lbs=3, dp=2)
+    with pytest.raises(ConfigError, match="dataloader_num_workers 3"):
+        loader(data, gbs=8, workers=3)
+    with pytest.raises(ConfigError, match="dataloader_num_workers 2"):
+        loader(data, gbs=8, lbs=1, shards=2, workers=2)  # 4 samples per shard and step > local batch
+
+
+def test_workers_produce_the_single_process_stream(data):
+    reference = take(iter(loader(data, dp=2, rank=0, gbs=16, lbs=2)), 10)
+    dl = loader(data, dp=2, rank=0, gbs=16, lbs=2, workers=2)
+    it = iter(dl)
+    assert take(it, 3) == reference[:6]
+    state = dl.state_dict()  # mid-step (4 microbatches per step)
+    assert state["round_pos"] == 6
+    single = loader(data, dp=2, rank=0, gbs=16, lbs=2)
+    single.load_state_dict(state)
+    assert take(iter(single), 7) == reference[6:]
+    workers = loader(data, dp=2, rank=0, gbs=16, lbs=2, workers=2)
+    workers.load_state_dict(state)
+    assert take(iter(workers), 7) == reference[6:]
+    assert take(iter(dl), 2) == reference[6:10]  # a new iterator continues where the last one stopped
+
+
+def test_bundled_corpus_is_the_default():
+    source = open_source("", "text")
+    assert source.num_documents > 3000 and len(source.files) == 12
+    files_docs = sum(len(p.read_text(encoding="utf-8").split("\n\n")) for p in source.files)
+    assert files_docs == source.num_documents  # one paragraph per topic or docstring
+    it = iter(loader("", gbs=8, seq_len=64))
+    first = windows(next(it))[0]
+    assert first[0] == TOK.bos_id
+    assert TOK.decode(first).startswith('<|begin_of_text|>The "assert" statement')
+    lengths = Counter(len(windows(next(it))[0]) for _ in range(5))
+    assert lengths == Counter({65: 5})

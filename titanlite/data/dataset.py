@@ -1,0 +1,248 @@
+"""Packed token samples from virtual shards: the same global batches for any data-parallel layout.
+
+Documents are numbered in one global order (see `sources.py`); document d belongs to virtual shard
+`d % V` (V = `virtual_shards`, default the global batch size). Each shard is an independent stream:
+it tokenizes its own documents (BOS + text + EOS), concatenates them and cuts windows of
+`seq_len + 1` tokens (inputs = window[:-1], labels = window[1:]); a document longer than a window
+spans several, a remainder carries over to the next window, and when the shard runs out of
+documents it starts over (epoch + 1). Nothing about a shard stream depends on the layout.
+
+The layout only decides who reads which shard: data-parallel rank r owns the shards v with
+`v % dp_degree == r`. Each optimizer step takes `k = global_batch_size // V` samples from every
+shard, so a rank's sample stream is, per step, "k samples from each owned shard, ascending" (its
+`global_batch_size // dp_degree` samples, cut into microbatches of `local_batch_size`). The union
+over ranks of step s is therefore the same set of samples for every dp degree, and a shard's
+position (`ShardCursor`) is all the state needed to continue it on any rank.
+
+With dataloader workers, whole microbatches go round-robin to workers (that is how the DataLoader
+schedules them), so each worker owns the shards of the microbatches it serves and produces exactly
+the samples the single-process stream would put there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from titanlite.data.sources import DocumentSource
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import CheckpointError, ConfigError, DataError
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which virtual shards a data-parallel rank (and each of its workers) reads, per step."""
+
+    global_batch_size: int
+    local_batch_size: int
+    num_shards: int
+    dp_rank: int
+    dp_degree: int
+    num_workers: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        global_batch_size: int,
+        local_batch_size: int,
+        virtual_shards: int,
+        dp_rank: int,
+        dp_degree: int,
+        num_workers: int = 0,
+    ) -> Layout:
+        """Validated layout; `virtual_shards` 0 means one shard per sample of the global batch."""
+        gbs, lbs, dp = global_batch_size, local_batch_size, dp_degree
+        v = virtual_shards or gbs
+        if min(gbs, lbs, v, dp) < 1 or not 0 <= dp_rank < dp or num_workers < 0:
+            raise ConfigError(
+                f"invalid data layout: global_batch_size {gbs}, local_batch_size {lbs}, virtual_shards {v}, "
+                f"dp_rank {dp_rank} of {dp}, num_workers {num_workers}"
+            )
+        if gbs % v:
+            raise ConfigError(f"training.global_batch_size {gbs} is not a multiple of the {v} virtual shards")
+        if v % dp:
+            raise ConfigError(f"the {v} virtual shards are not a multiple of the data-parallel degree {dp}")
+        if gbs % (lbs * dp):
+            raise ConfigError(
+                f"training.global_batch_size {gbs} is not a multiple of local_batch_size {lbs} x data-parallel degree {dp}"
+            )
+        layout = cls(gbs, lbs, v, dp_rank, dp, num_workers)
+        if num_workers and (layout.microbatches % num_workers or lbs % layout.samples_per_shard):
+            raise ConfigError(
+                f"training.dataloader_num_workers {num_workers} needs the {layout.microbatches} microbatches per "
+                f"step to be a multiple of it, and local_batch_size {lbs} a multiple of the "
+                f"{layout.samples_per_shard} samples per virtual shard and step (global batch / virtual shards)"
+            )
+        return layout
+
+    @property
+    def samples_per_shard(self) -> int:
+        """k: samples each virtual shard contributes to one global batch."""
+        return self.global_batch_size // self.num_shards
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches of `local_batch_size` per rank and step (gradient accumulation steps)."""
+        return self.global_batch_size // (self.local_batch_size * self.dp_degree)
+
+    @property
+    def rank_shards(self) -> list[int]:
+        return list(range(self.dp_rank, self.num_shards, self.dp_degree))
+
+    def worker_round(self, worker: int, num_workers: int, rank_pos: int) -> tuple[list[int], int]:
+        """(shards in step order, position in that round) for a worker starting at `rank_pos`.
+
+        `rank_pos` is the number of samples of the current step the rank has already produced. A
+        fresh DataLoader iterator asks worker 0 for the next microbatch q = rank_pos / local_batch_size,
+        worker 1 for q + 1, ...; with microbatches per step a multiple of num_workers, worker w then
+        serves the microbatches m = q + w (mod num_workers) of every step.
+        """
+        shards = self.rank_shards
+        if num_workers == 1:
+            return shards, rank_pos
+        if rank_pos % self.local_batch_size:
+            raise CheckpointError(f"data loader position {rank_pos} is not at a microbatch boundary")
+        q = rank_pos // self.local_batch_size
+        per_microbatch = self.local_batch_size // self.samples_per_shard
+        mine = [m for m in range(self.microbatches) if (m - q - worker) % num_workers == 0]
+        round_shards = [s for m in mine for s in shards[m * per_microbatch : (m + 1) * per_microbatch]]
+        done = sum(m < q for m in mine) * self.local_batch_size  # == the round's size: next step's turn
+        return round_shards, done % (len(round_shards) * self.samples_per_shard)
+
+
+@dataclass
+class ShardCursor:
+    """Where a shard stream is: token `offset` of its `doc`-th document (within the shard) in `epoch`."""
+
+    epoch: int = 0
+    doc: int = 0
+    offset: int = 0
+
+
+class ShardStream:
+    """One virtual shard: its documents, tokenized and packed, from a cursor."""
+
+    def __init__(
+        self, shard: int, source: DocumentSource, tokenizer: Tokenizer, num_shards: int, cursor: ShardCursor
+    ) -> None:
+        self.shard = shard
+        self.source = source
+        self.tokenizer = tokenizer
+        self.num_shards = num_shards
+        self.cursor = cursor
+        self._docs: Iterator[str] | None = None  # this pass's documents, positioned after `_tokens`' one
+        self._tokens: list[int] | None = None
+
+    def _current(self) -> list[int]:
+        if self._tokens is None:
+            c = self.cursor
+            if self._docs is None:
+                self._docs = self.source.shard_documents(self.shard, self.num_shards, c.doc)
+            text = next(self._docs, None)
+            if text is None:  # end of this pass: start over
+                if c.doc == 0:
+                    raise DataError(
+                        f"{self.source.name}: virtual shard {self.shard} has no documents; the data has fewer "
+                        f"documents than the {self.num_shards} virtual shards (set training.dataset_virtual_shards)"
+                    )
+                c.epoch, c.doc, c.offset = c.epoch + 1, 0, 0
+                self._docs = None
+                return self._current()
+            self._tokens = self.tokenizer.encode(text, bos=True, eos=True)
+        return self._tokens
+
+    def __getstate__(self) -> dict:
+        """Picklable (spawned workers): the document iterator is reopened from the cursor."""
+        return {**self.__dict__, "_docs": None, "_tokens": None}
+
+    def take(self, n: int) -> list[int]:
+        """The next `n` tokens, across document boundaries."""
+        out: list[int] = []
+        while len(out) < n:
+            tokens = self._current()
+            c = self.cursor
+            piece = tokens[c.offset : c.offset + n - len(out)]
+            out += piece
+            c.offset += len(piece)
+            if c.offset >= len(tokens):
+                c.doc, c.offset = c.doc + 1, 0
+                self._tokens = None
+        return out
+
+
+class PackedShards(IterableDataset):
+    """Endless (inputs, labels) samples of one data-parallel rank, with a portable state.
+
+    `state_dict()` = {"version", "V", "dp_rank", "dp_degree", "global_batch_size", "local_batch_size",
+    "round_pos": samples already produced in the current step, "shards": {str(v): ShardCursor fields}}.
+    `load_state_dict` takes the shards this rank owns from a state that may hold more (all ranks'
+    merged), so the dp degree can change between runs at a step boundary.
+    """
+
+    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: Layout) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"training.seq_len must be positive, got {seq_len}")
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.layout = layout
+        self._round = layout.rank_shards  # the shards this process reads, in step order
+        self._round_pos = 0  # samples produced in the current round (a worker's round: its share of a step)
+        self._streams = {v: self._stream(v, ShardCursor()) for v in self._round}
+
+    def _stream(self, shard: int, cursor: ShardCursor) -> ShardStream:
+        return ShardStream(shard, self.source, self.tokenizer, self.layout.num_shards, cursor)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        self._round, self._round_pos = self.layout.worker_round(worker, num_workers, self._round_pos)
+        return self._samples()
+
+    def _samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        k, window = self.layout.samples_per_shard, self.seq_len + 1
+        while True:
+            tokens = self._streams[self._round[self._round_pos // k]].take(window)
+            self._round_pos = (self._round_pos + 1) % (len(self._round) * k)  # state first: it is read after yield
+            sample = torch.tensor(tokens, dtype=torch.long)
+            yield sample[:-1], sample[1:]
+
+    def state_dict(self) -> dict:
+        layout = self.layout
+        return {
+            "version": STATE_VERSION,
+            "V": layout.num_shards,
+            "dp_rank": layout.dp_rank,
+            "dp_degree": layout.dp_degree,
+            "global_batch_size": layout.global_batch_size,
+            "local_batch_size": layout.local_batch_size,
+            "round_pos": self._round_pos,
+            "shards": {str(v): asdict(self._streams[v].cursor) for v in self._round},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        layout = self.layout
+        if state.get("version") != STATE_VERSION or state.get("V") != layout.num_shards:
+            raise CheckpointError(
+                f"data loader state has {state.get('V')} virtual shards (version {state.get('version')}), this run "
+                f"{layout.num_shards}: the number of virtual shards cannot change when resuming"
+            )
+        if state["round_pos"]:
+            same = ("dp_rank", "dp_degree", "global_batch_size", "local_batch_size")
+            if any(state.get(key) != getattr(layout, key) for key in same):
+                raise CheckpointError(
+                    "data loader state was saved in the middle of a step; it can only resume with the same "
+                    "dp rank, dp degree and batch sizes"
+                )
+        missing = [v for v in layout.rank_shards if str(v) not in state["shards"]]
+        if missing:
+            raise CheckpointError(f"data loader state lacks virtual shards {missing} of dp rank {layout.dp_rank}")
+        self._round = layout.rank_shards
+        self._round_pos = state["round_pos"]
+        self._streams = {v: self._stream(v, ShardCursor(**state["shards"][str(v)])) for v in self._round}

@@ -1,0 +1,149 @@
+"""The training data loader: `build_dataloader` and its portable, reshardable state.
+
+`build_dataloader(...)` returns a `TokenLoader`, a torchdata `StatefulDataLoader` over
+`PackedShards` (see `dataset.py` for the virtual-shard layout). It yields `(inputs, labels)`
+LongTensors of shape `[local_batch_size, seq_len]`.
+
+State. `loader.state_dict()` returns the dataset's portable state directly (not StatefulDataLoader's
+wrapper, which is specific to one worker count):
+
+    {"version": 1, "V": virtual shards, "dp_rank": r, "dp_degree": n,
+     "global_batch_size": ..., "local_batch_size": ...,
+     "round_pos": samples this rank already produced in the current optimizer step,
+     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token}}}
+
+Only plain ints and strings: it can be pickled or JSON-encoded. Loading it into a loader with the
+same configuration continues with exactly the next batch (any batch boundary).
+
+Resharding rule. A shard's cursor means the same thing on any rank, so a checkpoint taken at a step
+boundary (`round_pos == 0` on every rank) can resume on a different dp degree: merge all old ranks'
+states with `merge_loader_states` and load the result into every new rank; each new rank picks the
+shards it owns. Nothing is repeated or skipped, and the global batches continue exactly as an
+uninterrupted run would have produced them. Mid-step states cannot be merged (a partial step would
+be split between layouts), and the number of virtual shards V can never change. Global and local
+batch sizes may change at a step boundary (each shard's stream simply continues).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titanlite.data.dataset import STATE_VERSION, Layout, PackedShards
+from titanlite.data.sources import LocalSource, open_source
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import CheckpointError, DataError
+
+logger = logging.getLogger("titanlite")
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, labels = zip(*samples)
+    return torch.stack(inputs), torch.stack(labels)
+
+
+class TokenLoader(StatefulDataLoader):
+    """A StatefulDataLoader whose `state_dict()` is the portable dataset state (module docstring)."""
+
+    dataset: PackedShards
+
+    def state_dict(self) -> dict:
+        if self.num_workers == 0 or self._iterator is None:
+            return self.dataset.state_dict()  # single process: the dataset is the live state
+        # Workers: StatefulDataLoader keeps each worker's dataset state as of its last *consumed*
+        # batch. Each shard belongs to one worker; the step position follows from the batch count.
+        native = super().state_dict()
+        snapshot = native["_snapshot"]
+        state = self.dataset.state_dict()  # as when the workers started
+        for worker in snapshot["_worker_snapshots"].values():
+            state["shards"].update(worker["dataset_state"]["shards"])
+        layout = self.dataset.layout
+        yielded = snapshot["_snapshot_step"] + native["_steps_since_snapshot"]
+        step_batch = (state["round_pos"] // layout.local_batch_size + yielded) % layout.microbatches
+        state["round_pos"] = step_batch * layout.local_batch_size
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict({})  # drop any iterator; the next one starts from the dataset's state
+        self.dataset.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.num_workers and self._iterator is not None and not self._initial_iter_for_state_dict:
+            # New workers would start from the state they were first given: move it forward first.
+            self.load_state_dict(self.state_dict())
+        return super().__iter__()
+
+
+def merge_loader_states(states: list[dict]) -> dict:
+    """One state holding every virtual shard, from the step-boundary states of all old dp ranks.
+
+    Duplicates (e.g. the tensor-parallel ranks of one dp rank) must agree. The result loads into
+    any rank of any dp degree that divides V.
+    """
+    if not states:
+        raise CheckpointError("no data loader states to merge")
+    num_shards = states[0].get("V")
+    shards: dict[str, dict] = {}
+    for state in states:
+        if state.get("version") != STATE_VERSION or state.get("V") != num_shards:
+            raise CheckpointError("data loader states disagree on the number of virtual shards")
+        if state["round_pos"]:
+            raise CheckpointError(
+                f"data loader state of dp rank {state['dp_rank']} is {state['round_pos']} samples into a step; "
+                "states can only be merged at a step boundary"
+            )
+        for key, cursor in state["shards"].items():
+            if shards.setdefault(key, cursor) != cursor:
+                raise CheckpointError(f"data loader states disagree on the position of virtual shard {key}")
+    if len(shards) != num_shards:
+        raise CheckpointError(f"data loader states cover {len(shards)} of {num_shards} virtual shards")
+    first = states[0]
+    return {
+        **first, "dp_rank": 0, "dp_degree": 1, "round_pos": 0,
+        "shards": {str(v): shards[str(v)] for v in range(num_shards)},
+    }
+
+
+def build_dataloader(
+    *,
+    tokenizer: Tokenizer,
+    dataset_path: str,
+    text_field: str,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    virtual_shards: int = 0,
+    num_workers: int = 0,
+) -> TokenLoader:
+    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front."""
+    layout = Layout.create(
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        virtual_shards=virtual_shards,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        num_workers=num_workers,
+    )
+    source = open_source(dataset_path, text_field)
+    if isinstance(source, LocalSource):
+        n = source.num_documents
+        if n == 0:
+            raise DataError(f"dataset_path {source.name}: no usable documents in {len(source.files)} files")
+        if n < layout.num_shards:
+            raise DataError(
+                f"dataset_path {source.name}: {n} documents, fewer than the {layout.num_shards} virtual shards "
+                "(set training.dataset_virtual_shards lower)"
+            )
+        logger.info(f"data: {n:,} documents in {len(source.files)} files from {source.name}")
+    elif next(source.shard_documents(0, 1, 0), None) is None:
+        raise DataError(f"dataset_path {source.name}: no usable documents")
+    dataset = PackedShards(source, tokenizer, seq_len, layout)
+    with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
+        warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
+        return TokenLoader(dataset, batch_size=local_batch_size, num_workers=num_workers, collate_fn=collate)
