@@ -43,7 +43,6 @@ class Layout:
     num_shards: int
     dp_rank: int
     dp_degree: int
-    num_workers: int = 0
 
     @classmethod
     def create(
@@ -56,7 +55,11 @@ class Layout:
         dp_degree: int,
         num_workers: int = 0,
     ) -> Layout:
-        """Validated layout; `virtual_shards` 0 means one shard per sample of the global batch."""
+        """Validated layout; `virtual_shards` 0 means one shard per sample of the global batch.
+
+        `num_workers` is only checked: workers can split a rank's shards without changing its stream
+        only when they serve whole microbatches made of whole shard contributions.
+        """
         gbs, lbs, dp = global_batch_size, local_batch_size, dp_degree
         v = virtual_shards or gbs
         if min(gbs, lbs, v, dp) < 1 or not 0 <= dp_rank < dp or num_workers < 0:
@@ -72,7 +75,7 @@ class Layout:
             raise ConfigError(
                 f"training.global_batch_size {gbs} is not a multiple of local_batch_size {lbs} x data-parallel degree {dp}"
             )
-        layout = cls(gbs, lbs, v, dp_rank, dp, num_workers)
+        layout = cls(gbs, lbs, v, dp_rank, dp)
         if num_workers and (layout.microbatches % num_workers or lbs % layout.samples_per_shard):
             raise ConfigError(
                 f"training.dataloader_num_workers {num_workers} needs the {layout.microbatches} microbatches per "
