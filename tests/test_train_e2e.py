@@ -45,6 +45,14 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
     assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
 
+PARITY_STEPS = ["--training.steps", "10", "--training.global_batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ref"), 1, *PARITY_STEPS, "--training.local_batch_size", "8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
@@ -52,12 +60,10 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
     ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_shard_degree", "4",
      "--training.local_batch_size", "2"],
 ], ids=["dp2xtp2", "hsdp2x2", "fsdp2"])
-def test_cli_layout_parity_with_one_process(tmp_path, layout):
+def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_reference):
     """Same global batch of 8: one process with local batch 8 vs 4 processes; losses match (fp32)."""
-    steps = ["--training.steps", "10", "--training.global_batch_size", "8"]
-    ref = train(tmp_path / "ref", 1, *steps, "--training.local_batch_size", "8")
-    par = train(tmp_path / "par", 4, *steps, "--training.local_batch_size", "4", *layout)
-    diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(ref, par)]
+    par = train(tmp_path, 4, *PARITY_STEPS, "--training.local_batch_size", "4", *layout)
+    diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(one_process_reference, par)]
     assert len(diffs) == 10 and max(diffs) < 1e-5, diffs
 
 
