@@ -19,3 +19,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or incompatible."""
+
+
+class TrainingDiverged(UserError):
+    """The loss or gradient norm stopped being finite; reported in one line, exit code 3."""

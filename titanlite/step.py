@@ -17,12 +17,13 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def training_step(model, optimizer, lr_scheduler, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over the microbatches `batches`; returns (local mean loss, global grad norm).
+def forward_backward(model, optimizer, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the rank's batch, clipped; returns (local mean loss, global grad norm).
 
     The loss of each microbatch is divided by their count, so the accumulated gradient is that of the
     mean over the rank's whole batch; SimpleFSDP/FSDP2 then average it over the data-parallel ranks.
+    The optimizer step is separate so the caller can skip it (non-finite loss, preemption).
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
@@ -34,6 +35,13 @@ def training_step(model, optimizer, lr_scheduler, batches, loss_fn, use_loss_par
             loss.backward()
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+    return total, grad_norm
+
+
+def training_step(model, optimizer, lr_scheduler, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients, then the optimizer and LR-schedule step; returns (local mean loss, global grad norm)."""
+    loss, grad_norm = forward_backward(model, optimizer, batches, loss_fn, use_loss_parallel, max_norm, device)
     optimizer.step()
     lr_scheduler.step()
-    return total, grad_norm
+    return loss, grad_norm

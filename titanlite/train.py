@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -24,13 +25,14 @@ from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig, load_config
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.errors import ConfigError, UserError
+from titanlite.errors import ConfigError, TrainingDiverged, UserError
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.step import cross_entropy_loss, training_step
+from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
+from titanlite.step import cross_entropy_loss, forward_backward
 
 logger = logging.getLogger("titanlite")
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
@@ -137,6 +139,9 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self.step = 0
+        self.skipped_steps = 0
+        self.preemption = Preemption()
+        self.preempted = False
         self.checkpointer = CheckpointManager(
             cfg, model=model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             dims=self.dims, rank=self.rank, world_size=self.world_size, device=self.device,
@@ -165,6 +170,12 @@ class Trainer:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=self.cfg.comm.init_timeout_seconds))
 
+    def _set_train_timeout(self) -> None:
+        """After the first step (which includes compilation), a dead peer must surface within the train timeout."""
+        if dist.is_initialized():
+            timeout = timedelta(seconds=self.cfg.comm.train_timeout_seconds)
+            dist.distributed_c10d._set_pg_timeout(timeout, None)
+
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:
         random.seed(seed)
@@ -177,8 +188,34 @@ class Trainer:
     # --- the step ---------------------------------------------------------------------------------------
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return training_step(self.model, self.optimizer, self.lr_scheduler, batches, self.loss_fn,
-                             self.loss_parallel, self.cfg.training.max_norm, self.device)
+        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite."""
+        loss_fn = self.loss_fn
+        if nan_injection(self.step):
+            loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
+        loss, grad_norm = forward_backward(self.model, self.optimizer, batches, loss_fn, self.loss_parallel,
+                                           self.cfg.training.max_norm, self.device)
+        verdict = agree(self.preemption, loss, grad_norm, self.device)
+        self.preempted = verdict.preempted
+        if verdict.finite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        else:
+            self._on_nonfinite(loss, grad_norm)
+        return loss, grad_norm
+
+    def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Skip the update (up to `training.skip_nonfinite_steps` times), else stop with the facts."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        limit = self.cfg.training.skip_nonfinite_steps
+        what = f"step {self.step}: loss {loss.item():.4g}, grad norm {grad_norm.item():.4g}"
+        if self.skipped_steps > limit:
+            last = self.checkpointer.last_complete() or "none"
+            raise TrainingDiverged(
+                f"non-finite {what} (skipped {self.skipped_steps - 1} of at most {limit}); "
+                f"last good checkpoint: {last}"
+            )
+        logger.warning(f"non-finite {what}; update skipped ({self.skipped_steps} of at most {limit})")
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """Average a per-rank loss over the data-parallel mesh (tp ranks hold the same value)."""
@@ -205,11 +242,21 @@ class Trainer:
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         while self.step < cfg.steps:
             self.step += 1
+            inject_before_step(self.step, self.rank)
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(self.grad_accum)]
             window_data += time.perf_counter() - t0
             loss, grad_norm = self.train_step(batches)
             window_steps += 1
+            if self.step == 1:
+                self._set_train_timeout()
+            if self.preempted:
+                self.checkpointer.save(self.step, force=True)
+                self.checkpointer.close()
+                signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer"
+                logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
+                            f"{self.checkpointer.last_complete()}; exiting")
+                return
             self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
             if cfg.gc_freq and self.step % cfg.gc_freq == 0:
                 gc.collect(1)
@@ -238,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv, default_config=DEFAULT_CONFIG)
         trainer = Trainer(cfg)
         trainer.train()
+    except TrainingDiverged as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
         return 2
