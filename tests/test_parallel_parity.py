@@ -31,6 +31,9 @@ CASES_4 = [
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"}, {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
 ]
 
+# 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine (about a minute).
+CASES_8 = [{"rep": 2, "shard": 2, "tp": 2}, {"rep": 2, "shard": 2, "tp": 2, "ac": "full"}]
+
 
 def _run(cases, nproc, tmp_path):
     out = tmp_path / "parity.json"
@@ -57,6 +60,13 @@ def test_parity_2_ranks(tmp_path):
 def test_parity_4_ranks(tmp_path):
     records = _run(CASES_4, 4, tmp_path)
     assert len(records) == len(CASES_4)
+    _check(records)
+
+
+@pytest.mark.slow
+def test_parity_8_ranks_3d(tmp_path):
+    records = _run(CASES_8, 8, tmp_path)
+    assert len(records) == len(CASES_8)
     _check(records)
 
 
