@@ -1,0 +1,73 @@
+"""Bad configs and overrides: each stops in preflight with exit code 2 and one line naming the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, child_env
+from titanlite import preflight
+
+BASE = str(ROOT / "train_configs/debug_model.toml")
+
+# (file text or None for the debug config, overrides, world size, fragments the message must contain)
+CASES = [
+    (None, ["--trainingg.steps", "3"], 2, ["section 'trainingg'", "did you mean 'training'"]),
+    (None, ["--training.step", "3"], 2, ["training.step", "did you mean 'training.steps'"]),
+    (None, ["--training.steps", "three"], 2, ["training.steps", "expected int", "'three'"]),
+    (None, ["--training.steps", "-5"], 2, ["training.steps", "positive"]),
+    (None, ["--parallelism.data_parallel_shard_degree", "3"], 2, ["dp_shard=3", "world size 2"]),
+    (None, ["--parallelism.tensor_parallel_degree", "3"], 3, ["tensor_parallel_degree 3", "n_heads 16"]),
+    (None, ["--parallelism.tensor_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "1"], 16,
+     ["tensor_parallel_degree 16", "n_kv_heads 8"]),
+    (None, ["--training.seq_len", "4096"], 2, ["seq_len 4096", "max_seq_len 2048"]),
+    (None, ["--model.tokenizer_path", "/nonexistent/tokenizer.model"], 2, ["tokenizer_path", "/nonexistent"]),
+    (None, ["--training.dataset_path", "/nonexistent/*.jsonl"], 2, ["/nonexistent/*.jsonl"]),
+    (None, ["--job.dump_folder", "/etc/passwd/out"], 2, ["dump_folder", "/etc/passwd/out", "not writable"]),
+    ("[training]\nsteps = 3\n[model\n", [], 2, ["invalid TOML", "line 3"]),
+    (None, ["--model.flavor", "7B"], 2, ["model.flavor", "8B"]),
+    (None, ["--compile.bucketing", "everything"], 2, ["compile.bucketing", "transformer_block"]),
+    (None, ["--training.global_batch_size", "12"], 2, ["global_batch_size 12", "local_batch_size 8"]),
+    (None, ["--training.dataset_virtual_shards", "3"], 2, ["3"]),
+    (None, ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"], 2, ["fsdp2", "data_parallel_shard_degree"]),
+    (None, ["--metrics.enable_tensorboard", "perhaps"], 2, ["metrics.enable_tensorboard", "expected bool"]),
+    (None, ["--compile.components", "model,optimizer"], 2, ["compile.components", "optimizer"]),
+    (None, ["--optimizer.lr"], 2, ["--optimizer.lr", "needs a value"]),
+    (None, ["--checkpoint.keep_latest_k", "-1"], 2, ["keep_latest_k", "negative"]),
+    (None, ["--lr_scheduler.warmup_steps", "-2"], 2, ["warmup_steps", "negative"]),
+    (None, ["--parallelism.data_parallel_shard_degree", "0"], 2, ["data_parallel_shard_degree", "-1"]),
+    (None, ["--model.name", "gpt2"], 2, ["model.name", "llama3"]),
+    ("[training]\nseq_len = 64\nseq_len = 32\n", [], 2, ["invalid TOML"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,world,fragments", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_input_one_line_exit_2(tmp_path, monkeypatch, capsys, text, overrides, world, fragments):
+    config = BASE
+    if text is not None:
+        config = str(tmp_path / "bad.toml")
+        (tmp_path / "bad.toml").write_text(text)
+    args = ["--config", config, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
+    monkeypatch.setattr(sys, "argv", ["preflight", *args])
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert preflight.main() == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for frag in fragments:
+        assert frag in err, (frag, err)
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 20
+
+
+def test_launcher_reports_bad_input_without_traceback(tmp_path):
+    """Through run_train.sh: the preflight stops the launch before torchrun starts any rank."""
+    proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.stepz", "3"], env=child_env(NGPU="2"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "training.stepz" in proc.stderr and "Traceback" not in proc.stderr
+    assert "torch.distributed.run" not in proc.stderr
