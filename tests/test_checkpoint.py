@@ -1,0 +1,368 @@
+"""Checkpointing in one process: exact restore, atomic folders, damaged folders, model-only saves, seed
+checkpoints, initial loads, save errors, and the data loader's resharding rule at the loader level.
+
+The multi-process resume, kill and reshard runs are in test_checkpoint_resume.py; HF interop in
+test_checkpoint_hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from titanlite.checkpoint import folders, rank_state
+from titanlite.checkpoint.hf import export_hf
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.config import JobConfig
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import CheckpointError, ConfigError
+from titanlite.models.llama3 import ModelArgs, Transformer
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.step import cross_entropy_loss, training_step
+
+TOK = build_tokenizer(None)
+SEQ, LBS = 8, 2
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=TOK.n_words, multiple_of=16, max_seq_len=64)
+
+
+class Run:
+    """A tiny model + optimizer + schedule + data loader + CheckpointManager, as the Trainer wires them."""
+
+    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, world_size: int = 1, **ckpt):
+        cfg = JobConfig()
+        cfg.job.dump_folder = str(dump)
+        cfg.checkpoint.enable = True
+        cfg.checkpoint.interval = 1
+        for key, value in ckpt.items():
+            setattr(cfg.checkpoint, key, value)
+        self.cfg = cfg
+        self.model = Transformer(args, seq_len=SEQ)
+        self.model.init_weights(seed=seed)
+        self.opt = build_optimizer(self.model, cfg.optimizer)
+        self.sched = build_lr_scheduler(self.opt, cfg.lr_scheduler, 20)
+        self.loader = build_dataloader(
+            tokenizer=TOK, dataset_path="", text_field="text", seq_len=SEQ, local_batch_size=LBS,
+            global_batch_size=LBS, dp_rank=0, dp_degree=1,
+        )
+        self.ckpt = CheckpointManager(
+            cfg, model=self.model, optimizer=self.opt, lr_scheduler=self.sched, dataloader=self.loader,
+            dims=ParallelDims(1, -1, 1, world_size), rank=0, world_size=world_size, device=torch.device("cpu"),
+        )
+        self.data = None
+
+    def train(self, first: int, last: int) -> list[float]:
+        """Steps first..last (1-based), saving after each as the Trainer does; returns the losses."""
+        if self.data is None:
+            self.data = iter(self.loader)
+        losses = []
+        for step in range(first, last + 1):
+            loss, _ = training_step(self.model, self.opt, self.sched, [next(self.data)], cross_entropy_loss,
+                                    False, 1.0, torch.device("cpu"))
+            losses.append(loss.item())
+            self.ckpt.save(step, last_step=step == 20)
+        return losses
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def root(dump: Path) -> Path:
+    return dump / "checkpoint"
+
+
+def saved_run(dump: Path, steps: int = 2, **ckpt) -> Run:
+    run = Run(dump, **ckpt)
+    run.train(1, steps)
+    run.ckpt.close()
+    return run
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# --- exact restore and folder layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_resume_restores_everything_exactly(tmp_path, async_mode, caplog):
+    caplog.set_level(logging.INFO, logger="titanlite")
+    ref = Run(tmp_path / "ref", async_mode=async_mode)
+    ref_losses = ref.train(1, 6)
+    ref.ckpt.close()
+    run = Run(tmp_path / "run", async_mode=async_mode, interval=3)
+    run.train(1, 4)  # step-3 is the last save; step 4 is lost
+    run.ckpt.close()
+    resumed = Run(tmp_path / "run", seed=1, async_mode=async_mode, interval=3)  # other init: all must come from disk
+    assert resumed.ckpt.load() == 3
+    assert resumed.train(4, 6) == ref_losses[3:]
+    assert resumed.sched.get_last_lr() == ref.sched.get_last_lr()
+    for k, v in ref.params().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+    if async_mode == "async_with_pinned_mem":
+        assert "no pinned memory on CPU, using async" in caplog.text
+
+
+def test_folder_layout_and_marker(tmp_path):
+    run = saved_run(tmp_path, steps=2)
+    assert sorted(p.name for p in root(tmp_path).iterdir()) == ["step-1", "step-2"]
+    path = root(tmp_path) / "step-2"
+    marker = json.loads((path / folders.MARKER).read_text())
+    assert marker["step"] == 2 and marker["model_only"] is False and marker["world_size"] == 1
+    on_disk = {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+    del on_disk[folders.MARKER]
+    assert marker["files"] == on_disk
+    assert set(on_disk) == {".metadata", "__0_0.distcp", "rank_state/rank-00000.pt"}
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert "tok_embeddings.weight" in keys and "train_state.step" in keys
+    assert any(k.startswith("optimizer.state.layers.0.attention.wq.weight") for k in keys)
+    assert run.ckpt._pending is None
+
+
+def test_interval_and_keep_latest_k(tmp_path):
+    run = Run(tmp_path, interval=2, keep_latest_k=2)
+    run.train(1, 7)
+    run.ckpt.close()
+    assert folders.scan(root(tmp_path)) == ([4, 6], [])
+
+
+def test_disabled_saves_nothing_unless_forced(tmp_path):
+    run = Run(tmp_path, enable=False)
+    run.train(1, 2)
+    assert not root(tmp_path).exists()
+    run.ckpt.save(2, force=True)
+    run.ckpt.close()
+    assert folders.scan(root(tmp_path)) == ([2], [])
+
+
+def test_a_later_save_of_an_existing_step_replaces_it(tmp_path):
+    saved_run(tmp_path, steps=2)
+    again = Run(tmp_path, load_step=1, seed=3)
+    assert again.ckpt.load() == 1
+    again.train(2, 2)
+    again.ckpt.close()
+    assert folders.scan(root(tmp_path)) == ([1, 2], []) and folders.problem(root(tmp_path) / "step-2") is None
+
+
+# --- damaged and incomplete folders ----------------------------------------------------------------------
+
+
+def _leftover_partial(r: Path) -> str:
+    shutil.copytree(r / "step-2", r / "step-3.partial")
+    (r / "step-3.partial" / folders.MARKER).unlink()
+    return "step-3.partial"
+
+
+def _no_marker(r: Path) -> str:
+    shutil.copytree(r / "step-2", r / "step-3")
+    (r / "step-3" / folders.MARKER).unlink()
+    return "no completion marker"
+
+
+def _truncated(r: Path) -> str:
+    data = r / "step-2" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    return "truncated"
+
+
+def _no_metadata(r: Path) -> str:
+    (r / "step-2" / ".metadata").unlink()
+    return "missing file .metadata"
+
+
+def _garbled_metadata(r: Path) -> str:
+    meta = r / "step-2" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    return "unreadable DCP metadata"
+
+
+@pytest.mark.parametrize("damage, expected_step", [
+    (_leftover_partial, 2), (_no_marker, 2), (_truncated, 1), (_no_metadata, 1), (_garbled_metadata, 1),
+])
+def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage, expected_step):
+    saved = saved_run(tmp_path, steps=1)
+    step1 = saved.params()
+    saved.train(2, 2)
+    saved.ckpt.close()
+    problem = damage(root(tmp_path))
+    run = Run(tmp_path, seed=5)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert run.ckpt.load() == expected_step
+    messages = warnings_of(caplog)
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert problem in messages[0] and str(root(tmp_path)) in messages[0]
+    if expected_step == 1:
+        assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in step1.items())
+    assert not any(p.name.endswith(".partial") for p in root(tmp_path).iterdir())
+
+
+def test_nothing_usable_is_a_one_line_error(tmp_path):
+    saved_run(tmp_path, steps=1)
+    _no_metadata_1 = root(tmp_path) / "step-1" / ".metadata"
+    _no_metadata_1.unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step-1: missing file \.metadata") as e:
+        Run(tmp_path).ckpt.load()
+    assert "\n" not in str(e.value)
+
+
+def test_only_an_interrupted_save_starts_fresh(tmp_path, caplog):
+    saved_run(tmp_path, steps=1)
+    (root(tmp_path) / "step-1").rename(root(tmp_path) / "step-1.partial")
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert Run(tmp_path).ckpt.load() == 0
+    assert "interrupted save" in caplog.text
+
+
+def test_load_step(tmp_path):
+    saved_run(tmp_path, steps=3)
+    assert Run(tmp_path, load_step=2).ckpt.load() == 2
+    with pytest.raises(CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"):
+        Run(tmp_path, load_step=7).ckpt.load()
+    _truncated_2 = root(tmp_path) / "step-2" / "__0_0.distcp"
+    _truncated_2.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"step-2 is unusable: file __0_0.distcp has 1 bytes"):
+        Run(tmp_path, load_step=2).ckpt.load()
+
+
+def test_another_model_shape_is_refused_before_loading(tmp_path):
+    saved_run(tmp_path, steps=1)
+    other = ModelArgs(**{**ARGS.__dict__, "dim": 64})
+    run = Run(tmp_path, args=other, seed=9)
+    before = run.params()
+    with pytest.raises(CheckpointError, match=r"step-1: 'tok_embeddings.weight' has shape \(2056, 32\), this model \(2056, 64\)"):
+        run.ckpt.load()
+    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in before.items())
+    deeper = ModelArgs(**{**ARGS.__dict__, "n_layers": 3})
+    with pytest.raises(CheckpointError, match=r"step-1 has no entry 'layers.2.attention.wq.weight'"):
+        Run(tmp_path, args=deeper).ckpt.load()
+
+
+# --- model-only saves, seed checkpoints, initial loads ----------------------------------------------------
+
+
+def test_last_save_model_only_in_export_dtype(tmp_path, caplog):
+    run = Run(tmp_path, interval=10, last_save_model_only=True, export_dtype="bfloat16")
+    run.train(1, 20)
+    run.ckpt.close()
+    path = root(tmp_path) / "step-20"
+    marker = folders.read_marker(path)
+    assert marker["model_only"] and marker["dtype"] == "bfloat16"
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert set(meta) == set(run.model.state_dict())
+    assert all(m.properties.dtype == torch.bfloat16 for m in meta.values())
+    assert not (path / "rank_state").exists()
+    # Resuming skips the weights-only folder and takes the full one before it.
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert Run(tmp_path).ckpt.load() == 10
+    assert "step-20 is unusable: holds only the model weights" in caplog.text
+    # An explicit load_step takes its weights (cast back to fp32) and starts over.
+    fresh = Run(tmp_path, load_step=20, seed=4)
+    assert fresh.ckpt.load() == 0
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v.bfloat16().float()), k
+
+
+def test_seed_checkpoint_and_initial_load(tmp_path):
+    seed = Run(tmp_path / "seed", create_seed_checkpoint=True, enable=False)
+    seed.ckpt.save(0, force=True, model_only=True)
+    seed.ckpt.close()
+    path = root(tmp_path / "seed") / "step-0"
+    assert folders.read_marker(path)["model_only"]
+    # In the checkpoint folder, a seed checkpoint starts the run from its weights at step 0.
+    shutil.copytree(root(tmp_path / "seed"), root(tmp_path / "run"))
+    run = Run(tmp_path / "run", seed=7)
+    assert run.ckpt.load() == 0
+    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in seed.params().items())
+    # initial_load_path works with checkpointing disabled, and from a full checkpoint too.
+    for source in (path, root(tmp_path / "run") / "step-2"):
+        if source.name == "step-2":
+            run.train(1, 2)
+            run.ckpt.close()
+        other = Run(tmp_path / "other", seed=8, enable=False, initial_load_path=str(source))
+        assert other.ckpt.load() == 0
+        assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in
+                   (seed.params() if source == path else run.params()).items())
+
+
+def test_initial_load_in_hf(tmp_path):
+    src = Run(tmp_path / "src", seed=3)
+    export_hf(src.model, tmp_path / "hf", bos_id=TOK.bos_id, eos_id=TOK.eos_id)
+    run = Run(tmp_path / "run", enable=False, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True)
+    assert run.ckpt.load() == 0
+    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in src.params().items())
+
+
+def test_seed_checkpoint_needs_one_process(tmp_path):
+    with pytest.raises(ConfigError, match="create_seed_checkpoint must run in a single process"):
+        Run(tmp_path, create_seed_checkpoint=True, world_size=2)
+
+
+def test_bad_initial_load_path(tmp_path):
+    with pytest.raises(CheckpointError, match="initial_load_path .* is not a folder"):
+        Run(tmp_path, initial_load_path=str(tmp_path / "nope")).ckpt.load()
+    with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
+        Run(tmp_path, initial_load_path=str(tmp_path), initial_load_in_hf=True).ckpt.load()
+
+
+# --- save errors ------------------------------------------------------------------------------------------
+
+
+def test_save_error_warns_or_stops(tmp_path, caplog):
+    (tmp_path / "checkpoint").write_text("a file where the checkpoint folder should be")
+    run = Run(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        run.train(1, 1)
+    assert "checkpoint step 1 could not be saved" in caplog.text and "training continues" in caplog.text
+    stop = Run(tmp_path, stop_on_save_error=True)
+    with pytest.raises(CheckpointError, match="checkpoint step 1 could not be saved"):
+        stop.train(1, 1)
+
+
+# --- the data loader's resharding rule, at the loader level -----------------------------------------------
+
+
+def _loader(dp_rank: int, dp: int, gbs: int = 8, lbs: int = 2):
+    return build_dataloader(tokenizer=TOK, dataset_path="", text_field="text", seq_len=16, local_batch_size=lbs,
+                            global_batch_size=gbs, dp_rank=dp_rank, dp_degree=dp)
+
+
+def _step_samples(iters: list, accum: int) -> list[tuple[int, ...]]:
+    """The samples of one optimizer step over all dp ranks, each as its token window."""
+    out = []
+    for it in iters:
+        for _ in range(accum):
+            inputs, labels = next(it)
+            out += [tuple(r) + (l[-1],) for r, l in zip(inputs.tolist(), labels.tolist())]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("old_dp, old_tp, new_dp", [(2, 1, 4), (4, 1, 2), (2, 1, 1), (2, 2, 2), (1, 1, 4)])
+def test_loader_state_reshards_without_repeats_or_gaps(tmp_path, old_dp, old_tp, new_dp):
+    """Steps 1-3 on old_dp ranks, checkpoint through rank_state, steps 4-6 on new_dp: the global batches of
+    every step equal an uninterrupted single-rank run's (nothing repeated, nothing skipped)."""
+    gbs, lbs = 8, 2
+    reference = iter(_loader(0, 1))
+    expected = [_step_samples([reference], gbs // lbs) for _ in range(6)]
+    loaders = [_loader(d, old_dp) for d in range(old_dp)]
+    iters = [iter(x) for x in loaders]
+    got = [_step_samples(iters, gbs // (lbs * old_dp)) for _ in range(3)]
+    for rank in range(old_dp * old_tp):  # every tp rank of a dp rank saves the same loader state
+        state = rank_state.capture(loaders[rank // old_tp], rank=rank, dp_rank=rank // old_tp, dp_degree=old_dp,
+                                   device=torch.device("cpu"))
+        rank_state.write(tmp_path, rank, state)
+    new = [_loader(d, new_dp) for d in range(new_dp)]
+    for d, x in enumerate(new):
+        x.load_state_dict(rank_state.loader_state_for(d, new_dp, old_dp, old_tp, lambda r: rank_state.read(tmp_path, r)))
+    iters = [iter(x) for x in new]
+    got += [_step_samples(iters, gbs // (lbs * new_dp)) for _ in range(3)]
+    assert got == expected
+    flat = [s for step in got for s in step]
+    assert len(flat) == len(set(flat)) == 6 * gbs

@@ -1,0 +1,199 @@
+"""Checkpoint folders on disk: names, the completion marker, validation, choice and pruning.
+
+Layout under `<job.dump_folder>/<checkpoint.folder>/`:
+
+    step-<N>/                       a complete checkpoint
+        .metadata                   DCP metadata (written by DCP's coordinator after every rank's data)
+        __<r>_0.distcp              DCP tensor data, one file per rank
+        rank_state/rank-<r>.pt      per-rank state: data loader position, RNG states (see rank_state.py)
+        complete.json               the completion marker
+    step-<N>.partial/               a save in progress, or one a crash interrupted: never loaded
+
+Why this protocol: a crash (kill -9, node loss, full disk) can happen at any point of a save. Every
+file is written into `step-N.partial`. Only once DCP's `.metadata` exists, so that every rank's data is
+on disk, does rank 0 write `complete.json` (listing every file and its size, fsynced) and rename the
+folder to `step-N` with a single `os.rename`. A folder named `step-N` was therefore complete when it
+appeared; the sizes in its marker catch files truncated or deleted later. Older checkpoints are pruned
+only after the rename, so a complete checkpoint is on disk at every moment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+
+logger = logging.getLogger("titanlite")
+
+MARKER = "complete.json"
+FORMAT_VERSION = 1
+_COMPLETE = re.compile(r"^step-(\d+)$")
+_PARTIAL = re.compile(r"^step-(\d+)\.partial$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}.partial"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare(root: Path, step: int) -> Path:
+    """An empty `step-N.partial` (a leftover from an interrupted save of the same step is removed)."""
+    path = partial_dir(root, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def complete(root: Path, step: int, info: dict) -> Path:
+    """Write the marker into `step-N.partial` and publish it as `step-N`; returns the final path.
+
+    An existing `step-N` (a run that resumed from an older step and reached N again) is moved aside
+    first and deleted only after the new folder is in place.
+    """
+    partial, final = partial_dir(root, step), step_dir(root, step)
+    files = {
+        str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()
+    }
+    marker = {"format": FORMAT_VERSION, "step": step, **info, "files": files}
+    tmp = partial / (MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, partial / MARKER)
+    _fsync_dir(partial)
+    replaced = root / f"step-{step}.replaced"
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.rename(final, replaced)
+    os.rename(partial, final)
+    _fsync_dir(root)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    return final
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be loaded, or None if it is complete and intact."""
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        return f"no completion marker {MARKER}"
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable completion marker {MARKER} ({e})"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"file {rel} has {actual} bytes, the marker says {size} (truncated or overwritten)"
+    try:
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # any failure to read DCP's metadata makes the folder unusable
+        return f"unreadable DCP metadata .metadata ({type(e).__name__}: {e})"
+    return None
+
+
+def read_marker(path: Path) -> dict:
+    return json.loads((path / MARKER).read_text())
+
+
+def scan(root: Path) -> tuple[list[int], list[int]]:
+    """(steps of `step-N` folders, steps of `step-N.partial` folders), each ascending."""
+    if not root.is_dir():
+        return [], []
+    done, partial = [], []
+    for entry in root.iterdir():
+        if not entry.is_dir():
+            continue
+        if m := _COMPLETE.match(entry.name):
+            done.append(int(m.group(1)))
+        elif m := _PARTIAL.match(entry.name):
+            partial.append(int(m.group(1)))
+    return sorted(done), sorted(partial)
+
+
+@dataclass
+class Choice:
+    """The checkpoint a run resumes from (rank 0 decides; every rank receives the same Choice)."""
+
+    path: str | None = None
+    marker: dict | None = None
+    error: str | None = None
+
+
+def choose(root: Path, load_step: int) -> Choice:
+    """Pick the folder to resume from: `load_step`, or the newest usable one (-1).
+
+    Interrupted saves (`.partial`) are reported and removed. A damaged `step-N` is reported in one line
+    and the previous one is tried. A model-only checkpoint past step 0 (`last_save_model_only`) holds no
+    optimizer or data state, so it is skipped when looking for the newest one to resume from. Damaged
+    or non-resumable folders only, with nothing usable behind them, is an error: silently starting
+    over would overwrite them.
+    """
+    done, partial = scan(root)
+    for step in partial:
+        path = partial_dir(root, step)
+        logger.warning(f"checkpoint {path} is incomplete (no completion marker: an interrupted save); removing it")
+        shutil.rmtree(path, ignore_errors=True)
+    if load_step >= 0:
+        path = step_dir(root, load_step)
+        if load_step not in done:
+            have = ", ".join(f"step-{s}" for s in done) or "none"
+            return Choice(error=f"checkpoint.load_step {load_step}: {path} does not exist (complete checkpoints: {have})")
+        if why := problem(path):
+            return Choice(error=f"checkpoint {path} is unusable: {why}")
+        return Choice(str(path), read_marker(path))
+    rejected = []
+    for step in reversed(done):
+        path = step_dir(root, step)
+        why = problem(path)
+        if why is None:
+            marker = read_marker(path)
+            if not (marker.get("model_only") and step > 0):
+                return Choice(str(path), marker)
+            why = "holds only the model weights (last_save_model_only), not the training state"
+        logger.warning(f"checkpoint {path} is unusable: {why}; trying the previous one")
+        rejected.append(f"{path.name}: {why}")
+    if rejected:
+        return Choice(error=f"no usable checkpoint in {root} ({'; '.join(rejected)})")
+    return Choice()
+
+
+def newest_intact(root: Path) -> Path | None:
+    """The newest complete, undamaged checkpoint folder (model-only ones included), if any."""
+    for step in reversed(scan(root)[0]):
+        if problem(step_dir(root, step)) is None:
+            return step_dir(root, step)
+    return None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints; returns the deleted folders."""
+    done, _ = scan(root)
+    removed = [step_dir(root, s) for s in done[:-keep]] if keep > 0 else []
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

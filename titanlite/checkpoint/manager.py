@@ -1,0 +1,347 @@
+"""CheckpointManager: DCP save/load of the whole training state, atomic folders, async saves, resharding.
+
+What a checkpoint holds (one DCP state dict, so every tensor reshards to any layout on load):
+
+    <model FQN>...        the model's parameters, at the top level (as TorchTitan stores them, so a
+                          model-only load reads a seed checkpoint and a full one alike)
+    optimizer             AdamW state, flattened by FQN (`get_state_dict`), so it reshards with the model
+    lr_scheduler          the scheduler's state_dict
+    train_state           {"step": N}
+
+plus per-rank files for the data loader and RNG states (`rank_state.py`, with the resharding rule),
+inside a folder that appears only when complete (`folders.py`, with the atomicity protocol).
+
+Async saves (`async_mode = async`) stage a CPU copy of the state (so training may change the
+parameters at once) and write it from a background thread over a gloo process group of their own: a
+second thread must not issue collectives on the training process group. The save is finalised (marker,
+rename, pruning) by rank 0 when it polls a finished save, at the next `save()` call or in `close()`.
+`async_with_pinned_mem` stages into reused pinned host memory on CUDA; on CPU it is plain `async`.
+
+Test hook: `TITANLITE_TEST_KILL_AT=N` makes every rank SIGKILL itself after `save(N)` returns (a crash
+between saves); `TITANLITE_TEST_KILL_AT=N:mid_save` makes rank 0 SIGKILL itself while finalising the
+save of step N, after all data is written and before the completion marker (a crash inside a save).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from titanlite.checkpoint import folders, rank_state
+from titanlite.checkpoint.hf import import_hf
+from titanlite.config import JobConfig
+from titanlite.errors import CheckpointError, ConfigError
+from titanlite.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger("titanlite")
+
+TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A single process has no process group; DCP then saves/loads alone, as intended, but warns each time
+# (also from the async writer thread, where a local catch_warnings would not apply).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _test_kill(step: int, point: str) -> None:
+    """SIGKILL this process at a named point if the test hook asks for it (module docstring)."""
+    spec = os.environ.get(TEST_KILL_ENV)
+    if not spec:
+        return
+    at, _, where = spec.partition(":")
+    if int(at) == step and (where or "after_save") == point:
+        logger.warning(f"{TEST_KILL_ENV}={spec}: killing this process ({point} of step {step})")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_compatible(path: str, state: dict) -> None:
+    """Every tensor of `state` exists in checkpoint `path` with the same global shape, before anything loads.
+
+    DCP would otherwise fail half-way (or load a prefix of the keys); a model of another shape must be
+    reported as such, naming the folder and the first mismatching key.
+    """
+    try:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    flat, _ = flatten_state_dict(state)
+    for key, value in flat.items():
+        stored = metadata.get(key)
+        if stored is None:
+            raise CheckpointError(f"checkpoint {path} has no entry {key!r} (another model or optimizer?)")
+        if isinstance(value, torch.Tensor):
+            if not isinstance(stored, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+            if tuple(stored.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"checkpoint {path}: {key!r} has shape {tuple(stored.size)}, this model {tuple(value.shape)} "
+                    "(another model flavor?)"
+                )
+
+
+def load_model_weights(model: torch.nn.Module, path: str) -> None:
+    """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
+    state = get_model_state_dict(model)
+    check_compatible(path, state)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+
+
+@dataclass
+class _Pending:
+    """An async save in flight."""
+
+    step: int
+    path: Path
+    info: dict
+    future: Future
+    started: float
+
+
+class CheckpointManager:
+    """Saves and restores model, optimizer, LR schedule, step, data loader and RNG (module docstring)."""
+
+    def __init__(self, cfg: JobConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
+                 dataloader, dims: ParallelDims, rank: int, world_size: int, device: torch.device):
+        self.cfg, self.job = cfg.checkpoint, cfg
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.dims, self.rank, self.world_size, self.device = dims, rank, world_size, device
+        self.root = Path(cfg.job.dump_folder) / self.cfg.folder
+        self.dp_rank, self.dp_degree = rank // dims.tp, dims.dp
+        if self.cfg.create_seed_checkpoint and world_size != 1:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}): "
+                "the seed checkpoint is written unsharded and loads into any layout"
+            )
+        self._pending: _Pending | None = None
+        self._last_saved = -1
+        self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
+        self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
+        self._stager: DefaultStager | None = None
+        if self.cfg.enable and self.cfg.async_mode == "async_with_pinned_mem":
+            if device.type == "cuda":
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                    use_non_blocking_copy=False,
+                ))
+            elif rank == 0:
+                logger.info("checkpoint.async_mode async_with_pinned_mem: no pinned memory on CPU, using async")
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    def _model_state(self, dtype: torch.dtype | None = None) -> dict:
+        model_sd = get_model_state_dict(self.model)
+        if dtype is not None:
+            model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
+        return model_sd
+
+    def _full_state(self, step: int) -> tuple[dict, dict, dict]:
+        """(the DCP state dict, its model part, its optimizer part): DCP loads into the latter two in place."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        state = {**model_sd, "optimizer": optim_sd, "lr_scheduler": self.lr_scheduler.state_dict(),
+                 "train_state": {"step": step}}
+        return state, model_sd, optim_sd
+
+    def _layout(self) -> dict:
+        p = self.job.parallelism
+        return {"world_size": self.world_size, "dp_degree": self.dp_degree, "tp_degree": self.dims.tp,
+                "dp_impl": p.dp_impl, "flavor": self.job.model.flavor}
+
+    # --- collectives on the training process group (main thread only) -------------------------------
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not dist.is_initialized():
+            return ok
+        flag = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _broadcast(self, obj):
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- save -------------------------------------------------------------------------------------------
+
+    def save(self, step: int, *, force: bool = False, last_step: bool = False, model_only: bool = False) -> None:
+        """Save after `step` if due (enabled and on the interval or the last step) or if `force`."""
+        self._poll()
+        due = self.cfg.enable and (last_step or step % self.cfg.interval == 0)
+        if (force or due) and step != self._last_saved:
+            dtype = None
+            if last_step and self.cfg.last_save_model_only:
+                model_only, dtype = True, DTYPES[self.cfg.export_dtype]
+            self._wait_pending()
+            self._save(step, model_only, dtype)
+        _test_kill(step, "after_save")
+
+    def _save(self, step: int, model_only: bool, dtype: torch.dtype | None) -> None:
+        start = time.perf_counter()
+        error: Exception | None = None
+        path = folders.partial_dir(self.root, step)
+        if self.rank == 0:
+            try:
+                folders.prepare(self.root, step)
+            except OSError as e:
+                error = e
+        if self._all_ok(error is None):  # the folder exists before any rank writes into it
+            state = self._model_state(dtype) if model_only else self._full_state(step)[0]
+            if not model_only:
+                try:
+                    rank_state.write(path, self.rank, rank_state.capture(
+                        self.dataloader, rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
+                        device=self.device,
+                    ))
+                except OSError as e:
+                    error = e
+        if not self._all_ok(error is None):
+            self._failed(step, path, error or RuntimeError("another rank could not write its part"))
+            return
+        info = {"model_only": model_only, "dtype": self.cfg.export_dtype if dtype is not None else "float32",
+                **self._layout()}
+        self._last_saved = step
+        if self._async:
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_pg,
+                                    async_stager=self._stager)
+            self._pending = _Pending(step, path, info, future, start)
+            if self.rank == 0:
+                logger.info(f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing in background")
+            return
+        try:
+            dcp.save(state, checkpoint_id=str(path))
+        except Exception as e:  # DCP reports a failure on any rank to every rank
+            self._failed(step, path, e)
+            return
+        self._finalize(step, path, info, start)
+
+    def _finalize(self, step: int, path: Path, info: dict, start: float) -> None:
+        """Rank 0 publishes the written folder (marker + rename), then prunes old checkpoints."""
+        if self.rank != 0:
+            return
+        _test_kill(step, "mid_save")
+        try:
+            final = folders.complete(self.root, step, info)
+            removed = folders.prune(self.root, self.cfg.keep_latest_k)
+        except OSError as e:
+            self._failed(step, path, e)
+            return
+        what = "model weights" if info["model_only"] else "training state"
+        logger.info(f"checkpoint step {step}: {what} saved to {final} in {time.perf_counter() - start:.2f}s"
+                    + (f"; removed {', '.join(p.name for p in removed)}" if removed else ""))
+
+    def _failed(self, step: int, path: Path, error: BaseException) -> None:
+        message = f"checkpoint step {step} could not be saved to {path}: {type(error).__name__}: {error}"
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if self.cfg.stop_on_save_error:
+            raise CheckpointError(message)
+        logger.warning(message + "; training continues (checkpoint.stop_on_save_error = false)")
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending.future.done():
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except Exception as e:
+            self._failed(pending.step, pending.path, e)
+            return
+        self._finalize(pending.step, pending.path, pending.info, pending.started)
+
+    def close(self) -> None:
+        """Wait for an async save in flight and finalise it."""
+        self._wait_pending()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # --- load -------------------------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Restore the newest usable checkpoint (or `load_step`, or `initial_load_path`); the step to resume from."""
+        choice = folders.Choice()
+        if self.cfg.enable:
+            choice = self._broadcast(folders.choose(self.root, self.cfg.load_step) if self.rank == 0 else None)
+        if choice.error:
+            raise CheckpointError(choice.error)
+        if choice.path is not None:
+            if choice.marker.get("model_only"):
+                self._log(f"checkpoint: loading model weights from {choice.path} (model-only); starting at step 0")
+                load_model_weights(self.model, choice.path)
+                return 0
+            return self._load_full(choice.path, choice.marker)
+        if self.cfg.initial_load_path:
+            self._load_initial(self.cfg.initial_load_path)
+        return 0
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            logger.info(message)
+
+    def _load_initial(self, path: str) -> None:
+        if self.cfg.initial_load_in_hf:
+            self._log(f"checkpoint: loading Hugging Face weights from {path}")
+            import_hf(self.model, path)
+            return
+        if not Path(path).is_dir():
+            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
+        if (Path(path) / folders.MARKER).exists() and (why := folders.problem(Path(path))):
+            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+        self._log(f"checkpoint: loading initial model weights from {path}")
+        load_model_weights(self.model, path)
+
+    def _load_full(self, path: str, marker: dict) -> int:
+        start = time.perf_counter()
+        state, model_sd, optim_sd = self._full_state(0)
+        check_compatible(path, state)
+        old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
+        cache: dict[int, dict] = {}
+
+        def read_rank(r: int) -> dict:
+            if r not in cache:
+                cache[r] = rank_state.read(Path(path), r)
+            return cache[r]
+
+        if self.dataloader is not None:
+            loader_state = rank_state.loader_state_for(self.dp_rank, self.dp_degree, old_dp, old_tp, read_rank)
+            if loader_state is None:
+                raise CheckpointError(f"checkpoint {path} holds no data loader state")
+            self.dataloader.load_state_dict(loader_state)
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=_OPTIONS)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
+        step = int(state["train_state"]["step"])
+        resharded = (old_world, old_dp, old_tp) != (self.world_size, self.dp_degree, self.dims.tp)
+        self._log(f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s"
+                  + (f" (resharded from world {old_world}, dp {old_dp}, tp {old_tp})" if resharded else ""))
+        return step

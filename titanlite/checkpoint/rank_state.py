@@ -1,0 +1,102 @@
+"""Per-rank state saved next to the DCP tensors: the data loader position and the RNG states.
+
+DCP reshards tensors, but this state is per rank and not a tensor: each rank writes
+`rank_state/rank-<r>.pt` into the step folder before the folder is completed (the completion marker
+lists these files too), and a resuming rank picks what it needs from the old ranks' files.
+
+Resharding rule for the data loader (ranks are laid out (dp_replicate, dp_shard, tp), so the old rank
+`d * tp_old` is the first tensor-parallel rank of old dp rank `d`; all tp ranks of a dp rank read the
+same data and hold the same state):
+
+- same dp degree (any tp degree): new dp rank d loads the state of old dp rank d, unchanged;
+- different dp degree: the states of all old dp ranks are merged with `merge_loader_states` into one
+  state holding the cursor of every virtual shard, and every new rank loads it, keeping the shards it
+  owns (`v % dp == d`). Saves happen between optimizer steps, where every old rank has produced
+  exactly its share of each finished global batch, so every shard's cursor is exact: the new ranks
+  continue each shard stream where it stopped, nothing is repeated or skipped, and the global batches
+  are the ones an uninterrupted run would have seen (see `titanlite/data/dataset.py`).
+
+RNG states (torch CPU, CUDA when on CUDA, python `random`): new rank r restores old rank r's states,
+or old rank `r % old_world_size` when the world grew.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from titanlite.data.loader import merge_loader_states
+from titanlite.errors import CheckpointError
+
+SUBDIR = "rank_state"
+
+
+def path_of(folder: Path, rank: int) -> Path:
+    return folder / SUBDIR / f"rank-{rank:05d}.pt"
+
+
+def capture(dataloader, *, rank: int, dp_rank: int, dp_degree: int, device: torch.device) -> dict:
+    """This rank's state right now (between steps)."""
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return {
+        "rank": rank, "dp_rank": dp_rank, "dp_degree": dp_degree, "rng": rng,
+        "dataloader": dataloader.state_dict() if dataloader is not None else None,
+    }
+
+
+def write(folder: Path, rank: int, state: dict) -> None:
+    path = path_of(folder, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read(folder: Path, rank: int) -> dict:
+    path = path_of(folder, rank)
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"checkpoint {folder}: cannot read {path.name} ({e})") from None
+
+
+def loader_state_for(dp_rank: int, dp_degree: int, old_dp: int, old_tp: int,
+                     read_rank: Callable[[int], dict]) -> dict | None:
+    """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring).
+
+    `read_rank(r)` returns old rank r's saved state; only the files needed are read.
+    """
+    if old_dp == dp_degree:
+        state = read_rank(dp_rank * old_tp)
+        _check_dp_rank(state, dp_rank)
+        return state["dataloader"]
+    states = []
+    for d in range(old_dp):
+        state = read_rank(d * old_tp)
+        _check_dp_rank(state, d)
+        states.append(state["dataloader"])
+    if any(s is None for s in states):
+        return None
+    return merge_loader_states(states)
+
+
+def _check_dp_rank(state: dict, dp_rank: int) -> None:
+    if state["dp_rank"] != dp_rank:
+        raise CheckpointError(
+            f"rank state of rank {state['rank']} belongs to dp rank {state['dp_rank']}, expected {dp_rank}"
+        )
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    rng = state["rng"]
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
