@@ -31,6 +31,7 @@ from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
 
@@ -240,34 +241,36 @@ class Trainer:
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         tokens_per_step = cfg.local_batch_size * cfg.seq_len * self.grad_accum
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
-        while self.step < cfg.steps:
-            self.step += 1
-            inject_before_step(self.step, self.rank)
-            t0 = time.perf_counter()
-            batches = [next(data_iter) for _ in range(self.grad_accum)]
-            window_data += time.perf_counter() - t0
-            loss, grad_norm = self.train_step(batches)
-            window_steps += 1
-            if self.step == 1:
-                self._set_train_timeout()
-            if self.preempted:
-                self.checkpointer.save(self.step, force=True)
-                self.checkpointer.close()
-                signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer"
-                logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
-                            f"{self.checkpointer.last_complete()}; exiting")
-                return
-            self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
-            if cfg.gc_freq and self.step % cfg.gc_freq == 0:
-                gc.collect(1)
-            if self.step % self.cfg.metrics.log_freq == 0 or self.step == cfg.steps or self.step == 1:
-                elapsed = time.perf_counter() - window_start
-                self.metrics.log(StepStats(
-                    step=self.step, loss=self._global_mean(loss), grad_norm=grad_norm.item(),
-                    lr=self.lr_scheduler.get_last_lr()[0], tokens=tokens_per_step * window_steps,
-                    elapsed=elapsed, data_time=window_data,
-                ), window_steps)
-                window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+        with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
+            while self.step < cfg.steps:
+                self.step += 1
+                inject_before_step(self.step, self.rank)
+                t0 = time.perf_counter()
+                batches = [next(data_iter) for _ in range(self.grad_accum)]
+                window_data += time.perf_counter() - t0
+                loss, grad_norm = self.train_step(batches)
+                profiler.step()
+                window_steps += 1
+                if self.step == 1:
+                    self._set_train_timeout()
+                if self.preempted:
+                    self.checkpointer.save(self.step, force=True)
+                    self.checkpointer.close()
+                    signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer"
+                    logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
+                                f"{self.checkpointer.last_complete()}; exiting")
+                    return
+                self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
+                if cfg.gc_freq and self.step % cfg.gc_freq == 0:
+                    gc.collect(1)
+                if self.step % self.cfg.metrics.log_freq == 0 or self.step == cfg.steps or self.step == 1:
+                    elapsed = time.perf_counter() - window_start
+                    self.metrics.log(StepStats(
+                        step=self.step, loss=self._global_mean(loss), grad_norm=grad_norm.item(),
+                        lr=self.lr_scheduler.get_last_lr()[0], tokens=tokens_per_step * window_steps,
+                        elapsed=elapsed, data_time=window_data,
+                    ), window_steps)
+                    window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         gc.enable()
         logger.info("training finished")
 

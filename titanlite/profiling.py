@@ -1,0 +1,112 @@
+"""Step-scheduled profiling: Chrome traces and memory records of one step every `profile_freq` steps.
+
+The trainer enters `Profiler(...)` around its step loop and calls `step()` after every optimizer step.
+With `profiling.enable_profiling`, torch.profiler records steps `profile_freq`, `2 x profile_freq`, ...
+(one step each, after one warm-up step so start-up costs stay out of the trace; on resume the schedule
+follows the global step) and writes
+
+    <dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json
+
+(open in Perfetto or chrome://tracing). Only whole recorded steps are written: a cycle cut short by the
+end of training is dropped.
+
+`profiling.enable_memory_snapshot` records allocations:
+
+- CUDA: the caching allocator's history (`torch.cuda.memory._record_memory_history`), dumped as
+  `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle` at the
+  same steps and, on an out-of-memory error, into `.../oom/`. View at https://pytorch.org/memory_viz.
+- CPU has no allocator history. The equivalent is the profiler's memory timeline: the recorded steps
+  are profiled with `profile_memory=True` (plus shapes and stacks, which the timeline needs) and
+  `export_memory_timeline` writes `rank<r>_memory_timeline.json` next to the snapshots: [timestamps,
+  bytes per category (parameter, optimizer state, input, temporary, activation, gradient, ...)].
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from types import TracebackType
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+from titanlite.config import Profiling
+
+logger = logging.getLogger("titanlite")
+MAX_MEMORY_EVENTS = 100_000
+
+
+class Profiler:
+    """Context manager around the step loop; `step()` once per optimizer step. A no-op when disabled."""
+
+    def __init__(self, cfg: Profiling, dump_folder: str, rank: int, device: torch.device, start_step: int = 0):
+        self.cfg, self.rank, self.device, self.start_step = cfg, rank, device, start_step
+        self.trace_dir = os.path.join(dump_folder, cfg.save_traces_folder)
+        self.memory_dir = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
+        self.cuda_history = cfg.enable_memory_snapshot and device.type == "cuda"
+        self.cpu_timeline = cfg.enable_memory_snapshot and device.type != "cuda"
+        self._prof: profile | None = None
+        self._steps = 0
+        self._closing = False
+        self.written: list[str] = []
+
+    def _action(self, index: int) -> ProfilerAction:
+        """Profiler schedule: record global steps that are multiples of profile_freq, warm up the step before."""
+        step, freq = self.start_step + index + 1, self.cfg.profile_freq
+        if step % freq == 0:
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.WARMUP if (step + 1) % freq == 0 else ProfilerAction.NONE
+
+    def __enter__(self) -> "Profiler":
+        if self.cfg.enable_profiling or self.cpu_timeline:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._prof = profile(
+                activities=activities, schedule=self._action, on_trace_ready=self._on_trace_ready,
+                profile_memory=self.cpu_timeline, record_shapes=self.cpu_timeline, with_stack=self.cpu_timeline,
+            )
+            self._prof.__enter__()
+        if self.cuda_history:
+            torch.cuda.memory._record_memory_history(max_entries=MAX_MEMORY_EVENTS)
+        return self
+
+    def step(self) -> None:
+        """Call after each optimizer step."""
+        self._steps += 1
+        if self._prof is not None:
+            self._prof.step()
+        step = self.start_step + self._steps
+        if self.cuda_history and step % self.cfg.profile_freq == 0:
+            self._dump_cuda_snapshot(f"iteration_{step}")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._closing = True
+        if self._prof is not None:
+            self._prof.__exit__(exc_type, exc, tb)
+        if self.cuda_history:
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._dump_cuda_snapshot("oom")
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _path(self, root: str, folder: str, name: str) -> str:
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        path = os.path.join(root, folder, f"rank{self.rank}_{name}")
+        self.written.append(path)
+        return path
+
+    def _on_trace_ready(self, prof: profile) -> None:
+        step = self.start_step + prof.step_num
+        if self._closing or step % self.cfg.profile_freq:
+            return  # the profiler flushes an unfinished cycle on exit: not a whole step
+        folder = f"iteration_{step}"
+        if self.cfg.enable_profiling:
+            prof.export_chrome_trace(self._path(self.trace_dir, folder, "trace.json"))
+        if self.cpu_timeline:
+            with warnings.catch_warnings():  # deprecated in favour of the CUDA-only history: no CPU successor
+                warnings.simplefilter("ignore", FutureWarning)
+                prof.export_memory_timeline(self._path(self.memory_dir, folder, "memory_timeline.json"), device="cpu")
+        logger.info(f"profile of step {step} written to {self.trace_dir if self.cfg.enable_profiling else self.memory_dir}")
+
+    def _dump_cuda_snapshot(self, folder: str) -> None:
+        torch.cuda.memory._dump_snapshot(self._path(self.memory_dir, folder, "memory_snapshot.pickle"))
