@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Launch titanlite training through torchrun.
 #
-#   ./run_train.sh [--config FILE] [--section.key value ...]
+#   ./run_train.sh [--config FILE] [--dry-run] [--section.key value ...]
+#
+# --dry-run (or comm.mode = "fake_backend"): no torchrun; one CPU process plans the memory per GPU of a
+# world of NGPU x NNODES ranks (titanlite/tools/dry_run.py). When NGPU is unset and no GPU is visible,
+# the config's comm.fake_world_size is planned for (the 70B/405B configs name their intended size).
 #
 # Environment:
 #   NGPU         processes per node (default: number of visible CUDA GPUs, else 2 CPU processes)
@@ -10,28 +14,46 @@
 #   RDZV_ID      job id shared by all nodes (default titanlite)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
 #   MAX_RESTARTS torchrun restarts after a failure (default: comm.max_restarts from the config, else 0)
+#   DRY_LAUNCH   1 = after the preflight, print the torchrun command line instead of running it
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 
 CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
 ARGS=()
+DRY_RUN=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG="$2"; shift 2 ;;
     --config=*) CONFIG="${1#--config=}"; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
 
+GIVEN_NGPU=${NGPU:-}
 if [ -z "${NGPU:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     NGPU=$(nvidia-smi -L | wc -l)
+    GIVEN_NGPU=$NGPU
   else
     NGPU=2
   fi
 fi
 NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
+
+if [ "$DRY_RUN" = 0 ]; then
+  MODE=$("$PYTHON" -c 'import sys; from titanlite.config import load_config; print(load_config(sys.argv[1:]).comm.mode)' \
+           --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" 2>/dev/null || true)
+  [ "$MODE" = fake_backend ] && DRY_RUN=1
+fi
+if [ "$DRY_RUN" = 1 ]; then
+  # NGPU x NNODES when NGPU is known; else the config's comm.fake_world_size, else WORLD_SIZE.
+  FAKE_WORLD=()
+  [ -n "$GIVEN_NGPU" ] && FAKE_WORLD=(--comm.fake_world_size $((NGPU * NNODES)))
+  WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.tools.dry_run --config "$CONFIG" \
+    "${FAKE_WORLD[@]+"${FAKE_WORLD[@]}"}" "${ARGS[@]+"${ARGS[@]}"}"
+fi
 
 # Validate the config, mesh and paths in one process first: bad input is one line and exit code 2,
 # before any rank starts.
@@ -48,6 +70,11 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"
+LAUNCH=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS"
+        --local-ranks-filter "$LOG_RANK" --role rank --tee 3
+        -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
+if [ "${DRY_LAUNCH:-0}" = 1 ]; then
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${LAUNCH[@]}")"
+  exit 0
+fi
+exec "${LAUNCH[@]}"

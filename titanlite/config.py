@@ -168,6 +168,11 @@ class Comm:
     mode: str = "default"
     """`default` or `fake_backend` (dry run on a fake process group)."""
     fake_world_size: int = 0
+    """Dry run: the world size to plan for; 0 = NGPU x NNODES as run_train.sh computes it (WORLD_SIZE)."""
+    fake_rank: int = 0
+    """Dry run: the rank whose shards are reported (rank 0 holds the larger part of uneven shards)."""
+    fake_gpu_memory_gib: float = 80.0
+    """Dry run: memory of one GPU in GiB (80: H100/A100 80GB; H200 141, B200 180, MI300X 192)."""
 
 
 @dataclass

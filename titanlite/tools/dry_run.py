@@ -1,0 +1,204 @@
+"""Dry run: will this config fit on its GPUs? Answered by one CPU process, without GPUs or weights.
+
+    python -m titanlite.tools.dry_run --config FILE [--section.key value ...]
+    ./run_train.sh --config FILE --dry-run          # or comm.mode = "fake_backend" in the config
+
+The process joins torch's fake process group as rank `comm.fake_rank` of a world of
+`comm.fake_world_size` ranks (0 = WORLD_SIZE, which run_train.sh sets to NGPU x NNODES), builds the
+model on the meta device, runs the real `parallelize_llama` plan on it (TP, AC, compile wrapping, which
+compiles nothing until a forward runs, SimpleFSDP or FSDP2), and reports per GPU what
+`titanlite.memory_plan` estimates from the sharded parameters: model state, collective buffers,
+activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. Nothing of model
+size is ever allocated: 405B on 512 ranks plans in seconds.
+
+The config is checked exactly as a launch checks it (RunPlan: flavor, mesh degrees, batch). Only the
+tokenizer file may be absent: planning needs just its vocabulary size, so the flavor's published
+vocabulary is assumed and the report says so.
+
+Exit codes: 0 = fits, 1 = does not fit in the GPU's memory (one line with the numbers), 2 = bad config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titanlite.config import JobConfig, load_config
+from titanlite.errors import ConfigError, UserError
+from titanlite.memory_plan import GiB, Layout, MemoryEstimate, estimate
+from titanlite.models.llama3 import Transformer, llama3_configs
+from titanlite.models.llama3.parallelize import parallelize_llama
+from titanlite.train import DEFAULT_CONFIG, RunPlan
+
+# Above this share of the GPU the CUDA context, NCCL buffers and allocator fragmentation may not fit.
+TIGHT_FRACTION = 0.9
+
+
+@dataclass
+class DryRun:
+    cfg: JobConfig
+    plan: RunPlan
+    world_size: int
+    rank: int
+    model: nn.Module
+    """The parallelized model on the meta device (its process group is gone: read shapes only)."""
+    layout: Layout
+    memory: MemoryEstimate
+    notes: list[str]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.cfg.comm.fake_gpu_memory_gib * GiB)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+
+def world_size_of(cfg: JobConfig) -> int:
+    return cfg.comm.fake_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]:
+    """RunPlan.build, except that a missing tokenizer file only costs the exact vocabulary size."""
+    path = cfg.model.tokenizer_path
+    if not path or Path(path).is_file():
+        return RunPlan.build(cfg, world_size), []
+    bundled = copy.deepcopy(cfg)
+    bundled.model.tokenizer_path = ""
+    plan = RunPlan.build(bundled, world_size)
+    vocab = llama3_configs[cfg.model.flavor].vocab_size
+    plan.model_args = dataclasses.replace(plan.model_args, vocab_size=vocab)
+    return plan, [f"tokenizer {path} not found: planned with the {cfg.model.flavor} flavor's vocabulary of {vocab:,}"]
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """Be rank `rank` of `world_size` on torch's fake process group (collectives do nothing)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_meta_model(cfg: JobConfig, plan: RunPlan, world_size: int) -> nn.Module:
+    """The trainer's model construction on the meta device (a process group must exist if world_size > 1)."""
+    with torch.device("meta"):
+        model = Transformer(plan.model_args, seq_len=cfg.training.seq_len)
+    if world_size > 1:
+        plan.dims.build_mesh("cpu")
+        model = parallelize_llama(model, plan.dims, cfg)
+    return model
+
+
+def dry_run(cfg: JobConfig) -> DryRun:
+    world_size, rank = world_size_of(cfg), cfg.comm.fake_rank
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"comm.fake_rank {rank} is not a rank of a world of {world_size}")
+    if cfg.comm.fake_gpu_memory_gib <= 0:
+        raise ConfigError(f"config key 'comm.fake_gpu_memory_gib' must be positive, got {cfg.comm.fake_gpu_memory_gib}")
+    plan, notes = build_run_plan(cfg, world_size)
+    layout = Layout.from_config(cfg, plan.dims)
+    if world_size == 1:
+        # The trainer parallelizes (and with it applies AC and compile) only with a process group.
+        layout = dataclasses.replace(layout, ac_mode="none")
+        notes.append("one process: the trainer applies no parallelize plan, so no AC, compile or mixed precision")
+    elif not plan.dims.dp_enabled:
+        notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
+    with fake_process_group(rank, world_size) if world_size > 1 else contextlib.nullcontext():
+        model = build_meta_model(cfg, plan, world_size)
+        memory = estimate(model, plan.model_args, layout)
+    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def format_report(r: DryRun) -> str:
+    cfg, plan, lay, m = r.cfg, r.plan, r.layout, r.memory
+    dims, t = plan.dims, cfg.training
+    degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.dim_names) or "single rank"
+    dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
+    compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable and r.world_size > 1 else "eager"
+    ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
+    per_gpu = t.local_batch_size * t.seq_len * plan.grad_accum
+    held = {"never": "all but the embedding", "default": "last block + norm + output", "always": "none"}
+    rows = [
+        ("parameters", m.params, f"fp32, {sum(m.local_numel.values()):,} local elements"),
+        ("gradients", m.grads, "fp32"),
+        ("optimizer state", m.optimizer, "AdamW exp_avg + exp_avg_sq, fp32"),
+    ]
+    if lay.dp_mode:
+        rows += [
+            ("gathered weights held fwd->bwd", m.gather_held,
+             f"{held.get(lay.reshard, lay.reshard)}, {_dtype(lay.compute_dtype)}"),
+            ("gathers in flight", m.gather_in_flight,
+             "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)"),
+            ("reduce-scatter input", m.reduce_buffer, f"largest unit, {_dtype(lay.reduce_dtype)}"),
+        ]
+    rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
+    rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
+    lines = [
+        f"dry run: llama3 {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
+        f"vocab {plan.model_args.vocab_size:,}",
+        f"  world {r.world_size}" + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "") + f": {degrees}; {dp}",
+        f"  AC {ac}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
+        + ("; loss parallel" if lay.loss_parallel else ""),
+        f"  batch: local {t.local_batch_size} x seq {t.seq_len} x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
+        f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
+        *(f"  note: {n}" for n in r.notes),
+        "",
+        f"  {'memory per GPU':<34}{'GiB':>8}",
+        *(f"  {label:<34}{_gib(v)}  {detail}".rstrip() for label, v, detail in rows),
+    ]
+    share = m.total / r.capacity
+    lines.append(f"  {'total':<34}{_gib(m.total)}  of {cfg.comm.fake_gpu_memory_gib:g} GiB ({share:.0%})")
+    if not r.fits:
+        lines.append(
+            f"does not fit: {m.total / GiB:.1f} GiB per GPU > {cfg.comm.fake_gpu_memory_gib:g} GiB "
+            f"(params {m.params / GiB:.1f} + grads {m.grads / GiB:.1f} + optimizer {m.optimizer / GiB:.1f} "
+            f"+ buffers {m.collective_buffers / GiB:.1f} + activations {m.activations / GiB:.1f})"
+        )
+    elif share > TIGHT_FRACTION:
+        lines.append(f"fits, tight: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%}); "
+                     "the CUDA context, NCCL buffers and fragmentation need some of the rest")
+    else:
+        lines.append(f"fits: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        result = dry_run(load_config(argv, default_config=DEFAULT_CONFIG))
+    except UserError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(format_report(result), flush=True)
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
