@@ -206,8 +206,7 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage, expecte
 
 def test_nothing_usable_is_a_one_line_error(tmp_path):
     saved_run(tmp_path, steps=1)
-    _no_metadata_1 = root(tmp_path) / "step-1" / ".metadata"
-    _no_metadata_1.unlink()
+    (root(tmp_path) / "step-1" / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step-1: missing file \.metadata") as e:
         Run(tmp_path).ckpt.load()
     assert "\n" not in str(e.value)
@@ -226,8 +225,7 @@ def test_load_step(tmp_path):
     assert Run(tmp_path, load_step=2).ckpt.load() == 2
     with pytest.raises(CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"):
         Run(tmp_path, load_step=7).ckpt.load()
-    _truncated_2 = root(tmp_path) / "step-2" / "__0_0.distcp"
-    _truncated_2.write_bytes(b"x")
+    (root(tmp_path) / "step-2" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"step-2 is unusable: file __0_0.distcp has 1 bytes"):
         Run(tmp_path, load_step=2).ckpt.load()
 

@@ -23,6 +23,7 @@ or old rank `r % old_world_size` when the world grew.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +64,7 @@ def read(folder: Path, rank: int) -> dict:
     path = path_of(folder, rank)
     try:
         return torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"checkpoint {folder}: cannot read {path.name} ({e})") from None
 
 

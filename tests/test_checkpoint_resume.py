@@ -1,0 +1,170 @@
+"""Resume through the real entry point (torchrun, gloo, fp32, deterministic): exact resume, kill -9, resharding.
+
+Every run trains the debug model for 4 steps (seq_len 64, global batch 8) and checkpoints every 2 steps,
+so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses come from metrics.jsonl.
+
+Tolerances: resuming on the same layout must reproduce the uninterrupted losses bitwise. Resuming on
+another layout (other dp degree, tp, FSDP2, one process) changes only the order of floating-point
+reductions, so losses must agree within a relative 1e-5 (observed: ~1e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, assert_ok, child_env, torchrun
+from titanlite.checkpoint import folders
+from titanlite.checkpoint.manager import TEST_KILL_ENV
+
+pytestmark = pytest.mark.slow
+
+STEPS, INTERVAL, RESHARD_REL = 4, 2, 1e-5
+LAYOUTS = {
+    "dp2": (2, []),
+    "dp2xtp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "dp4_fsdp2": (4, ["--parallelism.dp_impl", "fsdp2"]),
+    "single": (1, []),
+}
+
+
+def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> subprocess.CompletedProcess:
+    nproc, layout_args = LAYOUTS[layout]
+    args = ["-m", "titanlite.train", "--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump),
+            "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--training.global_batch_size", "8", "--training.deterministic", "--metrics.log_freq", "1",
+            "--no-metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
+            *layout_args, *extra]
+    env = child_env(**({TEST_KILL_ENV: kill_at} if kill_at else {}))
+    if nproc == 1:
+        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return torchrun(args, nproc, env=env)
+
+
+def _records(dump: Path) -> list[dict]:
+    path = dump / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(dump: Path, skip: int = 0) -> dict[int, float]:
+    """Loss per step, from the records after the first `skip` (a restarted run appends to metrics.jsonl)."""
+    return {r["step"]: r["loss"] for r in _records(dump)[skip:]}
+
+
+def after(reference: Path, step: int) -> dict[int, float]:
+    return {s: v for s, v in losses(reference).items() if s > step}
+
+
+def checkpoint(dump: Path) -> Path:
+    return dump / "checkpoint"
+
+
+def resume_from(src: Path, step: int, dst: Path) -> Path:
+    """A fresh dump folder holding only checkpoint `step` of run `src`: the run that stopped at `step`."""
+    shutil.copytree(checkpoint(src) / f"step-{step}", checkpoint(dst) / f"step-{step}")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """dp2 SimpleFSDP, async saves, uninterrupted."""
+    dump = tmp_path_factory.mktemp("reference_dp2")
+    assert_ok(train(dump, "dp2", "--checkpoint.async_mode", "async"))
+    assert folders.scan(checkpoint(dump)) == ([2, 4], [])
+    return dump
+
+
+def _assert_resumed(proc: subprocess.CompletedProcess, step: int) -> None:
+    assert "resumed from" in proc.stderr and f"step-{step} at step {step}" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_exact_resume_dp2(reference, tmp_path):
+    run = resume_from(reference, INTERVAL, tmp_path)
+    proc = train(run, "dp2", "--checkpoint.async_mode", "async")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL)
+    assert losses(run) == after(reference, INTERVAL)
+
+
+def test_exact_resume_dp2_tp2(tmp_path):
+    uninterrupted = tmp_path / "uninterrupted"
+    assert_ok(train(uninterrupted, "dp2xtp2", "--checkpoint.async_mode", "async"))
+    run = resume_from(uninterrupted, INTERVAL, tmp_path / "resumed")
+    proc = train(run, "dp2xtp2", "--checkpoint.async_mode", "async")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL)
+    assert losses(run) == after(uninterrupted, INTERVAL)
+
+
+def test_kill_between_saves_resumes_from_last_checkpoint(reference, tmp_path):
+    """Synchronous saves; every rank is SIGKILLed after step 3 (step-2 is the last checkpoint)."""
+    killed = train(tmp_path, "dp2", "--checkpoint.async_mode", "disabled", kill_at="3")
+    assert killed.returncode != 0 and f"{TEST_KILL_ENV}=3: killing this process" in killed.stderr
+    assert folders.scan(checkpoint(tmp_path)) == ([2], [])
+    logged = len(_records(tmp_path))
+    proc = train(tmp_path, "dp2", "--checkpoint.async_mode", "disabled")
+    assert_ok(proc)
+    _assert_resumed(proc, 2)
+    assert losses(tmp_path, skip=logged) == after(reference, 2)
+
+
+def test_kill_during_async_save_keeps_previous_checkpoint(reference, tmp_path):
+    """Rank 0 is SIGKILLed while finalising the async save of step 4 (data written, no marker yet)."""
+    killed = train(tmp_path, "dp2", "--checkpoint.async_mode", "async", kill_at="4:mid_save")
+    assert killed.returncode != 0 and f"{TEST_KILL_ENV}=4:mid_save: killing this process" in killed.stderr
+    assert folders.scan(checkpoint(tmp_path)) == ([2], [4])
+    assert (checkpoint(tmp_path) / "step-4.partial" / ".metadata").exists()
+    logged = len(_records(tmp_path))
+    proc = train(tmp_path, "dp2", "--checkpoint.async_mode", "async")
+    assert_ok(proc)
+    assert "step-4.partial is incomplete (no completion marker: an interrupted save)" in proc.stderr
+    _assert_resumed(proc, 2)
+    assert losses(tmp_path, skip=logged) == after(reference, 2)
+    assert folders.scan(checkpoint(tmp_path)) == ([2, 4], [])
+
+
+def _assert_close(got: dict[int, float], expected: dict[int, float], first: int) -> None:
+    assert sorted(got) == list(range(first, STEPS + 1)), got
+    for step, loss in got.items():
+        assert abs(loss - expected[step]) <= RESHARD_REL * abs(expected[step]), (step, loss, expected[step])
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(reference, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The reference's step-2 resumed on 4 ranks with FSDP2 (dp 2 -> 4), saving every step."""
+    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("fsdp2_dp4"))
+    return run, train(run, "dp4_fsdp2", "--checkpoint.interval", "1")
+
+
+def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, fsdp2_run):
+    run, proc = fsdp2_run
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL)
+    assert "resharded from world 2, dp 2, tp 1" in proc.stderr
+    _assert_close(losses(run), losses(reference), INTERVAL + 1)
+
+
+def test_reshard_dp2_to_dp2_tp2(reference, tmp_path):
+    """Same dp degree, new tp: each rank continues its dp rank's data."""
+    run = resume_from(reference, INTERVAL, tmp_path)
+    proc = train(run, "dp2xtp2")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL)
+    assert "resharded from world 2, dp 2, tp 1" in proc.stderr
+    _assert_close(losses(run), losses(reference), INTERVAL + 1)
+
+
+def test_reshard_fsdp2_dp4_to_one_process(reference, fsdp2_run, tmp_path):
+    src, proc = fsdp2_run
+    assert_ok(proc)
+    run = resume_from(src, INTERVAL + 1, tmp_path)
+    proc = train(run, "single")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL + 1)
+    assert "resharded from world 4, dp 4, tp 1" in proc.stderr
+    _assert_close(losses(run), losses(reference), INTERVAL + 2)
