@@ -1,0 +1,58 @@
+"""The torchrun command lines that run_train.sh and multinode_trainer.slurm launch (DRY_LAUNCH=1 prints it)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+from conftest import ROOT, child_env
+
+FAKE_SRUN = """#!/bin/bash
+# Records its options, then runs the task of node 0 (what srun starts on every node).
+while [[ "$1" == --* ]]; do echo "$1" >> "$SRUN_LOG"; shift; done
+SLURM_NODEID=0 exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] && [ "$3" = "node[001-002]" ] && printf 'node001\\nnode002\\n'
+"""
+
+
+def launched(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return shlex.split(proc.stdout.strip().splitlines()[-1])
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_two_nodes_use_the_c10d_rendezvous():
+    env = child_env(NNODES="2", NGPU="2", RDZV_ENDPOINT="node001:29500", RDZV_ID="job7", DRY_LAUNCH="1")
+    argv = launched(subprocess.run(["./run_train.sh", "--training.steps", "5"], cwd=ROOT, env=env,
+                                   capture_output=True, text=True, timeout=300))
+    assert argv[0].startswith("OMP_NUM_THREADS=") and argv[2:4] == ["-m", "torch.distributed.run"]
+    assert "--standalone" not in argv
+    assert (option(argv, "--nnodes"), option(argv, "--rdzv_backend"), option(argv, "--rdzv_endpoint"),
+            option(argv, "--rdzv_id")) == ("2", "c10d", "node001:29500", "job7")
+    assert "--nproc_per_node=2" in argv
+    assert argv[-6:] == ["-m", "titanlite.train", "--config", str(ROOT / "train_configs/debug_model.toml"),
+                         "--training.steps", "5"]
+
+
+def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = child_env(PATH=f"{bin_dir}:{child_env()['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"), DRY_LAUNCH="1",
+                    SLURM_JOB_NODELIST="node[001-002]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="1234",
+                    SLURM_GPUS_ON_NODE="2", SLURM_SUBMIT_DIR=str(ROOT))
+    for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID"):
+        env.pop(key, None)
+    argv = launched(subprocess.run(["bash", str(ROOT / "multinode_trainer.slurm"), "--training.steps", "5"], cwd=tmp_path,
+                                   env=env, capture_output=True, text=True, timeout=300))
+    assert (tmp_path / "srun.log").read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert (option(argv, "--nnodes"), option(argv, "--rdzv_endpoint"), option(argv, "--rdzv_id")) == (
+        "2", "node001:29500", "titanlite-1234")
+    assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
