@@ -129,9 +129,17 @@ def test_folder_layout_and_marker(tmp_path):
 
 def test_interval_and_keep_latest_k(tmp_path):
     run = Run(tmp_path, interval=2, keep_latest_k=2)
+    assert run.ckpt.last_complete() is None
     run.train(1, 7)
     run.ckpt.close()
     assert folders.scan(root(tmp_path)) == ([4, 6], [])
+    assert run.ckpt.last_complete() == str(root(tmp_path) / "step-6")
+
+
+def test_last_complete_waits_for_a_save_in_flight(tmp_path):
+    run = Run(tmp_path, async_mode="async", interval=2)
+    run.train(1, 2)
+    assert run.ckpt.last_complete() == str(root(tmp_path) / "step-2")
 
 
 def test_disabled_saves_nothing_unless_forced(tmp_path):

@@ -276,6 +276,16 @@ class CheckpointManager:
             return
         self._finalize(pending.step, pending.path, pending.info, pending.started)
 
+    def last_complete(self) -> str | None:
+        """The newest complete checkpoint folder, once any save in flight has finished; None if there is none.
+
+        Read from the folder names (a `step-N` folder is complete by construction). On ranks other than 0
+        it may lag rank 0's rename of a just-finished async save: it is meant for messages.
+        """
+        self._wait_pending()
+        done, _ = folders.scan(self.root)
+        return str(folders.step_dir(self.root, done[-1])) if done else None
+
     def close(self) -> None:
         """Wait for an async save in flight and finalise it."""
         self._wait_pending()
