@@ -1,0 +1,147 @@
+"""How long a checkpoint save stalls the training loop: synchronous vs async DCP saves, in one launch.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_checkpoint.py \
+        [--steps-before 5] [--steps-after 6] [--out DIR]
+
+For each model (the debug flavor, and a 1024-dim x 8-layer Llama) and each save mode, a SimpleFSDP model
+trains on fixed random tokens; `CheckpointManager.save` runs after every step as in the Trainer and saves
+once (the step after `--steps-before`). Reported per row (rank 0, a markdown table):
+
+- blocking call: time spent inside the `save()` call that saves (sync: the whole save; async: collecting
+  the state dict, per-rank files and staging a CPU copy);
+- loop slowdown: wall time from that call to the end of `close()` minus what the same number of steps
+  takes without a save (median step time before the save) -- the total cost the save adds to training,
+  including contention of the background writer with compute and any final wait;
+- get_state_dict: the part of the blocking call spent in `get_state_dict` (under SimpleFSDP it gathers
+  every parameter once to resolve names).
+
+`async_with_pinned_mem` is measured on CUDA only (on CPU it is the same as `async`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.config import JobConfig
+from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
+from titanlite.models.llama3.parallelize import parallelize_llama
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.step import cross_entropy_loss, training_step
+
+VOCAB, SEQ, LOCAL_BATCH = 2056, 64, 2
+MODELS = {
+    "debugmodel": ModelArgs(**{**llama3_configs["debugmodel"].__dict__, "vocab_size": VOCAB}),
+    "1024x8": ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=VOCAB, max_seq_len=2048),
+}
+
+
+def build(args: ModelArgs, cfg: JobConfig, dims: ParallelDims | None, device: torch.device):
+    with torch.device("meta"):
+        model = Transformer(args, seq_len=SEQ)
+    if dims is not None:
+        model = parallelize_llama(model, dims, cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=0, buffer_device=device)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    return model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, 1000)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device: torch.device) -> dict:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(out / f"{name}-{mode}")
+    cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.async_mode = True, 10**9, mode
+    cfg.training.mixed_precision_param = "float32" if device.type == "cpu" else "bfloat16"
+    dims = ParallelDims(1, -1, 1, world) if world > 1 else None
+    if dims is not None:
+        dims.build_mesh(device.type)
+    args = MODELS[name]
+    model, optimizer, scheduler = build(args, cfg, dims, device)
+    ckpt = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, dataloader=None,
+                             dims=dims or ParallelDims(1, -1, 1, 1), rank=rank, world_size=world, device=device)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g)
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    save_step = opts.steps_before + 1
+    step_times, blocking, after_start = [], 0.0, 0.0
+    for step in range(1, save_step + opts.steps_after + 1):
+        start = time.perf_counter()
+        training_step(model, optimizer, scheduler, batch, cross_entropy_loss, False, 1.0, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        trained = time.perf_counter()
+        if step == save_step:
+            after_start = trained
+        ckpt.save(step, force=step == save_step)
+        if step == save_step:
+            blocking = time.perf_counter() - trained
+        elif step < save_step and step > 1:  # step 1 warms up
+            step_times.append(trained - start)
+    ckpt.close()
+    loop = time.perf_counter() - after_start
+    baseline = statistics.median(step_times)
+    start = time.perf_counter()
+    get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    gsd = time.perf_counter() - start
+    folder = Path(cfg.job.dump_folder) / "checkpoint" / f"step-{save_step}"
+    return {
+        "model": name, "params": args.num_params(), "mode": mode, "step": baseline,
+        "size": folder_bytes(folder) if rank == 0 else 0, "blocking": blocking,
+        "slowdown": loop - opts.steps_after * baseline, "gsd": gsd,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps-before", type=int, default=5)
+    parser.add_argument("--steps-after", type=int, default=6)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--models", default=",".join(MODELS))
+    opts = parser.parse_args()
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    modes = ["disabled", "async"] + (["async_with_pinned_mem"] if device.type == "cuda" else [])
+    with tempfile.TemporaryDirectory(dir=opts.out or None) as tmp:
+        out = Path(tmp)
+        if world > 1:  # every rank writes into rank 0's temporary folder
+            box = [tmp]
+            dist.broadcast_object_list(box, src=0)
+            out = Path(box[0])
+        rows = [measure(name, mode, out, opts, rank, world, device)
+                for name in opts.models.split(",") for mode in modes]
+        if world > 1:
+            dist.barrier()
+    if rank == 0:
+        print(f"\n{world} rank(s), {device.type}, SimpleFSDP, seq {SEQ}, local batch {LOCAL_BATCH}; "
+              f"one save after step {opts.steps_before + 1}, {opts.steps_after} steps after it\n")
+        print("| model | params | checkpoint | save mode | step time | blocking call | loop slowdown | get_state_dict |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['size'] / 2**20:.0f} MiB | {r['mode']} | "
+                  f"{r['step']:.2f}s | {r['blocking']:.2f}s | {r['slowdown']:.2f}s | {r['gsd']:.2f}s |")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
