@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import shlex
 import subprocess
 
@@ -56,3 +58,15 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
     assert (option(argv, "--nnodes"), option(argv, "--rdzv_endpoint"), option(argv, "--rdzv_id")) == (
         "2", "node001:29500", "titanlite-1234")
     assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
+
+
+def test_gpu_check_runs_its_cpu_fallback_and_compares_with_the_estimate(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(["scripts/gpu_check.sh", "--steps", "2", "--warmup", "1", "--json", str(out)], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout and "vs dry-run estimate" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2 and result["tokens_per_s"] > 0 and result["mfu_pct"] > 0
+    assert result["peak_gib"] > 0 and result["estimate_gib"] > 0
+    assert math.isfinite(result["final_loss"])
