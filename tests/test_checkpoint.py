@@ -28,6 +28,8 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.step import cross_entropy_loss, training_step
 
+# DCP warns on every single-process save/load (no process group), which is what these tests do.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOK = build_tokenizer(None)
 SEQ, LBS = 8, 2
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=TOK.n_words, multiple_of=16, max_seq_len=64)

@@ -20,6 +20,8 @@ from titanlite.errors import CheckpointError
 from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.model import apply_rope, rope_tables
 
+# DCP warns on every single-process save/load (no process group), which is what these tests do.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
 SEQ = 16
 

@@ -130,7 +130,7 @@ def export_hf(model: nn.Module, out: str | Path, *, dtype: torch.dtype = torch.f
     args: ModelArgs = model.args
     names_per_shard: list[list[str]] = []
     buffer: dict[str, torch.Tensor] = {}
-    size = 0
+    size = total = 0
 
     def flush() -> None:
         nonlocal buffer, size
@@ -143,23 +143,22 @@ def export_hf(model: nn.Module, out: str | Path, *, dtype: torch.dtype = torch.f
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if rank == 0:
             t = full.detach().to("cpu", dtype)
-            if heads := _rope_heads(fqn, args):
+            if _rope_heads(fqn, args):
                 t = to_hf_rope(t, args.head_dim)
             t = t.contiguous()
             if size and size + t.nbytes > max_shard_bytes:
                 flush()
             buffer[hf_name(fqn, args.tie_embeddings)] = t
             size += t.nbytes
+            total += t.nbytes
         del full
     if rank == 0:
         flush()
         n = len(names_per_shard)
-        weight_map, total = {}, 0
+        weight_map = {}
         for i, names in enumerate(names_per_shard):
             name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            src = tmp / f"shard-{i:05d}.safetensors"
-            total += src.stat().st_size
-            os.rename(src, tmp / name)
+            os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
             weight_map.update({k: name for k in names})
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype, bos_id, eos_id), indent=2))

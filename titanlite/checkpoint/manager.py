@@ -121,7 +121,11 @@ class _Pending:
 
 
 class CheckpointManager:
-    """Saves and restores model, optimizer, LR schedule, step, data loader and RNG (module docstring)."""
+    """Saves and restores model, optimizer, LR schedule, step, data loader and RNG (module docstring).
+
+    Saves forced while checkpointing is disabled (preemption) are synchronous: no writer thread or
+    process group is set up for a run that does not checkpoint.
+    """
 
     def __init__(self, cfg: JobConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
                  dataloader, dims: ParallelDims, rank: int, world_size: int, device: torch.device):
@@ -200,6 +204,9 @@ class CheckpointManager:
         _test_kill(step, "after_save")
 
     def _save(self, step: int, model_only: bool, dtype: torch.dtype | None) -> None:
+        """Collective. Rank 0 prepares `step-N.partial`; every rank writes its rank-state file, then DCP
+        writes the tensors. The ranks agree after each part, so a failure on one rank (full disk) makes
+        every rank skip the save instead of leaving the others waiting in DCP's collectives."""
         start = time.perf_counter()
         error: Exception | None = None
         path = folders.partial_dir(self.root, step)
@@ -254,6 +261,7 @@ class CheckpointManager:
                     + (f"; removed {', '.join(p.name for p in removed)}" if removed else ""))
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
+        """Drop the partial folder; stop (checkpoint.stop_on_save_error) or warn and keep training."""
         message = f"checkpoint step {step} could not be saved to {path}: {type(error).__name__}: {error}"
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -317,6 +325,7 @@ class CheckpointManager:
             logger.info(message)
 
     def _load_initial(self, path: str) -> None:
+        """Model weights only, from a DCP folder (seed or any checkpoint) or an HF safetensors folder."""
         if self.cfg.initial_load_in_hf:
             self._log(f"checkpoint: loading Hugging Face weights from {path}")
             import_hf(self.model, path)
@@ -329,6 +338,8 @@ class CheckpointManager:
         load_model_weights(self.model, path)
 
     def _load_full(self, path: str, marker: dict) -> int:
+        """Shapes are checked and the data loader state is taken (resharding rule in rank_state.py) before
+        any tensor is loaded, so an incompatible checkpoint fails with the model untouched."""
         start = time.perf_counter()
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
