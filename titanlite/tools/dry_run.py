@@ -94,12 +94,12 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_meta_model(cfg: JobConfig, plan: RunPlan, world_size: int) -> nn.Module:
+def build_meta_model(cfg: JobConfig, plan: RunPlan, world_size: int, device_type: str = "cpu") -> nn.Module:
     """The trainer's model construction on the meta device (a process group must exist if world_size > 1)."""
     with torch.device("meta"):
         model = Transformer(plan.model_args, seq_len=cfg.training.seq_len)
     if world_size > 1:
-        plan.dims.build_mesh("cpu")
+        plan.dims.build_mesh(device_type)
         model = parallelize_llama(model, plan.dims, cfg)
     return model
 

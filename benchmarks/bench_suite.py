@@ -1,0 +1,299 @@
+"""Data-parallel variants side by side: throughput, peak memory, collectives per step and MFU, one launch.
+
+    python benchmarks/bench_suite.py [--rounds 3] [--steps 4] [--warmup 3] [--nproc 2]
+        [--only FRAGMENT,...] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
+
+Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds every variant in that one
+launch, each as the trainer builds it (`parallelize_llama` on the meta device, materialise, initialise)
+and stepped with `titanlite.step.training_step` on fixed random tokens:
+
+    SimpleFSDP eager / compiled / compiled + per-block bucketing, FSDP2 eager / compiled,
+    replicate (SimpleFSDP's DDP mode), and tp=2 (the dp x tp variant at 2 ranks: dp is 1).
+
+Every variant processes the same global batch (local batch x 2 tokens per step; the tp variant's
+single dp rank takes all of it). After `--warmup` steps per variant (compilation happens there), the
+variants run `--steps` steps each in `--rounds` interleaved rounds, so drift in machine load hits all of
+them alike; tokens/s is the global batch over the median step time.
+
+Peak memory is the variant's model state (parameters, gradients and optimizer state, from the local
+tensors) plus the highest step-time growth over the memory in use before its steps: on CUDA
+`max_memory_allocated`, on CPU the resident set (VmHWM after a reset through /proc/self/clear_refs, with
+glibc's heap trimmed first and large blocks mmapped, so freed memory is returned and not reused
+unseen). All variants live in one process, hence the growth rather than the absolute peak.
+
+Collectives per step are counted in one extra profiled step per variant, from the process-group ops the
+profiler records (`c10d::*`: every all-gather, reduce-scatter and all-reduce that reaches the backend,
+eager or compiled, FSDP2 included), on rank 0. MFU uses `ModelArgs.flops_per_token` against
+`titanlite.metrics.peak_tflops` (GPU table, or a measured CPU matmul peak).
+
+Rank 0 prints a markdown table and writes the JSON. A variant that cannot be built or run here (e.g.
+bucketing before the compile passes exist) is reported as failed with its one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titanlite.config import CHOICES, load_config  # noqa: E402
+from titanlite.memory_plan import local_tensor  # noqa: E402
+from titanlite.metrics import peak_tflops  # noqa: E402
+from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from titanlite.step import cross_entropy_loss, training_step  # noqa: E402
+from titanlite.tools.dry_run import build_meta_model  # noqa: E402
+from titanlite.train import DEFAULT_CONFIG, RunPlan  # noqa: E402
+
+COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
+VARIANTS: dict[str, list[str]] = {
+    "SimpleFSDP eager": [],
+    "SimpleFSDP compiled": COMPILE,
+    "SimpleFSDP compiled + bucketing": [*COMPILE, "--compile.bucketing", "transformer_block"],
+    "FSDP2 eager": ["--parallelism.dp_impl", "fsdp2"],
+    "FSDP2 compiled": ["--parallelism.dp_impl", "fsdp2", *COMPILE],
+    "replicate (DDP)": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
+}
+BASELINE = "FSDP2 eager"
+KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
+
+
+@dataclass
+class Result:
+    name: str
+    overrides: list[str]
+    error: str = ""
+    step_times: list[float] = field(default_factory=list)
+    peak_delta: int = 0
+    state_bytes: int = 0
+    collectives: dict[str, int] = field(default_factory=dict)
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / statistics.median(self.step_times) if self.step_times else 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.state_bytes + self.peak_delta
+
+
+class Variant:
+    """One model, optimizer and batch, built the trainer's way."""
+
+    def __init__(self, cfg, world: int, device: torch.device, global_batch: int):
+        plan = RunPlan.build(cfg, world)
+        self.model = build_meta_model(cfg, plan, world, device.type)
+        self.model.to_empty(device=device)
+        self.model.init_weights(seed=cfg.training.seed, buffer_device=device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, 10**6)
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
+        self.loss_parallel = plan.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self.device, self.max_norm = device, cfg.training.max_norm
+        local = global_batch // plan.dims.dp
+        dp_rank = dist.get_rank() // plan.dims.tp
+        g = torch.Generator().manual_seed(1000 + dp_rank)
+        tokens = torch.randint(0, plan.model_args.vocab_size, (local, cfg.training.seq_len + 1), generator=g)
+        self.batches = [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
+        self.flops_per_token = plan.model_args.flops_per_token(cfg.training.seq_len)
+
+    def step(self) -> None:
+        loss, _ = training_step(self.model, self.optimizer, self.scheduler, self.batches, self.loss_fn,
+                                self.loss_parallel, self.max_norm, self.device)
+        loss.item()  # waits for the device
+
+    def state_bytes(self) -> int:
+        tensors = [local_tensor(p) for p in self.model.parameters()]
+        tensors += [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+        tensors += [local_tensor(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return sum(t.nbytes for t in tensors)
+
+
+class MemoryProbe:
+    """Growth of memory in use over its level at `start()`: CUDA allocator, or the CPU resident set."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        libc = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+        self.trim = getattr(libc, "malloc_trim", None)
+        self.base = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        if self.trim is not None:
+            self.trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = self._status("VmRSS")
+
+    def growth(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self._status("VmHWM") - self.base
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def count_collectives(variant: Variant) -> dict[str, int]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        variant.step()
+    counts: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("c10d::"):
+            kind = next((short for key, short in KINDS if key in event.name), "other")
+            counts[kind] += 1
+    return dict(counts)
+
+
+def bucketing_available() -> bool:
+    return "transformer_block" in CHOICES.get("compile.bucketing", ())
+
+
+def worker(args: argparse.Namespace, overrides: list[str]) -> None:
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Several models in one process: each block of each compiled variant is its own Dynamo cache entry.
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
+    base = ["--config", args.config, *overrides]
+    global_batch = load_config(base).training.local_batch_size * world
+    results: dict[str, Result] = {}
+    variants: dict[str, Variant] = {}
+    for name, extra in VARIANTS.items():
+        if args.only and not any(key.lower() in name.lower() for key in args.only.split(",")):
+            continue
+        result = results[name] = Result(name, extra)
+        if "--compile.bucketing" in extra and not bucketing_available():
+            result.error = "compile.bucketing=transformer_block is not an option of this config schema"
+            continue
+        try:
+            cfg = load_config([*base, *extra, "--training.global_batch_size", str(global_batch)])
+            variant = Variant(cfg, world, device, global_batch)
+            for _ in range(args.warmup):
+                variant.step()
+            result.collectives = count_collectives(variant)
+        except Exception as e:  # a variant this torch/machine cannot run: report it, bench the rest
+            result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            continue
+        result.tokens_per_step = global_batch * cfg.training.seq_len
+        result.flops_per_token = variant.flops_per_token
+        variants[name] = variant
+        if rank == 0:
+            print(f"bench_suite: {name} ready", flush=True)
+    probe = MemoryProbe(device)
+    for _ in range(args.rounds):
+        for name, variant in variants.items():
+            dist.barrier()
+            probe.start()
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                variant.step()
+                results[name].step_times.append(time.perf_counter() - start)
+            results[name].peak_delta = max(results[name].peak_delta, probe.growth())
+            results[name].state_bytes = variant.state_bytes()
+    peak, peak_source = peak_tflops(device)
+    if rank == 0:
+        rows = [result_row(r, world, peak) for r in results.values()]
+        record = dict(world=world, device=str(device), peak_tflops=peak, peak_source=peak_source, args=vars(args),
+                      overrides=overrides, variants=rows)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2))
+        print(format_table(rows, world, device, peak_source, args), flush=True)
+        print(f"\nJSON: {args.out}", flush=True)
+    dist.destroy_process_group()
+
+
+def result_row(r: Result, world: int, peak: float) -> dict:
+    tps = r.tokens_per_s
+    return dict(
+        name=r.name, overrides=r.overrides, error=r.error, tokens_per_s=tps, step_times_s=r.step_times,
+        peak_mib=r.peak_bytes / 2**20, state_mib=r.state_bytes / 2**20, step_growth_mib=r.peak_delta / 2**20,
+        collectives=r.collectives, collectives_per_step=sum(r.collectives.values()),
+        mfu_pct=100 * r.flops_per_token * tps / (world * peak * 1e12) if tps else 0.0,
+    )
+
+
+def format_table(rows: list[dict], world: int, device: torch.device, peak_source: str, args) -> str:
+    base = next((r for r in rows if r["name"] == BASELINE and not r["error"]), None)
+    lines = [
+        f"{world} ranks on {device.type}, {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
+        f"tokens/s of the global batch at the median step; MFU against {peak_source}",
+        "",
+        f"| variant | tokens/s | x {BASELINE} | peak MiB | x {BASELINE} | collectives/step (ag/rs/ar) | MFU % |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
+            continue
+        c = r["collectives"]
+        tps_ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
+        mem_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "n/a"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:,.0f} | {tps_ratio} | {r['peak_mib']:,.0f} | {mem_ratio} | "
+            f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}) | {r['mfu_pct']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the launch (the variants assume 2)")
+    parser.add_argument("--only", default="", help="comma-separated name fragments of the variants to run")
+    parser.add_argument("--out", default="outputs/bench/suite.json")
+    parser.add_argument("--config", default=str(ROOT / DEFAULT_CONFIG))
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse(argv)
+    if "LOCAL_RANK" in os.environ:
+        worker(args, overrides)
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # large CPU tensors: mmap, returned when freed
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "--local-ranks-filter", "0", __file__, *argv]
+    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
