@@ -3,9 +3,13 @@
 Every run trains the debug model for 4 steps (seq_len 64, global batch 8) and checkpoints every 2 steps,
 so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses come from metrics.jsonl.
 
-Tolerances: resuming on the same layout must reproduce the uninterrupted losses bitwise. Resuming on
-another layout (other dp degree, tp, FSDP2, one process) changes only the order of floating-point
-reductions, so losses must agree within a relative 1e-5 (observed: ~1e-7).
+The kill -9 tests use the test hook TITANLITE_TEST_KILL_AT (manager.py) and restart in the same dump
+folder, as a relaunch would.
+
+Tolerances: resuming on the same layout (including after a kill) must reproduce the uninterrupted losses
+of every resumed step bitwise. Resuming on another layout (other dp degree, tp, FSDP2, one process)
+changes only the order of floating-point reductions, so losses must agree within a relative 1e-5
+(observed: ~1e-7).
 """
 
 from __future__ import annotations
