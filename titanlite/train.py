@@ -169,7 +169,13 @@ class Trainer:
         if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=self.cfg.comm.init_timeout_seconds))
+        timeout = timedelta(seconds=self.cfg.comm.init_timeout_seconds)
+        # torchrun keeps one store across restarts; without a per-attempt prefix a restarted rank can read
+        # the previous attempt's peer addresses and fail to connect.
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"titanlite/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
     def _set_train_timeout(self) -> None:
         """After the first step (which includes compilation), a dead peer must surface within the train timeout."""
@@ -253,17 +259,8 @@ class Trainer:
                 window_steps += 1
                 if self.step == 1:
                     self._set_train_timeout()
-                if self.preempted:
-                    self.checkpointer.save(self.step, force=True)
-                    self.checkpointer.close()
-                    signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer"
-                    logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
-                                f"{self.checkpointer.last_complete()}; exiting")
-                    return
-                self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
-                if cfg.gc_freq and self.step % cfg.gc_freq == 0:
-                    gc.collect(1)
-                if self.step % self.cfg.metrics.log_freq == 0 or self.step == cfg.steps or self.step == 1:
+                log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
+                if log_now or self.preempted:
                     elapsed = time.perf_counter() - window_start
                     self.metrics.log(StepStats(
                         step=self.step, loss=self._global_mean(loss), grad_norm=grad_norm.item(),
@@ -271,8 +268,22 @@ class Trainer:
                         elapsed=elapsed, data_time=window_data,
                     ), window_steps)
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+                if self.preempted:
+                    self._save_and_stop()
+                    return
+                self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
+                if cfg.gc_freq and self.step % cfg.gc_freq == 0:
+                    gc.collect(1)
         gc.enable()
         logger.info("training finished")
+
+    def _save_and_stop(self) -> None:
+        """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly."""
+        self.checkpointer.save(self.step, force=True)
+        self.checkpointer.close()
+        signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer's"
+        logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
+                    f"{self.checkpointer.last_complete()}; exiting")
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -1,0 +1,98 @@
+"""Fault injection: preemption, a crashed rank with restarts, non-finite losses, determinism.
+
+Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/resilience.py).
+Runs use the debug model with seq_len 64 and metrics every step, so each is a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, child_env, torchrun
+
+COMMON = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64", "--metrics.log_freq", "1",
+          "--training.deterministic", "--no-metrics.enable_tensorboard"]
+
+
+def run(dump: Path, *overrides: str, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
+    return torchrun(["-m", "titanlite.train", *COMMON, "--job.dump_folder", str(dump), *overrides], nproc,
+                    env=child_env(**env))
+
+
+def losses(dump: Path) -> dict[int, float]:
+    out = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    dump = tmp_path_factory.mktemp("ref")
+    proc = run(dump, "--training.steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(dump)
+
+
+@pytest.mark.slow
+def test_determinism_bitwise(tmp_path, uninterrupted):
+    proc = run(tmp_path, "--training.steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path) == uninterrupted  # exact float equality
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resumes_exactly(tmp_path, uninterrupted):
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "8"]
+    proc = run(tmp_path, *ck, TITANLITE_FAULT_SIGTERM_AT="4", TITANLITE_FAULT_RANK="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "stop signal (SIGTERM) at step 4: checkpoint saved to" in out
+    assert (tmp_path / "checkpoint" / "step-4").is_dir()
+    assert max(losses(tmp_path)) == 4
+    proc = run(tmp_path, *ck)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(tmp_path)
+    assert {s: got[s] for s in range(5, 9)} == {s: uninterrupted[s] for s in range(5, 9)}
+
+
+@pytest.mark.slow
+def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
+    """run_train.sh passes comm.max_restarts to torchrun; the job comes back from the last checkpoint."""
+    env = child_env(NGPU="2", TITANLITE_FAULT_EXIT_AT="6", TITANLITE_FAULT_RANK="1",
+                    TITANLITE_FAULT_ONCE=str(tmp_path / "fired"), LOG_RANK="0,1")
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), *COMMON[2:], "--job.dump_folder", str(tmp_path), "--training.steps", "8",
+         "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert (tmp_path / "fired").exists()
+    got = losses(tmp_path)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
+    assert got[8] == uninterrupted[8]
+
+
+@pytest.mark.slow
+def test_nan_stops_with_last_good_checkpoint(tmp_path):
+    proc = run(tmp_path, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
+               TITANLITE_FAULT_NAN_AT="5")
+    assert proc.returncode != 0
+    err = [ln for ln in proc.stderr.splitlines() if "titanlite: error:" in ln]
+    assert err and "non-finite step 5" in err[0] and "step-4" in err[0]
+    # the checkpoint on disk is the last good one
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.name.startswith("step-")) == \
+        ["step-2", "step-4"]
+
+
+@pytest.mark.slow
+def test_nan_step_is_skipped_within_limit(tmp_path, uninterrupted):
+    proc = run(tmp_path, "--training.steps", "6", "--training.skip_nonfinite_steps", "1",
+               TITANLITE_FAULT_NAN_AT="3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(tmp_path)
+    assert got[3] != got[3]  # NaN logged for the skipped step
+    assert got[2] == uninterrupted[2] and all(got[s] == got[s] for s in (4, 5, 6))
