@@ -17,6 +17,7 @@ estimate of tensors alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -55,9 +56,9 @@ def build(cfg, device: torch.device):
     model.to_empty(device=device)
     model.init_weights(seed=t.seed, buffer_device=device)
     model.train()
-    layout = Layout.from_config(cfg, plan.dims)
-    layout = Layout(**{**layout.__dict__, "dp_mode": "fully_shard", "compute_dtype": DTYPES[t.mixed_precision_param],
-                       "reduce_dtype": DTYPES[t.mixed_precision_reduce]})
+    layout = dataclasses.replace(Layout.from_config(cfg, plan.dims), dp_mode="fully_shard",
+                                 compute_dtype=DTYPES[t.mixed_precision_param],
+                                 reduce_dtype=DTYPES[t.mixed_precision_reduce])
     return model, plan, layout
 
 

@@ -216,19 +216,11 @@ def test_bad_degrees_are_one_config_error_line(capsys):
     assert code == 2 and len(err.splitlines()) == 1 and "world size 60 is not divisible" in err
 
 
-def test_run_train_dry_run_plans_the_config_world_size_or_ngpu_x_nnodes(tmp_path):
-    config = tmp_path / "debug_4.toml"
-    config.write_text((ROOT / DEBUG).read_text() + "\n[comm]\nfake_world_size = 4\n")
-    env = child_env()
-    env.pop("NGPU", None)
-    proc = subprocess.run(["./run_train.sh", "--config", str(config), "--dry-run"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "world 4 (fake process group, rank 0): dp_shard 4;" in proc.stdout
-    env.update(NGPU="3", NNODES="2")
-    proc = subprocess.run(["./run_train.sh", "--config", str(config), "--comm.mode", "fake_backend",
-                           "--comm.fake_gpu_memory_gib", "0.01"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(tmp_path):
+    config = tmp_path / "debug_fake.toml"
+    config.write_text((ROOT / DEBUG).read_text() + '\n[comm]\nmode = "fake_backend"\nfake_world_size = 4\n')
+    proc = subprocess.run(["./run_train.sh", "--config", str(config), "--comm.fake_gpu_memory_gib", "0.01"],
+                          cwd=ROOT, env=child_env(NGPU="3", NNODES="2"), capture_output=True, text=True, timeout=300)
     assert "world 6 (fake process group, rank 0): dp_shard 6;" in proc.stdout, proc.stderr[-3000:]
     assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1].startswith("does not fit:")
 

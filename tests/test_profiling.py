@@ -13,19 +13,15 @@ from titanlite.profiling import Profiler
 from titanlite.train import main
 
 
-def test_a_two_step_cpu_run_writes_traces_that_parse(tmp_path):
+def test_a_two_step_cpu_run_writes_a_trace_that_parses(tmp_path):
     code = main(["--config", str(ROOT / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
                  "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
-                 "--no-metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "1",
-                 "--profiling.enable_memory_snapshot"])
+                 "--no-metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2"])
     assert code == 0
-    for step in (1, 2):
-        trace = json.loads((tmp_path / "profile_traces" / f"iteration_{step}" / "rank0_trace.json").read_text())
-        names = {e.get("name", "") for e in trace["traceEvents"]}
-        assert any("aten::mm" in n or "aten::addmm" in n for n in names)
-        times, sizes = json.loads((tmp_path / "memory_snapshot" / f"iteration_{step}" / "rank0_memory_timeline.json")
-                                  .read_text())
-        assert len(times) == len(sizes) > 0
+    assert [p.name for p in (tmp_path / "profile_traces").iterdir()] == ["iteration_2"]
+    trace = json.loads((tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
 
 
 def _run(tmp_path, freq: int, start: int, steps: int, **flags) -> list[str]:
@@ -43,6 +39,13 @@ def test_schedule_records_global_multiples_of_the_frequency_after_resume(tmp_pat
     # unfinished cycle at the end).
     assert _run(tmp_path, freq=3, start=4, steps=7, enable_profiling=True) == [
         "profile_traces/iteration_6/rank3_trace.json", "profile_traces/iteration_9/rank3_trace.json"]
+
+
+def test_cpu_memory_record_is_the_profiler_memory_timeline(tmp_path):
+    written = _run(tmp_path, freq=2, start=0, steps=2, enable_memory_snapshot=True)
+    assert written == ["memory_snapshot/iteration_2/rank3_memory_timeline.json"]
+    times, sizes = json.loads((tmp_path / written[0]).read_text())
+    assert len(times) == len(sizes) > 0
 
 
 def test_disabled_profiling_records_nothing(tmp_path):

@@ -5,22 +5,24 @@ parallelize plan ran (on the meta device in a dry run), so uneven shards and TP-
 exact. Gradients have the parameter's dtype (fp32 master weights); AdamW keeps exp_avg and exp_avg_sq.
 
 Collective buffers (compute dtype, TP-local full shapes): the weights gathered for forward that stay
-alive until backward (`reshard_after_forward`: `never` = all but the embedding, whose backward needs
-only the indices; `default` = the last block and the root's norm and output; `always` = none) plus one
-gather unit in flight (a transformer block, or the embedding/output weight if larger; FSDP2 prefetches
-the next unit, so two), plus one unit's unsharded gradients in the reduce dtype before the
-reduce-scatter. Eager per-parameter gathers hold less than a block; bucketed and compiled ones hold one.
+alive until backward (`reshard_after_forward`: `never` = all, except SimpleFSDP's embedding weight,
+whose backward needs only the token ids; `default` = the last block and the root's norm and output, or
+FSDP2's whole root group; `always` = none) plus one gather unit in flight (a transformer block, or a
+root weight if larger; FSDP2 prefetches the next unit, so two), plus one unit's unsharded gradients in
+the reduce dtype before the reduce-scatter. Eager per-parameter gathers hold less than a block;
+bucketed and compiled ones hold one.
 
 Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
 by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
 the output in the compute dtype; q, k, v, the SDPA output and its logsumexp (flash kernels: no s x s
 matrix); four FFN-wide tensors for SwiGLU; the logits held by the training step plus the fp32
-log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss parallel). Sequence parallelism divides the norm and residual
-parts by tp, head and FFN parts are divided by tp, and the all-gathered inputs of the projections are
-full size. The peak is the larger of the start of backward (everything saved, loss gradients live) and
-the last block's backward (the block's full activations, recomputed under AC, plus gradients of its
-activations). Compiled blocks usually save less (fused norms and SwiGLU), so this is an upper bound for
-them; the total adds every part as if all peaked together, which is conservative too.
+log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss parallel). Sequence
+parallelism divides the norm and residual parts by tp, head and FFN parts are divided by tp, and the
+all-gathered inputs of the projections are full size. The peak is the larger of the start of backward
+(everything saved, loss gradients live) and the last block's backward (the block's full activations,
+recomputed under AC, plus gradients of its activations). Compiled blocks usually save less (fused norms
+and SwiGLU), so this is an upper bound for them; the total adds every part as if all peaked together,
+which is conservative too.
 """
 
 from __future__ import annotations
@@ -121,10 +123,13 @@ def gathered_numel(p: torch.Tensor) -> int:
     return math.prod(shape)
 
 
-def gather_unit(fqn: str) -> str:
-    """The gather unit of a parameter: its transformer block, else the parameter itself."""
+def gather_unit(fqn: str, dp_impl: str) -> str:
+    """The gather unit of a parameter: its transformer block; outside the blocks the parameter itself
+    (SimpleFSDP gathers per parameter) or FSDP2's root group (embedding, final norm and output together)."""
     parts = fqn.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else fqn
+    if parts[0] == "layers":
+        return ".".join(parts[:2])
+    return "root" if dp_impl == "fsdp2" else fqn
 
 
 def _collective_buffers(model: nn.Module, layout: Layout) -> tuple[int, int, int]:
@@ -134,17 +139,20 @@ def _collective_buffers(model: nn.Module, layout: Layout) -> tuple[int, int, int
     gathered_bytes = layout.compute_dtype.itemsize
     units: dict[str, int] = {}
     for fqn, p in model.named_parameters():
-        units[gather_unit(fqn)] = units.get(gather_unit(fqn), 0) + gathered_numel(p)
+        unit = gather_unit(fqn, layout.dp_impl)
+        units[unit] = units.get(unit, 0) + gathered_numel(p)
+    # The embedding's backward needs only the token ids: SimpleFSDP frees its gathered weight after forward.
+    kept = [u for u in units if u != "tok_embeddings.weight"]
     if layout.dp_mode == "replicate":
         # No gather: at most a cast of each full weight, kept for backward like an unresharded gather.
         if layout.compute_dtype == next(model.parameters()).dtype:
             return 0, 0, 0
-        held = {u for u in units if u != "tok_embeddings.weight"}
+        held = set(kept)
     elif layout.reshard == "never":
-        held = {u for u in units if u != "tok_embeddings.weight"}
+        held = set(kept)
     elif layout.reshard == "default":
-        blocks = [u for u in units if u.startswith("layers.")]
-        held = {u for u in units if not u.startswith(("layers.", "tok_embeddings."))} | set(blocks[-1:])
+        blocks = [u for u in kept if u.startswith("layers.")]
+        held = {u for u in kept if not u.startswith("layers.")} | set(blocks[-1:])
     else:
         held = set()
     free = sorted((n for u, n in units.items() if u not in held), reverse=True)

@@ -144,7 +144,9 @@ def format_report(r: DryRun) -> str:
     compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable and r.world_size > 1 else "eager"
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
     per_gpu = t.local_batch_size * t.seq_len * plan.grad_accum
-    held = {"never": "all but the embedding", "default": "last block + norm + output", "always": "none"}
+    root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
+    held = {"never": "all but the embedding" if lay.dp_impl != "fsdp2" else "all",
+            "default": f"last block + {root}", "always": "none"}
     rows = [
         ("parameters", m.params, f"fp32, {sum(m.local_numel.values()):,} local elements"),
         ("gradients", m.grads, "fp32"),
