@@ -57,10 +57,8 @@ fi
 
 # Validate the config, mesh and paths in one process first: bad input is one line and exit code 2,
 # before any rank starts.
-WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"
-if [ -z "${MAX_RESTARTS:-}" ]; then
-  MAX_RESTARTS=$("$PYTHON" -m titanlite.preflight --config "$CONFIG" --print-key comm.max_restarts "${ARGS[@]+"${ARGS[@]}"}")
-fi
+CONFIG_RESTARTS=$(WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
+MAX_RESTARTS=${MAX_RESTARTS:-$CONFIG_RESTARTS}
 
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   RDZV=(--standalone)
