@@ -98,3 +98,19 @@ def test_replicate_mode_all_reduces_gradients(fake_world):
     n_params = len(list(model.parameters()))
     assert fwd["all_gather_into_tensor"] == 0 and bwd["reduce_scatter_tensor"] == 0
     assert bwd["all_reduce"] == n_params
+
+
+def test_state_dict_apis_do_not_gather_under_sharded_view(fake_world):
+    """torch's get_state_dict names parameters by attribute access; the sharded view keeps it collective-free."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanlite.parallelisms.simple_fsdp import sharded_view
+
+    model = build("default")
+    with CountCollectives() as plain:
+        get_model_state_dict(model)
+    with CountCollectives() as viewed, sharded_view():
+        sd = get_model_state_dict(model)
+    assert plain.counts["all_gather_into_tensor"] > 0  # what the view avoids
+    assert sum(viewed.counts.values()) == 0
+    assert all(isinstance(v, DTensor) for v in sd.values())

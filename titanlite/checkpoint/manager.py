@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.hf import import_hf
 from titanlite.config import JobConfig
+from titanlite.parallelisms.simple_fsdp import sharded_view
 from titanlite.errors import CheckpointError, ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
@@ -74,6 +75,13 @@ def _test_kill(step: int, point: str) -> None:
     if int(at) == step and (where or "after_save") == point:
         logger.warning(f"{TEST_KILL_ENV}={spec}: killing this process ({point} of step {step})")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sharded(fn, *args, **kwargs):
+    """Call a torch state-dict API with SimpleFSDP parameters seen as shards (it resolves names by
+    attribute access, which would otherwise all-gather every parameter)."""
+    with sharded_view():
+        return fn(*args, **kwargs)
 
 
 def check_compatible(path: str, state: dict) -> None:
@@ -103,10 +111,10 @@ def check_compatible(path: str, state: dict) -> None:
 
 def load_model_weights(model: torch.nn.Module, path: str) -> None:
     """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
-    state = get_model_state_dict(model)
+    state = _sharded(get_model_state_dict, model)
     check_compatible(path, state)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state)
+    _sharded(set_model_state_dict, model, state)
 
 
 @dataclass
@@ -156,14 +164,14 @@ class CheckpointManager:
     # --- state ------------------------------------------------------------------------------------------
 
     def _model_state(self, dtype: torch.dtype | None = None) -> dict:
-        model_sd = get_model_state_dict(self.model)
+        model_sd = _sharded(get_model_state_dict, self.model)
         if dtype is not None:
             model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
         return model_sd
 
     def _full_state(self, step: int) -> tuple[dict, dict, dict]:
         """(the DCP state dict, its model part, its optimizer part): DCP loads into the latter two in place."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        model_sd, optim_sd = _sharded(get_state_dict, self.model, self.optimizer, options=_OPTIONS)
         state = {**model_sd, "optimizer": optim_sd, "lr_scheduler": self.lr_scheduler.state_dict(),
                  "train_state": {"step": step}}
         return state, model_sd, optim_sd
@@ -357,7 +365,7 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+        _sharded(set_state_dict, self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=_OPTIONS)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)

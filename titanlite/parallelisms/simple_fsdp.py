@@ -22,6 +22,7 @@ backward. Under torch.compile the same effect comes from tagging the gathers mus
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,24 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 # --- property-based parametrization ------------------------------------------------------------------
 
 
+_SHARDED_VIEW = False
+
+
+@contextlib.contextmanager
+def sharded_view():
+    """Attribute access returns the sharded DTensor parameters instead of gathering them.
+
+    For code that walks modules by attribute (torch's `get_state_dict`/`set_state_dict` resolve FQNs
+    with `getattr`): without this every parameter would be all-gathered just to be named.
+    """
+    global _SHARDED_VIEW
+    previous, _SHARDED_VIEW = _SHARDED_VIEW, True
+    try:
+        yield
+    finally:
+        _SHARDED_VIEW = previous
+
+
 def _register_parametrization(module: nn.Module, parametrizations: dict[str, ReplicateComputation]) -> None:
     """Make `module.<name>` return `parametrization(module._parameters[name])`.
 
@@ -116,6 +135,8 @@ def _register_parametrization(module: nn.Module, parametrizations: dict[str, Rep
 
     def make_getter(name: str):
         def getter(self: nn.Module) -> torch.Tensor:
+            if _SHARDED_VIEW:
+                return self._parameters[name]
             return self._simple_fsdp[name](self._parameters[name])
 
         return getter
