@@ -1,0 +1,180 @@
+"""Counting the collectives of compiled graphs, and the compile report built from the counts.
+
+The report answers one question: how many collectives does a training step (one forward and backward)
+issue on each mesh dim, before and after the graph passes? It is collected from the forward and backward
+graphs AOTAutograd hands to the compilers (never at runtime: no dispatch mode may run inside compiled
+code), and multiplied out per compile unit: every transformer block is its own unit under per-block
+compile, the whole model is one unit otherwise. A fully checkpointed block runs its forward graph again
+in backward, so its forward collectives are counted a second time, as backward ones.
+
+Names in the report: `all_gather` (forward), `reduce_scatter` and `all_reduce` (backward) are the usual
+FSDP/DDP collectives; anything else is prefixed by its phase, e.g. `backward_all_gather` (the re-gathers
+of reshard-after-forward) or `forward_reduce_scatter` (tensor parallelism's row-wise outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+from torch.utils._pytree import tree_leaves
+
+logger = logging.getLogger("titanlite")
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+_USUAL = {("forward", "all_gather"), ("backward", "reduce_scatter"), ("backward", "all_reduce")}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    group_name: str
+    group_size: int
+    nbytes: int
+    """Bytes of the larger side (the unsharded buffer of an all-gather or reduce-scatter)."""
+
+    @classmethod
+    def from_node(cls, node: fx.Node) -> "Collective | None":
+        """The collective `node` launches (a `_c10d_functional` op other than wait_tensor), else None."""
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            return None
+        if target.namespace != "_c10d_functional":
+            return None
+        kind = next((k for k in _KINDS if target._opname.startswith(k)), None)
+        if kind is None:
+            return None
+        _, kwargs = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        group_name = str(kwargs["group_name"])
+        group_size = kwargs.get("group_size") or dist.distributed_c10d._get_group_size_by_name(group_name)
+        # The unsharded side: an all-gather's output, the input of every other collective.
+        return cls(kind, group_name, int(group_size), _bytes(node if kind == "all_gather" else node.args[0]))
+
+
+def _bytes(nodes: Any) -> int:
+    vals = [n.meta.get("val") for n in tree_leaves(nodes) if isinstance(n, fx.Node)]
+    return sum(v.numel() * v.element_size() for v in tree_leaves(vals) if isinstance(v, torch.Tensor))
+
+
+def graph_collectives(gm: fx.GraphModule) -> list[Collective]:
+    """Every collective in `gm`, including those wrapped in inductor `control_deps` subgraphs."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is control_deps:
+            out += graph_collectives(getattr(gm, node.args[1].target))
+        elif (c := Collective.from_node(node)) is not None:
+            out.append(c)
+    return out
+
+
+@dataclass
+class Unit:
+    """One compiled region; `recompute_forward`: an eager checkpoint runs its forward graph again."""
+
+    name: str
+    recompute_forward: bool
+    graphs: dict[str, tuple[list[Collective], list[Collective]]] = field(default_factory=dict)
+    """phase ("forward"/"backward") -> collectives (before passes, after passes)."""
+
+
+class CompileReport:
+    """Per-step collective counts of the compiled units, logged and written once all are compiled.
+
+    `labels` maps process-group names to mesh-dim labels (`dp`, `tp`); `eager_params` is the number of
+    SimpleFSDP parameters outside every compiled unit (each still costs its own eager all-gather and
+    reduce-scatter per step, which the counts here do not include). `compile_seconds` is the time spent
+    in the compile backends (AOTAutograd, partitioning, graph passes, codegen; lazily compiled backwards
+    included), not Dynamo's bytecode tracing.
+    """
+
+    def __init__(self, labels: dict[str, str], settings: dict[str, Any], eager_params: int, path: str | None,
+                 cost_model: dict[str, float] | None):
+        self.labels, self.settings, self.eager_params = labels, settings, eager_params
+        self.path, self.cost_model = path, cost_model
+        self.units: list[Unit] = []
+        self.compile_seconds = 0.0
+        self.written = False
+
+    def add_unit(self, name: str, recompute_forward: bool) -> Unit:
+        unit = Unit(name, recompute_forward)
+        self.units.append(unit)
+        return unit
+
+    def record(self, unit: Unit, phase: str, before: list[Collective], after: list[Collective]) -> None:
+        unit.graphs[phase] = (before, after)
+
+    def compiled(self, seconds: float) -> None:
+        """Account one finished compile; once every unit has its forward and backward, log and write."""
+        self.compile_seconds += seconds
+        if not self.written and self.complete():
+            self.written = True
+            self.finish()
+
+    def complete(self) -> bool:
+        return bool(self.units) and all({"forward", "backward"} <= set(u.graphs) for u in self.units)
+
+    def _per_step(self, which: int) -> list[tuple[str, Collective]]:
+        """(phase, collective) for one step; `which` 0 = before the passes, 1 = after."""
+        out = []
+        for unit in self.units:
+            for phase, graphs in unit.graphs.items():
+                out += [(phase, c) for c in graphs[which]]
+            if unit.recompute_forward and "forward" in unit.graphs:
+                out += [("backward", c) for c in unit.graphs["forward"][which]]
+        return out
+
+    def counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{label: {name: {"before": n, "after": m}}} per step."""
+        table: dict[str, dict[str, dict[str, int]]] = {}
+        for which, key in ((0, "before"), (1, "after")):
+            for (label, name), n in Counter(self._key(p, c) for p, c in self._per_step(which)).items():
+                table.setdefault(label, {}).setdefault(name, {"before": 0, "after": 0})[key] = n
+        return table
+
+    def _key(self, phase: str, c: Collective) -> tuple[str, str]:
+        label = self.labels.get(c.group_name, f"group_{c.group_name}")
+        return label, c.kind if (phase, c.kind) in _USUAL else f"{phase}_{c.kind}"
+
+    def bucket_sizes_mb(self) -> dict[str, dict[str, float]]:
+        """Sizes of the dp collectives after the passes, per name."""
+        sizes: dict[str, list[float]] = {}
+        for phase, c in self._per_step(1):
+            label, name = self._key(phase, c)
+            if label == "dp":
+                sizes.setdefault(name, []).append(c.nbytes / 2**20)
+        return {name: {"count": len(s), "min": round(min(s), 4), "max": round(max(s), 4), "total": round(sum(s), 4)}
+                for name, s in sizes.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.settings, "units": len(self.units), "eager_params": self.eager_params, **self.counts(),
+                "bucket_sizes_mb": self.bucket_sizes_mb(), "cost_model": self.cost_model,
+                "compile_seconds": round(self.compile_seconds, 2)}
+
+    def summary(self) -> str:
+        parts = [f"{label} {name} {c['before']}->{c['after']}"
+                 for label, table in self.counts().items() for name, c in sorted(table.items())]
+        return (f"compile report ({self.settings.get('bucketing')} bucketing, {len(self.units)} compiled units): "
+                f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s")
+
+    def write(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    def finish(self) -> None:
+        """Log the summary and, on rank 0, write the JSON report to `path`."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        logger.info(self.summary())
+        if self.path:
+            self.write(self.path)
