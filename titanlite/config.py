@@ -141,6 +141,21 @@ class Compile:
     bucketing: str = "none"
     """`none`, `auto` (torch's overlap scheduler) or `transformer_block` (one bucket per block)."""
     reorder: bool = True
+    """With bucketing: also move the bucketed collectives to overlap compute (prefetch all-gathers, defer
+    reduce-scatter waits); off = bucketing only."""
+    scope: str = "block"
+    """`block` (compile each transformer block; default) or `model` (one graph for the model's forward)."""
+    cost_model: str = "measure"
+    """CPU figures for `auto` bucketing's runtime estimates: `measure` (time a matmul, a copy and a gloo
+    all-gather at start-up) or `config` (the four figures below). CUDA uses torch's GPU estimators."""
+    cpu_gflops: float = 128.0
+    """Matmul GFLOP/s of one rank (defaults: a 2-core x86 VM with gloo on loopback, one thread per rank)."""
+    cpu_mem_gbps: float = 8.0
+    """Copy bandwidth of one rank, GB/s."""
+    comm_latency_us: float = 256.0
+    """Fixed cost of one collective, microseconds (also used by `measure` on a fake process group)."""
+    comm_gbps: float = 1.0
+    """Per-rank collective bandwidth, GB/s (also used by `measure` on a fake process group)."""
 
 
 @dataclass
@@ -210,6 +225,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.backend": ("inductor", "aot_eager", "eager"),
     "compile.bucketing": ("none", "auto", "transformer_block"),
+    "compile.scope": ("block", "model"),
+    "compile.cost_model": ("measure", "config"),
     "comm.mode": ("default", "fake_backend"),
 }
 

@@ -1,23 +1,277 @@
-"""Per-transformer-block torch.compile.
+"""torch.compile for the Llama model: per transformer block (default) or the whole model, with SimpleFSDP's
+graph passes and a report of the collectives each step issues.
 
-Each block is compiled separately with `fullgraph=True`: blocks are identical, so one compiled graph
-(recompiled only per distinct layer id guard) serves all of them and compile time does not grow with
-depth as a whole-model graph would; the embedding, final norm and output stay eager, their cost is small
-and the output's loss-parallel DTensor handling stays out of the graph. A fully checkpointed block keeps
-its eager checkpoint outside the compiled body (see activation_checkpoint.py).
+Scope `block` (the default): each transformer block is compiled on its own with `fullgraph=True`. The
+graphs stay small as depth grows, identical blocks share one inductor FX-graph-cache entry (graphs and
+passes are the same), and a fully checkpointed block keeps its eager checkpoint around its compiled body
+(`_ac_inner`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
+output stay eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and
+bucketing cannot cross a block boundary: block i+1's gather is not prefetched during block i.
+Scope `model`: the model's `forward` is one graph (the module's hooks stay eager, so state_dict names and
+eager reshard hooks are unchanged). Buckets are [embedding], each block, [norm, output], and the manual
+scheduler prefetches the next block's bucket; full activation checkpointing is not supported there.
+
+With SimpleFSDP and the `aot_eager` or `inductor` backend every compile unit gets its own backend (see
+`_Backend`): AOTAutograd with the min-cut partitioner (which honours the reshard-after-forward tags of
+`ReshardTagPass`), the bucketing pass, and a recorder feeding the `CompileReport`. The report is logged
+and written to `<dump_folder>/compile_report.json` once every unit's forward and backward are compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.config import Compile
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallelisms.collectives import CompileReport, Unit, graph_collectives
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, ReshardTagPass
+
+REPORT_NAME = "compile_report.json"
 
 
-def apply_compile(blocks: nn.ModuleDict, cfg: Compile) -> None:
-    for block in blocks.values():
-        if getattr(block, "_ac_full", False):
-            block._ac_inner = torch.compile(block._ac_inner, backend=cfg.backend, fullgraph=True)
+def apply_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims | None = None) -> CompileReport | None:
+    """Compile `model` as `cfg.compile` says, in place; returns the report when graph passes are installed.
+
+    Call before data parallelism is applied (compilation is lazy; SimpleFSDP's gathers are traced at the
+    first step). `dims` must have its mesh built when data parallelism is enabled.
+    """
+    c = cfg.compile
+    simple_fsdp = dims is not None and dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
+    with_passes = simple_fsdp and c.backend in ("aot_eager", "inductor")
+    if c.bucketing != "none" and not with_passes:
+        raise ConfigError(
+            f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
+        )
+    blocks = list(model.layers.values())
+    if c.scope == "model" and any(getattr(b, "_ac_full", False) for b in blocks):
+        raise ConfigError("compile.scope=model does not support full activation checkpointing; use scope=block")
+    if not with_passes:
+        _compile_units(model, c.scope, lambda name, i: c.backend)
+        return None
+
+    assert dims is not None
+    cost = _cost_model(c, dims) if c.bucketing != "none" else None
+    report = CompileReport(
+        labels=_group_labels(dims),
+        settings={"scope": c.scope, "backend": c.backend, "bucketing": c.bucketing, "reorder": c.reorder,
+                  "n_blocks": len(blocks)},
+        eager_params=0 if c.scope == "model" else sum(1 for n, _ in model.named_parameters() if not n.startswith("layers.")),
+        path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
+        cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
+    )
+    bucketing = None
+    if c.bucketing != "none":
+        plans = (BLOCK_PLAN,) if c.scope == "block" else _model_plans(model)
+        bucketing = BucketingPass(c.bucketing, c.reorder, plans, block_scope=c.scope == "block", cost=cost,
+                                  insert_overlap_deps=c.backend == "inductor")
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    never = policy == "never" or dims.dp_mode == "replicate"
+
+    def backend(name: str, index: int) -> _Backend:
+        if c.scope == "model":
+            roots = tuple(n for n, _ in model.named_children() if n != "layers")
+            saved = ("",) if never else () if policy == "always" else (f"layers.{len(blocks) - 1}", *roots)
+            recompute_forward = False
         else:
-            block.compile(backend=cfg.backend, fullgraph=True)
+            recompute_forward = getattr(blocks[index], "_ac_full", False)
+            reshard = not never and not recompute_forward and (policy == "always" or index < len(blocks) - 1)
+            saved = () if reshard else ("",)
+        unit = report.add_unit(name, recompute_forward)
+        return _Backend(c.backend, ReshardTagPass(saved), bucketing, report, unit)
+
+    _compile_units(model, c.scope, backend)
+    return report
+
+
+def _compile_units(model: nn.Module, scope: str, backend: Callable[[str, int], Any]) -> None:
+    if scope == "model":
+        model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True)
+        return
+    # Every block is its own Dynamo cache entry of the shared `forward` code (SimpleFSDP gives each module
+    # instance its own parametrized class, so type guards differ per block), twice with eval/no-grad:
+    # Dynamo's default limit of 8 entries would fail a fullgraph compile of any deeper model. The room is
+    # added per compiled model, as one process may build several (benchmarks, tests).
+    torch._dynamo.config.recompile_limit += 2 * len(model.layers)
+    torch._dynamo.config.accumulated_recompile_limit += 2 * len(model.layers)
+    for i, (name, block) in enumerate(model.layers.items()):
+        attr = "_ac_inner" if getattr(block, "_ac_full", False) else "forward"
+        setattr(block, attr, torch.compile(getattr(block, attr), backend=backend(f"layers.{name}", i), fullgraph=True))
+        block.register_forward_pre_hook(_await_collective_inputs)
+
+
+def _await_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Turn in-flight collective outputs (`AsyncCollectiveTensor`, e.g. the tensor-parallel embedding's
+    output entering block 0) into plain tensors before they reach a compiled block.
+
+    With such an input, the compiled backward (torch 2.13) hands back a plain-tensor gradient where the
+    eager redistribute that produced the input expects a DTensor (`'Tensor' object has no attribute
+    '_local_tensor'`). `clone()` waits for the collective and keeps the autograd edge. The hook is eager
+    because only the block's `forward` is compiled, never its hooks.
+    """
+    if not any(isinstance(a, AsyncCollectiveTensor) for a in args):
+        return None
+    return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+
+
+def _model_plans(model: nn.Module) -> tuple:
+    """Manual bucket plans for a whole-model graph: modules before the blocks one each, one per block,
+    and the modules after the blocks together (the final norm and the output projection)."""
+    names = [n for n, _ in model.named_children()]
+    split = names.index("layers")
+    blocks = tuple(f"layers.{k}" for k in model.layers.keys())
+    return (*names[:split], *blocks, tuple(names[split + 1:]))
+
+
+def _group_labels(dims: ParallelDims) -> dict[str, str]:
+    """Process-group name -> `dp` or `tp`, for every named dim of the mesh (and the flattened dp dim)."""
+    mesh = dims.world_mesh
+    names = list(dims.dim_names) + (["dp"] if len(dims.dp_dim_names) > 1 else [])
+    return {mesh[n].get_group().group_name: "tp" if n == "tp" else "dp" for n in names}
+
+
+def _cost_model(c: Any, dims: ParallelDims) -> CostModel | None:
+    """CPU figures for torch's runtime estimators (None on CUDA, where torch's own estimators work)."""
+    if dims.world_mesh.device_type != "cpu":
+        return None
+    configured = CostModel.from_config(c.cpu_gflops, c.cpu_mem_gbps, c.comm_latency_us, c.comm_gbps)
+    if c.cost_model == "config" or c.bucketing != "auto":
+        return configured.quantised()
+    return CostModel.measure(dims.dp_mesh.get_group(), fallback=configured)
+
+
+class _Backend:
+    """The torch.compile backend of one compile unit.
+
+    `aot_eager`: AOTAutograd with the min-cut partitioner (the default partitioner ignores recompute
+    tags), the tagging pass on the joint graph and the bucketing pass on the forward/backward graphs,
+    which then run as plain FX graphs. `inductor`: `compile_fx` with the same two passes installed as
+    `joint_custom_post_pass` / `post_grad_custom_post_pass` (cache-friendly `CustomGraphPass`es). The
+    AOTAutograd cache is off for this unit because a hit would skip the compilers that see the graphs;
+    the FX graph cache (inductor's codegen, the expensive part) stays on, and on an FX cache hit the
+    bucketing pass is replayed on a copy of the graph to count its collectives.
+    """
+
+    def __init__(self, kind: str, tagging: ReshardTagPass, bucketing: BucketingPass | None, report: CompileReport,
+                 unit: Unit):
+        self.kind, self.tagging, self.bucketing, self.report, self.unit = kind, tagging, bucketing, report, unit
+        self._depth = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        with self._timed():
+            if self.kind == "aot_eager":
+                compiler = self._aot_eager_compile
+                return aot_autograd(
+                    fw_compiler=functools.partial(compiler, phase="forward"),
+                    bw_compiler=functools.partial(compiler, phase="backward"),
+                    inference_compiler=functools.partial(compiler, phase="inference"),
+                    partition_fn=self._partition, keep_inference_input_mutations=True,
+                )(gm, example_inputs)
+            from torch._inductor.compile_fx import compile_fx
+
+            patches: dict[str, Any] = {"joint_custom_post_pass": self.tagging}
+            if self.bucketing is not None:
+                patches["post_grad_custom_post_pass"] = self.bucketing
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=self._inductor_compile, config_patches=patches)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Add the wall time to the report, once per outermost compile (a lazily compiled backward is
+        its own outermost compile)."""
+        t0 = time.perf_counter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.report.compiled(time.perf_counter() - t0)
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        self.tagging(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _aot_eager_compile(self, gm: torch.fx.GraphModule, example_inputs: Any, phase: str) -> Callable:
+        with self._timed():
+            before = graph_collectives(gm)
+            if self.bucketing is not None:
+                self.bucketing(gm.graph)
+            if phase != "inference":
+                self.report.record(self.unit, phase, before, graph_collectives(gm))
+            return make_boxed_func(gm)
+
+    def _inductor_compile(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        with self._timed():
+            before = graph_collectives(gm)
+            if self.bucketing is not None:
+                self.bucketing.last_collectives = None
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            if phase != "inference":
+                after = before
+                if self.bucketing is not None:
+                    after = self.bucketing.last_collectives
+                    if after is None:  # FX graph cache hit: the pass did not run on this graph
+                        replay = copy.deepcopy(gm)
+                        self.bucketing(replay.graph)
+                        after = self.bucketing.last_collectives
+                self.report.record(self.unit, phase, before, after)
+            return compiled
+
+
+def fake_pg_report(cfg: JobConfig, args: Any, world_size: int, seq_len: int = 16) -> dict[str, Any]:
+    """The compile report of one training step, computed in this process on torch's fake process group.
+
+    Builds the Llama model `args` under `cfg` (its parallelism degrees must multiply to `world_size`),
+    runs one forward and backward on random tokens and returns the report written to `job.dump_folder`.
+    Collective values on the fake group are meaningless; the graphs (and so the counts) are the real ones.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # Local: the model package imports this module through its parallelize plan.
+    from titanlite.models.llama3 import Transformer
+    from titanlite.models.llama3.parallelize import parallelize_llama
+    from titanlite.step import cross_entropy_loss
+
+    p = cfg.parallelism
+    dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                        tp=p.tensor_parallel_degree, world_size=world_size, dp_impl=p.dp_impl)
+    if not (cfg.compile.enable and cfg.compile.backend in ("aot_eager", "inductor") and dims.dp_enabled
+            and p.dp_impl == "simple_fsdp"):
+        raise ConfigError("a compile report needs compile.enable, backend aot_eager or inductor, and SimpleFSDP")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        torch._dynamo.reset()
+        dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args, seq_len=seq_len)
+        parallelize_llama(model, dims, cfg)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=0)
+        tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1))
+        use_lp = dims.tp_enabled and not p.disable_loss_parallel
+        with loss_parallel() if use_lp else contextlib.nullcontext():
+            cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        with open(os.path.join(cfg.job.dump_folder, REPORT_NAME)) as f:
+            return json.load(f)
+    finally:
+        dist.destroy_process_group()

@@ -30,7 +30,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> n
         apply_tp(model, dims.tp_mesh, loss_parallel=not cfg.parallelism.disable_loss_parallel)
     apply_ac(model.layers, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model.layers, cfg.compile)
+        apply_compile(model, cfg, dims)
     if dims.dp_enabled:
         param_dtype = DTYPES[cfg.training.mixed_precision_param]
         reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
