@@ -98,8 +98,12 @@ def main() -> None:
         cfg.parallelism.fsdp_reshard_after_forward = case.get("reshard", "default")
         cfg.activation_checkpoint.mode = case.get("ac", "none")
         cfg.activation_checkpoint.selective_ac_option = case.get("ac_option", "op")
+        torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
         cfg.compile.enable = case.get("compile", False)
         cfg.compile.backend = case.get("backend", "aot_eager")
+        cfg.compile.bucketing = case.get("bucketing", "none")
+        cfg.compile.scope = case.get("scope", "block")
+        cfg.job.dump_folder = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         dims = ParallelDims(dp_replicate=case.get("rep", 1), dp_shard=case.get("shard", -1), tp=case.get("tp", 1),
                             world_size=world, n_heads=ARGS.n_heads, n_kv_heads=ARGS.kv_heads,
                             dp_impl=cfg.parallelism.dp_impl)
@@ -112,6 +116,10 @@ def main() -> None:
                    loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
                    grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
                    param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params))
+        report = os.path.join(cfg.job.dump_folder, "compile_report.json")
+        if dist.get_rank() == 0 and os.path.exists(report):
+            with open(report) as f:
+                rec["compile_report"] = json.load(f)
         records.append(rec)
         dist.barrier()
     if dist.get_rank() == 0:
