@@ -53,7 +53,7 @@ VARIANTS = {
     "SimpleFSDP compiled + transformer_block": dict(dp_impl="simple_fsdp", compile=True, bucketing="transformer_block"),
     "SimpleFSDP compiled (model) + transformer_block": dict(dp_impl="simple_fsdp", compile=True,
                                                             bucketing="transformer_block", scope="model"),
-    "SimpleFSDP compiled (model) + transformer_block, no reorder": dict(
+    "SimpleFSDP compiled (model) + transformer_block (no reorder)": dict(
         dp_impl="simple_fsdp", compile=True, bucketing="transformer_block", scope="model", reorder=False),
     "FSDP2 eager": dict(dp_impl="fsdp2"),
     "FSDP2 compiled": dict(dp_impl="fsdp2", compile=True),
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2, help="local batch per rank")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the names")
     args = parser.parse_args()
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
