@@ -56,7 +56,8 @@ def one_process_reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+     "--training.local_batch_size", "2"],
     ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_shard_degree", "4",
      "--training.local_batch_size", "2"],
 ], ids=["dp2xtp2", "hsdp2x2", "fsdp2"])
