@@ -50,23 +50,10 @@ def _check(records):
 
 
 @pytest.mark.slow
-def test_parity_2_ranks(tmp_path):
-    records = _run(CASES_2, 2, tmp_path)
-    assert len(records) == len(CASES_2)
-    _check(records)
-
-
-@pytest.mark.slow
-def test_parity_4_ranks(tmp_path):
-    records = _run(CASES_4, 4, tmp_path)
-    assert len(records) == len(CASES_4)
-    _check(records)
-
-
-@pytest.mark.slow
-def test_parity_8_ranks_3d(tmp_path):
-    records = _run(CASES_8, 8, tmp_path)
-    assert len(records) == len(CASES_8)
+@pytest.mark.parametrize("cases,nproc", [(CASES_2, 2), (CASES_4, 4), (CASES_8, 8)], ids=["2", "4", "8_3d"])
+def test_parity(tmp_path, cases, nproc):
+    records = _run(cases, nproc, tmp_path)
+    assert len(records) == len(cases)
     _check(records)
 
 

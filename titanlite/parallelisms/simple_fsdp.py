@@ -152,6 +152,12 @@ def _register_parametrization(module: nn.Module, parametrizations: dict[str, Rep
     module.__class__ = type(f"SimpleFSDP{cls.__name__}", (cls,), props)
 
 
+def _leading_submesh(mesh: DeviceMesh, ndim: int) -> DeviceMesh:
+    """The submesh of `mesh`'s first `ndim` dims (the data-parallel ones)."""
+    names = mesh.mesh_dim_names
+    return mesh[names[:ndim]] if ndim > 1 else mesh[names[0]]
+
+
 def _shard_parameter(
     param: nn.Parameter, mesh: DeviceMesh, mode: str, dp_ndim: int
 ) -> tuple[nn.Parameter, dict[str, Any]]:
@@ -162,7 +168,7 @@ def _shard_parameter(
         return nn.Parameter(dt, requires_grad=param.requires_grad), {}
     tp_placements = tuple(param.placements)
     tp_local = param.detach().to_local()
-    dp_mesh = mesh[mesh.mesh_dim_names[:dp_ndim]] if dp_ndim > 1 else mesh[mesh.mesh_dim_names[0]]
+    dp_mesh = _leading_submesh(mesh, dp_ndim)
     dp_local = distribute_tensor(tp_local, dp_mesh, placements, src_data_rank=None).to_local()
     # When tp also shards dim 0, the dp shards are taken within each tp shard: a strided layout.
     tp_size = param.device_mesh.size()
@@ -194,9 +200,7 @@ def data_parallel(
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
     dp_ndim = dp_ndim or mesh.ndim
-    dp_mesh = mesh if mesh.ndim == dp_ndim else (
-        mesh[mesh.mesh_dim_names[:dp_ndim]] if dp_ndim > 1 else mesh[mesh.mesh_dim_names[0]]
-    )
+    dp_mesh = mesh if mesh.ndim == dp_ndim else _leading_submesh(mesh, dp_ndim)
     for module in list(model.modules()):
         names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
         if not names:
