@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env
+from harness import ROOT, child_env
 from titanlite import preflight
+from titanlite.errors import run_cli
 
 BASE = str(ROOT / "train_configs/debug_model.toml")
 
@@ -44,16 +45,29 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,overrides,world,fragments", CASES, ids=[str(i) for i in range(len(CASES))])
+def case_id(text: str | None, overrides: list[str]) -> str:
+    """A readable test id: the overrides (`training.steps=three`), or the first line of a TOML file."""
+    if text is not None:
+        return "toml:" + text.strip().splitlines()[-1].replace(" ", "")
+    parts, i = [], 0
+    while i < len(overrides):
+        key = overrides[i].removeprefix("--")
+        if i + 1 < len(overrides) and not overrides[i + 1].startswith("--"):
+            key, i = f"{key}={overrides[i + 1]}", i + 1
+        parts.append(key)
+        i += 1
+    return ",".join(parts)
+
+
+@pytest.mark.parametrize("text,overrides,world,fragments", CASES, ids=[case_id(c[0], c[1]) for c in CASES])
 def test_bad_input_one_line_exit_2(tmp_path, monkeypatch, capsys, text, overrides, world, fragments):
     config = BASE
     if text is not None:
         config = str(tmp_path / "bad.toml")
         (tmp_path / "bad.toml").write_text(text)
     args = ["--config", config, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
-    monkeypatch.setattr(sys, "argv", ["preflight", *args])
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert preflight.main() == 2
+    assert run_cli(preflight.main, args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     for frag in fragments:
@@ -64,6 +78,7 @@ def test_table_is_large_enough():
     assert len(CASES) >= 20
 
 
+@pytest.mark.slow
 def test_launcher_reports_bad_input_without_traceback(tmp_path):
     """Through run_train.sh: the preflight stops the launch before torchrun starts any rank."""
     proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.stepz", "3"], env=child_env(NGPU="2"),

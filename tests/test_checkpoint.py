@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 
+from harness import tiny_args
+from titanlite.build import RunPlan
 from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
@@ -23,41 +26,39 @@ from titanlite.config import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError
-from titanlite.models.llama3 import ModelArgs, Transformer
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.step import cross_entropy_loss, training_step
+from titanlite.train import Trainer
 
-# DCP warns on every single-process save/load (no process group), which is what these tests do.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TOK = build_tokenizer(None)
 SEQ, LBS = 8, 2
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=TOK.n_words, multiple_of=16, max_seq_len=64)
+ARGS = tiny_args(n_layers=2, vocab_size=TOK.n_words)
+
+
+@pytest.fixture(autouse=True)
+def _process_group(process_group):
+    """Each test runs as a single-process run does: in a one-rank process group."""
 
 
 class Run:
-    """A tiny model + optimizer + schedule + data loader + CheckpointManager, as the Trainer wires them."""
+    """A trainer of the tiny model (one process), stepped by the shipped `Trainer.train_step` and saved
+    after each step as the trainer's loop does."""
 
-    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, world_size: int = 1, **ckpt):
+    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, **ckpt):
         cfg = JobConfig()
         cfg.job.dump_folder = str(dump)
+        cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = SEQ, LBS, 20
+        cfg.training.seed = seed
+        cfg.training.mixed_precision_param = "float32"
+        cfg.metrics.enable_tensorboard = False
         cfg.checkpoint.enable = True
         cfg.checkpoint.interval = 1
         for key, value in ckpt.items():
             setattr(cfg.checkpoint, key, value)
         self.cfg = cfg
-        self.model = Transformer(args, seq_len=SEQ)
-        self.model.init_weights(seed=seed)
-        self.opt = build_optimizer(self.model, cfg.optimizer)
-        self.sched = build_lr_scheduler(self.opt, cfg.lr_scheduler, 20)
-        self.loader = build_dataloader(
-            tokenizer=TOK, dataset_path="", text_field="text", seq_len=SEQ, local_batch_size=LBS,
-            global_batch_size=LBS, dp_rank=0, dp_degree=1,
-        )
-        self.ckpt = CheckpointManager(
-            cfg, model=self.model, optimizer=self.opt, lr_scheduler=self.sched, dataloader=self.loader,
-            dims=ParallelDims(1, -1, 1, world_size), rank=0, world_size=world_size, device=torch.device("cpu"),
-        )
+        self.trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=args))
+        self.model, self.sched, self.loader = self.trainer.model, self.trainer.lr_scheduler, self.trainer.dataloader
+        self.ckpt = self.trainer.checkpointer
         self.data = None
 
     def train(self, first: int, last: int) -> list[float]:
@@ -66,14 +67,19 @@ class Run:
             self.data = iter(self.loader)
         losses = []
         for step in range(first, last + 1):
-            loss, _ = training_step(self.model, self.opt, self.sched, [next(self.data)], cross_entropy_loss,
-                                    False, 1.0, torch.device("cpu"))
+            self.trainer.step = step
+            loss, _ = self.trainer.train_step([next(self.data)])
             losses.append(loss.item())
             self.ckpt.save(step, last_step=step == 20)
         return losses
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.model.state_dict().items()}
+        return full_state(self.model)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as plain tensors (SimpleFSDP holds DTensor shards, here on one rank)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
 
 
 def root(dump: Path) -> Path:
@@ -108,7 +114,7 @@ def test_resume_restores_everything_exactly(tmp_path, async_mode, caplog):
     assert resumed.train(4, 6) == ref_losses[3:]
     assert resumed.sched.get_last_lr() == ref.sched.get_last_lr()
     for k, v in ref.params().items():
-        assert torch.equal(v, resumed.model.state_dict()[k]), k
+        assert torch.equal(v, full_state(resumed.model)[k]), k
     if async_mode == "async_with_pinned_mem":
         assert "no pinned memory on CPU, using async" in caplog.text
 
@@ -210,7 +216,7 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage, expecte
     assert len(messages) == 1 and "\n" not in messages[0], messages
     assert problem in messages[0] and str(root(tmp_path)) in messages[0]
     if expected_step == 1:
-        assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in step1.items())
+        assert all(torch.equal(v, full_state(run.model)[k]) for k, v in step1.items())
     assert not any(p.name.endswith(".partial") for p in root(tmp_path).iterdir())
 
 
@@ -242,12 +248,12 @@ def test_load_step(tmp_path):
 
 def test_another_model_shape_is_refused_before_loading(tmp_path):
     saved_run(tmp_path, steps=1)
-    other = ModelArgs(**{**ARGS.__dict__, "dim": 64})
+    other = ModelArgs(**{**ARGS.__dict__, "dim": 32})
     run = Run(tmp_path, args=other, seed=9)
     before = run.params()
-    with pytest.raises(CheckpointError, match=r"step-1: 'tok_embeddings.weight' has shape \(2056, 32\), this model \(2056, 64\)"):
+    with pytest.raises(CheckpointError, match=r"step-1: 'tok_embeddings.weight' has shape \(2056, 64\), this model \(2056, 32\)"):
         run.ckpt.load()
-    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in before.items())
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
     deeper = ModelArgs(**{**ARGS.__dict__, "n_layers": 3})
     with pytest.raises(CheckpointError, match=r"step-1 has no entry 'layers.2.attention.wq.weight'"):
         Run(tmp_path, args=deeper).ckpt.load()
@@ -274,8 +280,8 @@ def test_last_save_model_only_in_export_dtype(tmp_path, caplog):
     # An explicit load_step takes its weights (cast back to fp32) and starts over.
     fresh = Run(tmp_path, load_step=20, seed=4)
     assert fresh.ckpt.load() == 0
-    for k, v in run.model.state_dict().items():
-        assert torch.equal(fresh.model.state_dict()[k], v.bfloat16().float()), k
+    for k, v in full_state(run.model).items():
+        assert torch.equal(full_state(fresh.model)[k], v.bfloat16().float()), k
 
 
 def test_seed_checkpoint_and_initial_load(tmp_path):
@@ -288,7 +294,7 @@ def test_seed_checkpoint_and_initial_load(tmp_path):
     shutil.copytree(root(tmp_path / "seed"), root(tmp_path / "run"))
     run = Run(tmp_path / "run", seed=7)
     assert run.ckpt.load() == 0
-    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in seed.params().items())
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in seed.params().items())
     # initial_load_path works with checkpointing disabled, and from a full checkpoint too.
     for source in (path, root(tmp_path / "run") / "step-2"):
         if source.name == "step-2":
@@ -296,21 +302,25 @@ def test_seed_checkpoint_and_initial_load(tmp_path):
             run.ckpt.close()
         other = Run(tmp_path / "other", seed=8, enable=False, initial_load_path=str(source))
         assert other.ckpt.load() == 0
-        assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in
+        assert all(torch.equal(v, full_state(other.model)[k]) for k, v in
                    (seed.params() if source == path else run.params()).items())
 
 
 def test_initial_load_in_hf(tmp_path):
     src = Run(tmp_path / "src", seed=3)
-    export_hf(src.model, tmp_path / "hf", bos_id=TOK.bos_id, eos_id=TOK.eos_id)
+    export_hf(src.model, tmp_path / "hf", adapter=SPEC.hf_adapter, bos_id=TOK.bos_id, eos_id=TOK.eos_id)
     run = Run(tmp_path / "run", enable=False, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True)
     assert run.ckpt.load() == 0
-    assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in src.params().items())
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in src.params().items())
 
 
 def test_seed_checkpoint_needs_one_process(tmp_path):
+    run = Run(tmp_path)
+    run.cfg.checkpoint.create_seed_checkpoint = True
     with pytest.raises(ConfigError, match="create_seed_checkpoint must run in a single process"):
-        Run(tmp_path, create_seed_checkpoint=True, world_size=2)
+        CheckpointManager(run.cfg, model=run.model, optimizer=run.trainer.optimizer, lr_scheduler=run.sched,
+                          dataloader=run.loader, dims=ParallelDims(1, -1, 1, 2), rank=0, world_size=2,
+                          device=torch.device("cpu"))
 
 
 def test_bad_initial_load_path(tmp_path):

@@ -14,16 +14,26 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, assert_ok, child_env, torchrun
-from titanlite.checkpoint.hf import INDEX, export_hf, from_hf_rope, hf_config, hf_name, import_hf, to_hf_rope
-from titanlite.errors import CheckpointError
-from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
+from harness import ROOT, assert_ok, child_env, tiny_args, torchrun
+from titanlite.checkpoint import hf
+from titanlite.errors import CheckpointError, run_cli
+from titanlite.models.llama3 import SPEC, ModelArgs, Transformer, llama3_configs
+from titanlite.models.llama3.hf_adapter import from_hf_rope, hf_config, hf_name, to_hf_rope
 from titanlite.models.llama3.model import apply_rope, rope_tables
 
 # DCP warns on every single-process save/load (no process group), which is what these tests do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
+ARGS = tiny_args(n_layers=2)
 SEQ = 16
+INDEX = hf.INDEX
+
+
+def export_hf(model, out, **kwargs):
+    hf.export_hf(model, out, adapter=SPEC.hf_adapter, **kwargs)
+
+
+def import_hf(model, path):
+    hf.import_hf(model, path, adapter=SPEC.hf_adapter)
 
 
 def model(args: ModelArgs = ARGS, seed: int = 0) -> Transformer:
@@ -147,9 +157,9 @@ def test_sharded_export_and_import(tmp_path):
 
 
 def test_cli_export(tmp_path, capsys):
-    """`python -m titanlite.checkpoint.hf export` on a checkpoint of the debug model gives its weights."""
-    from titanlite.checkpoint import hf
+    """`python -m titanlite.tools.hf export` on a checkpoint of the debug model gives its weights."""
     from titanlite.checkpoint.manager import CheckpointManager
+    from titanlite.tools import hf as hf_tool
     from titanlite.config import load_config
     from titanlite.parallelisms.parallel_dims import ParallelDims
 
@@ -162,7 +172,7 @@ def test_cli_export(tmp_path, capsys):
                              dims=ParallelDims(1, -1, 1, 1), rank=0, world_size=1, device=torch.device("cpu"))
     seed.save(0, force=True, model_only=True)
     seed.close()
-    cli = subprocess.run([sys.executable, "-m", "titanlite.checkpoint.hf", "export", *overrides, "--step", "0",
+    cli = subprocess.run([sys.executable, "-m", "titanlite.tools.hf", "export", *overrides, "--step", "0",
                           "--out", str(tmp_path / "hf")], env=child_env(), cwd=ROOT, capture_output=True, text=True)
     assert_ok(cli)
     assert "exported" in cli.stdout
@@ -170,8 +180,8 @@ def test_cli_export(tmp_path, capsys):
     import_hf(dst, tmp_path / "hf")
     assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
     # Errors are one line and exit code 2.
-    assert hf.main(["export", *overrides, "--step", "5", "--out", str(tmp_path / "hf2")]) == 2
+    assert run_cli(hf_tool.main, ["export", *overrides, "--step", "5", "--out", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "step-5 does not exist" in err
-    assert hf.main(["export", *overrides, "--out", str(tmp_path / "hf")]) == 2
+    assert run_cli(hf_tool.main, ["export", *overrides, "--out", str(tmp_path / "hf")]) == 2
     assert "already exists" in capsys.readouterr().err

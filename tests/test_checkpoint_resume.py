@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_ok, child_env, torchrun
+from harness import ROOT, assert_ok, child_env, torchrun
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.manager import TEST_KILL_ENV
 

@@ -19,18 +19,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._ordered_set import OrderedSet
 
-from conftest import assert_ok, child_env, torchrun
+from harness import check_parity, parity, tiny_args
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.models.llama3 import ModelArgs, Transformer
+from titanlite.models.llama3 import Transformer
+from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.collectives import graph_collectives
-from titanlite.parallelisms.compile import apply_compile, fake_pg_report
+from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, ReshardTagPass, module_fqn
+from titanlite.tools.dry_run import compile_report
 
 N = 3
-ARGS = ModelArgs(dim=32, n_layers=N, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16)
+ARGS = tiny_args(n_layers=N)
 PER_BLOCK = 9  # wq wk wv wo w1 w2 w3 + two norms
 ROOT = 3  # tok_embeddings, norm, output
 
@@ -57,7 +59,7 @@ def inductor_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope):
-    report = fake_pg_report(config(tmp_path, "transformer_block", scope), ARGS, world_size=2)
+    report = compile_report(config(tmp_path, "transformer_block", scope), 2, ARGS)
     dp = report["dp"]
     assert (tmp_path / "compile_report.json").exists()
     if scope == "model":  # buckets: [tok_embeddings], each block, [norm, output]
@@ -76,7 +78,7 @@ def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope)
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
     cfg = config(tmp_path, "auto", scope, compile__cost_model="config")
-    report = fake_pg_report(cfg, ARGS, world_size=2)
+    report = compile_report(cfg, 2, ARGS)
     dp = report["dp"]
     limit = N if scope == "block" else N + 2
     assert dp["all_gather"]["after"] <= limit < dp["all_gather"]["before"]
@@ -92,7 +94,7 @@ def test_reshard_after_forward_policy_under_compile(tmp_path, policy, regathered
     reordering the buckets are the same, only left where the first collective of each was."""
     cfg = config(tmp_path, "transformer_block", "model", parallelism__fsdp_reshard_after_forward=policy,
                  compile__reorder=reorder)
-    dp = fake_pg_report(cfg, ARGS, world_size=2)["dp"]
+    dp = compile_report(cfg, 2, ARGS)["dp"]
     assert dp["all_gather"]["after"] == N + 2 and dp["reduce_scatter"]["after"] == N + 2
     assert dp.get("backward_all_gather", {"before": 0})["before"] == regathered
     if regathered:
@@ -101,7 +103,7 @@ def test_reshard_after_forward_policy_under_compile(tmp_path, policy, regathered
 
 def test_counts_are_split_by_mesh_dim_under_tensor_parallelism(tmp_path):
     cfg = config(tmp_path, "transformer_block", parallelism__tensor_parallel_degree=2)
-    report = fake_pg_report(cfg, ARGS, world_size=4)
+    report = compile_report(cfg, 4, ARGS)
     assert report["dp"]["all_gather"] == {"before": N * PER_BLOCK, "after": N}
     # Sequence parallelism's activation collectives are not FSDP's: counted under tp, never bucketed.
     tp = report["tp"]
@@ -179,21 +181,23 @@ def test_module_fqn_reads_dynamo_module_paths():
 def test_invalid_combinations_are_config_errors():
     with torch.device("meta"):
         model = Transformer(ARGS, seq_len=8)
+    units = llama_units(model)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
     cfg = JobConfig()
     cfg.compile.enable, cfg.compile.bucketing = True, "auto"
     cfg.parallelism.dp_impl = "fsdp2"
     with pytest.raises(ConfigError, match="SimpleFSDP"):
-        apply_compile(model, cfg, ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2))
+        apply_compile(model, units, {}, cfg, dims)
     cfg = JobConfig()
     cfg.compile.enable, cfg.compile.scope, cfg.activation_checkpoint.mode = True, "model", "full"
-    apply_ac(model.layers, cfg.activation_checkpoint)
+    ac = apply_ac(units.blocks, cfg.activation_checkpoint)
+    assert set(ac) == set(units.blocks) and all(a.mode == "full" for a in ac.values())
     with pytest.raises(ConfigError, match="scope=model"):
-        apply_compile(model, cfg, ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2))
+        apply_compile(model, units, ac, cfg, dims)
 
 
 # --- numerical parity through the torchrun harness --------------------------------------------------------
 
-LOSS_REL, GRAD_ABS, PARAM_ABS = 1e-5, 1e-6, 1e-4
 COMPILED = {"compile": True, "backend": "aot_eager"}
 CASES_2 = [
     {**COMPILED, "shard": 2, "bucketing": "transformer_block"},
@@ -207,16 +211,8 @@ CASES_4 = [{**COMPILED, "shard": 2, "tp": 2, "bucketing": "transformer_block", "
 
 
 def _parity(cases, nproc, tmp_path):
-    out = tmp_path / "parity.json"
-    proc = torchrun(["tests/workers/parity.py", json.dumps(cases), str(out)], nproc,
-                    env=child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
-    assert_ok(proc)
-    records = json.loads(out.read_text())
-    assert len(records) == len(cases)
-    bad = [r for r in records
-           if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)]
-    assert not bad, "\n".join(f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} "
-                              f"param={r['param_abs']:.2e}" for r in bad)
+    records = parity(cases, nproc, tmp_path, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    check_parity(records)
     for r in records:  # the bucketed graphs are the ones that ran
         dp = r["compile_report"]["dp"]
         assert dp["all_gather"]["after"] < dp["all_gather"]["before"], r["case"]

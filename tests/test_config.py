@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env
+from harness import ROOT, child_env
 from titanlite.config import ConfigError, JobConfig, load_config
 
 

@@ -24,15 +24,23 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
-from conftest import ROOT, assert_ok, child_env, torchrun
+from harness import ROOT, assert_ok, child_env, torchrun
 from titanlite.config import load_config
-from titanlite.memory_plan import Layout, activation_bytes
+from titanlite.build import RunPlan, build_model
+from titanlite.errors import run_cli
+from titanlite.memory_plan import Layout
 from titanlite.models.llama3 import Transformer
-from titanlite.models.llama3.parallelize import parallelize_llama
+from titanlite.models.llama3.memory import activation_bytes
+from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.step import cross_entropy_loss
-from titanlite.tools.dry_run import dry_run, main
-from titanlite.train import RunPlan
+from titanlite.tools import dry_run as dry_run_tool
+from titanlite.tools.dry_run import dry_run
+
+
+def main(argv: list[str]) -> int:
+    return run_cli(dry_run_tool.main, argv)
+
 
 DEBUG = "train_configs/debug_model.toml"
 ACT_TOLERANCE = 0.02
@@ -125,12 +133,7 @@ def _worker(out_path: str) -> None:
     for name, overrides in {**LAYOUTS, **TP_ACT_LAYOUTS}.items():
         cfg = cfg_of(*overrides, *ACT_BATCH)
         plan = RunPlan.build(cfg, world)
-        with torch.device("meta"):
-            model = Transformer(plan.model_args, seq_len=cfg.training.seq_len)
-        plan.dims.build_mesh("cpu")
-        model = parallelize_llama(model, plan.dims, cfg)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        model = build_model(plan, torch.device("cpu"))
         if name in LAYOUTS:
             record["numel"][name] = {fqn: (p.to_local() if hasattr(p, "to_local") else p).numel()
                                      for fqn, p in model.named_parameters()}
@@ -183,7 +186,7 @@ def test_activation_estimate_matches_measurement(ac, option, vocab):
     args = plan.model_args if vocab is None else dataclasses.replace(plan.model_args, vocab_size=vocab)
     torch.manual_seed(0)
     model = Transformer(args, seq_len=SEQ)
-    apply_ac(model.layers, cfg.activation_checkpoint)
+    apply_ac(llama_units(model).blocks, cfg.activation_checkpoint)
     measured = measure_activation_peak(model, args.vocab_size, BATCH, SEQ, use_loss_parallel=False)
     layout = Layout(tp=1, dp_mode=None, dp_impl="simple_fsdp", compute_dtype=torch.float32,
                     reduce_dtype=torch.float32, reshard="default", loss_parallel=False, ac_mode=ac, ac_option=option,

@@ -7,7 +7,7 @@ import math
 import shlex
 import subprocess
 
-from conftest import ROOT, child_env
+from harness import ROOT, child_env
 
 FAKE_SRUN = """#!/bin/bash
 # Records its options, then runs the task of node 0 (what srun starts on every node).

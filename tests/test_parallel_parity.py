@@ -1,20 +1,16 @@
 """Every data/tensor-parallel layout trains like one process: losses, gradients and updated parameters.
 
-Tolerances (fp32, CPU, gloo): loss relative difference <= 1e-5 over 5 steps; gradients after step 1
-within 1e-6 absolute (they are ~1e-2 to 1e0); parameters after the first AdamW step within 1e-4
-absolute (AdamW's first step divides by |g|, which magnifies rounding on near-zero gradients).
-The tiny model has vocab 257 and FFN 160, so shards are uneven.
+All cases of one world size run in one torchrun launch (`harness.parity`), each through the shipped
+`Trainer.train_step`, against one shared one-process reference; each case is then its own test id.
+Tolerances are the harness's (`LOSS_REL`, `GRAD_ABS`, `PARAM_ABS`). The tiny model has vocab 257 and
+FFN 160, so shards are uneven.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import assert_ok, torchrun
-
-LOSS_REL, GRAD_ABS, PARAM_ABS = 1e-5, 1e-6, 1e-4
+from harness import LOSS_REL, check_parity, parity
 
 CASES_2 = [
     {"shard": 2}, {"rep": 2}, {"tp": 2},
@@ -22,6 +18,10 @@ CASES_2 = [
     {"rep": 2, "ac": "full"}, {"tp": 2, "ac": "full"}, {"tp": 2, "ac": "selective"},
     {"shard": 2, "reshard": "never"}, {"shard": 2, "reshard": "always"}, {"shard": 2, "accum": 2},
     {"shard": 2, "dp_impl": "fsdp2"}, {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
+    # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
+    {"shard": 2, "param_dtype": "bfloat16"}, {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
+    # Negative control: every rank trains on the same slice (different data from the reference).
+    {"shard": 2, "corrupt": True},
 ]
 CASES_4 = [
     {"shard": 4}, {"rep": 4}, {"rep": 2, "shard": 2}, {"shard": 2, "tp": 2}, {"rep": 2, "shard": 1, "tp": 2},
@@ -30,46 +30,59 @@ CASES_4 = [
     {"shard": 2, "tp": 2, "ac": "selective", "ac_option": "2"},
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"}, {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
 ]
-
-# 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine (about a minute).
+# 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [{"rep": 2, "shard": 2, "tp": 2}, {"rep": 2, "shard": 2, "tp": 2, "ac": "full"}]
 
 
-def _run(cases, nproc, tmp_path):
-    out = tmp_path / "parity.json"
-    proc = torchrun(["tests/workers/parity.py", json.dumps(cases), str(out)], nproc)
-    assert_ok(proc)
-    return json.loads(out.read_text())
+def case_id(case: dict) -> str:
+    """{"shard": 2, "ac": "full"} -> "shard2-ac_full"."""
+    return "-".join(f"{k}{v}" if isinstance(v, int) and not isinstance(v, bool) else k if v is True else f"{k}_{v}"
+                    for k, v in case.items())
 
 
-def _check(records):
-    bad = [r for r in records
-           if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)]
-    assert not bad, "\n".join(f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} "
-                              f"param={r['param_abs']:.2e}" for r in bad)
+def _fp32(cases: list[dict]) -> list[dict]:
+    return [c for c in cases if "param_dtype" not in c and not c.get("corrupt")]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cases,nproc", [(CASES_2, 2), (CASES_4, 4), (CASES_8, 8)], ids=["2", "4", "8_3d"])
-def test_parity(tmp_path, cases, nproc):
-    records = _run(cases, nproc, tmp_path)
-    assert len(records) == len(cases)
-    _check(records)
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """All records by case id; one launch per world size, on first use."""
+    cache: dict[int, dict[str, dict]] = {}
 
+    def get(nproc: int, cases: list[dict]) -> dict[str, dict]:
+        if nproc not in cache:
+            out = parity(cases, nproc, tmp_path_factory.mktemp(f"parity{nproc}"))
+            cache[nproc] = {case_id(r["case"]): r for r in out}
+        return cache[nproc]
 
-@pytest.mark.slow
-def test_parity_detects_a_wrong_layout(tmp_path):
-    """The harness can fail: a run on different data (a skipped rank slice) must exceed the tolerance."""
-    records = _run([{"shard": 2, "corrupt": True}], 2, tmp_path)
-    assert records[0]["loss_rel"] > LOSS_REL
+    return get
 
 
 @pytest.mark.slow
-def test_bf16_simple_fsdp_matches_fsdp2(tmp_path):
+@pytest.mark.parametrize("nproc,case", [(2, c) for c in _fp32(CASES_2)] + [(4, c) for c in CASES_4]
+                         + [(8, c) for c in CASES_8],
+                         ids=[f"{n}-{case_id(c)}" for n, cs in ((2, _fp32(CASES_2)), (4, CASES_4), (8, CASES_8))
+                              for c in cs])
+def test_parity(records, nproc, case):
+    all_cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[nproc]
+    check_parity([records(nproc, all_cases)[case_id(case)]])
+
+
+@pytest.mark.slow
+def test_parity_detects_a_wrong_layout(records):
+    """The harness can fail: a run on different data (one rank slice for all) must exceed the tolerance."""
+    rec = records(2, CASES_2)[case_id({"shard": 2, "corrupt": True})]
+    assert rec["loss_rel"] > LOSS_REL
+    with pytest.raises(AssertionError):
+        check_parity([rec])
+
+
+@pytest.mark.slow
+def test_bf16_simple_fsdp_matches_fsdp2(records):
     """bf16 params / fp32 reduce: SimpleFSDP and FSDP2 agree with each other (both differ from fp32)."""
-    records = _run([{"shard": 2, "param_dtype": "bfloat16"}, {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"}],
-                   2, tmp_path)
-    simple, fsdp2 = records
+    recs = records(2, CASES_2)
+    simple = recs[case_id({"shard": 2, "param_dtype": "bfloat16"})]
+    fsdp2 = recs[case_id({"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"})]
     diffs = [abs(a - b) / abs(b) for a, b in zip(simple["losses"], fsdp2["losses"])]
     assert max(diffs) <= 1e-3, diffs
     # bf16 really was used: the losses differ from the fp32 reference by more than fp32 rounding.

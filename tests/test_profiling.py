@@ -7,17 +7,15 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
+from harness import train
 from titanlite.config import Profiling
 from titanlite.profiling import Profiler
-from titanlite.train import main
 
 
+@pytest.mark.slow
 def test_a_two_step_cpu_run_writes_a_trace_that_parses(tmp_path):
-    code = main(["--config", str(ROOT / "train_configs/debug_model.toml"), "--job.dump_folder", str(tmp_path),
-                 "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
-                 "--no-metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2"])
-    assert code == 0
+    train(tmp_path, 1, "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
+          "--no-metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2").ok()
     assert [p.name for p in (tmp_path / "profile_traces").iterdir()] == ["iteration_2"]
     trace = json.loads((tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}

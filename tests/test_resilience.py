@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env, torchrun
+from harness import ROOT, child_env, torchrun
 
 COMMON = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64", "--metrics.log_freq", "1",
           "--training.deterministic", "--no-metrics.enable_tensorboard"]

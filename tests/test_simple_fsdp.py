@@ -17,11 +17,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config import JobConfig
-from titanlite.models.llama3 import ModelArgs, Transformer
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.parallelisms.parallel_dims import ParallelDims
+from harness import tiny_args
+from titanlite.build import RunPlan, build_model
+from titanlite.models.llama3 import Transformer
 
-ARGS = ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=16)
+ARGS = tiny_args()
 PARAMS_PER_BLOCK = 9  # wq wk wv wo w1 w2 w3 + two norms
 
 
@@ -47,14 +47,9 @@ def build(reshard: str, mode_shard: int = 2, rep: int = 1) -> Transformer:
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "float32"
     cfg.parallelism.fsdp_reshard_after_forward = reshard
-    dims = ParallelDims(dp_replicate=rep, dp_shard=mode_shard, tp=1, world_size=2)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(ARGS, seq_len=8)
-    parallelize_llama(model, dims, cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model
+    cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree = rep, mode_shard
+    cfg.training.seq_len = 8
+    return build_model(RunPlan.build(cfg, 2, args=ARGS), torch.device("cpu"))
 
 
 def count(model: Transformer) -> tuple[Counter, Counter]:
@@ -76,7 +71,7 @@ def test_parameters_are_sharded_dtensors_and_state_dict_stays_sharded(fake_world
     assert len(sd) == n_params and all(isinstance(v, DTensor) for v in sd.values())
     # The attribute goes through the gather: a full plain tensor.
     w = model.layers["0"].attention.wq.weight
-    assert not isinstance(w, DTensor) and w.shape == (32, 32)
+    assert not isinstance(w, DTensor) and w.shape == (ARGS.dim, ARGS.dim)
 
 
 @pytest.mark.parametrize("reshard,regathered_blocks", [("never", 0), ("default", 2), ("always", 3)])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_ok, child_env, torchrun
+from harness import ROOT, assert_ok, child_env, torchrun
 
 SMALL = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--training.deterministic"]
 

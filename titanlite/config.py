@@ -16,9 +16,14 @@ import json
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
+
+import torch
 
 from titanlite.errors import ConfigError
+
+DEFAULT_CONFIG = "train_configs/debug_model.toml"
+"""The config of a run started without `--config` (relative to the working directory, the checkout)."""
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,8 +58,7 @@ class Optimizer:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    implementation: str = "foreach"
-    """`foreach`, `fused` or `for-loop`."""
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
 
 
 @dataclass
@@ -62,8 +66,7 @@ class LRScheduler:
     warmup_steps: int = 10
     decay_ratio: float = 1.0
     """Fraction of the post-warmup steps spent decaying; < 1 gives warmup-stable-decay (WSD)."""
-    decay_type: str = "linear"
-    """`linear`, `cosine` or `sqrt`."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
     min_lr_factor: float = 0.0
     """The final learning rate as a fraction of `optimizer.lr`."""
 
@@ -85,9 +88,10 @@ class Training:
     seed: int = 0
     deterministic: bool = False
     gc_freq: int = 50
-    mixed_precision_param: str = "bfloat16"
-    """Dtype of the gathered parameters in forward/backward (training on CUDA; CPU runs use float32)."""
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the gathered parameters in forward/backward, on every device and world size (master weights
+    stay float32); the CPU configs set float32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     skip_nonfinite_steps: int = 0
     """How many optimizer steps with a non-finite loss or grad norm may be skipped; 0 = stop on the first."""
 
@@ -98,9 +102,9 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """-1 = whatever the world size leaves after the other degrees."""
     tensor_parallel_degree: int = 1
-    dp_impl: str = "simple_fsdp"
+    dp_impl: Literal["simple_fsdp", "fsdp2"] = "simple_fsdp"
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
-    fsdp_reshard_after_forward: str = "default"
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default` (all blocks but the last), `always` or `never`."""
     disable_loss_parallel: bool = False
 
@@ -112,14 +116,13 @@ class Checkpoint:
     interval: int = 500
     keep_latest_k: int = 0
     """Keep only the newest k complete checkpoints (0 = keep all)."""
-    async_mode: str = "disabled"
-    """`disabled`, `async` or `async_with_pinned_mem`."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     load_step: int = -1
     """-1 = the newest complete checkpoint."""
     initial_load_path: str = ""
     initial_load_in_hf: bool = False
     last_save_model_only: bool = False
-    export_dtype: str = "float32"
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     create_seed_checkpoint: bool = False
     stop_on_save_error: bool = False
     """If a save fails (disk full, permissions), stop instead of warning and training on."""
@@ -127,8 +130,7 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"
-    """`none`, `full` or `selective`."""
+    mode: Literal["none", "full", "selective"] = "none"
     selective_ac_option: str = "op"
     """`op` (save matmul/attention outputs, recompute the rest) or an integer k (every k-th block)."""
 
@@ -136,16 +138,16 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    backend: str = "inductor"
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    bucketing: str = "none"
+    bucketing: Literal["none", "auto", "transformer_block"] = "none"
     """`none`, `auto` (torch's overlap scheduler) or `transformer_block` (one bucket per block)."""
     reorder: bool = True
     """With bucketing: also move the bucketed collectives to overlap compute (prefetch all-gathers, defer
     reduce-scatter waits); off = bucketing only."""
-    scope: str = "block"
+    scope: Literal["block", "model"] = "block"
     """`block` (compile each transformer block; default) or `model` (one graph for the model's forward)."""
-    cost_model: str = "measure"
+    cost_model: Literal["measure", "config"] = "measure"
     """CPU figures for `auto` bucketing's runtime estimates: `measure` (time a matmul, a copy and a gloo
     all-gather at start-up) or `config` (the four figures below). CUDA uses torch's GPU estimators."""
     cpu_gflops: float = 128.0
@@ -180,8 +182,8 @@ class Comm:
     init_timeout_seconds: int = 300
     train_timeout_seconds: int = 100
     max_restarts: int = 0
-    mode: str = "default"
-    """`default` or `fake_backend` (dry run on a fake process group)."""
+    mode: Literal["default", "fake_backend"] = "default"
+    """`fake_backend` = a dry run on a fake process group."""
     fake_world_size: int = 0
     """Dry run: the world size to plan for; 0 = NGPU x NNODES as run_train.sh computes it (WORLD_SIZE)."""
     fake_rank: int = 0
@@ -212,23 +214,21 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2)
 
 
-# Allowed values of the string-valued choices, checked by `validate`.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "optimizer.implementation": ("foreach", "fused", "for-loop"),
-    "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
-    "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
-    "training.mixed_precision_reduce": ("float32", "bfloat16"),
-    "parallelism.dp_impl": ("simple_fsdp", "fsdp2"),
-    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
-    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
-    "activation_checkpoint.mode": ("none", "full", "selective"),
-    "compile.backend": ("inductor", "aot_eager", "eager"),
-    "compile.bucketing": ("none", "auto", "transformer_block"),
-    "compile.scope": ("block", "model"),
-    "compile.cost_model": ("measure", "config"),
-    "comm.mode": ("default", "fake_backend"),
-}
+def _choice_fields() -> dict[str, tuple[str, ...]]:
+    """`section.key` -> allowed values, for every `Literal[...]` field of the schema."""
+    return {
+        f"{s}.{k}": get_args(t)
+        for s, cls in typing.get_type_hints(JobConfig).items()
+        for k, t in typing.get_type_hints(cls).items()
+        if get_origin(t) is Literal
+    }
+
+
+# Allowed values of the choice fields, derived from their `Literal` types.
+CHOICES: dict[str, tuple[str, ...]] = _choice_fields()
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The one map from the config's dtype names to torch dtypes."""
 
 
 def _sections() -> dict[str, type]:
@@ -248,8 +248,10 @@ def _suggest(name: str, candidates: list[str]) -> str:
 def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise a one-line ConfigError."""
     where = f" in {origin}" if origin else ""
-    if typing.get_origin(typ) is list:
-        (item,) = typing.get_args(typ)
+    if get_origin(typ) is Literal:
+        typ = str  # the value is checked against the choices by `validate`
+    if get_origin(typ) is list:
+        (item,) = get_args(typ)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):

@@ -11,8 +11,10 @@ import os
 import sys
 import tempfile
 
-from titanlite.config import load_config
-from titanlite.errors import ConfigError, UserError
+from titanlite.build import RunPlan
+from titanlite.config import DEFAULT_CONFIG, load_config
+from titanlite.data.loader import build_dataloader
+from titanlite.errors import ConfigError, run_cli
 
 
 def check_dump_folder(path: str) -> None:
@@ -25,9 +27,6 @@ def check_dump_folder(path: str) -> None:
 
 
 def preflight(argv: list[str], world_size: int) -> int:
-    from titanlite.data.loader import build_dataloader
-    from titanlite.train import DEFAULT_CONFIG, RunPlan
-
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     plan = RunPlan.build(cfg, world_size)
     t = cfg.training
@@ -42,15 +41,10 @@ def preflight(argv: list[str], world_size: int) -> int:
     return cfg.comm.max_restarts
 
 
-def main() -> int:
-    try:
-        restarts = preflight(sys.argv[1:], int(os.environ.get("WORLD_SIZE", "1")))
-    except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(restarts)
+def main(argv: list[str]) -> int:
+    print(preflight(argv, int(os.environ.get("WORLD_SIZE", "1"))))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -1,4 +1,4 @@
-"""The loss and one optimizer step, shared by the Trainer, the benchmarks and the parity tests."""
+"""The loss and the gradients of one step; `Trainer.train_step` adds agreement across ranks and the update."""
 
 from __future__ import annotations
 
@@ -36,12 +36,3 @@ def forward_backward(model, optimizer, batches, loss_fn, use_loss_parallel: bool
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     return total, grad_norm
-
-
-def training_step(model, optimizer, lr_scheduler, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients, then the optimizer and LR-schedule step; returns (local mean loss, global grad norm)."""
-    loss, grad_norm = forward_backward(model, optimizer, batches, loss_fn, use_loss_parallel, max_norm, device)
-    optimizer.step()
-    lr_scheduler.step()
-    return loss, grad_norm

@@ -1,9 +1,10 @@
 """The training entry point: `python -m titanlite.train --config FILE [--section.key value ...]`.
 
-The data path reads top to bottom: config -> process group and ParallelDims (mesh) -> tokenizer and
-model on the meta device -> parallelize plan -> materialise and initialise -> optimizer, LR schedule,
-dataloader -> step loop -> metrics. Bad input (config, data, checkpoints) is a `UserError`: one line on
-stderr and exit code 2.
+Under torchrun (`run_train.sh`) or alone: one process without torchrun is a world of one and gets the
+same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and process
+group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader -> `train_step` in
+the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence exit code 3
+(`errors.run_cli`). Nothing imports this module: tools build runs through `titanlite.build`.
 """
 
 from __future__ import annotations
@@ -15,167 +16,109 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from titanlite.build import RunPlan, build_model, init_device, init_distributed, world_from_env
 from titanlite.checkpoint.manager import CheckpointManager
-from titanlite.config import JobConfig, load_config
+from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.loader import build_dataloader
-from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.errors import ConfigError, TrainingDiverged, UserError
+from titanlite.errors import TrainingDiverged, run_cli
 from titanlite.metrics import MetricsLogger, StepStats
-from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
-from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
 
 logger = logging.getLogger("titanlite")
-DEFAULT_CONFIG = "train_configs/debug_model.toml"
 
 
 def init_logging(rank: int) -> None:
-    logging.basicConfig(format=f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", level=logging.INFO, force=True)
-
-
-def model_args(cfg: JobConfig, vocab_size: int):
-    if cfg.model.name != "llama3":
-        raise ConfigError(f"config key 'model.name' = {cfg.model.name!r}: expected llama3")
-    if cfg.model.flavor not in llama3_configs:
-        raise ConfigError(
-            f"config key 'model.flavor' = {cfg.model.flavor!r}: expected one of {', '.join(llama3_configs)}"
-        )
-    args = llama3_configs[cfg.model.flavor]
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the {cfg.model.flavor} model's max_seq_len {args.max_seq_len}"
-        )
-    args = type(args)(**{**args.__dict__, "vocab_size": vocab_size})
-    return args
-
-
-@dataclass
-class RunPlan:
-    """Everything derived from the config and world size alone: checked before any rank does work."""
-
-    tokenizer: Tokenizer
-    model_args: ModelArgs
-    dims: ParallelDims
-    global_batch: int
-    grad_accum: int
-
-    @classmethod
-    def build(cls, cfg: JobConfig, world_size: int) -> "RunPlan":
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
-        args = model_args(cfg, tokenizer.n_words)
-        p, t = cfg.parallelism, cfg.training
-        dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            tp=p.tensor_parallel_degree, world_size=world_size, n_heads=args.n_heads,
-            n_kv_heads=args.kv_heads, dp_impl=p.dp_impl,
-        )
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
-        if global_batch % (t.local_batch_size * dims.dp):
-            raise ConfigError(
-                f"training.global_batch_size {global_batch} is not a multiple of "
-                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
-            )
-        return cls(tokenizer, args, dims, global_batch, global_batch // (t.local_batch_size * dims.dp))
+    """One stderr handler on the `titanlite` logger (replaced, not added, when a process builds several
+    trainers); records still propagate, so handlers on the root logger see them too."""
+    for handler in [h for h in logger.handlers if getattr(h, "titanlite", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s",
+                                           datefmt="%H:%M:%S"))
+    handler.titanlite = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 class Trainer:
-    """Builds every component from the config and runs the step loop."""
+    """Builds every component from the config and runs the step loop.
 
-    def __init__(self, cfg: JobConfig):
+    `plan` replaces the one built from `cfg` (tests train tiny models through this same trainer). A
+    process group that exists already is used and left open by `close()`.
+    """
+
+    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None):
         self.cfg = cfg
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.device = self._init_device()
+        self.rank, self.world_size = world_from_env()
+        self.device = init_device()
         init_logging(self.rank)
         if cfg.job.print_config and self.rank == 0:
             print(cfg.to_json(), flush=True)
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
-        plan = RunPlan.build(cfg, self.world_size)
-        self.tokenizer, self.model_args, self.dims = plan.tokenizer, plan.model_args, plan.dims
-        self.global_batch, self.grad_accum = plan.global_batch, plan.grad_accum
+        self.plan = plan or RunPlan.build(cfg, self.world_size)
+        self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
+        self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         self.dataloader = build_dataloader(
             tokenizer=self.tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field,
             seq_len=t.seq_len, local_batch_size=t.local_batch_size, global_batch_size=self.global_batch,
-            dp_rank=self._dp_rank_from_env(), dp_degree=dp, virtual_shards=t.dataset_virtual_shards,
+            dp_rank=self.dims.dp_rank_of(self.rank), dp_degree=dp, virtual_shards=t.dataset_virtual_shards,
             num_workers=t.dataloader_num_workers,
         )
 
-        self._init_process_group()
-        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
-
-        with torch.device("meta"):
-            model = Transformer(self.model_args, seq_len=t.seq_len)
-        if self.mesh is not None:
-            model = parallelize_llama(model, self.dims, cfg)
-        model.to_empty(device=self.device)
-        model.init_weights(seed=t.seed, buffer_device=self.device)
-        model.train()
-        self.model = model
+        self._owns_process_group = not dist.is_initialized()
+        init_distributed(cfg, self.device)
+        self.model = build_model(self.plan, self.device)
+        self.model.train()
         n_params = self.model_args.num_params()
         logger.info(
-            f"model llama3 {cfg.model.flavor}: {n_params:,} parameters, vocab {self.model_args.vocab_size}; "
+            f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {self.model_args.vocab_size}; "
             f"mesh {dict(zip(self.dims.dim_names, [getattr(self.dims, n) for n in self.dims.dim_names]))} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
+        logger.info(f"plan: {self._describe_plan()}")
 
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
-        self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         self.step = 0
         self.skipped_steps = 0
         self.preemption = Preemption()
         self.preempted = False
         self.checkpointer = CheckpointManager(
-            cfg, model=model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            dims=self.dims, rank=self.rank, world_size=self.world_size, device=self.device,
+            cfg, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, dims=self.dims, rank=self.rank, world_size=self.world_size,
+            device=self.device,
         )
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, self.device,
             flops_per_token=self.model_args.flops_per_token(t.seq_len), enabled=self.rank == 0,
         )
 
+    def _describe_plan(self) -> str:
+        c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
+        compiled = "eager"
+        if c.enable:
+            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {c.scope}, bucketing {c.bucketing})"
+        ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
+        precision = (f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
+                     if self.dims.dp_enabled else "float32 (no data-parallel plan)")
+        return f"AC {ac_text}; {compiled}; {precision}"
+
     # --- set-up helpers ---------------------------------------------------------------------------------
-
-    def _init_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-            return device
-        return torch.device("cpu")
-
-    def _dp_rank_from_env(self) -> int:
-        """This rank's index on the flattened dp mesh: ranks are laid out (dp_replicate, dp_shard, tp)."""
-        return self.rank // self.dims.tp
-
-    def _init_process_group(self) -> None:
-        if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
-            return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=self.cfg.comm.init_timeout_seconds)
-        # torchrun keeps one store across restarts; without a per-attempt prefix a restarted rank can read
-        # the previous attempt's peer addresses and fail to connect.
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"titanlite/attempt{attempt}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
     def _set_train_timeout(self) -> None:
         """After the first step (which includes compilation), a dead peer must surface within the train timeout."""
@@ -199,7 +142,7 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        loss, grad_norm = forward_backward(self.model, self.optimizer, batches, loss_fn, self.loss_parallel,
+        loss, grad_norm = forward_backward(self.model, self.optimizer, batches, loss_fn, self.dims.loss_parallel,
                                            self.cfg.training.max_norm, self.device)
         verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = verdict.preempted
@@ -226,7 +169,7 @@ class Trainer:
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """Average a per-rank loss over the data-parallel mesh (tp ranks hold the same value)."""
-        mesh = self.dims.dp_mesh if self.mesh is not None else None
+        mesh = self.dims.dp_mesh
         if mesh is None:
             return value.item()
         value = value.clone()
@@ -288,28 +231,19 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
-        if dist.is_initialized():
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    trainer = None
+def main(argv: list[str]) -> int:
+    cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+    trainer = Trainer(cfg)
     try:
-        cfg = load_config(argv, default_config=DEFAULT_CONFIG)
-        trainer = Trainer(cfg)
         trainer.train()
-    except TrainingDiverged as e:
-        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
-        return 3
-    except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
-        return 2
     finally:
-        if trainer is not None:
-            trainer.close()
+        trainer.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

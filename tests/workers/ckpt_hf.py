@@ -8,7 +8,9 @@ parameters (bitwise) and logits with the single-process model. Rank 0 writes a J
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,29 +19,27 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint.hf import INDEX, _rope_heads, export_hf, hf_name, import_hf, to_hf_rope
-from titanlite.config import JobConfig
-from titanlite.models.llama3 import ModelArgs, Transformer
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.parallelisms.parallel_dims import ParallelDims
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import tiny_args  # noqa: E402
+from titanlite.build import RunPlan, build_model  # noqa: E402
+from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
+from titanlite.config import JobConfig  # noqa: E402
+from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
 
 # Uneven shards on purpose: vocab 257 and ffn 160 do not divide by 4.
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
+ARGS = tiny_args(n_layers=2)
 SEQ = 16
+ADAPTER = SPEC.hf_adapter
 
 
-def build(dp_shard: int, tp: int, dp_impl: str, seed: int) -> Transformer:
+def build(dp_shard: int, tp: int, dp_impl: str, seed: int) -> torch.nn.Module:
     cfg = JobConfig()
     cfg.parallelism.dp_impl = dp_impl
+    cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree = dp_shard, tp
     cfg.training.mixed_precision_param = "float32"
-    dims = ParallelDims(1, dp_shard, tp, dist.get_world_size(), ARGS.n_heads, ARGS.kv_heads, dp_impl)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(ARGS, seq_len=SEQ)
-    model = parallelize_llama(model, dims, cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    cfg.training.seq_len, cfg.training.seed = SEQ, seed
+    return build_model(RunPlan.build(cfg, dist.get_world_size(), args=dataclasses.replace(ARGS)), torch.device("cpu"))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -56,23 +56,23 @@ def main(folder: str, out: str) -> None:
         ref_logits = reference(tokens)
     result: dict = {}
 
-    export_hf(build(2, 2, "simple_fsdp", seed=1), folder, bos_id=1, eos_id=2, max_shard_bytes=30_000)
+    export_hf(build(2, 2, "simple_fsdp", seed=1), folder, adapter=ADAPTER, bos_id=1, eos_id=2, max_shard_bytes=30_000)
     if rank == 0:
         weight_map = json.loads((Path(folder) / INDEX).read_text())["weight_map"]
         result["shards"] = len(set(weight_map.values()))
         same = True
         for fqn, param in reference.state_dict().items():
-            name = hf_name(fqn)
+            name = ADAPTER.hf_name(fqn, ARGS)
             with safe_open(str(Path(folder) / weight_map[name]), framework="pt") as f:
                 stored = f.get_tensor(name)
-            expected = to_hf_rope(param, ARGS.head_dim) if _rope_heads(fqn, ARGS) else param
+            expected = ADAPTER.to_hf(fqn, param, ARGS)
             same &= torch.equal(stored, expected)
         result["export_matches_single_process"] = same
 
     for layout, (dp_shard, tp, impl) in {"simple_fsdp dp2 x tp2": (2, 2, "simple_fsdp"),
                                          "fsdp2 dp4": (4, 1, "fsdp2")}.items():
         model = build(dp_shard, tp, impl, seed=2)
-        import_hf(model, folder)
+        import_hf(model, folder, adapter=ADAPTER)
         equal = all(torch.equal(full(v), reference.state_dict()[k]) for k, v in model.state_dict().items())
         with torch.no_grad():
             logits = full(model(tokens))

@@ -1,8 +1,11 @@
-"""Multi-process parity worker: train a tiny Llama under several layouts and compare with one process.
+"""Multi-process parity worker: train the tiny Llama under several layouts and compare with one process.
 
-Run by tests through torchrun. Every rank also trains the single-process reference itself (plain
-module, whole global batch), so no second launch is needed. Writes one JSON record per case from rank 0:
-max relative loss difference over the steps, and max abs difference of gradients and updated parameters
+Run by tests through torchrun (`harness.parity`). Each case builds the trainer as a run does
+(`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
+tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
+one-process reference itself (the plain module, the whole global batch, the same `forward_backward`,
+AdamW and LR schedule), once, shared by all cases. Rank 0 writes one JSON record per case: max
+relative loss difference over the steps, and max abs difference of gradients and updated parameters
 after step 1.
 """
 
@@ -16,15 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.config import JobConfig
-from titanlite.models.llama3 import ModelArgs, Transformer
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.step import cross_entropy_loss, training_step
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Uneven on purpose: vocab 257 and ffn 160 don't divide by 4 or 3.
-ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
+from harness import TINY  # noqa: E402
+from titanlite.build import RunPlan  # noqa: E402
+from titanlite.config import JobConfig  # noqa: E402
+from titanlite.models.llama3 import Transformer  # noqa: E402
+from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from titanlite.step import cross_entropy_loss, forward_backward  # noqa: E402
+from titanlite.train import Trainer  # noqa: E402
+
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 5, 1234
 
 
@@ -32,91 +36,110 @@ def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(STEPS):
-        tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        tokens = torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 
 
-def build(cfg: JobConfig, dims: ParallelDims | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    with torch.device("meta"):
-        model = Transformer(ARGS, seq_len=SEQ)
-    if dims is not None:
-        dims.build_mesh("cpu")
-        model = parallelize_llama(model, dims, cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=SEED)
-    opt = build_optimizer(model, cfg.optimizer)
-    sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
-    return model, opt, sched
+def base_config() -> JobConfig:
+    cfg = JobConfig()
+    cfg.optimizer.lr = 1e-2
+    cfg.lr_scheduler.warmup_steps = 1
+    cfg.training.steps = STEPS
+    cfg.training.seed = SEED
+    cfg.training.seq_len = SEQ
+    cfg.training.mixed_precision_param = "float32"
+    cfg.metrics.enable_tensorboard = False
+    return cfg
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run(cfg: JobConfig, dims: ParallelDims | None, batches, accum: int = 1, corrupt: bool = False):
-    model, opt, sched = build(cfg, dims)
-    rank_slice = slice(None)
-    if dims is not None and dims.dp > 1:
-        per = GLOBAL_BATCH // dims.dp
-        r = dist.get_rank() // dims.tp
-        rank_slice = slice(r * per, (r + 1) * per) if not corrupt else slice(0, per)
-    use_lp = dims is not None and dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
-    losses, grads, params = [], None, None
-    for step, (x, y) in enumerate(batches):
-        x, y = x[rank_slice], y[rank_slice]
-        micro = list(zip(x.chunk(accum), y.chunk(accum)))
-        loss, _ = training_step(model, opt, sched, micro, cross_entropy_loss, use_lp, 1.0, torch.device("cpu"))
-        if dims is not None and dims.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # tp ranks hold equal values: world avg == dp avg
+def snapshot(model: torch.nn.Module) -> tuple[dict, dict]:
+    grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+    params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    return grads, params
+
+
+def reference(batches):
+    """One process, plain module, whole global batch: the same step functions the trainer calls."""
+    cfg = base_config()
+    model = Transformer(TINY, seq_len=SEQ)
+    model.init_weights(seed=SEED)
+    opt = build_optimizer(model, cfg.optimizer)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
+    losses, first = [], None
+    for x, y in batches:
+        loss, _ = forward_backward(model, opt, [(x, y)], cross_entropy_loss, False, cfg.training.max_norm,
+                                   torch.device("cpu"))
+        opt.step()
+        sched.step()
         losses.append(loss.item())
-        if step == 0:
-            grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
-            params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    return losses, grads, params
+        first = first or snapshot(model)
+    return losses, *first
+
+
+def case_config(case: dict, dump: str) -> JobConfig:
+    cfg = base_config()
+    cfg.job.dump_folder = dump
+    p = cfg.parallelism
+    p.data_parallel_replicate_degree = case.get("rep", 1)
+    p.data_parallel_shard_degree = case.get("shard", -1)
+    p.tensor_parallel_degree = case.get("tp", 1)
+    p.dp_impl = case.get("dp_impl", "simple_fsdp")
+    p.fsdp_reshard_after_forward = case.get("reshard", "default")
+    cfg.training.mixed_precision_param = case.get("param_dtype", "float32")
+    cfg.training.mixed_precision_reduce = case.get("reduce_dtype", "float32")
+    cfg.activation_checkpoint.mode = case.get("ac", "none")
+    cfg.activation_checkpoint.selective_ac_option = case.get("ac_option", "op")
+    cfg.compile.enable = case.get("compile", False)
+    cfg.compile.backend = case.get("backend", "aot_eager")
+    cfg.compile.bucketing = case.get("bucketing", "none")
+    cfg.compile.scope = case.get("scope", "block")
+    cfg.compile.components = ["model"]
+    dp = dist.get_world_size() // (p.tensor_parallel_degree)
+    accum = case.get("accum", 1)
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.local_batch_size = GLOBAL_BATCH // dp // accum
+    return cfg
+
+
+def run(case: dict, dump: str, batches):
+    cfg = case_config(case, dump)
+    torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
+    trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=TINY))
+    dims = trainer.dims
+    per = GLOBAL_BATCH // dims.dp
+    r = dims.dp_rank_of(dist.get_rank())
+    rank_slice = slice(0, per) if case.get("corrupt") else slice(r * per, (r + 1) * per)
+    losses, first = [], None
+    for x, y in batches:
+        x, y = x[rank_slice], y[rank_slice]
+        micro = list(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)))
+        loss, _ = trainer.train_step(micro)
+        losses.append(trainer._global_mean(loss))
+        first = first or snapshot(trainer.model)
+    trainer.close()
+    return losses, *first
 
 
 def main() -> None:
     cases = json.loads(sys.argv[1])
     out_path = sys.argv[2]
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
     batches = make_batches()
-    world = dist.get_world_size()
-    ref_cfg = JobConfig()
-    ref_cfg.optimizer.lr = 1e-2
-    ref_cfg.lr_scheduler.warmup_steps = 1
-    ref = {}
+    r_losses, r_grads, r_params = reference(batches)
     records = []
     for case in cases:
-        cfg = JobConfig()
-        cfg.optimizer.lr = 1e-2
-        cfg.lr_scheduler.warmup_steps = 1
-        cfg.training.mixed_precision_param = case.get("param_dtype", "float32")
-        cfg.training.mixed_precision_reduce = case.get("reduce_dtype", "float32")
-        cfg.parallelism.dp_impl = case.get("dp_impl", "simple_fsdp")
-        cfg.parallelism.fsdp_reshard_after_forward = case.get("reshard", "default")
-        cfg.activation_checkpoint.mode = case.get("ac", "none")
-        cfg.activation_checkpoint.selective_ac_option = case.get("ac_option", "op")
-        torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
-        cfg.compile.enable = case.get("compile", False)
-        cfg.compile.backend = case.get("backend", "aot_eager")
-        cfg.compile.bucketing = case.get("bucketing", "none")
-        cfg.compile.scope = case.get("scope", "block")
-        cfg.job.dump_folder = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
-        dims = ParallelDims(dp_replicate=case.get("rep", 1), dp_shard=case.get("shard", -1), tp=case.get("tp", 1),
-                            world_size=world, n_heads=ARGS.n_heads, n_kv_heads=ARGS.kv_heads,
-                            dp_impl=cfg.parallelism.dp_impl)
-        accum = case.get("accum", 1)
-        losses, grads, params = run(cfg, dims, batches, accum, case.get("corrupt", False))
-        if not ref:
-            ref["fp32"] = run(ref_cfg, None, batches)
-        r_losses, r_grads, r_params = ref["fp32"]
+        dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
+        losses, grads, params = run(case, dump, batches)
         rec = dict(case=case, losses=losses, ref_losses=r_losses,
                    loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
                    grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
                    param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params))
-        report = os.path.join(cfg.job.dump_folder, "compile_report.json")
+        report = os.path.join(dump, "compile_report.json")
         if dist.get_rank() == 0 and os.path.exists(report):
             with open(report) as f:
                 rec["compile_report"] = json.load(f)

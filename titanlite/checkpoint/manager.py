@@ -51,15 +51,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.hf import import_hf
-from titanlite.config import JobConfig
-from titanlite.parallelisms.simple_fsdp import sharded_view
+from titanlite.config import DTYPES, JobConfig
 from titanlite.errors import CheckpointError, ConfigError
+from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.simple_fsdp import sharded_view
 
 logger = logging.getLogger("titanlite")
 
 TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # A single process has no process group; DCP then saves/loads alone, as intended, but warns each time
 # (also from the async writer thread, where a local catch_warnings would not apply).
@@ -141,7 +141,7 @@ class CheckpointManager:
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.dims, self.rank, self.world_size, self.device = dims, rank, world_size, device
         self.root = Path(cfg.job.dump_folder) / self.cfg.folder
-        self.dp_rank, self.dp_degree = rank // dims.tp, dims.dp
+        self.dp_rank, self.dp_degree = dims.dp_rank_of(rank), dims.dp
         if self.cfg.create_seed_checkpoint and world_size != 1:
             raise ConfigError(
                 f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}): "
@@ -335,8 +335,11 @@ class CheckpointManager:
     def _load_initial(self, path: str) -> None:
         """Model weights only, from a DCP folder (seed or any checkpoint) or an HF safetensors folder."""
         if self.cfg.initial_load_in_hf:
+            adapter = get_model_spec(self.job.model.name).hf_adapter
+            if adapter is None:
+                raise CheckpointError(f"model {self.job.model.name!r} has no Hugging Face adapter")
             self._log(f"checkpoint: loading Hugging Face weights from {path}")
-            import_hf(self.model, path)
+            import_hf(self.model, path, adapter=adapter)
             return
         if not Path(path).is_dir():
             raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")

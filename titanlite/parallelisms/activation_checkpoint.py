@@ -3,23 +3,27 @@
 Blocks are checkpointed in place (their `forward` is replaced on the instance), so parameter names do not
 change with the AC mode; checkpoints, init and compile plans address the same FQNs in every layout.
 
-With torch.compile (torch 2.13), full checkpointing *inside* a compiled region whose inputs are DTensors
-fails in AOTAutograd. So a fully checkpointed block keeps an eager checkpoint around its compiled body
-(`compile.py` compiles `_ac_inner`), while selective-op checkpointing (which saves at least one op) runs
-inside the compiled block. Both work with and without compile.
+`apply_ac` returns what it did: one `CheckpointedBlock` per checkpointed block. Its `body` is the
+function run inside the checkpoint. With torch.compile (torch 2.13), full checkpointing *inside* a
+compiled region whose inputs are DTensors fails in AOTAutograd, so for a fully checkpointed block the
+compiler replaces `body` (an eager checkpoint around a compiled body), while a selective-op block (which
+saves at least one op) is compiled whole, its checkpoint inside the graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from types import MethodType
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanlite.config import ActivationCheckpoint
+
+BlockAC = Literal["none", "full", "op"]
 
 # Outputs worth keeping: expensive to recompute (matmuls, attention) or communication (TP reductions).
 _SAVE_OPS = {
@@ -35,36 +39,46 @@ _SAVE_OPS = {
 }
 
 
-def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+def _op_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpoint_block(block: nn.Module, context_fn: Callable | None, full: bool) -> None:
-    block._ac_inner = block.forward
-    block._ac_full = full
-    kwargs = dict(use_reentrant=False, preserve_rng_state=False)
-    if context_fn is not None:
-        kwargs["context_fn"] = context_fn
-
-    def forward(self, *args):
-        return checkpoint(self._ac_inner, *args, **kwargs)
-
-    block.forward = MethodType(forward, block)
-
-
-def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
-    """Checkpoint the blocks of `blocks` as `cfg` says."""
+def block_ac(cfg: ActivationCheckpoint, index: int) -> BlockAC:
+    """How block `index` is checkpointed under `cfg` (the one rule; the memory plan reads it too)."""
     if cfg.mode == "none":
-        return
+        return "none"
     if cfg.mode == "full":
-        for block in blocks.values():
-            _checkpoint_block(block, None, full=True)
-    elif cfg.selective_ac_option == "op":
-        context = partial(create_selective_checkpoint_contexts, _op_policy)
-        for block in blocks.values():
-            _checkpoint_block(block, context, full=False)
-    else:
-        every = int(cfg.selective_ac_option)
-        for i, block in enumerate(blocks.values()):
-            if i % every == 0:
-                _checkpoint_block(block, None, full=True)
+        return "full"
+    if cfg.selective_ac_option == "op":
+        return "op"
+    return "full" if index % int(cfg.selective_ac_option) == 0 else "none"
+
+
+@dataclass
+class CheckpointedBlock:
+    mode: Literal["full", "op"]
+    body: Callable[..., Any]
+    """Runs inside the checkpoint: the block's own forward, or its compiled form."""
+
+
+def _checkpoint_block(block: nn.Module, mode: Literal["full", "op"]) -> CheckpointedBlock:
+    ac = CheckpointedBlock(mode, block.forward)
+    kwargs: dict[str, Any] = dict(use_reentrant=False, preserve_rng_state=False)
+    if mode == "op":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _op_policy)
+
+    def forward(*args: Any) -> Any:
+        return checkpoint(ac.body, *args, **kwargs)
+
+    block.forward = forward
+    return ac
+
+
+def apply_ac(blocks: dict[str, nn.Module], cfg: ActivationCheckpoint) -> dict[str, CheckpointedBlock]:
+    """Checkpoint `blocks` (FQN -> block, in order) as `cfg` says; returns the checkpointed ones by FQN."""
+    out = {}
+    for i, (fqn, block) in enumerate(blocks.items()):
+        mode = block_ac(cfg, i)
+        if mode != "none":
+            out[fqn] = _checkpoint_block(block, mode)
+    return out

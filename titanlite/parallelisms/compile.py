@@ -4,7 +4,7 @@ graph passes and a report of the collectives each step issues.
 Scope `block` (the default): each transformer block is compiled on its own with `fullgraph=True`. The
 graphs stay small as depth grows, identical blocks share one inductor FX-graph-cache entry (graphs and
 passes are the same), and a fully checkpointed block keeps its eager checkpoint around its compiled body
-(`_ac_inner`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
+(`CheckpointedBlock.body`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
 output stay eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and
 bucketing cannot cross a block boundary: block i+1's gather is not prefetched during block i.
 Scope `model`: the model's `forward` is one graph (the module's hooks stay eager, so state_dict names and
@@ -22,85 +22,82 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
 from titanlite.parallelisms.collectives import CompileReport, Unit, graph_collectives
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, ReshardTagPass
+from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.units import Units
 
 REPORT_NAME = "compile_report.json"
 
 
-def apply_compile(model: nn.Module, cfg: JobConfig, dims: ParallelDims | None = None) -> CompileReport | None:
+def apply_compile(model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], cfg: JobConfig,
+                  dims: ParallelDims) -> CompileReport | None:
     """Compile `model` as `cfg.compile` says, in place; returns the report when graph passes are installed.
 
-    Call before data parallelism is applied (compilation is lazy; SimpleFSDP's gathers are traced at the
-    first step). `dims` must have its mesh built when data parallelism is enabled.
+    Call after activation checkpointing (`ac` is what `apply_ac` returned) and before data parallelism
+    (compilation is lazy; SimpleFSDP's gathers are traced at the first step). The mesh must be built.
     """
     c = cfg.compile
-    simple_fsdp = dims is not None and dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
+    simple_fsdp = dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
     with_passes = simple_fsdp and c.backend in ("aot_eager", "inductor")
     if c.bucketing != "none" and not with_passes:
         raise ConfigError(
             f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
         )
-    blocks = list(model.layers.values())
-    if c.scope == "model" and any(getattr(b, "_ac_full", False) for b in blocks):
+    if c.scope == "model" and any(a.mode == "full" for a in ac.values()):
         raise ConfigError("compile.scope=model does not support full activation checkpointing; use scope=block")
     if not with_passes:
-        _compile_units(model, c.scope, lambda name, i: c.backend)
+        _compile_units(model, units, ac, c.scope, lambda name, i: c.backend)
         return None
 
-    assert dims is not None
     cost = _cost_model(c, dims) if c.bucketing != "none" else None
     report = CompileReport(
         labels=_group_labels(dims),
         settings={"scope": c.scope, "backend": c.backend, "bucketing": c.bucketing, "reorder": c.reorder,
-                  "n_blocks": len(blocks)},
-        eager_params=0 if c.scope == "model" else sum(1 for n, _ in model.named_parameters() if not n.startswith("layers.")),
+                  "n_blocks": len(units.blocks)},
+        eager_params=0 if c.scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
     )
     bucketing = None
     if c.bucketing != "none":
-        plans = (BLOCK_PLAN,) if c.scope == "block" else _model_plans(model)
+        plans = (BLOCK_PLAN,) if c.scope == "block" else _model_plans(units)
         bucketing = BucketingPass(c.bucketing, c.reorder, plans, block_scope=c.scope == "block", cost=cost,
                                   insert_overlap_deps=c.backend == "inductor")
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    never = policy == "never" or dims.dp_mode == "replicate"
+    reshard = ReshardPlan.of(cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks),
+                             gathers=dims.dp_mode != "replicate")
 
     def backend(name: str, index: int) -> _Backend:
         if c.scope == "model":
-            roots = tuple(n for n, _ in model.named_children() if n != "layers")
-            saved = ("",) if never else () if policy == "always" else (f"layers.{len(blocks) - 1}", *roots)
-            recompute_forward = False
+            saved, recompute_forward = reshard.kept(units), False
         else:
-            recompute_forward = getattr(blocks[index], "_ac_full", False)
-            reshard = not never and not recompute_forward and (policy == "always" or index < len(blocks) - 1)
-            saved = () if reshard else ("",)
+            recompute_forward = name in ac and ac[name].mode == "full"
+            saved = () if reshard.blocks[index] and not recompute_forward else ("",)
         unit = report.add_unit(name, recompute_forward)
         return _Backend(c.backend, ReshardTagPass(saved), bucketing, report, unit)
 
-    _compile_units(model, c.scope, backend)
+    _compile_units(model, units, ac, c.scope, backend)
     return report
 
 
-def _compile_units(model: nn.Module, scope: str, backend: Callable[[str, int], Any]) -> None:
+def _compile_units(model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], scope: str,
+                   backend: Callable[[str, int], Any]) -> None:
     if scope == "model":
         model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True)
         return
@@ -108,11 +105,14 @@ def _compile_units(model: nn.Module, scope: str, backend: Callable[[str, int], A
     # instance its own parametrized class, so type guards differ per block), twice with eval/no-grad:
     # Dynamo's default limit of 8 entries would fail a fullgraph compile of any deeper model. The room is
     # added per compiled model, as one process may build several (benchmarks, tests).
-    torch._dynamo.config.recompile_limit += 2 * len(model.layers)
-    torch._dynamo.config.accumulated_recompile_limit += 2 * len(model.layers)
-    for i, (name, block) in enumerate(model.layers.items()):
-        attr = "_ac_inner" if getattr(block, "_ac_full", False) else "forward"
-        setattr(block, attr, torch.compile(getattr(block, attr), backend=backend(f"layers.{name}", i), fullgraph=True))
+    torch._dynamo.config.recompile_limit += 2 * len(units.blocks)
+    torch._dynamo.config.accumulated_recompile_limit += 2 * len(units.blocks)
+    for i, (fqn, block) in enumerate(units.blocks.items()):
+        checkpointed = ac.get(fqn)
+        if checkpointed is not None and checkpointed.mode == "full":
+            checkpointed.body = torch.compile(checkpointed.body, backend=backend(fqn, i), fullgraph=True)
+        else:
+            block.forward = torch.compile(block.forward, backend=backend(fqn, i), fullgraph=True)
         block.register_forward_pre_hook(_await_collective_inputs)
 
 
@@ -130,13 +130,10 @@ def _await_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[
     return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
-def _model_plans(model: nn.Module) -> tuple:
+def _model_plans(units: Units) -> tuple:
     """Manual bucket plans for a whole-model graph: modules before the blocks one each, one per block,
     and the modules after the blocks together (the final norm and the output projection)."""
-    names = [n for n, _ in model.named_children()]
-    split = names.index("layers")
-    blocks = tuple(f"layers.{k}" for k in model.layers.keys())
-    return (*names[:split], *blocks, tuple(names[split + 1:]))
+    return (*units.before, *units.blocks, tuple(units.after))
 
 
 def _group_labels(dims: ParallelDims) -> dict[str, str]:
@@ -236,42 +233,3 @@ class _Backend:
                         after = self.bucketing.last_collectives
                 self.report.record(self.unit, phase, before, after)
             return compiled
-
-
-def fake_pg_report(cfg: JobConfig, args: Any, world_size: int, seq_len: int = 16) -> dict[str, Any]:
-    """The compile report of one training step, computed in this process on torch's fake process group.
-
-    Builds the Llama model `args` under `cfg` (its parallelism degrees must multiply to `world_size`),
-    runs one forward and backward on random tokens and returns the report written to `job.dump_folder`.
-    Collective values on the fake group are meaningless; the graphs (and so the counts) are the real ones.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    # Local: the model package imports this module through its parallelize plan.
-    from titanlite.models.llama3 import Transformer
-    from titanlite.models.llama3.parallelize import parallelize_llama
-    from titanlite.step import cross_entropy_loss
-
-    p = cfg.parallelism
-    dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                        tp=p.tensor_parallel_degree, world_size=world_size, dp_impl=p.dp_impl)
-    if not (cfg.compile.enable and cfg.compile.backend in ("aot_eager", "inductor") and dims.dp_enabled
-            and p.dp_impl == "simple_fsdp"):
-        raise ConfigError("a compile report needs compile.enable, backend aot_eager or inductor, and SimpleFSDP")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        torch._dynamo.reset()
-        dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = Transformer(args, seq_len=seq_len)
-        parallelize_llama(model, dims, cfg)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
-        tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1))
-        use_lp = dims.tp_enabled and not p.disable_loss_parallel
-        with loss_parallel() if use_lp else contextlib.nullcontext():
-            cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        with open(os.path.join(cfg.job.dump_folder, REPORT_NAME)) as f:
-            return json.load(f)
-    finally:
-        dist.destroy_process_group()

@@ -1,7 +1,9 @@
 """Parallel degrees -> one validated DeviceMesh with named dims.
 
 The mesh holds only the dims whose degree is > 1, in the order (dp_replicate, dp_shard, tp), so that tp
-ranks are neighbours (NVLink within a node) and data parallelism spans nodes. Flattened views:
+ranks are neighbours (NVLink within a node) and data parallelism spans nodes. A single process is a
+mesh of one `dp_shard` rank: it gets the same plan as any world (SimpleFSDP's mixed precision and
+reshard policy, compile with its passes; the collectives of a one-rank dim are no-ops). Flattened views:
 `dp` (every data-parallel dim: the ranks that see different data, the dataloader's and the loss's mesh)
 and `dp_shard_tp`-style submeshes are taken with torch's own slicing.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -22,9 +25,10 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
+    tp_divisible: dict[str, int] = field(default_factory=dict)
+    """Model sizes the tp degree must divide (e.g. {"n_heads": 32}), named in the error."""
     dp_impl: str = "simple_fsdp"
+    disable_loss_parallel: bool = False
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,14 +46,21 @@ class ParallelDims:
                 f"parallelism: mesh dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
                 f"= {product} does not equal the world size {self.world_size}"
             )
-        for name, heads in (("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)):
-            if heads is not None and heads % self.tp:
-                raise ConfigError(f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {heads}")
+        for name, size in self.tp_divisible.items():
+            if size % self.tp:
+                raise ConfigError(f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}")
         if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard == 1:
             raise ConfigError(
                 "parallelism: dp_impl=fsdp2 needs data_parallel_shard_degree > 1 "
                 f"(got dp_replicate={self.dp_replicate} x dp_shard=1); use dp_impl=simple_fsdp for pure replication"
             )
+
+    @classmethod
+    def from_config(cls, p: Any, world_size: int, tp_divisible: dict[str, int] | None = None) -> "ParallelDims":
+        """The dims of config section `parallelism` (`p`) for `world_size` ranks."""
+        return cls(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                   tp=p.tensor_parallel_degree, world_size=world_size, tp_divisible=dict(tp_divisible or {}),
+                   dp_impl=p.dp_impl, disable_loss_parallel=p.disable_loss_parallel)
 
     @property
     def dp(self) -> int:
@@ -57,7 +68,13 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        return self.dp > 1
+        """Whether the data-parallel plan (SimpleFSDP or FSDP2) is applied: dp > 1, or one process."""
+        return self.dp > 1 or self.world_size == 1
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Logits stay vocab-sharded and the loss runs under `loss_parallel()` (TP only)."""
+        return self.tp_enabled and not self.disable_loss_parallel
 
     @property
     def tp_enabled(self) -> bool:
@@ -73,6 +90,8 @@ class ParallelDims:
     @property
     def dp_dim_names(self) -> tuple[str, ...]:
         """The mesh dims that data parallelism spans (empty without data parallelism)."""
+        if self.world_size == 1:
+            return ("dp_shard",)
         return tuple(n for n, d in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if d > 1)
 
     @property
@@ -87,6 +106,10 @@ class ParallelDims:
             mesh[self.dp_dim_names]._flatten("dp")
         self._mesh = mesh
         return mesh
+
+    @property
+    def mesh_built(self) -> bool:
+        return self._mesh is not None
 
     @cached_property
     def world_mesh(self) -> DeviceMesh:
@@ -108,6 +131,7 @@ class ParallelDims:
     def tp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh["tp"] if self.tp_enabled else None
 
-    def dp_rank(self) -> int:
-        mesh = self.dp_mesh
-        return mesh.get_local_rank() if mesh is not None else 0
+    def dp_rank_of(self, rank: int) -> int:
+        """Global `rank`'s index on the flattened dp mesh (ranks are laid out dp_replicate, dp_shard, tp);
+        arithmetic only, so it is known before any process group exists."""
+        return rank // self.tp

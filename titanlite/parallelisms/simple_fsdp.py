@@ -33,6 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.units import Units
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -219,6 +222,18 @@ def set_reshard_after_forward(module: nn.Module, enabled: bool) -> None:
     for sub in module.modules():
         if isinstance(sub, ReplicateComputation):
             sub.reshard_after_forward = enabled
+
+
+def apply_reshard(model: nn.Module, units: Units, plan: ReshardPlan) -> None:
+    """Eager reshard-after-forward for the units `plan` frees (compiled units use the graph tags instead)."""
+    if not plan.any:
+        return
+    for block, freed in zip(units.blocks.values(), plan.blocks):
+        set_reshard_after_forward(block, freed)
+    if plan.root:
+        for name in units.roots:
+            set_reshard_after_forward(model.get_submodule(name), True)
+    ReshardAfterForward(model)
 
 
 # --- eager reshard-after-forward via saved-tensor hooks -----------------------------------------------

@@ -5,8 +5,9 @@
 
 The process joins torch's fake process group as rank `comm.fake_rank` of a world of
 `comm.fake_world_size` ranks (0 = WORLD_SIZE, which run_train.sh sets to NGPU x NNODES), builds the
-model on the meta device, runs the real `parallelize_llama` plan on it (TP, AC, compile wrapping, which
-compiles nothing until a forward runs, SimpleFSDP or FSDP2), and reports per GPU what
+model as the trainer does (`build.build_model`) on the meta device, with the model's real parallelize
+plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
+reports per GPU what
 `titanlite.memory_plan` estimates from the sharded parameters: model state, collective buffers,
 activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. Nothing of model
 size is ever allocated: 405B on 512 ranks plans in seconds.
@@ -16,31 +17,39 @@ tokenizer file may be absent: planning needs just its vocabulary size, so the fl
 vocabulary is assumed and the report says so.
 
 Exit codes: 0 = fits, 1 = does not fit in the GPU's memory (one line with the numbers), 2 = bad config.
+
+`compile_report` is the same idea for torch.compile: one real forward and backward of a small model on
+the fake process group, returning the compile report (per-step collective counts before and after the
+bucketing passes) that a run of that layout would write.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
+import json
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite.config import JobConfig, load_config
-from titanlite.errors import ConfigError, UserError
+from titanlite.build import RunPlan, build_model, model_args
+from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import ConfigError, run_cli
 from titanlite.memory_plan import GiB, Layout, MemoryEstimate, estimate
-from titanlite.models.llama3 import Transformer, llama3_configs
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.train import DEFAULT_CONFIG, RunPlan
+from titanlite.models.registry import get_model_spec
+from titanlite.parallelisms.compile import REPORT_NAME
+from titanlite.step import cross_entropy_loss
 
 # Above this share of the GPU the CUDA context, NCCL buffers and allocator fragmentation may not fit.
 TIGHT_FRACTION = 0.9
@@ -76,11 +85,9 @@ def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]
     path = cfg.model.tokenizer_path
     if not path or Path(path).is_file():
         return RunPlan.build(cfg, world_size), []
-    bundled = copy.deepcopy(cfg)
-    bundled.model.tokenizer_path = ""
-    plan = RunPlan.build(bundled, world_size)
-    vocab = llama3_configs[cfg.model.flavor].vocab_size
-    plan.model_args = dataclasses.replace(plan.model_args, vocab_size=vocab)
+    spec = get_model_spec(cfg.model.name)
+    vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else 0
+    plan = RunPlan.build(cfg, world_size, tokenizer=build_tokenizer(None), args=model_args(cfg, spec, vocab))
     return plan, [f"tokenizer {path} not found: planned with the {cfg.model.flavor} flavor's vocabulary of {vocab:,}"]
 
 
@@ -94,16 +101,6 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_meta_model(cfg: JobConfig, plan: RunPlan, world_size: int, device_type: str = "cpu") -> nn.Module:
-    """The trainer's model construction on the meta device (a process group must exist if world_size > 1)."""
-    with torch.device("meta"):
-        model = Transformer(plan.model_args, seq_len=cfg.training.seq_len)
-    if world_size > 1:
-        plan.dims.build_mesh(device_type)
-        model = parallelize_llama(model, plan.dims, cfg)
-    return model
-
-
 def dry_run(cfg: JobConfig) -> DryRun:
     world_size, rank = world_size_of(cfg), cfg.comm.fake_rank
     if not 0 <= rank < world_size:
@@ -112,16 +109,35 @@ def dry_run(cfg: JobConfig) -> DryRun:
         raise ConfigError(f"config key 'comm.fake_gpu_memory_gib' must be positive, got {cfg.comm.fake_gpu_memory_gib}")
     plan, notes = build_run_plan(cfg, world_size)
     layout = Layout.from_config(cfg, plan.dims)
-    if world_size == 1:
-        # The trainer parallelizes (and with it applies AC and compile) only with a process group.
-        layout = dataclasses.replace(layout, ac_mode="none")
-        notes.append("one process: the trainer applies no parallelize plan, so no AC, compile or mixed precision")
-    elif not plan.dims.dp_enabled:
+    if not plan.dims.dp_enabled:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
-    with fake_process_group(rank, world_size) if world_size > 1 else contextlib.nullcontext():
-        model = build_meta_model(cfg, plan, world_size)
-        memory = estimate(model, plan.model_args, layout)
+    with fake_process_group(rank, world_size):
+        model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
+        memory = estimate(model, plan.spec, plan.model_args, layout)
     return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes)
+
+
+def compile_report(cfg: JobConfig, world_size: int, args: Any = None, seq_len: int = 16) -> dict[str, Any]:
+    """The compile report of one training step of `cfg` (its degrees must multiply to `world_size`),
+    computed in this process on torch's fake process group: the model (`args`, default the flavor's) is
+    built as the trainer builds it, runs one forward and backward on random tokens, and the report it
+    writes to `job.dump_folder` is returned. Collective values are meaningless; graphs and counts are real.
+    """
+    cfg = copy.deepcopy(cfg)
+    cfg.training.seq_len = seq_len
+    with fake_process_group(0, world_size):
+        torch._dynamo.reset()
+        plan = RunPlan.build(cfg, world_size, args=args)
+        c = cfg.compile
+        if not (c.enable and c.backend in ("aot_eager", "inductor") and plan.dims.dp_enabled
+                and cfg.parallelism.dp_impl == "simple_fsdp"):
+            raise ConfigError("a compile report needs compile.enable, backend aot_eager or inductor, and SimpleFSDP")
+        model = build_model(plan, torch.device("cpu"))
+        tokens = torch.randint(0, plan.model_args.vocab_size, (1, seq_len + 1))
+        with loss_parallel() if plan.dims.loss_parallel else contextlib.nullcontext():
+            cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        with open(os.path.join(cfg.job.dump_folder, REPORT_NAME)) as f:
+            return json.load(f)
 
 
 def _gib(n: float) -> str:
@@ -141,7 +157,7 @@ def format_report(r: DryRun) -> str:
     dims, t = plan.dims, cfg.training
     degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.dim_names) or "single rank"
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
-    compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable and r.world_size > 1 else "eager"
+    compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
     per_gpu = t.local_batch_size * t.seq_len * plan.grad_accum
     root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
@@ -163,7 +179,7 @@ def format_report(r: DryRun) -> str:
     rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
     rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
     lines = [
-        f"dry run: llama3 {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
+        f"dry run: {cfg.model.name} {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
         f"vocab {plan.model_args.vocab_size:,}",
         f"  world {r.world_size}" + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "") + f": {degrees}; {dp}",
         f"  AC {ac}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
@@ -191,16 +207,11 @@ def format_report(r: DryRun) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        result = dry_run(load_config(argv, default_config=DEFAULT_CONFIG))
-    except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
-        return 2
+def main(argv: list[str]) -> int:
+    result = dry_run(load_config(argv, default_config=DEFAULT_CONFIG))
     print(format_report(result), flush=True)
     return 0 if result.fits else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

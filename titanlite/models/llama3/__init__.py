@@ -1,27 +1,21 @@
-"""Llama 3 flavors (published shapes) and model construction."""
+"""Llama 3: the model, its flavors, its parallelize plan, its Hugging Face adapter and its memory model."""
 
+from titanlite.models.llama3.flavors import llama3_configs
+from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
+from titanlite.models.llama3.memory import activation_bytes
 from titanlite.models.llama3.model import ModelArgs, Transformer
+from titanlite.models.llama3.parallelize import llama_units, parallelize_llama
+from titanlite.models.registry import ModelSpec
 
-# vocab_size of debugmodel comes from the tokenizer at build time.
-llama3_configs: dict[str, ModelArgs] = {
-    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, rope_theta=500000, max_seq_len=2048),
-    # Llama 3.2 1B's shapes, untied embeddings; its factor-32 RoPE scaling for 128k context is not modelled.
-    "1B": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_theta=500000, max_seq_len=8192,
-    ),
-    "8B": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
-    ),
-    "70B": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
-    ),
-    "405B": ModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-        rope_theta=500000, max_seq_len=131072, use_scaled_rope=True,
-    ),
-}
+SPEC = ModelSpec(
+    name="llama3",
+    model_cls=Transformer,
+    flavors=llama3_configs,
+    parallelize=parallelize_llama,
+    units=llama_units,
+    tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+    hf_adapter=LlamaHFAdapter(),
+    activation_bytes=activation_bytes,
+)
 
-__all__ = ["ModelArgs", "Transformer", "llama3_configs"]
+__all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

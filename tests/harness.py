@@ -1,0 +1,142 @@
+"""The one test harness: launching trainer runs and parity workers, shared tolerances, one tiny model.
+
+* `train(dump, nproc, *overrides, launcher=...)` runs the trainer as users do (`python -m titanlite.train`
+  alone, under torchrun, or through `run_train.sh`) and returns its exit code, log and metrics rows.
+* `parity(cases, nproc, tmp)` runs many layouts in one torchrun launch of `workers/parity.py`, each
+  trained by the shipped `Trainer.train_step` and compared with one shared one-process reference;
+  `check_parity` applies the tolerances below.
+* `tiny_args()` is the tiny Llama every in-process test builds; `one_rank_group()` gives a test the
+  one-rank process group a single-process run has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titanlite.models.llama3 import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Parity tolerances (fp32, CPU, gloo): loss relative difference over the steps; gradients after step 1
+# (they are ~1e-2 to 1e0); parameters after the first AdamW step (AdamW's first step divides by |g|,
+# which magnifies rounding on near-zero gradients).
+LOSS_REL, GRAD_ABS, PARAM_ABS = 1e-5, 1e-6, 1e-4
+
+# Uneven on purpose: vocab 257 and ffn 160 don't divide by 4 or 3.
+TINY = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
+
+
+def tiny_args(**over) -> ModelArgs:
+    """The tiny Llama (3 blocks, dim 64, GQA 4/2, vocab 257, ffn 160), with fields replaced by `over`."""
+    return dataclasses.replace(TINY, **over)
+
+
+# Short, deterministic, every step logged: the base of every trainer run in the tests.
+SMALL = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--training.deterministic",
+         "--no-metrics.enable_tensorboard"]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def torchrun(args: list[str], nproc: int, timeout: float = 600, env: dict | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m torch.distributed.run --standalone --nproc_per_node N <args>`; output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"exit code {proc.returncode}\n{tail}")
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    dump: Path
+
+    @property
+    def log(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.dump / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.metrics]
+
+    def ok(self) -> "RunResult":
+        if self.returncode != 0:
+            pytest.fail(f"exit code {self.returncode}\n{self.log[-6000:]}")
+        return self
+
+
+def train(dump: Path, nproc: int, *overrides: str, config: str = "train_configs/debug_model.toml",
+          launcher: str = "auto", env: dict[str, str] | None = None, timeout: float = 600) -> RunResult:
+    """Train with `config` + `overrides` into `dump`. `launcher`: `python` (one process, no torchrun),
+    `torchrun`, `run_train` (the launcher script, NGPU=nproc), or `auto` (python for 1, else torchrun)."""
+    args = ["--config", config, "--job.dump_folder", str(dump), *overrides]
+    env = child_env(**(env or {}))
+    if launcher == "auto":
+        launcher = "python" if nproc == 1 else "torchrun"
+    if launcher == "python":
+        proc = subprocess.run([sys.executable, "-m", "titanlite.train", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    elif launcher == "torchrun":
+        proc = torchrun(["-m", "titanlite.train", *args], nproc, timeout=timeout, env=env)
+    else:
+        env["NGPU"] = str(nproc)
+        proc = subprocess.run([str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
+    return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
+
+
+def parity(cases: list[dict], nproc: int, tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
+    """One torchrun launch of the parity worker over `cases`; one record per case (workers/parity.py)."""
+    out = tmp_path / "parity.json"
+    assert_ok(torchrun(["tests/workers/parity.py", json.dumps(cases), str(out)], nproc, env=child_env(**(env or {}))))
+    records = json.loads(out.read_text())
+    assert len(records) == len(cases)
+    return records
+
+
+def check_parity(records: list[dict]) -> None:
+    bad = [r for r in records
+           if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)]
+    assert not bad, "\n".join(f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} "
+                              f"param={r['param_abs']:.2e}" for r in bad)
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """The one-rank gloo process group a single-process run has (titanlite.build.init_distributed)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

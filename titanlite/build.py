@@ -1,0 +1,125 @@
+"""Putting a run together, the one way every tool does it (trainer, dry run, HF tool, benchmarks, tests):
+
+    plan = RunPlan.build(cfg, world_size)     everything derived from config + world size, checked first
+    device = init_device()                    cuda:LOCAL_RANK, else cpu
+    init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
+    model = build_model(plan, device)         meta -> the model's parallelize plan -> materialise -> init
+
+A single process is a world of one: it gets a one-rank process group and the same plan as any world
+(mixed precision, AC, compile and its passes, reshard policy), so one GPU trains as it would on many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.config import JobConfig
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
+from titanlite.errors import ConfigError
+from titanlite.models.registry import ModelSpec, get_model_spec
+from titanlite.parallelisms.parallel_dims import ParallelDims
+
+
+def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
+    """The flavor's args with the tokenizer's vocabulary, checked against the training sequence length."""
+    if cfg.model.flavor not in spec.flavors:
+        raise ConfigError(
+            f"config key 'model.flavor' = {cfg.model.flavor!r}: expected one of {', '.join(spec.flavors)}"
+        )
+    args = spec.flavors[cfg.model.flavor]
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len {cfg.training.seq_len} exceeds the {cfg.model.flavor} model's max_seq_len {args.max_seq_len}"
+        )
+    return dataclasses.replace(args, vocab_size=vocab_size)
+
+
+@dataclass
+class RunPlan:
+    """Everything derived from the config and the world size alone: checked before any rank does work."""
+
+    cfg: JobConfig
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    model_args: Any
+    dims: ParallelDims
+    global_batch: int
+    grad_accum: int
+
+    @classmethod
+    def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None,
+              args: Any = None) -> "RunPlan":
+        """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
+        spec = get_model_spec(cfg.model.name)
+        tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
+        args = args or model_args(cfg, spec, tokenizer.n_words)
+        dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
+        t = cfg.training
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
+        if global_batch % (t.local_batch_size * dims.dp):
+            raise ConfigError(
+                f"training.global_batch_size {global_batch} is not a multiple of "
+                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
+            )
+        return cls(cfg, spec, tokenizer, args, dims, global_batch, global_batch // (t.local_batch_size * dims.dp))
+
+
+def init_device() -> torch.device:
+    """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def world_from_env() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; one process without torchrun is rank 0 of 1."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: JobConfig, device: torch.device) -> None:
+    """Join the job's process group (NCCL on CUDA, gloo on CPU); an existing group is kept.
+
+    Under torchrun the group comes from its rendezvous. One process started without torchrun gets a
+    one-rank group on an in-process store, so it runs the same plan (meshes, DTensor, DCP) as any world.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "MASTER_ADDR" not in os.environ and world_from_env()[1] == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    # torchrun keeps one store across restarts; without a per-attempt prefix a restarted rank can read
+    # the previous attempt's peer addresses and fail to connect.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"titanlite/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def build_model(plan: RunPlan, device: torch.device, mesh_device_type: str | None = None) -> nn.Module:
+    """The model as every run builds it: on the meta device, parallelized by its family's plan (TP, AC,
+    compile, data parallelism), then materialised on `device` and initialised from the seed.
+
+    A process group must exist. The mesh is built here unless it already is (`mesh_device_type`
+    defaults to `device`'s type). On `device` "meta" the model stays unmaterialised (the dry run).
+    """
+    if not plan.dims.mesh_built:
+        plan.dims.build_mesh(mesh_device_type or device.type)
+    with torch.device("meta"):
+        model = plan.spec.model_cls(plan.model_args, seq_len=plan.cfg.training.seq_len)
+    model = plan.spec.parallelize(model, plan.dims, plan.cfg)
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights(seed=plan.cfg.training.seed, buffer_device=device)
+    return model

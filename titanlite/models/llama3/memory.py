@@ -1,0 +1,62 @@
+"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/memory_plan.py`).
+
+Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
+by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
+the output in the compute dtype; q, k, v, the SDPA output and its logsumexp (flash kernels: no s x s
+matrix); four FFN-wide tensors for SwiGLU; the logits held by the training step plus the fp32
+log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss parallel). Sequence
+parallelism divides the norm and residual parts by tp, head and FFN parts are divided by tp, and the
+all-gathered inputs of the projections are full size. The peak is the larger of the start of backward
+(everything saved, loss gradients live) and the last block's backward (the block's full activations,
+recomputed under AC, plus gradients of its activations). Compiled blocks usually save less (fused norms
+and SwiGLU), so this is an upper bound for them.
+"""
+
+from __future__ import annotations
+
+from titanlite.memory_plan import Layout
+from titanlite.models.llama3.model import ModelArgs
+
+
+def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
+    """Peak activation bytes of one microbatch and its parts (module docstring)."""
+    d, h, kv, hd, f = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim
+    t = layout.tp
+    e = layout.compute_dtype.itemsize
+    tokens = layout.local_batch * layout.seq_len
+    # Per token. RMSNorm saves its fp32 input and normalised input (SP-sharded) and rstd; the norm output,
+    # all-gathered for the projections, is saved full size.
+    norm = (8 * d + 4) / t + d * e
+    qkv = (h + 2 * kv) * hd * e / t
+    sdpa = h * hd * e / t + 4 * h / t
+    per_block = {
+        "none": 2 * norm + qkv + sdpa + 4 * f * e / t,
+        "full": d * e / t,
+        # Selective op: the block input, every matmul output (row-parallel ones as full-size partial sums,
+        # plus their reduce-scattered outputs under TP) and the SDPA outputs.
+        "op": d * e / t + qkv + sdpa + 2 * f * e / t + 2 * d * e + (2 * d * e / t if t > 1 else 0),
+    }
+    # Gradients of one block's activations while it runs backward.
+    block_grads = (2 * f + d) * e / t + (d * e if t > 1 else 0)
+    vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
+    saved = [per_block[layout.block_ac(i)] for i in range(args.n_layers)]
+    final_norm = norm
+    logits = vocab * e
+    # fp32 log-softmax output and two fp32 gradients; loss parallel's sharded log-softmax keeps one more.
+    loss = vocab * (16 if layout.loss_parallel else 12)
+    start_of_backward = sum(saved) + final_norm + logits + loss
+    last_block_backward = sum(saved[:-1]) + per_block["none"] + block_grads + logits
+    parts = {
+        f"saved by {args.n_layers} blocks": sum(saved),
+        "final norm + output input": final_norm,
+        "logits + fp32 loss": logits + loss,
+    }
+    if last_block_backward > start_of_backward:
+        parts = {
+            f"saved by {args.n_layers - 1} blocks": sum(saved[:-1]),
+            "last block in backward (recomputed + grads)": per_block["none"] + block_grads,
+            "logits": logits,
+        }
+    out = {name: round(v * tokens) for name, v in parts.items()}
+    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens)
+    return out

@@ -1,0 +1,61 @@
+"""Model families: what the trainer, the tools and the checkpoint code need to know of a model.
+
+A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes.
+The model it builds follows a small protocol:
+
+    spec.model_cls(args, seq_len=...)   builds the model (called under `torch.device("meta")`)
+    model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
+    model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
+    args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
+    args.max_seq_len, args.num_params(), args.flops_per_token(seq_len)
+
+Built-in families are imported on first use (`BUILTIN`); tests and users add theirs with `register_model`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.units import Units
+
+BUILTIN = {"llama3": "titanlite.models.llama3"}
+_MODELS: dict[str, ModelSpec] = {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: Callable[..., nn.Module]
+    flavors: dict[str, Any]
+    """Flavor name -> model args (a dataclass with the protocol's fields)."""
+    parallelize: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
+    """The whole plan for this family: TP, AC, compile, data parallelism, in place."""
+    units: Callable[[nn.Module], Units]
+    """The model's blocks and root modules (gather units for the memory plan)."""
+    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    """Sizes the tensor-parallel degree must divide (e.g. attention heads), checked in the plan."""
+    hf_adapter: Any = None
+    """Hugging Face names and conversions (`checkpoint/hf.py`); None: no HF import/export."""
+    activation_bytes: Callable[..., dict[str, int]] | None = None
+    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes}`; None: no dry run."""
+
+
+def register_model(spec: ModelSpec) -> None:
+    _MODELS[spec.name] = spec
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _MODELS and name in BUILTIN:
+        register_model(importlib.import_module(BUILTIN[name]).SPEC)
+    if name not in _MODELS:
+        known = sorted(set(_MODELS) | set(BUILTIN))
+        raise ConfigError(f"config key 'model.name' = {name!r}: expected one of {', '.join(known)}")
+    return _MODELS[name]
