@@ -1,31 +1,26 @@
-"""End to end through the trainer's CLI: a short 2-process run, its metrics, TensorBoard events, and
+"""End to end through the trainer's CLI: a short 2-process run, its metrics, TensorBoard events; one
+process as a first-class run (the full plan, with or without torchrun, equal to 2 processes); and
 layout parity through the command line (the same global batch on 1 process and on a 4-process mesh)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, assert_ok, child_env, torchrun
-
-SMALL = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--training.deterministic"]
+from harness import LOSS_REL, ROOT, SMALL, child_env
+from harness import train as run_trainer
 
 
 def train(tmp: Path, nproc: int, *overrides: str) -> list[dict]:
-    dump = tmp / "dump"
-    proc = torchrun(["-m", "titanlite.train", "--config", "train_configs/debug_model.toml",
-                     "--job.dump_folder", str(dump), *SMALL, *overrides], nproc)
-    assert_ok(proc)
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return run_trainer(tmp / "dump", nproc, *SMALL, *overrides).ok().metrics
 
 
 @pytest.mark.slow
 def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
-    records = train(tmp_path, 2, "--training.steps", "6")
+    records = train(tmp_path, 2, "--training.steps", "6", "--metrics.enable_tensorboard")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_peak_gib", "data_time_pct"):
         assert key in records[0], key
@@ -65,7 +60,48 @@ def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_refere
     """Same global batch of 8: one process with local batch 8 vs 4 processes; losses match (fp32)."""
     par = train(tmp_path, 4, *PARITY_STEPS, "--training.local_batch_size", "4", *layout)
     diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(one_process_reference, par)]
-    assert len(diffs) == 10 and max(diffs) < 1e-5, diffs
+    assert len(diffs) == 10 and max(diffs) < LOSS_REL, diffs
+
+
+FULL_PLAN = ["--training.steps", "10", "--training.global_batch_size", "16", "--compile.enable",
+             "--activation_checkpoint.mode", "selective"]
+
+
+@pytest.mark.slow
+def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
+    """One process (run_train.sh with NGPU=1, and python -m titanlite.train without torchrun) compiles,
+    checkpoints activations and writes the compile report; its losses equal 2 processes' at the same
+    global batch (fp32, deterministic)."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = {
+        "python": run_trainer(tmp_path / "python", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16",
+                              launcher="python", env=env),
+        "ngpu1": run_trainer(tmp_path / "ngpu1", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16",
+                             launcher="run_train", env=env),
+        "ngpu2": run_trainer(tmp_path / "ngpu2", 2, *SMALL, *FULL_PLAN, "--training.local_batch_size", "8",
+                             launcher="run_train", env=env),
+    }
+    for name, run in runs.items():
+        run.ok()
+        assert "plan: AC selective (op); compile inductor" in run.log, name
+        assert "compile report" in run.log and (run.dump / "compile_report.json").exists(), name
+    assert "mesh {'dp_shard': 1} (simple_fsdp, fully_shard)" in runs["python"].log
+    reference = runs["ngpu2"].losses
+    for name in ("python", "ngpu1"):
+        losses = runs[name].losses
+        diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+        assert len(diffs) == 10 and max(diffs) < LOSS_REL, (name, diffs)
+
+
+@pytest.mark.slow
+def test_one_process_mixed_precision_is_applied(tmp_path):
+    """The configured bf16 compute reaches a one-process run (it trained fp32 before, silently)."""
+    fp32 = run_trainer(tmp_path / "fp32", 1, *SMALL, "--training.steps", "2").ok()
+    bf16 = run_trainer(tmp_path / "bf16", 1, *SMALL, "--training.steps", "2",
+                       "--training.mixed_precision_param", "bfloat16").ok()
+    assert "compute bfloat16" in bf16.log and "compute float32" in fp32.log
+    assert bf16.losses[0] != fp32.losses[0]
+    assert abs(bf16.losses[0] - fp32.losses[0]) / fp32.losses[0] < 1e-2
 
 
 def test_bad_dataset_path_is_one_line(tmp_path):
