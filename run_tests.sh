@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Runs the test suite (set-up included on a fresh machine). Extra arguments go to pytest,
-# e.g. ./run_tests.sh -m "not slow" for the fast unit tests only.
+# Runs the style and architecture checks (ruff, import-linter), then the test suite (set-up included on
+# a fresh machine). Extra arguments go to pytest, e.g. ./run_tests.sh -m "not slow" for the fast tier.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 cd "$TITANLITE_ROOT"
+BIN=$(dirname "$PYTHON")
+"$BIN/ruff" check --quiet .
+"$BIN/ruff" format --check --quiet .
+"$BIN/lint-imports" --no-cache >/dev/null || "$BIN/lint-imports" --no-cache
 exec "$PYTHON" -m pytest "$@"

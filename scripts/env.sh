@@ -7,7 +7,7 @@ TORCH_VERSION=2.13.0
 _have_deps() {
   "$1" - <<'PY' >/dev/null 2>&1
 import importlib.util as u, sys
-sys.exit(0 if all(u.find_spec(m) for m in ("torch", "torchdata", "tiktoken", "tensorboard", "safetensors", "pytest")) else 1)
+sys.exit(0 if all(u.find_spec(m) for m in ("torch", "torchdata", "tiktoken", "tensorboard", "safetensors", "pytest", "ruff", "importlinter")) else 1)
 PY
 }
 if [ -n "${PYTHON:-}" ] && _have_deps "$PYTHON"; then

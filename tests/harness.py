@@ -44,8 +44,14 @@ def tiny_args(**over) -> ModelArgs:
 
 
 # Short, deterministic, every step logged: the base of every trainer run in the tests.
-SMALL = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--training.deterministic",
-         "--no-metrics.enable_tensorboard"]
+SMALL = [
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--training.deterministic",
+    "--no-metrics.enable_tensorboard",
+]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -56,12 +62,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(args: list[str], nproc: int, timeout: float = 600, env: dict | None = None,
-             cwd: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    args: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run `python -m torch.distributed.run --standalone --nproc_per_node N <args>`; output captured."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -90,14 +96,21 @@ class RunResult:
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.metrics]
 
-    def ok(self) -> "RunResult":
+    def ok(self) -> RunResult:
         if self.returncode != 0:
             pytest.fail(f"exit code {self.returncode}\n{self.log[-6000:]}")
         return self
 
 
-def train(dump: Path, nproc: int, *overrides: str, config: str = "train_configs/debug_model.toml",
-          launcher: str = "auto", env: dict[str, str] | None = None, timeout: float = 600) -> RunResult:
+def train(
+    dump: Path,
+    nproc: int,
+    *overrides: str,
+    config: str = "train_configs/debug_model.toml",
+    launcher: str = "auto",
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> RunResult:
     """Train with `config` + `overrides` into `dump`. `launcher`: `python` (one process, no torchrun),
     `torchrun`, `run_train` (the launcher script, NGPU=nproc), or `auto` (python for 1, else torchrun)."""
     args = ["--config", config, "--job.dump_folder", str(dump), *overrides]
@@ -105,14 +118,21 @@ def train(dump: Path, nproc: int, *overrides: str, config: str = "train_configs/
     if launcher == "auto":
         launcher = "python" if nproc == 1 else "torchrun"
     if launcher == "python":
-        proc = subprocess.run([sys.executable, "-m", "titanlite.train", *args], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "titanlite.train", *args],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     elif launcher == "torchrun":
         proc = torchrun(["-m", "titanlite.train", *args], nproc, timeout=timeout, env=env)
     else:
         env["NGPU"] = str(nproc)
-        proc = subprocess.run([str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
     return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
 
 
@@ -126,10 +146,14 @@ def parity(cases: list[dict], nproc: int, tmp_path: Path, env: dict[str, str] | 
 
 
 def check_parity(records: list[dict]) -> None:
-    bad = [r for r in records
-           if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)]
-    assert not bad, "\n".join(f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} "
-                              f"param={r['param_abs']:.2e}" for r in bad)
+    bad = [
+        r
+        for r in records
+        if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)
+    ]
+    assert not bad, "\n".join(
+        f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} param={r['param_abs']:.2e}" for r in bad
+    )
 
 
 @contextlib.contextmanager

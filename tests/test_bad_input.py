@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -21,8 +20,12 @@ CASES = [
     (None, ["--training.steps", "-5"], 2, ["training.steps", "positive"]),
     (None, ["--parallelism.data_parallel_shard_degree", "3"], 2, ["dp_shard=3", "world size 2"]),
     (None, ["--parallelism.tensor_parallel_degree", "3"], 3, ["tensor_parallel_degree 3", "n_heads 16"]),
-    (None, ["--parallelism.tensor_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "1"], 16,
-     ["tensor_parallel_degree 16", "n_kv_heads 8"]),
+    (
+        None,
+        ["--parallelism.tensor_parallel_degree", "16", "--parallelism.data_parallel_shard_degree", "1"],
+        16,
+        ["tensor_parallel_degree 16", "n_kv_heads 8"],
+    ),
     (None, ["--training.seq_len", "4096"], 2, ["seq_len 4096", "max_seq_len 2048"]),
     (None, ["--model.tokenizer_path", "/nonexistent/tokenizer.model"], 2, ["tokenizer_path", "/nonexistent"]),
     (None, ["--training.dataset_path", "/nonexistent/*.jsonl"], 2, ["/nonexistent/*.jsonl"]),
@@ -32,8 +35,19 @@ CASES = [
     (None, ["--compile.bucketing", "everything"], 2, ["compile.bucketing", "transformer_block"]),
     (None, ["--training.global_batch_size", "12"], 2, ["global_batch_size 12", "local_batch_size 8"]),
     (None, ["--training.dataset_virtual_shards", "3"], 2, ["3"]),
-    (None, ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "1"], 2, ["fsdp2", "data_parallel_shard_degree"]),
+    (
+        None,
+        [
+            "--parallelism.dp_impl",
+            "fsdp2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+        2,
+        ["fsdp2", "data_parallel_shard_degree"],
+    ),
     (None, ["--metrics.enable_tensorboard", "perhaps"], 2, ["metrics.enable_tensorboard", "expected bool"]),
     (None, ["--compile.components", "model,optimizer"], 2, ["compile.components", "optimizer"]),
     (None, ["--optimizer.lr"], 2, ["--optimizer.lr", "needs a value"]),
@@ -81,8 +95,14 @@ def test_table_is_large_enough():
 @pytest.mark.slow
 def test_launcher_reports_bad_input_without_traceback(tmp_path):
     """Through run_train.sh: the preflight stops the launch before torchrun starts any rank."""
-    proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.stepz", "3"], env=child_env(NGPU="2"),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--training.stepz", "3"],
+        env=child_env(NGPU="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "training.stepz" in proc.stderr and "Traceback" not in proc.stderr
     assert "torch.distributed.run" not in proc.stderr

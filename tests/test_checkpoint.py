@@ -79,7 +79,9 @@ class Run:
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict as plain tensors (SimpleFSDP holds DTensor shards, here on one rank)."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def root(dump: Path) -> Path:
@@ -200,9 +202,16 @@ def _garbled_metadata(r: Path) -> str:
     return "unreadable DCP metadata"
 
 
-@pytest.mark.parametrize("damage, expected_step", [
-    (_leftover_partial, 2), (_no_marker, 2), (_truncated, 1), (_no_metadata, 1), (_garbled_metadata, 1),
-])
+@pytest.mark.parametrize(
+    "damage, expected_step",
+    [
+        (_leftover_partial, 2),
+        (_no_marker, 2),
+        (_truncated, 1),
+        (_no_metadata, 1),
+        (_garbled_metadata, 1),
+    ],
+)
 def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage, expected_step):
     saved = saved_run(tmp_path, steps=1)
     step1 = saved.params()
@@ -239,7 +248,9 @@ def test_only_an_interrupted_save_starts_fresh(tmp_path, caplog):
 def test_load_step(tmp_path):
     saved_run(tmp_path, steps=3)
     assert Run(tmp_path, load_step=2).ckpt.load() == 2
-    with pytest.raises(CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"
+    ):
         Run(tmp_path, load_step=7).ckpt.load()
     (root(tmp_path) / "step-2" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"step-2 is unusable: file __0_0.distcp has 1 bytes"):
@@ -251,7 +262,9 @@ def test_another_model_shape_is_refused_before_loading(tmp_path):
     other = ModelArgs(**{**ARGS.__dict__, "dim": 32})
     run = Run(tmp_path, args=other, seed=9)
     before = run.params()
-    with pytest.raises(CheckpointError, match=r"step-1: 'tok_embeddings.weight' has shape \(2056, 64\), this model \(2056, 32\)"):
+    with pytest.raises(
+        CheckpointError, match=r"step-1: 'tok_embeddings.weight' has shape \(2056, 64\), this model \(2056, 32\)"
+    ):
         run.ckpt.load()
     assert all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
     deeper = ModelArgs(**{**ARGS.__dict__, "n_layers": 3})
@@ -302,8 +315,10 @@ def test_seed_checkpoint_and_initial_load(tmp_path):
             run.ckpt.close()
         other = Run(tmp_path / "other", seed=8, enable=False, initial_load_path=str(source))
         assert other.ckpt.load() == 0
-        assert all(torch.equal(v, full_state(other.model)[k]) for k, v in
-                   (seed.params() if source == path else run.params()).items())
+        assert all(
+            torch.equal(v, full_state(other.model)[k])
+            for k, v in (seed.params() if source == path else run.params()).items()
+        )
 
 
 def test_initial_load_in_hf(tmp_path):
@@ -318,9 +333,17 @@ def test_seed_checkpoint_needs_one_process(tmp_path):
     run = Run(tmp_path)
     run.cfg.checkpoint.create_seed_checkpoint = True
     with pytest.raises(ConfigError, match="create_seed_checkpoint must run in a single process"):
-        CheckpointManager(run.cfg, model=run.model, optimizer=run.trainer.optimizer, lr_scheduler=run.sched,
-                          dataloader=run.loader, dims=ParallelDims(1, -1, 1, 2), rank=0, world_size=2,
-                          device=torch.device("cpu"))
+        CheckpointManager(
+            run.cfg,
+            model=run.model,
+            optimizer=run.trainer.optimizer,
+            lr_scheduler=run.sched,
+            dataloader=run.loader,
+            dims=ParallelDims(1, -1, 1, 2),
+            rank=0,
+            world_size=2,
+            device=torch.device("cpu"),
+        )
 
 
 def test_bad_initial_load_path(tmp_path):
@@ -348,8 +371,16 @@ def test_save_error_warns_or_stops(tmp_path, caplog):
 
 
 def _loader(dp_rank: int, dp: int, gbs: int = 8, lbs: int = 2):
-    return build_dataloader(tokenizer=TOK, dataset_path="", text_field="text", seq_len=16, local_batch_size=lbs,
-                            global_batch_size=gbs, dp_rank=dp_rank, dp_degree=dp)
+    return build_dataloader(
+        tokenizer=TOK,
+        dataset_path="",
+        text_field="text",
+        seq_len=16,
+        local_batch_size=lbs,
+        global_batch_size=gbs,
+        dp_rank=dp_rank,
+        dp_degree=dp,
+    )
 
 
 def _step_samples(iters: list, accum: int) -> list[tuple[int, ...]]:
@@ -358,7 +389,7 @@ def _step_samples(iters: list, accum: int) -> list[tuple[int, ...]]:
     for it in iters:
         for _ in range(accum):
             inputs, labels = next(it)
-            out += [tuple(r) + (l[-1],) for r, l in zip(inputs.tolist(), labels.tolist())]
+            out += [tuple(r) + (lab[-1],) for r, lab in zip(inputs.tolist(), labels.tolist())]
     return sorted(out)
 
 
@@ -373,12 +404,15 @@ def test_loader_state_reshards_without_repeats_or_gaps(tmp_path, old_dp, old_tp,
     iters = [iter(x) for x in loaders]
     got = [_step_samples(iters, gbs // (lbs * old_dp)) for _ in range(3)]
     for rank in range(old_dp * old_tp):  # every tp rank of a dp rank saves the same loader state
-        state = rank_state.capture(loaders[rank // old_tp], rank=rank, dp_rank=rank // old_tp, dp_degree=old_dp,
-                                   device=torch.device("cpu"))
+        state = rank_state.capture(
+            loaders[rank // old_tp], rank=rank, dp_rank=rank // old_tp, dp_degree=old_dp, device=torch.device("cpu")
+        )
         rank_state.write(tmp_path, rank, state)
     new = [_loader(d, new_dp) for d in range(new_dp)]
     for d, x in enumerate(new):
-        x.load_state_dict(rank_state.loader_state_for(d, new_dp, old_dp, old_tp, lambda r: rank_state.read(tmp_path, r)))
+        x.load_state_dict(
+            rank_state.loader_state_for(d, new_dp, old_dp, old_tp, lambda r: rank_state.read(tmp_path, r))
+        )
     iters = [iter(x) for x in new]
     got += [_step_samples(iters, gbs // (lbs * new_dp)) for _ in range(3)]
     assert got == expected

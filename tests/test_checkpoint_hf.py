@@ -127,7 +127,9 @@ def test_export_dtype_and_config(tmp_path):
 def test_import_of_another_shape_is_refused(tmp_path):
     export_hf(model(), tmp_path / "hf", bos_id=1, eos_id=2)
     other = model(ModelArgs(**{**ARGS.__dict__, "vocab_size": 300}))
-    with pytest.raises(CheckpointError, match=r"'model.embed_tokens.weight' has shape \(257, 64\), this model \(300, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model.embed_tokens.weight' has shape \(257, 64\), this model \(300, 64\)"
+    ):
         import_hf(other, tmp_path / "hf")
 
 
@@ -159,21 +161,51 @@ def test_sharded_export_and_import(tmp_path):
 def test_cli_export(tmp_path, capsys):
     """`python -m titanlite.tools.hf export` on a checkpoint of the debug model gives its weights."""
     from titanlite.checkpoint.manager import CheckpointManager
-    from titanlite.tools import hf as hf_tool
     from titanlite.config import load_config
     from titanlite.parallelisms.parallel_dims import ParallelDims
+    from titanlite.tools import hf as hf_tool
 
-    overrides = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "run"),
-                 "--training.seq_len", "32"]
+    overrides = [
+        "--config",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "32",
+    ]
     cfg = load_config(overrides)
     args = ModelArgs(**{**llama3_configs["debugmodel"].__dict__, "vocab_size": 2056})
     src = model(args, seed=3)
-    seed = CheckpointManager(cfg, model=src, optimizer=None, lr_scheduler=None, dataloader=None,
-                             dims=ParallelDims(1, -1, 1, 1), rank=0, world_size=1, device=torch.device("cpu"))
+    seed = CheckpointManager(
+        cfg,
+        model=src,
+        optimizer=None,
+        lr_scheduler=None,
+        dataloader=None,
+        dims=ParallelDims(1, -1, 1, 1),
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
     seed.save(0, force=True, model_only=True)
     seed.close()
-    cli = subprocess.run([sys.executable, "-m", "titanlite.tools.hf", "export", *overrides, "--step", "0",
-                          "--out", str(tmp_path / "hf")], env=child_env(), cwd=ROOT, capture_output=True, text=True)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.tools.hf",
+            "export",
+            *overrides,
+            "--step",
+            "0",
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert_ok(cli)
     assert "exported" in cli.stdout
     dst = model(args, seed=4)

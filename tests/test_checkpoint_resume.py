@@ -39,11 +39,31 @@ LAYOUTS = {
 
 def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> subprocess.CompletedProcess:
     nproc, layout_args = LAYOUTS[layout]
-    args = ["-m", "titanlite.train", "--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump),
-            "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--training.global_batch_size", "8", "--training.deterministic", "--metrics.log_freq", "1",
-            "--no-metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
-            *layout_args, *extra]
+    args = [
+        "-m",
+        "titanlite.train",
+        "--config",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        "--training.deterministic",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.enable_tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(INTERVAL),
+        *layout_args,
+        *extra,
+    ]
     env = child_env(**({TEST_KILL_ENV: kill_at} if kill_at else {}))
     if nproc == 1:
         return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

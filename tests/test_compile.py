@@ -10,8 +10,6 @@ within the same bounds).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,8 +90,9 @@ def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
 def test_reshard_after_forward_policy_under_compile(tmp_path, policy, regathered, reorder):
     """`always` re-gathers everything saved for backward (not the embedding); `never` nothing. Without
     reordering the buckets are the same, only left where the first collective of each was."""
-    cfg = config(tmp_path, "transformer_block", "model", parallelism__fsdp_reshard_after_forward=policy,
-                 compile__reorder=reorder)
+    cfg = config(
+        tmp_path, "transformer_block", "model", parallelism__fsdp_reshard_after_forward=policy, compile__reorder=reorder
+    )
     dp = compile_report(cfg, 2, ARGS)["dp"]
     assert dp["all_gather"]["after"] == N + 2 and dp["reduce_scatter"]["after"] == N + 2
     assert dp.get("backward_all_gather", {"before": 0})["before"] == regathered

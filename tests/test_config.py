@@ -24,10 +24,19 @@ def test_shipped_configs_load(configs):
 
 
 def test_overrides_all_forms():
-    cfg = load_config([
-        "--training.steps", "7", "--optimizer.lr=0.5", "--compile.enable", "--no-metrics.enable_tensorboard",
-        "--training.deterministic=true", "--compile.components", "model", "--parallelism.tensor_parallel_degree=2",
-    ])
+    cfg = load_config(
+        [
+            "--training.steps",
+            "7",
+            "--optimizer.lr=0.5",
+            "--compile.enable",
+            "--no-metrics.enable_tensorboard",
+            "--training.deterministic=true",
+            "--compile.components",
+            "model",
+            "--parallelism.tensor_parallel_degree=2",
+        ]
+    )
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 0.5
     assert cfg.compile.enable is True and cfg.metrics.enable_tensorboard is False
     assert cfg.training.deterministic is True and cfg.compile.components == ["model"]
@@ -82,8 +91,14 @@ def test_missing_config_file():
 def test_cli_error_is_one_line_exit_2(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[training]\nstepz = 3\n")
-    proc = subprocess.run([sys.executable, "-m", "titanlite.train", "--config", str(f)], env=child_env(),
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "titanlite.train", "--config", str(f)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "training.stepz" in lines[0] and "Traceback" not in proc.stderr

@@ -41,8 +41,16 @@ def write_txt(path: Path, docs: list[str]) -> Path:
 
 def loader(path, *, rank=0, dp=1, gbs=8, lbs=1, shards=0, workers=0, field="text", seq_len=SEQ):
     return build_dataloader(
-        tokenizer=TOK, dataset_path=str(path), text_field=field, seq_len=seq_len, local_batch_size=lbs,
-        global_batch_size=gbs, dp_rank=rank, dp_degree=dp, virtual_shards=shards, num_workers=workers,
+        tokenizer=TOK,
+        dataset_path=str(path),
+        text_field=field,
+        seq_len=seq_len,
+        local_batch_size=lbs,
+        global_batch_size=gbs,
+        dp_rank=rank,
+        dp_degree=dp,
+        virtual_shards=shards,
+        num_workers=workers,
     )
 
 
@@ -105,8 +113,14 @@ def test_a_rank_tokenizes_only_its_own_documents(data, docs):
 
     spy = SpyTokenizer()
     dl = build_dataloader(
-        tokenizer=spy, dataset_path=str(data), text_field="text", seq_len=SEQ, local_batch_size=1,
-        global_batch_size=8, dp_rank=1, dp_degree=2,
+        tokenizer=spy,
+        dataset_path=str(data),
+        text_field="text",
+        seq_len=SEQ,
+        local_batch_size=1,
+        global_batch_size=8,
+        dp_rank=1,
+        dp_degree=2,
     )
     take(iter(dl), 40)
     assert spy.seen and {docs.index(t) % 8 for t in spy.seen} <= {1, 3, 5, 7}
@@ -190,8 +204,13 @@ def test_bad_data_is_skipped_with_counted_warnings(tmp_path, caplog):
     assert "empty.txt: empty file" in log and "blank.txt: empty file" in log
     assert "binary.txt: binary file" in log
     assert "1 undecodable paragraphs; kept 2 documents" in log
-    for why in ("1 lines with invalid JSON", "1 lines with no 'text' field", "1 lines with non-string 'text'",
-                "1 lines with empty 'text'", "1 lines with not a JSON object"):
+    for why in (
+        "1 lines with invalid JSON",
+        "1 lines with no 'text' field",
+        "1 lines with non-string 'text'",
+        "1 lines with empty 'text'",
+        "1 lines with not a JSON object",
+    ):
         assert why in log
     assert len([r for r in caplog.records if "records.jsonl" in r.getMessage()]) == 1  # one summary per file
     it = iter(loader(root, gbs=4, shards=1))  # one shard: the stream is the documents in order

@@ -25,8 +25,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
 from harness import ROOT, assert_ok, child_env, torchrun
-from titanlite.config import load_config
 from titanlite.build import RunPlan, build_model
+from titanlite.config import load_config
 from titanlite.errors import run_cli
 from titanlite.memory_plan import Layout
 from titanlite.models.llama3 import Transformer
@@ -135,8 +135,9 @@ def _worker(out_path: str) -> None:
         plan = RunPlan.build(cfg, world)
         model = build_model(plan, torch.device("cpu"))
         if name in LAYOUTS:
-            record["numel"][name] = {fqn: (p.to_local() if hasattr(p, "to_local") else p).numel()
-                                     for fqn, p in model.named_parameters()}
+            record["numel"][name] = {
+                fqn: (p.to_local() if hasattr(p, "to_local") else p).numel() for fqn, p in model.named_parameters()
+            }
         else:
             lp = Layout.from_config(cfg, plan.dims).loss_parallel
             record["activation"][name] = measure_activation_peak(model, plan.model_args.vocab_size, BATCH, SEQ, lp)
@@ -176,10 +177,15 @@ def test_activation_estimate_matches_tp_measurement(two_rank_records, layout):
 # --- (c) activations, single process --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ac,option,vocab", [
-    ("none", "op", None), ("full", "op", None), ("selective", "op", None),
-    ("full", "op", 64),  # small vocabulary: the last block's backward is the peak, not the loss
-])
+@pytest.mark.parametrize(
+    "ac,option,vocab",
+    [
+        ("none", "op", None),
+        ("full", "op", None),
+        ("selective", "op", None),
+        ("full", "op", 64),  # small vocabulary: the last block's backward is the peak, not the loss
+    ],
+)
 def test_activation_estimate_matches_measurement(ac, option, vocab):
     cfg = cfg_of("--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option, *ACT_BATCH)
     plan = RunPlan.build(cfg, 1)
@@ -188,9 +194,19 @@ def test_activation_estimate_matches_measurement(ac, option, vocab):
     model = Transformer(args, seq_len=SEQ)
     apply_ac(llama_units(model).blocks, cfg.activation_checkpoint)
     measured = measure_activation_peak(model, args.vocab_size, BATCH, SEQ, use_loss_parallel=False)
-    layout = Layout(tp=1, dp_mode=None, dp_impl="simple_fsdp", compute_dtype=torch.float32,
-                    reduce_dtype=torch.float32, reshard="default", loss_parallel=False, ac_mode=ac, ac_option=option,
-                    local_batch=BATCH, seq_len=SEQ)
+    layout = Layout(
+        tp=1,
+        dp_mode=None,
+        dp_impl="simple_fsdp",
+        compute_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        reshard="default",
+        loss_parallel=False,
+        ac_mode=ac,
+        ac_option=option,
+        local_batch=BATCH,
+        seq_len=SEQ,
+    )
     estimated = activation_bytes(args, layout)["peak"]
     assert abs(estimated - measured) <= ACT_TOLERANCE * measured, (estimated, measured)
 
@@ -209,8 +225,21 @@ def test_a_config_that_cannot_fit_says_so_in_one_line_with_exit_code_1(capsys):
     code = main(["--config", str(ROOT / "train_configs/llama3_8b.toml"), "--comm.fake_world_size", "2"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code == 1 and last.startswith("does not fit:") and "GiB per GPU > 80 GiB" in last
-    assert main(["--config", str(ROOT / "train_configs/llama3_8b.toml"), "--comm.fake_world_size", "2",
-                 "--comm.fake_gpu_memory_gib", "141", "--training.seq_len", "2048"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(ROOT / "train_configs/llama3_8b.toml"),
+                "--comm.fake_world_size",
+                "2",
+                "--comm.fake_gpu_memory_gib",
+                "141",
+                "--training.seq_len",
+                "2048",
+            ]
+        )
+        == 0
+    )
 
 
 def test_bad_degrees_are_one_config_error_line(capsys):
@@ -222,8 +251,14 @@ def test_bad_degrees_are_one_config_error_line(capsys):
 def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(tmp_path):
     config = tmp_path / "debug_fake.toml"
     config.write_text((ROOT / DEBUG).read_text() + '\n[comm]\nmode = "fake_backend"\nfake_world_size = 4\n')
-    proc = subprocess.run(["./run_train.sh", "--config", str(config), "--comm.fake_gpu_memory_gib", "0.01"],
-                          cwd=ROOT, env=child_env(NGPU="3", NNODES="2"), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["./run_train.sh", "--config", str(config), "--comm.fake_gpu_memory_gib", "0.01"],
+        cwd=ROOT,
+        env=child_env(NGPU="3", NNODES="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "world 6 (fake process group, rank 0): dp_shard 6;" in proc.stdout, proc.stderr[-3000:]
     assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1].startswith("does not fit:")
 

@@ -30,15 +30,28 @@ def option(argv: list[str], name: str) -> str:
 
 def test_two_nodes_use_the_c10d_rendezvous():
     env = child_env(NNODES="2", NGPU="2", RDZV_ENDPOINT="node001:29500", RDZV_ID="job7", DRY_LAUNCH="1")
-    argv = launched(subprocess.run(["./run_train.sh", "--training.steps", "5"], cwd=ROOT, env=env,
-                                   capture_output=True, text=True, timeout=300))
+    argv = launched(
+        subprocess.run(
+            ["./run_train.sh", "--training.steps", "5"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+    )
     assert argv[0].startswith("OMP_NUM_THREADS=") and argv[2:4] == ["-m", "torch.distributed.run"]
     assert "--standalone" not in argv
-    assert (option(argv, "--nnodes"), option(argv, "--rdzv_backend"), option(argv, "--rdzv_endpoint"),
-            option(argv, "--rdzv_id")) == ("2", "c10d", "node001:29500", "job7")
+    assert (
+        option(argv, "--nnodes"),
+        option(argv, "--rdzv_backend"),
+        option(argv, "--rdzv_endpoint"),
+        option(argv, "--rdzv_id"),
+    ) == ("2", "c10d", "node001:29500", "job7")
     assert "--nproc_per_node=2" in argv
-    assert argv[-6:] == ["-m", "titanlite.train", "--config", str(ROOT / "train_configs/debug_model.toml"),
-                         "--training.steps", "5"]
+    assert argv[-6:] == [
+        "-m",
+        "titanlite.train",
+        "--config",
+        str(ROOT / "train_configs/debug_model.toml"),
+        "--training.steps",
+        "5",
+    ]
 
 
 def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
@@ -47,25 +60,48 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = child_env(PATH=f"{bin_dir}:{child_env()['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"), DRY_LAUNCH="1",
-                    SLURM_JOB_NODELIST="node[001-002]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="1234",
-                    SLURM_GPUS_ON_NODE="2", SLURM_SUBMIT_DIR=str(ROOT))
+    env = child_env(
+        PATH=f"{bin_dir}:{child_env()['PATH']}",
+        SRUN_LOG=str(tmp_path / "srun.log"),
+        DRY_LAUNCH="1",
+        SLURM_JOB_NODELIST="node[001-002]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_ID="1234",
+        SLURM_GPUS_ON_NODE="2",
+        SLURM_SUBMIT_DIR=str(ROOT),
+    )
     for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID"):
         env.pop(key, None)
-    argv = launched(subprocess.run(["bash", str(ROOT / "multinode_trainer.slurm"), "--training.steps", "5"], cwd=tmp_path,
-                                   env=env, capture_output=True, text=True, timeout=300))
+    argv = launched(
+        subprocess.run(
+            ["bash", str(ROOT / "multinode_trainer.slurm"), "--training.steps", "5"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     assert (tmp_path / "srun.log").read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert (option(argv, "--nnodes"), option(argv, "--rdzv_endpoint"), option(argv, "--rdzv_id")) == (
-        "2", "node001:29500", "titanlite-1234")
+        "2",
+        "node001:29500",
+        "titanlite-1234",
+    )
     assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
 
 
 def test_gpu_check_runs_its_cpu_fallback_and_compares_with_the_estimate(tmp_path):
     out = tmp_path / "gpu_check.json"
     # Compilation is left out here for time; the same script compiles with aot_eager by default on CPU.
-    proc = subprocess.run(["scripts/gpu_check.sh", "--steps", "2", "--warmup", "1", "--json", str(out),
-                           "--no-compile.enable"], cwd=ROOT,
-                          env=child_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["scripts/gpu_check.sh", "--steps", "2", "--warmup", "1", "--json", str(out), "--no-compile.enable"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s" in proc.stdout and "vs dry-run estimate" in proc.stdout
     result = json.loads(out.read_text())

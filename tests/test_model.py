@@ -70,7 +70,7 @@ def test_rope_rotation_preserves_norm_and_relative_positions():
     cos, sin = rope_tables(args, 16)
     q = torch.randn(1, 16, 1, 16)
     k = torch.randn(1, 16, 1, 16)
-    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rq = apply_rope(q, cos, sin)
     assert torch.allclose(rq.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
     # <R_m q, R_n k> depends only on m - n: shift both by one position.
     qs, ks = q[:, :1].expand(1, 16, 1, 16), k[:, :1].expand(1, 16, 1, 16)

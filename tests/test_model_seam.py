@@ -14,9 +14,26 @@ pytestmark = pytest.mark.slow
 
 def test_a_second_model_family_trains_checkpoints_and_resumes(tmp_path):
     def run(steps: int):
-        return torchrun(["tests/workers/mlp_lm.py", "--model.name", "mlp_lm", "--model.flavor", "tiny",
-                         "--job.dump_folder", str(tmp_path), *SMALL, "--training.steps", str(steps),
-                         "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "3"], 2)
+        return torchrun(
+            [
+                "tests/workers/mlp_lm.py",
+                "--model.name",
+                "mlp_lm",
+                "--model.flavor",
+                "tiny",
+                "--job.dump_folder",
+                str(tmp_path),
+                *SMALL,
+                "--training.steps",
+                str(steps),
+                "--training.local_batch_size",
+                "2",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "3",
+            ],
+            2,
+        )
 
     first = run(3)
     assert_ok(first)
@@ -26,6 +43,9 @@ def test_a_second_model_family_trains_checkpoints_and_resumes(tmp_path):
     assert_ok(second)
     assert "resumed from" in second.stderr and "step-3 at step 3" in second.stderr
     assert folders.scan(tmp_path / "checkpoint") == ([3, 5], [])
-    steps = [int(line.split("step:")[1].split()[0]) for line in second.stderr.splitlines()
-             if "rank0" in line and "step:" in line]
+    steps = [
+        int(line.split("step:")[1].split()[0])
+        for line in second.stderr.splitlines()
+        if "rank0" in line and "step:" in line
+    ]
     assert steps == [4, 5]

@@ -27,8 +27,11 @@ def test_decay_to_min(kind):
     c = curve(decay_type=kind, min_lr_factor=0.1)
     assert max(c) == pytest.approx(1.0)
     assert all(b <= a + 1e-12 for a, b in zip(c[10:], c[11:]))
-    assert c[-1] == pytest.approx(0.1 + 0.9 * {"linear": 1 / 90, "cosine": 0.5 * (1 + math.cos(math.pi * 89 / 90)),
-                                                "sqrt": 1 - math.sqrt(89 / 90)}[kind])
+    assert c[-1] == pytest.approx(
+        0.1
+        + 0.9
+        * {"linear": 1 / 90, "cosine": 0.5 * (1 + math.cos(math.pi * 89 / 90)), "sqrt": 1 - math.sqrt(89 / 90)}[kind]
+    )
 
 
 def test_wsd_has_a_stable_phase():

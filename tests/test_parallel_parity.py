@@ -13,22 +13,39 @@ import pytest
 from harness import LOSS_REL, check_parity, parity
 
 CASES_2 = [
-    {"shard": 2}, {"rep": 2}, {"tp": 2},
-    {"shard": 2, "ac": "full"}, {"shard": 2, "ac": "selective"}, {"shard": 2, "ac": "selective", "ac_option": "2"},
-    {"rep": 2, "ac": "full"}, {"tp": 2, "ac": "full"}, {"tp": 2, "ac": "selective"},
-    {"shard": 2, "reshard": "never"}, {"shard": 2, "reshard": "always"}, {"shard": 2, "accum": 2},
-    {"shard": 2, "dp_impl": "fsdp2"}, {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
+    {"shard": 2},
+    {"rep": 2},
+    {"tp": 2},
+    {"shard": 2, "ac": "full"},
+    {"shard": 2, "ac": "selective"},
+    {"shard": 2, "ac": "selective", "ac_option": "2"},
+    {"rep": 2, "ac": "full"},
+    {"tp": 2, "ac": "full"},
+    {"tp": 2, "ac": "selective"},
+    {"shard": 2, "reshard": "never"},
+    {"shard": 2, "reshard": "always"},
+    {"shard": 2, "accum": 2},
+    {"shard": 2, "dp_impl": "fsdp2"},
+    {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
-    {"shard": 2, "param_dtype": "bfloat16"}, {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
+    {"shard": 2, "param_dtype": "bfloat16"},
+    {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
     # Negative control: every rank trains on the same slice (different data from the reference).
     {"shard": 2, "corrupt": True},
 ]
 CASES_4 = [
-    {"shard": 4}, {"rep": 4}, {"rep": 2, "shard": 2}, {"shard": 2, "tp": 2}, {"rep": 2, "shard": 1, "tp": 2},
-    {"shard": 4, "ac": "full"}, {"rep": 2, "shard": 2, "ac": "selective"},
-    {"shard": 2, "tp": 2, "ac": "full"}, {"shard": 2, "tp": 2, "ac": "selective"},
+    {"shard": 4},
+    {"rep": 4},
+    {"rep": 2, "shard": 2},
+    {"shard": 2, "tp": 2},
+    {"rep": 2, "shard": 1, "tp": 2},
+    {"shard": 4, "ac": "full"},
+    {"rep": 2, "shard": 2, "ac": "selective"},
+    {"shard": 2, "tp": 2, "ac": "full"},
+    {"shard": 2, "tp": 2, "ac": "selective"},
     {"shard": 2, "tp": 2, "ac": "selective", "ac_option": "2"},
-    {"rep": 2, "shard": 2, "dp_impl": "fsdp2"}, {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
+    {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
+    {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [{"rep": 2, "shard": 2, "tp": 2}, {"rep": 2, "shard": 2, "tp": 2, "ac": "full"}]
@@ -36,8 +53,10 @@ CASES_8 = [{"rep": 2, "shard": 2, "tp": 2}, {"rep": 2, "shard": 2, "tp": 2, "ac"
 
 def case_id(case: dict) -> str:
     """{"shard": 2, "ac": "full"} -> "shard2-ac_full"."""
-    return "-".join(f"{k}{v}" if isinstance(v, int) and not isinstance(v, bool) else k if v is True else f"{k}_{v}"
-                    for k, v in case.items())
+    return "-".join(
+        f"{k}{v}" if isinstance(v, int) and not isinstance(v, bool) else k if v is True else f"{k}_{v}"
+        for k, v in case.items()
+    )
 
 
 def _fp32(cases: list[dict]) -> list[dict]:
@@ -59,10 +78,11 @@ def records(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,case", [(2, c) for c in _fp32(CASES_2)] + [(4, c) for c in CASES_4]
-                         + [(8, c) for c in CASES_8],
-                         ids=[f"{n}-{case_id(c)}" for n, cs in ((2, _fp32(CASES_2)), (4, CASES_4), (8, CASES_8))
-                              for c in cs])
+@pytest.mark.parametrize(
+    "nproc,case",
+    [(2, c) for c in _fp32(CASES_2)] + [(4, c) for c in CASES_4] + [(8, c) for c in CASES_8],
+    ids=[f"{n}-{case_id(c)}" for n, cs in ((2, _fp32(CASES_2)), (4, CASES_4), (8, CASES_8)) for c in cs],
+)
 def test_parity(records, nproc, case):
     all_cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[nproc]
     check_parity([records(nproc, all_cases)[case_id(case)]])

@@ -14,8 +14,20 @@ from titanlite.profiling import Profiler
 
 @pytest.mark.slow
 def test_a_two_step_cpu_run_writes_a_trace_that_parses(tmp_path):
-    train(tmp_path, 1, "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
-          "--no-metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2").ok()
+    train(
+        tmp_path,
+        1,
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--no-metrics.enable_tensorboard",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+    ).ok()
     assert [p.name for p in (tmp_path / "profile_traces").iterdir()] == ["iteration_2"]
     trace = json.loads((tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
@@ -24,8 +36,9 @@ def test_a_two_step_cpu_run_writes_a_trace_that_parses(tmp_path):
 
 def _run(tmp_path, freq: int, start: int, steps: int, **flags) -> list[str]:
     model = torch.nn.Linear(8, 8)
-    with Profiler(Profiling(profile_freq=freq, **flags), str(tmp_path), rank=3, device=torch.device("cpu"),
-                  start_step=start) as profiler:
+    with Profiler(
+        Profiling(profile_freq=freq, **flags), str(tmp_path), rank=3, device=torch.device("cpu"), start_step=start
+    ) as profiler:
         for _ in range(steps):
             model(torch.randn(4, 8)).sum().backward()
             profiler.step()
@@ -36,7 +49,9 @@ def test_schedule_records_global_multiples_of_the_frequency_after_resume(tmp_pat
     # Resumed after step 4, training steps 5..11: steps 6 and 9 are recorded, nothing else (not the
     # unfinished cycle at the end).
     assert _run(tmp_path, freq=3, start=4, steps=7, enable_profiling=True) == [
-        "profile_traces/iteration_6/rank3_trace.json", "profile_traces/iteration_9/rank3_trace.json"]
+        "profile_traces/iteration_6/rank3_trace.json",
+        "profile_traces/iteration_9/rank3_trace.json",
+    ]
 
 
 def test_cpu_memory_record_is_the_profiler_memory_timeline(tmp_path):
@@ -56,13 +71,15 @@ def test_cuda_memory_snapshot_is_a_pickle_per_recorded_step(tmp_path):
     import pickle
 
     model = torch.nn.Linear(8, 8, device="cuda")
-    with Profiler(Profiling(enable_memory_snapshot=True, profile_freq=2), str(tmp_path), rank=0,
-                  device=torch.device("cuda")) as profiler:
+    with Profiler(
+        Profiling(enable_memory_snapshot=True, profile_freq=2), str(tmp_path), rank=0, device=torch.device("cuda")
+    ) as profiler:
         for _ in range(4):
             model(torch.randn(4, 8, device="cuda")).sum().backward()
             profiler.step()
     assert [p.removeprefix(str(tmp_path) + "/") for p in profiler.written] == [
         "memory_snapshot/iteration_2/rank0_memory_snapshot.pickle",
-        "memory_snapshot/iteration_4/rank0_memory_snapshot.pickle"]
+        "memory_snapshot/iteration_4/rank0_memory_snapshot.pickle",
+    ]
     with open(profiler.written[0], "rb") as f:
         assert "segments" in pickle.load(f)

@@ -14,13 +14,22 @@ import pytest
 
 from harness import ROOT, child_env, torchrun
 
-COMMON = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "64", "--metrics.log_freq", "1",
-          "--training.deterministic", "--no-metrics.enable_tensorboard"]
+COMMON = [
+    "--config",
+    "train_configs/debug_model.toml",
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--training.deterministic",
+    "--no-metrics.enable_tensorboard",
+]
 
 
 def run(dump: Path, *overrides: str, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
-    return torchrun(["-m", "titanlite.train", *COMMON, "--job.dump_folder", str(dump), *overrides], nproc,
-                    env=child_env(**env))
+    return torchrun(
+        ["-m", "titanlite.train", *COMMON, "--job.dump_folder", str(dump), *overrides], nproc, env=child_env(**env)
+    )
 
 
 def losses(dump: Path) -> dict[int, float]:
@@ -64,12 +73,33 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, uninterrupted):
 @pytest.mark.slow
 def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
     """run_train.sh passes comm.max_restarts to torchrun; the job comes back from the last checkpoint."""
-    env = child_env(NGPU="2", TITANLITE_FAULT_EXIT_AT="6", TITANLITE_FAULT_RANK="1",
-                    TITANLITE_FAULT_ONCE=str(tmp_path / "fired"), LOG_RANK="0,1")
+    env = child_env(
+        NGPU="2",
+        TITANLITE_FAULT_EXIT_AT="6",
+        TITANLITE_FAULT_RANK="1",
+        TITANLITE_FAULT_ONCE=str(tmp_path / "fired"),
+        LOG_RANK="0,1",
+    )
     proc = subprocess.run(
-        [str(ROOT / "run_train.sh"), *COMMON[2:], "--job.dump_folder", str(tmp_path), "--training.steps", "8",
-         "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            str(ROOT / "run_train.sh"),
+            *COMMON[2:],
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "8",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--comm.max_restarts",
+            "1",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert (tmp_path / "fired").exists()
     got = losses(tmp_path)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
@@ -78,20 +108,28 @@ def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
 
 @pytest.mark.slow
 def test_nan_stops_with_last_good_checkpoint(tmp_path):
-    proc = run(tmp_path, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
-               TITANLITE_FAULT_NAN_AT="5")
+    proc = run(
+        tmp_path,
+        "--training.steps",
+        "8",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        TITANLITE_FAULT_NAN_AT="5",
+    )
     assert proc.returncode != 0
     err = [ln for ln in proc.stderr.splitlines() if "titanlite: error:" in ln]
     assert err and "non-finite step 5" in err[0] and "step-4" in err[0]
     # the checkpoint on disk is the last good one
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.name.startswith("step-")) == \
-        ["step-2", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.name.startswith("step-")) == [
+        "step-2",
+        "step-4",
+    ]
 
 
 @pytest.mark.slow
 def test_nan_step_is_skipped_within_limit(tmp_path, uninterrupted):
-    proc = run(tmp_path, "--training.steps", "6", "--training.skip_nonfinite_steps", "1",
-               TITANLITE_FAULT_NAN_AT="3")
+    proc = run(tmp_path, "--training.steps", "6", "--training.skip_nonfinite_steps", "1", TITANLITE_FAULT_NAN_AT="3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = losses(tmp_path)
     assert got[3] != got[3]  # NaN logged for the skipped step

@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanlite.config import JobConfig
 from harness import tiny_args
 from titanlite.build import RunPlan, build_model
+from titanlite.config import JobConfig
 from titanlite.models.llama3 import Transformer
 
 ARGS = tiny_args()

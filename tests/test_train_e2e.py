@@ -34,8 +34,15 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
     acc = EventAccumulator(str(run_dirs[0]))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss/loss", "loss/grad_norm", "loss/lr", "throughput/tps", "throughput/mfu_pct",
-            "memory/peak_gib", "time/data_pct"} <= tags
+    assert {
+        "loss/loss",
+        "loss/grad_norm",
+        "loss/lr",
+        "throughput/tps",
+        "throughput/mfu_pct",
+        "memory/peak_gib",
+        "time/data_pct",
+    } <= tags
     losses = [e.value for e in acc.Scalars("loss/loss")]
     assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
@@ -49,13 +56,29 @@ def one_process_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-     "--training.local_batch_size", "2"],
-    ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_shard_degree", "4",
-     "--training.local_batch_size", "2"],
-], ids=["dp2xtp2", "hsdp2x2", "fsdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+        [
+            "--parallelism.dp_impl",
+            "fsdp2",
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ],
+    ids=["dp2xtp2", "hsdp2x2", "fsdp2"],
+)
 def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_reference):
     """Same global batch of 8: one process with local batch 8 vs 4 processes; losses match (fp32)."""
     par = train(tmp_path, 4, *PARITY_STEPS, "--training.local_batch_size", "4", *layout)
@@ -63,8 +86,15 @@ def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_refere
     assert len(diffs) == 10 and max(diffs) < LOSS_REL, diffs
 
 
-FULL_PLAN = ["--training.steps", "10", "--training.global_batch_size", "16", "--compile.enable",
-             "--activation_checkpoint.mode", "selective"]
+FULL_PLAN = [
+    "--training.steps",
+    "10",
+    "--training.global_batch_size",
+    "16",
+    "--compile.enable",
+    "--activation_checkpoint.mode",
+    "selective",
+]
 
 
 @pytest.mark.slow
@@ -74,12 +104,22 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     global batch (fp32, deterministic)."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     runs = {
-        "python": run_trainer(tmp_path / "python", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16",
-                              launcher="python", env=env),
-        "ngpu1": run_trainer(tmp_path / "ngpu1", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16",
-                             launcher="run_train", env=env),
-        "ngpu2": run_trainer(tmp_path / "ngpu2", 2, *SMALL, *FULL_PLAN, "--training.local_batch_size", "8",
-                             launcher="run_train", env=env),
+        "python": run_trainer(
+            tmp_path / "python", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16", launcher="python", env=env
+        ),
+        "ngpu1": run_trainer(
+            tmp_path / "ngpu1",
+            1,
+            *SMALL,
+            *FULL_PLAN,
+            "--training.local_batch_size",
+            "16",
+            launcher="run_train",
+            env=env,
+        ),
+        "ngpu2": run_trainer(
+            tmp_path / "ngpu2", 2, *SMALL, *FULL_PLAN, "--training.local_batch_size", "8", launcher="run_train", env=env
+        ),
     }
     for name, run in runs.items():
         run.ok()
@@ -97,8 +137,9 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
 def test_one_process_mixed_precision_is_applied(tmp_path):
     """The configured bf16 compute reaches a one-process run (it trained fp32 before, silently)."""
     fp32 = run_trainer(tmp_path / "fp32", 1, *SMALL, "--training.steps", "2").ok()
-    bf16 = run_trainer(tmp_path / "bf16", 1, *SMALL, "--training.steps", "2",
-                       "--training.mixed_precision_param", "bfloat16").ok()
+    bf16 = run_trainer(
+        tmp_path / "bf16", 1, *SMALL, "--training.steps", "2", "--training.mixed_precision_param", "bfloat16"
+    ).ok()
     assert "compute bfloat16" in bf16.log and "compute float32" in fp32.log
     assert bf16.losses[0] != fp32.losses[0]
     assert abs(bf16.losses[0] - fp32.losses[0]) / fp32.losses[0] < 1e-2
@@ -106,18 +147,44 @@ def test_one_process_mixed_precision_is_applied(tmp_path):
 
 def test_bad_dataset_path_is_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "titanlite.preflight", "--config", "train_configs/debug_model.toml",
-         "--training.dataset_path", str(tmp_path / "nothing*.jsonl")],
-        env=child_env(WORLD_SIZE="2"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "titanlite.preflight",
+            "--config",
+            "train_configs/debug_model.toml",
+            "--training.dataset_path",
+            str(tmp_path / "nothing*.jsonl"),
+        ],
+        env=child_env(WORLD_SIZE="2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "nothing" in proc.stderr
 
 
 def test_preflight_reports_bad_mesh(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "titanlite.preflight", "--config", "train_configs/debug_model.toml",
-         "--parallelism.data_parallel_shard_degree", "3", "--job.dump_folder", str(tmp_path)],
-        env=child_env(WORLD_SIZE="4"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "titanlite.preflight",
+            "--config",
+            "train_configs/debug_model.toml",
+            "--parallelism.data_parallel_shard_degree",
+            "3",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        env=child_env(WORLD_SIZE="4"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "dp_shard=3" in proc.stderr and "world size 4" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -37,7 +37,8 @@ def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
     args = spec.flavors[cfg.model.flavor]
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the {cfg.model.flavor} model's max_seq_len {args.max_seq_len}"
+            f"training.seq_len {cfg.training.seq_len} exceeds the {cfg.model.flavor} model's "
+            f"max_seq_len {args.max_seq_len}"
         )
     return dataclasses.replace(args, vocab_size=vocab_size)
 
@@ -55,8 +56,7 @@ class RunPlan:
     grad_accum: int
 
     @classmethod
-    def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None,
-              args: Any = None) -> "RunPlan":
+    def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:
         """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
         spec = get_model_spec(cfg.model.name)
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)

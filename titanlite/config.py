@@ -406,7 +406,9 @@ def validate(cfg: JobConfig) -> None:
         if value < 0:
             raise ConfigError(f"config key '{key}' must not be negative, got {value}")
     if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError(f"config key 'lr_scheduler.decay_ratio' must be in [0, 1], got {cfg.lr_scheduler.decay_ratio}")
+        raise ConfigError(
+            f"config key 'lr_scheduler.decay_ratio' must be in [0, 1], got {cfg.lr_scheduler.decay_ratio}"
+        )
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ConfigError(
             f"config key 'lr_scheduler.min_lr_factor' must be in [0, 1], got {cfg.lr_scheduler.min_lr_factor}"

@@ -21,15 +21,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.config import DTYPES, ActivationCheckpoint, JobConfig
-from titanlite.errors import ConfigError
-from titanlite.models.registry import ModelSpec
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
@@ -56,18 +52,23 @@ class Layout:
     seq_len: int
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> "Layout":
+    def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Layout:
         """The layout the trainer builds: mixed precision comes with the data-parallel plan (every run but
         pure tensor parallelism)."""
         p, t = cfg.parallelism, cfg.training
         dp = dims.dp_enabled
         return cls(
-            tp=dims.tp, dp_mode=dims.dp_mode if dp else None, dp_impl=p.dp_impl,
+            tp=dims.tp,
+            dp_mode=dims.dp_mode if dp else None,
+            dp_impl=p.dp_impl,
             compute_dtype=DTYPES[t.mixed_precision_param] if dp else torch.float32,
             reduce_dtype=DTYPES[t.mixed_precision_reduce] if dp else torch.float32,
-            reshard=p.fsdp_reshard_after_forward, loss_parallel=dims.loss_parallel,
-            ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
-            local_batch=t.local_batch_size, seq_len=t.seq_len,
+            reshard=p.fsdp_reshard_after_forward,
+            loss_parallel=dims.loss_parallel,
+            ac_mode=cfg.activation_checkpoint.mode,
+            ac_option=cfg.activation_checkpoint.selective_ac_option,
+            local_batch=t.local_batch_size,
+            seq_len=t.seq_len,
         )
 
     def block_ac(self, layer: int) -> BlockAC:
@@ -144,25 +145,34 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
     free = sorted((n for u, n in units.items() if u not in held), reverse=True)
     in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
     reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
-    return (sum(units[u] for u in held) * gathered_bytes, in_flight * gathered_bytes,
-            reduce_elems * layout.reduce_dtype.itemsize)
+    return (
+        sum(units[u] for u in held) * gathered_bytes,
+        in_flight * gathered_bytes,
+        reduce_elems * layout.reduce_dtype.itemsize,
+    )
 
 
 def _under(fqn: str, prefixes: tuple[str, ...]) -> bool:
     return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
 
 
-def estimate(model: nn.Module, spec: ModelSpec, args: Any, layout: Layout) -> MemoryEstimate:
-    """Memory per GPU of `model` (already parallelized, on any device including meta) under `layout`."""
-    if spec.activation_bytes is None:
-        raise ConfigError(f"model {spec.name!r} has no activation model: the dry run cannot plan it")
+def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout: Layout) -> MemoryEstimate:
+    """Memory per GPU of `model` (already parallelized, on any device including meta) under `layout`;
+    `units` are its blocks and roots, `activations` the family's estimate (parts and "peak", in bytes)."""
     local = {fqn: local_tensor(p).numel() for fqn, p in model.named_parameters()}
     param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
     trainable = sum(local_tensor(p).nbytes for p in model.parameters() if p.requires_grad)
-    held, in_flight, reduce = _collective_buffers(model, spec.units(model), layout)
-    acts = spec.activation_bytes(args, layout)
+    held, in_flight, reduce = _collective_buffers(model, units, layout)
+    acts = dict(activations)
     peak = acts.pop("peak")
     return MemoryEstimate(
-        local_numel=local, params=param_bytes, grads=trainable, optimizer=2 * trainable,
-        gather_held=held, gather_in_flight=in_flight, reduce_buffer=reduce, activations=peak, activation_parts=acts,
+        local_numel=local,
+        params=param_bytes,
+        grads=trainable,
+        optimizer=2 * trainable,
+        gather_held=held,
+        gather_in_flight=in_flight,
+        reduce_buffer=reduce,
+        activations=peak,
+        activation_parts=acts,
     )

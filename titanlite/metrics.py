@@ -19,8 +19,19 @@ import torch
 logger = logging.getLogger("titanlite")
 
 # Dense bf16 peak TFLOP/s per GPU name fragment.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-                   "A10G": 125.0, "B200": 2250.0, "GB200": 2500.0, "MI300X": 1307.0, "MI325X": 1307.0}
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+    "MI300X": 1307.0,
+    "MI325X": 1307.0,
+}
 
 
 def peak_tflops(device: torch.device) -> tuple[float, str]:
@@ -65,8 +76,10 @@ class MemoryMonitor:
     def peak_gib(self) -> tuple[float, float | None]:
         """(peak GiB, peak reserved GiB on CUDA / None on CPU)."""
         if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated(self.device) / 2**30,
-                    torch.cuda.max_memory_reserved(self.device) / 2**30)
+            return (
+                torch.cuda.max_memory_allocated(self.device) / 2**30,
+                torch.cuda.max_memory_reserved(self.device) / 2**30,
+            )
         try:
             with open("/proc/self/status") as f:
                 for line in f:
@@ -97,9 +110,18 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         color = not cfg.disable_color_printing
-        self.c = {k: (v if color else "") for k, v in
-                  dict(red="\033[31m", green="\033[32m", yellow="\033[33m", blue="\033[34m", cyan="\033[36m",
-                       magenta="\033[35m", reset="\033[39m").items()}
+        self.c = {
+            k: (v if color else "")
+            for k, v in dict(
+                red="\033[31m",
+                green="\033[32m",
+                yellow="\033[33m",
+                blue="\033[34m",
+                cyan="\033[36m",
+                magenta="\033[35m",
+                reset="\033[39m",
+            ).items()
+        }
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
@@ -110,12 +132,17 @@ class MetricsLogger:
 
             log_dir = os.path.join(dump_folder, cfg.save_tb_folder, time.strftime("%Y%m%d-%H%M%S"))
             self.writer = SummaryWriter(log_dir)
-            self.writer.add_custom_scalars({
-                "loss": {"loss": ["Multiline", ["loss/loss"]], "grad_norm": ["Multiline", ["loss/grad_norm"]]},
-                "throughput": {"tps": ["Multiline", ["throughput/tps"]], "mfu": ["Multiline", ["throughput/mfu_pct"]]},
-                "memory": {"peak": ["Multiline", ["memory/peak_gib"]]},
-                "time": {"data": ["Multiline", ["time/data_pct"]], "step": ["Multiline", ["time/step_s"]]},
-            })
+            self.writer.add_custom_scalars(
+                {
+                    "loss": {"loss": ["Multiline", ["loss/loss"]], "grad_norm": ["Multiline", ["loss/grad_norm"]]},
+                    "throughput": {
+                        "tps": ["Multiline", ["throughput/tps"]],
+                        "mfu": ["Multiline", ["throughput/mfu_pct"]],
+                    },
+                    "memory": {"peak": ["Multiline", ["memory/peak_gib"]]},
+                    "time": {"data": ["Multiline", ["time/data_pct"]], "step": ["Multiline", ["time/step_s"]]},
+                }
+            )
             logger.info(f"TensorBoard events: {log_dir}")
 
     def log(self, s: StepStats, n_steps: int) -> dict:
@@ -123,8 +150,15 @@ class MetricsLogger:
         tflops = self.flops_per_token * tps / 1e12
         mem, reserved = self.memory.peak_gib()
         record = dict(
-            step=s.step, loss=s.loss, grad_norm=s.grad_norm, lr=s.lr, tps=tps, tflops=tflops,
-            mfu=100.0 * tflops / self.peak, mem_peak_gib=mem, data_time_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
+            step=s.step,
+            loss=s.loss,
+            grad_norm=s.grad_norm,
+            lr=s.lr,
+            tps=tps,
+            tflops=tflops,
+            mfu=100.0 * tflops / self.peak,
+            mem_peak_gib=mem,
+            data_time_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
         )
         if reserved is not None:
@@ -135,7 +169,8 @@ class MetricsLogger:
             return record
         c = self.c
         logger.info(
-            f"{c['red']}step: {s.step:5d}  {c['green']}loss: {s.loss:8.4f}  {c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
+            f"{c['red']}step: {s.step:5d}  {c['green']}loss: {s.loss:8.4f}  "
+            f"{c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
             f"{c['cyan']}lr: {s.lr:.3e}  {c['blue']}memory: {mem:5.2f}GiB  "
             f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  mfu: {record['mfu']:.2f}%  "
             f"data: {record['data_time_pct']:.1f}%{c['reset']}"
@@ -143,10 +178,17 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
-            for tag, key in (("loss/loss", "loss"), ("loss/grad_norm", "grad_norm"), ("loss/lr", "lr"),
-                             ("throughput/tps", "tps"), ("throughput/tflops", "tflops"), ("throughput/mfu_pct", "mfu"),
-                             ("memory/peak_gib", "mem_peak_gib"), ("time/data_pct", "data_time_pct"),
-                             ("time/step_s", "step_time_s")):
+            for tag, key in (
+                ("loss/loss", "loss"),
+                ("loss/grad_norm", "grad_norm"),
+                ("loss/lr", "lr"),
+                ("throughput/tps", "tps"),
+                ("throughput/tflops", "tflops"),
+                ("throughput/mfu_pct", "mfu"),
+                ("memory/peak_gib", "mem_peak_gib"),
+                ("time/data_pct", "data_time_pct"),
+                ("time/step_s", "step_time_s"),
+            ):
                 self.writer.add_scalar(tag, record[key], s.step)
             self.writer.flush()
         return record

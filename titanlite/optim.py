@@ -15,15 +15,22 @@ from titanlite.config import LRScheduler, Optimizer
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
     if cfg.name != "AdamW":
         raise ValueError(f"optimizer.name {cfg.name!r}: only AdamW is provided")
-    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[cfg.implementation]
+    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[
+        cfg.implementation
+    ]
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        **impl,
     )
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str,
-              min_lr_factor: float) -> float:
+def lr_factor(
+    step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str, min_lr_factor: float
+) -> float:
     """Multiplier of the base LR after `step` completed optimizer steps (0-based): warmup, stable, decay.
 
     Warmup is linear from 1/(warmup+1) to 1; the last `decay_ratio` of the post-warmup steps decay to
@@ -46,8 +53,12 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: fl
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
     fn = partial(
-        lr_factor, total_steps=total_steps, warmup_steps=cfg.warmup_steps, decay_ratio=cfg.decay_ratio,
-        decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor,
+        lr_factor,
+        total_steps=total_steps,
+        warmup_steps=cfg.warmup_steps,
+        decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 

@@ -32,9 +32,15 @@ def preflight(argv: list[str], world_size: int) -> int:
     t = cfg.training
     if not t.dataset_path.startswith("hf://"):
         build_dataloader(
-            tokenizer=plan.tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, global_batch_size=plan.global_batch,
-            dp_rank=0, dp_degree=plan.dims.dp, virtual_shards=t.dataset_virtual_shards,
+            tokenizer=plan.tokenizer,
+            dataset_path=t.dataset_path,
+            text_field=t.dataset_text_field,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=plan.global_batch,
+            dp_rank=0,
+            dp_degree=plan.dims.dp,
+            virtual_shards=t.dataset_virtual_shards,
             num_workers=t.dataloader_num_workers,
         )
     check_dump_folder(cfg.job.dump_folder)

@@ -58,12 +58,16 @@ class Profiler:
             return ProfilerAction.RECORD_AND_SAVE
         return ProfilerAction.WARMUP if (step + 1) % freq == 0 else ProfilerAction.NONE
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> Profiler:
         if self.cfg.enable_profiling or self.cpu_timeline:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._prof = profile(
-                activities=activities, schedule=self._action, on_trace_ready=self._on_trace_ready,
-                profile_memory=self.cpu_timeline, record_shapes=self.cpu_timeline, with_stack=self.cpu_timeline,
+                activities=activities,
+                schedule=self._action,
+                on_trace_ready=self._on_trace_ready,
+                profile_memory=self.cpu_timeline,
+                record_shapes=self.cpu_timeline,
+                with_stack=self.cpu_timeline,
             )
             self._prof.__enter__()
         if self.cuda_history:
@@ -79,8 +83,9 @@ class Profiler:
         if self.cuda_history and step % self.cfg.profile_freq == 0:
             self._dump_cuda_snapshot(f"iteration_{step}")
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._closing = True
         if self._prof is not None:
             self._prof.__exit__(exc_type, exc, tb)
@@ -106,7 +111,9 @@ class Profiler:
             with warnings.catch_warnings():  # deprecated in favour of the CUDA-only history: no CPU successor
                 warnings.simplefilter("ignore", FutureWarning)
                 prof.export_memory_timeline(self._path(self.memory_dir, folder, "memory_timeline.json"), device="cpu")
-        logger.info(f"profile of step {step} written to {self.trace_dir if self.cfg.enable_profiling else self.memory_dir}")
+        logger.info(
+            f"profile of step {step} written to {self.trace_dir if self.cfg.enable_profiling else self.memory_dir}"
+        )
 
     def _dump_cuda_snapshot(self, folder: str) -> None:
         torch.cuda.memory._dump_snapshot(self._path(self.memory_dir, folder, "memory_snapshot.pickle"))

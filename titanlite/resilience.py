@@ -45,8 +45,10 @@ class StepVerdict:
 def agree(preemption: Preemption, loss: torch.Tensor, grad_norm: torch.Tensor, device: torch.device) -> StepVerdict:
     """One all-reduce over the world: did any rank get a stop signal, and is every loss/grad norm finite?"""
     flags = torch.tensor(
-        [float(preemption.received is not None),
-         float(not (torch.isfinite(loss).item() and torch.isfinite(grad_norm).item()))],
+        [
+            float(preemption.received is not None),
+            float(not (torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())),
+        ],
         device=device,
     )
     if dist.is_initialized():

@@ -17,8 +17,9 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def forward_backward(model, optimizer, batches, loss_fn, use_loss_parallel: bool, max_norm: float,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(
+    model, optimizer, batches, loss_fn, use_loss_parallel: bool, max_norm: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the rank's batch, clipped; returns (local mean loss, global grad norm).
 
     The loss of each microbatch is divided by their count, so the accumulated gradient is that of the

@@ -41,8 +41,9 @@ def init_logging(rank: int) -> None:
     for handler in [h for h in logger.handlers if getattr(h, "titanlite", False)]:
         logger.removeHandler(handler)
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s",
-                                           datefmt="%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    )
     handler.titanlite = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -70,9 +71,15 @@ class Trainer:
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         self.dataloader = build_dataloader(
-            tokenizer=self.tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, global_batch_size=self.global_batch,
-            dp_rank=self.dims.dp_rank_of(self.rank), dp_degree=dp, virtual_shards=t.dataset_virtual_shards,
+            tokenizer=self.tokenizer,
+            dataset_path=t.dataset_path,
+            text_field=t.dataset_text_field,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=self.global_batch,
+            dp_rank=self.dims.dp_rank_of(self.rank),
+            dp_degree=dp,
+            virtual_shards=t.dataset_virtual_shards,
             num_workers=t.dataloader_num_workers,
         )
 
@@ -99,13 +106,22 @@ class Trainer:
         self.preemption = Preemption()
         self.preempted = False
         self.checkpointer = CheckpointManager(
-            cfg, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, dims=self.dims, rank=self.rank, world_size=self.world_size,
+            cfg,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            dims=self.dims,
+            rank=self.rank,
+            world_size=self.world_size,
             device=self.device,
         )
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, self.device,
-            flops_per_token=self.model_args.flops_per_token(t.seq_len), enabled=self.rank == 0,
+            cfg.metrics,
+            cfg.job.dump_folder,
+            self.device,
+            flops_per_token=self.model_args.flops_per_token(t.seq_len),
+            enabled=self.rank == 0,
         )
 
     def _describe_plan(self) -> str:
@@ -114,8 +130,11 @@ class Trainer:
         if c.enable:
             compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {c.scope}, bucketing {c.bucketing})"
         ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
-        precision = (f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
-                     if self.dims.dp_enabled else "float32 (no data-parallel plan)")
+        precision = (
+            f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
+            if self.dims.dp_enabled
+            else "float32 (no data-parallel plan)"
+        )
         return f"AC {ac_text}; {compiled}; {precision}"
 
     # --- set-up helpers ---------------------------------------------------------------------------------
@@ -142,8 +161,15 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        loss, grad_norm = forward_backward(self.model, self.optimizer, batches, loss_fn, self.dims.loss_parallel,
-                                           self.cfg.training.max_norm, self.device)
+        loss, grad_norm = forward_backward(
+            self.model,
+            self.optimizer,
+            batches,
+            loss_fn,
+            self.dims.loss_parallel,
+            self.cfg.training.max_norm,
+            self.device,
+        )
         verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = verdict.preempted
         if verdict.finite:
@@ -162,8 +188,7 @@ class Trainer:
         if self.skipped_steps > limit:
             last = self.checkpointer.last_complete() or "none"
             raise TrainingDiverged(
-                f"non-finite {what} (skipped {self.skipped_steps - 1} of at most {limit}); "
-                f"last good checkpoint: {last}"
+                f"non-finite {what} (skipped {self.skipped_steps - 1} of at most {limit}); last good checkpoint: {last}"
             )
         logger.warning(f"non-finite {what}; update skipped ({self.skipped_steps} of at most {limit})")
 
@@ -205,11 +230,18 @@ class Trainer:
                 log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
                 if log_now or self.preempted:
                     elapsed = time.perf_counter() - window_start
-                    self.metrics.log(StepStats(
-                        step=self.step, loss=self._global_mean(loss), grad_norm=grad_norm.item(),
-                        lr=self.lr_scheduler.get_last_lr()[0], tokens=tokens_per_step * window_steps,
-                        elapsed=elapsed, data_time=window_data,
-                    ), window_steps)
+                    self.metrics.log(
+                        StepStats(
+                            step=self.step,
+                            loss=self._global_mean(loss),
+                            grad_norm=grad_norm.item(),
+                            lr=self.lr_scheduler.get_last_lr()[0],
+                            tokens=tokens_per_step * window_steps,
+                            elapsed=elapsed,
+                            data_time=window_data,
+                        ),
+                        window_steps,
+                    )
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
                 if self.preempted:
                     self._save_and_stop()
@@ -225,8 +257,10 @@ class Trainer:
         self.checkpointer.save(self.step, force=True)
         self.checkpointer.close()
         signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer's"
-        logger.info(f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
-                    f"{self.checkpointer.last_complete()}; exiting")
+        logger.info(
+            f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
+            f"{self.checkpointer.last_complete()}; exiting"
+        )
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -69,8 +69,10 @@ def main(folder: str, out: str) -> None:
             same &= torch.equal(stored, expected)
         result["export_matches_single_process"] = same
 
-    for layout, (dp_shard, tp, impl) in {"simple_fsdp dp2 x tp2": (2, 2, "simple_fsdp"),
-                                         "fsdp2 dp4": (4, 1, "fsdp2")}.items():
+    for layout, (dp_shard, tp, impl) in {
+        "simple_fsdp dp2 x tp2": (2, 2, "simple_fsdp"),
+        "fsdp2 dp4": (4, 1, "fsdp2"),
+    }.items():
         model = build(dp_shard, tp, impl, seed=2)
         import_hf(model, folder, adapter=ADAPTER)
         equal = all(torch.equal(full(v), reference.state_dict()[k]) for k, v in model.state_dict().items())

@@ -80,15 +80,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Modu
     u = units(model)
     apply_ac(u.blocks, cfg.activation_checkpoint)
     if dims.dp_enabled:
-        mp = MixedPrecisionPolicy(DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce])
+        mp = MixedPrecisionPolicy(
+            DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
+        )
         data_parallel(model, dims.submesh(dims.dim_names), dims.dp_mode, mp, dp_ndim=len(dims.dp_dim_names))
-        apply_reshard(model, u, ReshardPlan.of(cfg.parallelism.fsdp_reshard_after_forward, len(u.blocks),
-                                               gathers=dims.dp_mode != "replicate"))
+        apply_reshard(
+            model,
+            u,
+            ReshardPlan.of(
+                cfg.parallelism.fsdp_reshard_after_forward, len(u.blocks), gathers=dims.dp_mode != "replicate"
+            ),
+        )
     return model
 
 
-register_model(ModelSpec(name="mlp_lm", model_cls=MLPLM, flavors={"tiny": MLPArgs()}, parallelize=parallelize,
-                         units=units))
+register_model(
+    ModelSpec(name="mlp_lm", model_cls=MLPLM, flavors={"tiny": MLPArgs()}, parallelize=parallelize, units=units)
+)
 
 if __name__ == "__main__":
     from titanlite.train import main

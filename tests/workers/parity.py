@@ -72,8 +72,9 @@ def reference(batches):
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
     losses, first = [], None
     for x, y in batches:
-        loss, _ = forward_backward(model, opt, [(x, y)], cross_entropy_loss, False, cfg.training.max_norm,
-                                   torch.device("cpu"))
+        loss, _ = forward_backward(
+            model, opt, [(x, y)], cross_entropy_loss, False, cfg.training.max_norm, torch.device("cpu")
+        )
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -135,10 +136,14 @@ def main() -> None:
     for case in cases:
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         losses, grads, params = run(case, dump, batches)
-        rec = dict(case=case, losses=losses, ref_losses=r_losses,
-                   loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
-                   grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
-                   param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params))
+        rec = dict(
+            case=case,
+            losses=losses,
+            ref_losses=r_losses,
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
+            grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
+            param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params),
+        )
         report = os.path.join(dump, "compile_report.json")
         if dist.get_rank() == 0 and os.path.exists(report):
             with open(report) as f:

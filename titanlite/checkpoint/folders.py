@@ -69,9 +69,7 @@ def complete(root: Path, step: int, info: dict) -> Path:
     first and deleted only after the new folder is in place.
     """
     partial, final = partial_dir(root, step), step_dir(root, step)
-    files = {
-        str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()
-    }
+    files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
     marker = {"format": FORMAT_VERSION, "step": step, **info, "files": files}
     tmp = partial / (MARKER + ".tmp")
     with open(tmp, "w") as f:
@@ -162,7 +160,9 @@ def choose(root: Path, load_step: int) -> Choice:
         path = step_dir(root, load_step)
         if load_step not in done:
             have = ", ".join(f"step-{s}" for s in done) or "none"
-            return Choice(error=f"checkpoint.load_step {load_step}: {path} does not exist (complete checkpoints: {have})")
+            return Choice(
+                error=f"checkpoint.load_step {load_step}: {path} does not exist (complete checkpoints: {have})"
+            )
         if why := problem(path):
             return Choice(error=f"checkpoint {path} is unusable: {why}")
         return Choice(str(path), read_marker(path))

@@ -37,8 +37,16 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def export_hf(model: nn.Module, out: str | Path, *, adapter: Any, dtype: torch.dtype = torch.float32, bos_id: int,
-              eos_id: int, max_shard_bytes: int = 2 << 30) -> None:
+def export_hf(
+    model: nn.Module,
+    out: str | Path,
+    *,
+    adapter: Any,
+    dtype: torch.dtype = torch.float32,
+    bos_id: int,
+    eos_id: int,
+    max_shard_bytes: int = 2 << 30,
+) -> None:
     """Write `model` (any layout) to `out` as HF safetensors shards + index + config; collective.
 
     The folder is written as `<out>.partial` and renamed when complete; `out` must not exist yet.

@@ -135,8 +135,19 @@ class CheckpointManager:
     process group is set up for a run that does not checkpoint.
     """
 
-    def __init__(self, cfg: JobConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
-                 dataloader, dims: ParallelDims, rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        dataloader,
+        dims: ParallelDims,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
         self.cfg, self.job = cfg.checkpoint, cfg
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.dims, self.rank, self.world_size, self.device = dims, rank, world_size, device
@@ -154,10 +165,14 @@ class CheckpointManager:
         self._stager: DefaultStager | None = None
         if self.cfg.enable and self.cfg.async_mode == "async_with_pinned_mem":
             if device.type == "cuda":
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                    use_non_blocking_copy=False,
-                ))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=True,
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=False,
+                    )
+                )
             elif rank == 0:
                 logger.info("checkpoint.async_mode async_with_pinned_mem: no pinned memory on CPU, using async")
 
@@ -172,14 +187,23 @@ class CheckpointManager:
     def _full_state(self, step: int) -> tuple[dict, dict, dict]:
         """(the DCP state dict, its model part, its optimizer part): DCP loads into the latter two in place."""
         model_sd, optim_sd = _sharded(get_state_dict, self.model, self.optimizer, options=_OPTIONS)
-        state = {**model_sd, "optimizer": optim_sd, "lr_scheduler": self.lr_scheduler.state_dict(),
-                 "train_state": {"step": step}}
+        state = {
+            **model_sd,
+            "optimizer": optim_sd,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train_state": {"step": step},
+        }
         return state, model_sd, optim_sd
 
     def _layout(self) -> dict:
         p = self.job.parallelism
-        return {"world_size": self.world_size, "dp_degree": self.dp_degree, "tp_degree": self.dims.tp,
-                "dp_impl": p.dp_impl, "flavor": self.job.model.flavor}
+        return {
+            "world_size": self.world_size,
+            "dp_degree": self.dp_degree,
+            "tp_degree": self.dims.tp,
+            "dp_impl": p.dp_impl,
+            "flavor": self.job.model.flavor,
+        }
 
     # --- collectives on the training process group (main thread only) -------------------------------
 
@@ -227,24 +251,37 @@ class CheckpointManager:
             state = self._model_state(dtype) if model_only else self._full_state(step)[0]
             if not model_only:
                 try:
-                    rank_state.write(path, self.rank, rank_state.capture(
-                        self.dataloader, rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
-                        device=self.device,
-                    ))
+                    rank_state.write(
+                        path,
+                        self.rank,
+                        rank_state.capture(
+                            self.dataloader,
+                            rank=self.rank,
+                            dp_rank=self.dp_rank,
+                            dp_degree=self.dp_degree,
+                            device=self.device,
+                        ),
+                    )
                 except OSError as e:
                     error = e
         if not self._all_ok(error is None):
             self._failed(step, path, error or RuntimeError("another rank could not write its part"))
             return
-        info = {"model_only": model_only, "dtype": self.cfg.export_dtype if dtype is not None else "float32",
-                **self._layout()}
+        info = {
+            "model_only": model_only,
+            "dtype": self.cfg.export_dtype if dtype is not None else "float32",
+            **self._layout(),
+        }
         self._last_saved = step
         if self._async:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_pg,
-                                    async_stager=self._stager)
+            future = dcp.async_save(
+                state, checkpoint_id=str(path), process_group=self._async_pg, async_stager=self._stager
+            )
             self._pending = _Pending(step, path, info, future, start)
             if self.rank == 0:
-                logger.info(f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing in background")
+                logger.info(
+                    f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing in background"
+                )
             return
         try:
             dcp.save(state, checkpoint_id=str(path))
@@ -265,8 +302,10 @@ class CheckpointManager:
             self._failed(step, path, e)
             return
         what = "model weights" if info["model_only"] else "training state"
-        logger.info(f"checkpoint step {step}: {what} saved to {final} in {time.perf_counter() - start:.2f}s"
-                    + (f"; removed {', '.join(p.name for p in removed)}" if removed else ""))
+        logger.info(
+            f"checkpoint step {step}: {what} saved to {final} in {time.perf_counter() - start:.2f}s"
+            + (f"; removed {', '.join(p.name for p in removed)}" if removed else "")
+        )
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
         """Drop the partial folder; stop (checkpoint.stop_on_save_error) or warn and keep training."""
@@ -368,12 +407,20 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
         dcp.load(state, checkpoint_id=path)
-        _sharded(set_state_dict, self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=_OPTIONS)
+        _sharded(
+            set_state_dict,
+            self.model,
+            self.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=_OPTIONS,
+        )
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
         step = int(state["train_state"]["step"])
         resharded = (old_world, old_dp, old_tp) != (self.world_size, self.dp_degree, self.dims.tp)
-        self._log(f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s"
-                  + (f" (resharded from world {old_world}, dp {old_dp}, tp {old_tp})" if resharded else ""))
+        self._log(
+            f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s"
+            + (f" (resharded from world {old_world}, dp {old_dp}, tp {old_tp})" if resharded else "")
+        )
         return step

@@ -46,7 +46,10 @@ def capture(dataloader, *, rank: int, dp_rank: int, dp_degree: int, device: torc
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     return {
-        "rank": rank, "dp_rank": dp_rank, "dp_degree": dp_degree, "rng": rng,
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "dp_degree": dp_degree,
+        "rng": rng,
         "dataloader": dataloader.state_dict() if dataloader is not None else None,
     }
 
@@ -68,8 +71,9 @@ def read(folder: Path, rank: int) -> dict:
         raise CheckpointError(f"checkpoint {folder}: cannot read {path.name} ({e})") from None
 
 
-def loader_state_for(dp_rank: int, dp_degree: int, old_dp: int, old_tp: int,
-                     read_rank: Callable[[int], dict]) -> dict | None:
+def loader_state_for(
+    dp_rank: int, dp_degree: int, old_dp: int, old_tp: int, read_rank: Callable[[int], dict]
+) -> dict | None:
     """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring).
 
     `read_rank(r)` returns old rank r's saved state; only the files needed are read.

@@ -73,7 +73,8 @@ class Layout:
             raise ConfigError(f"the {v} virtual shards are not a multiple of the data-parallel degree {dp}")
         if gbs % (lbs * dp):
             raise ConfigError(
-                f"training.global_batch_size {gbs} is not a multiple of local_batch_size {lbs} x data-parallel degree {dp}"
+                f"training.global_batch_size {gbs} is not a multiple of local_batch_size {lbs} "
+                f"x data-parallel degree {dp}"
             )
         layout = cls(gbs, lbs, v, dp_rank, dp)
         if num_workers and (layout.microbatches % num_workers or lbs % layout.samples_per_shard):

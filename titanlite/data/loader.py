@@ -103,7 +103,10 @@ def merge_loader_states(states: list[dict]) -> dict:
         raise CheckpointError(f"data loader states cover {len(shards)} of {num_shards} virtual shards")
     first = states[0]
     return {
-        **first, "dp_rank": 0, "dp_degree": 1, "round_pos": 0,
+        **first,
+        "dp_rank": 0,
+        "dp_degree": 1,
+        "round_pos": 0,
         "shards": {str(v): shards[str(v)] for v in range(num_shards)},
     }
 

@@ -42,7 +42,7 @@ class Collective:
     """Bytes of the larger side (the unsharded buffer of an all-gather or reduce-scatter)."""
 
     @classmethod
-    def from_node(cls, node: fx.Node) -> "Collective | None":
+    def from_node(cls, node: fx.Node) -> Collective | None:
         """The collective `node` launches (a `_c10d_functional` op other than wait_tensor), else None."""
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -97,8 +97,14 @@ class CompileReport:
     included), not Dynamo's bytecode tracing.
     """
 
-    def __init__(self, labels: dict[str, str], settings: dict[str, Any], eager_params: int, path: str | None,
-                 cost_model: dict[str, float] | None):
+    def __init__(
+        self,
+        labels: dict[str, str],
+        settings: dict[str, Any],
+        eager_params: int,
+        path: str | None,
+        cost_model: dict[str, float] | None,
+    ):
         self.labels, self.settings, self.eager_params = labels, settings, eager_params
         self.path, self.cost_model = path, cost_model
         self.units: list[Unit] = []
@@ -152,19 +158,32 @@ class CompileReport:
             label, name = self._key(phase, c)
             if label == "dp":
                 sizes.setdefault(name, []).append(c.nbytes / 2**20)
-        return {name: {"count": len(s), "min": round(min(s), 4), "max": round(max(s), 4), "total": round(sum(s), 4)}
-                for name, s in sizes.items()}
+        return {
+            name: {"count": len(s), "min": round(min(s), 4), "max": round(max(s), 4), "total": round(sum(s), 4)}
+            for name, s in sizes.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.settings, "units": len(self.units), "eager_params": self.eager_params, **self.counts(),
-                "bucket_sizes_mb": self.bucket_sizes_mb(), "cost_model": self.cost_model,
-                "compile_seconds": round(self.compile_seconds, 2)}
+        return {
+            **self.settings,
+            "units": len(self.units),
+            "eager_params": self.eager_params,
+            **self.counts(),
+            "bucket_sizes_mb": self.bucket_sizes_mb(),
+            "cost_model": self.cost_model,
+            "compile_seconds": round(self.compile_seconds, 2),
+        }
 
     def summary(self) -> str:
-        parts = [f"{label} {name} {c['before']}->{c['after']}"
-                 for label, table in self.counts().items() for name, c in sorted(table.items())]
-        return (f"compile report ({self.settings.get('bucketing')} bucketing, {len(self.units)} compiled units): "
-                f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s")
+        parts = [
+            f"{label} {name} {c['before']}->{c['after']}"
+            for label, table in self.counts().items()
+            for name, c in sorted(table.items())
+        ]
+        return (
+            f"compile report ({self.settings.get('bucketing')} bucketing, {len(self.units)} compiled units): "
+            f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s"
+        )
 
     def write(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -46,8 +46,9 @@ from titanlite.parallelisms.units import Units
 REPORT_NAME = "compile_report.json"
 
 
-def apply_compile(model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], cfg: JobConfig,
-                  dims: ParallelDims) -> CompileReport | None:
+def apply_compile(
+    model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], cfg: JobConfig, dims: ParallelDims
+) -> CompileReport | None:
     """Compile `model` as `cfg.compile` says, in place; returns the report when graph passes are installed.
 
     Call after activation checkpointing (`ac` is what `apply_ac` returned) and before data parallelism
@@ -69,8 +70,13 @@ def apply_compile(model: nn.Module, units: Units, ac: dict[str, CheckpointedBloc
     cost = _cost_model(c, dims) if c.bucketing != "none" else None
     report = CompileReport(
         labels=_group_labels(dims),
-        settings={"scope": c.scope, "backend": c.backend, "bucketing": c.bucketing, "reorder": c.reorder,
-                  "n_blocks": len(units.blocks)},
+        settings={
+            "scope": c.scope,
+            "backend": c.backend,
+            "bucketing": c.bucketing,
+            "reorder": c.reorder,
+            "n_blocks": len(units.blocks),
+        },
         eager_params=0 if c.scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
@@ -78,10 +84,17 @@ def apply_compile(model: nn.Module, units: Units, ac: dict[str, CheckpointedBloc
     bucketing = None
     if c.bucketing != "none":
         plans = (BLOCK_PLAN,) if c.scope == "block" else _model_plans(units)
-        bucketing = BucketingPass(c.bucketing, c.reorder, plans, block_scope=c.scope == "block", cost=cost,
-                                  insert_overlap_deps=c.backend == "inductor")
-    reshard = ReshardPlan.of(cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks),
-                             gathers=dims.dp_mode != "replicate")
+        bucketing = BucketingPass(
+            c.bucketing,
+            c.reorder,
+            plans,
+            block_scope=c.scope == "block",
+            cost=cost,
+            insert_overlap_deps=c.backend == "inductor",
+        )
+    reshard = ReshardPlan.of(
+        cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
+    )
 
     def backend(name: str, index: int) -> _Backend:
         if c.scope == "model":
@@ -96,8 +109,9 @@ def apply_compile(model: nn.Module, units: Units, ac: dict[str, CheckpointedBloc
     return report
 
 
-def _compile_units(model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], scope: str,
-                   backend: Callable[[str, int], Any]) -> None:
+def _compile_units(
+    model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], scope: str, backend: Callable[[str, int], Any]
+) -> None:
     if scope == "model":
         model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True)
         return
@@ -165,8 +179,9 @@ class _Backend:
     bucketing pass is replayed on a copy of the graph to count its collectives.
     """
 
-    def __init__(self, kind: str, tagging: ReshardTagPass, bucketing: BucketingPass | None, report: CompileReport,
-                 unit: Unit):
+    def __init__(
+        self, kind: str, tagging: ReshardTagPass, bucketing: BucketingPass | None, report: CompileReport, unit: Unit
+    ):
         self.kind, self.tagging, self.bucketing, self.report, self.unit = kind, tagging, bucketing, report, unit
         self._depth = 0
 
@@ -178,7 +193,8 @@ class _Backend:
                     fw_compiler=functools.partial(compiler, phase="forward"),
                     bw_compiler=functools.partial(compiler, phase="backward"),
                     inference_compiler=functools.partial(compiler, phase="inference"),
-                    partition_fn=self._partition, keep_inference_input_mutations=True,
+                    partition_fn=self._partition,
+                    keep_inference_input_mutations=True,
                 )(gm, example_inputs)
             from torch._inductor.compile_fx import compile_fx
 

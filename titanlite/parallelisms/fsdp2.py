@@ -11,8 +11,14 @@ from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 
 
-def apply_fsdp2(model: nn.Module, units: Units, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None,
-                reduce_dtype: torch.dtype | None, reshard: ReshardPlan) -> None:
+def apply_fsdp2(
+    model: nn.Module,
+    units: Units,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard: ReshardPlan,
+) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block, freed in zip(units.blocks.values(), reshard.blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=freed)

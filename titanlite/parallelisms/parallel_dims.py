@@ -48,7 +48,9 @@ class ParallelDims:
             )
         for name, size in self.tp_divisible.items():
             if size % self.tp:
-                raise ConfigError(f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}")
+                raise ConfigError(
+                    f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}"
+                )
         if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard == 1:
             raise ConfigError(
                 "parallelism: dp_impl=fsdp2 needs data_parallel_shard_degree > 1 "
@@ -56,11 +58,17 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, p: Any, world_size: int, tp_divisible: dict[str, int] | None = None) -> "ParallelDims":
+    def from_config(cls, p: Any, world_size: int, tp_divisible: dict[str, int] | None = None) -> ParallelDims:
         """The dims of config section `parallelism` (`p`) for `world_size` ranks."""
-        return cls(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                   tp=p.tensor_parallel_degree, world_size=world_size, tp_divisible=dict(tp_divisible or {}),
-                   dp_impl=p.dp_impl, disable_loss_parallel=p.disable_loss_parallel)
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree,
+            world_size=world_size,
+            tp_divisible=dict(tp_divisible or {}),
+            dp_impl=p.dp_impl,
+            disable_loss_parallel=p.disable_loss_parallel,
+        )
 
     @property
     def dp(self) -> int:

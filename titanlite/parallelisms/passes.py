@@ -124,7 +124,8 @@ def _gather_region(ag: fx.Node) -> list[fx.Node]:
         node = frontier.pop()
         region.append(node)
         frontier.extend(
-            u for u in node.users
+            u
+            for u in node.users
             if u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target.is_view
         )
     return region
@@ -151,11 +152,11 @@ class CostModel:
     """Bytes/s per rank on the wire."""
 
     @classmethod
-    def from_config(cls, gflops: float, mem_gbps: float, latency_us: float, comm_gbps: float) -> "CostModel":
+    def from_config(cls, gflops: float, mem_gbps: float, latency_us: float, comm_gbps: float) -> CostModel:
         return cls(gflops * 1e9, mem_gbps * 1e9, latency_us * 1e-6, comm_gbps * 1e9)
 
     @classmethod
-    def measure(cls, group: dist.ProcessGroup | None, fallback: "CostModel") -> "CostModel":
+    def measure(cls, group: dist.ProcessGroup | None, fallback: CostModel) -> CostModel:
         """Time a small matmul, a copy and (on a real gloo group) an all-gather; agree across ranks.
 
         Every rank must build the same model, or the schedulers would make different decisions and the
@@ -181,7 +182,7 @@ class CostModel:
             figures /= dist.get_world_size()
         return cls(*(float(x) for x in figures)).quantised()
 
-    def quantised(self) -> "CostModel":
+    def quantised(self) -> CostModel:
         """Round every figure to a power of two: identical across ranks and mostly stable between runs, so
         the pass uuid (and with it the FX graph cache) rarely changes with timing noise (gloo timings on a
         loaded machine vary by up to 2x; `compile.cost_model = "config"` makes the uuid fully stable)."""
@@ -218,8 +219,12 @@ class CostModel:
             estimation.get_device_tflops, estimation.get_gpu_dram_gbps = saved
 
     def as_dict(self) -> dict[str, float]:
-        return {"gflops": self.flops / 1e9, "mem_gbps": self.mem_bandwidth / 1e9,
-                "comm_latency_us": self.comm_latency * 1e6, "comm_gbps": self.comm_bandwidth / 1e9}
+        return {
+            "gflops": self.flops / 1e9,
+            "mem_gbps": self.mem_bandwidth / 1e9,
+            "comm_latency_us": self.comm_latency * 1e6,
+            "comm_gbps": self.comm_bandwidth / 1e9,
+        }
 
 
 def _best_seconds(fn, reps: int = 5) -> float:
@@ -245,8 +250,15 @@ class BucketingPass(CustomGraphPass):
     `last_collectives` holds the collectives of the last graph this pass produced (for the report).
     """
 
-    def __init__(self, mode: str, reorder: bool, plans: tuple, block_scope: bool, cost: CostModel | None,
-                 insert_overlap_deps: bool):
+    def __init__(
+        self,
+        mode: str,
+        reorder: bool,
+        plans: tuple,
+        block_scope: bool,
+        cost: CostModel | None,
+        insert_overlap_deps: bool,
+    ):
         self.mode, self.reorder, self.plans, self.block_scope = mode, reorder, plans, block_scope
         self.cost, self.insert_overlap_deps = cost, insert_overlap_deps
         self.last_collectives: list[Collective] | None = None
@@ -285,11 +297,13 @@ class BucketingPass(CustomGraphPass):
             "aten_distributed_optimizations.insert_overlap_deps": self.insert_overlap_deps,
         }
         if self.cost is not None:
-            patch.update({
-                "aten_distributed_optimizations.compute_estimator": "analytical",
-                "aten_distributed_optimizations.custom_runtime_estimation": self.cost.collective_ms,
-                "aten_distributed_optimizations.pre_bucketing_fsdp_collectives_bucket_cap_mb": cap,
-            })
+            patch.update(
+                {
+                    "aten_distributed_optimizations.compute_estimator": "analytical",
+                    "aten_distributed_optimizations.custom_runtime_estimation": self.cost.collective_ms,
+                    "aten_distributed_optimizations.pre_bucketing_fsdp_collectives_bucket_cap_mb": cap,
+                }
+            )
         with config.patch(patch):
             schedule_overlap_bucketing_from_inductor_configs(gm)
 
@@ -302,15 +316,19 @@ class BucketingPass(CustomGraphPass):
         stack_fn = _whole_graph_stack if self.block_scope else node_module_stack
         plans = [list(p) if isinstance(p, tuple) else p for p in self.plans]
         if self.reorder:
-            manual_overlap_bucketing(gm, module_bucket_plans=plans, insert_overlap_deps=self.insert_overlap_deps,
-                                     module_stack_fn=stack_fn)
+            manual_overlap_bucketing(
+                gm, module_bucket_plans=plans, insert_overlap_deps=self.insert_overlap_deps, module_stack_fn=stack_fn
+            )
         else:
-            ManualOverlapScheduler(gm, plans, insert_overlap_deps=False, module_stack_fn=stack_fn)._manual_bucket_collectives()
+            ManualOverlapScheduler(
+                gm, plans, insert_overlap_deps=False, module_stack_fn=stack_fn
+            )._manual_bucket_collectives()
 
     def uuid(self) -> bytes:
         cost = astuple(self.cost) if self.cost is not None and self.mode == "auto" else None
-        return _uuid(type(self).__name__, self.mode, self.reorder, self.plans, self.block_scope, cost,
-                     self.insert_overlap_deps)
+        return _uuid(
+            type(self).__name__, self.mode, self.reorder, self.plans, self.block_scope, cost, self.insert_overlap_deps
+        )
 
 
 BLOCK_PLAN = "block"

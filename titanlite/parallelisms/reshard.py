@@ -27,7 +27,7 @@ class ReshardPlan:
     """The root modules (embedding, final norm, output): True = freed after forward."""
 
     @classmethod
-    def of(cls, policy: str, n_blocks: int, gathers: bool = True) -> "ReshardPlan":
+    def of(cls, policy: str, n_blocks: int, gathers: bool = True) -> ReshardPlan:
         """The plan of `policy`; `gathers=False` (pure replication) frees nothing."""
         if policy == "never" or not gathers:
             return cls((False,) * n_blocks, False)

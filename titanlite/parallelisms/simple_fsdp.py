@@ -72,8 +72,12 @@ class ReplicateComputation(nn.Module):
         else:
             # Gather over the dp dims only: view this rank's shard as a dp-mesh DTensor of the tp-local tensor.
             dp_x = DTensor.from_local(
-                x.to_local(), self.dp_mesh, self.dp_placements, run_check=False,
-                shape=self.tp_local_shape, stride=_contiguous_stride(self.tp_local_shape),
+                x.to_local(),
+                self.dp_mesh,
+                self.dp_placements,
+                run_check=False,
+                shape=self.tp_local_shape,
+                stride=_contiguous_stride(self.tp_local_shape),
             )
         full = dp_x.redistribute(
             placements=self.replicated, forward_dtype=self.mp.param_dtype, backward_dtype=self.mp.reduce_dtype
@@ -183,8 +187,11 @@ def _shard_parameter(
         dp_local, mesh, joint_dp + tp_placements, run_check=False, shape=param.shape, stride=param.stride()
     )
     extra = dict(
-        tp_mesh=param.device_mesh, tp_placements=tp_placements, tp_local_shape=tp_local.shape,
-        global_shape=param.shape, global_stride=param.stride(),
+        tp_mesh=param.device_mesh,
+        tp_placements=tp_placements,
+        tp_local_shape=tp_local.shape,
+        global_shape=param.shape,
+        global_stride=param.stride(),
     )
     return nn.Parameter(dt, requires_grad=param.requires_grad), extra
 

@@ -23,7 +23,7 @@ class Units:
     """FQNs of the root modules that run after the blocks (final norm, output projection)."""
 
     @classmethod
-    def of(cls, model: nn.Module, container: str) -> "Units":
+    def of(cls, model: nn.Module, container: str) -> Units:
         """Split `model`'s children around the `nn.ModuleDict` (or `ModuleList`) named `container`."""
         names = [n for n, _ in model.named_children()]
         split = names.index(container)

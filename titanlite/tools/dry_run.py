@@ -111,9 +111,11 @@ def dry_run(cfg: JobConfig) -> DryRun:
     layout = Layout.from_config(cfg, plan.dims)
     if not plan.dims.dp_enabled:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
+    if plan.spec.activation_bytes is None:
+        raise ConfigError(f"model {plan.spec.name!r} has no activation model: the dry run cannot plan it")
     with fake_process_group(rank, world_size):
         model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
-        memory = estimate(model, plan.spec, plan.model_args, layout)
+        memory = estimate(model, plan.spec.units(model), plan.spec.activation_bytes(plan.model_args, layout), layout)
     return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes)
 
 
@@ -129,8 +131,12 @@ def compile_report(cfg: JobConfig, world_size: int, args: Any = None, seq_len: i
         torch._dynamo.reset()
         plan = RunPlan.build(cfg, world_size, args=args)
         c = cfg.compile
-        if not (c.enable and c.backend in ("aot_eager", "inductor") and plan.dims.dp_enabled
-                and cfg.parallelism.dp_impl == "simple_fsdp"):
+        if not (
+            c.enable
+            and c.backend in ("aot_eager", "inductor")
+            and plan.dims.dp_enabled
+            and cfg.parallelism.dp_impl == "simple_fsdp"
+        ):
             raise ConfigError("a compile report needs compile.enable, backend aot_eager or inductor, and SimpleFSDP")
         model = build_model(plan, torch.device("cpu"))
         tokens = torch.randint(0, plan.model_args.vocab_size, (1, seq_len + 1))
@@ -161,8 +167,11 @@ def format_report(r: DryRun) -> str:
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
     per_gpu = t.local_batch_size * t.seq_len * plan.grad_accum
     root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
-    held = {"never": "all but the embedding" if lay.dp_impl != "fsdp2" else "all",
-            "default": f"last block + {root}", "always": "none"}
+    held = {
+        "never": "all but the embedding" if lay.dp_impl != "fsdp2" else "all",
+        "default": f"last block + {root}",
+        "always": "none",
+    }
     rows = [
         ("parameters", m.params, f"fp32, {sum(m.local_numel.values()):,} local elements"),
         ("gradients", m.grads, "fp32"),
@@ -170,10 +179,16 @@ def format_report(r: DryRun) -> str:
     ]
     if lay.dp_mode:
         rows += [
-            ("gathered weights held fwd->bwd", m.gather_held,
-             f"{held.get(lay.reshard, lay.reshard)}, {_dtype(lay.compute_dtype)}"),
-            ("gathers in flight", m.gather_in_flight,
-             "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)"),
+            (
+                "gathered weights held fwd->bwd",
+                m.gather_held,
+                f"{held.get(lay.reshard, lay.reshard)}, {_dtype(lay.compute_dtype)}",
+            ),
+            (
+                "gathers in flight",
+                m.gather_in_flight,
+                "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)",
+            ),
             ("reduce-scatter input", m.reduce_buffer, f"largest unit, {_dtype(lay.reduce_dtype)}"),
         ]
     rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
@@ -181,10 +196,13 @@ def format_report(r: DryRun) -> str:
     lines = [
         f"dry run: {cfg.model.name} {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
         f"vocab {plan.model_args.vocab_size:,}",
-        f"  world {r.world_size}" + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "") + f": {degrees}; {dp}",
+        f"  world {r.world_size}"
+        + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "")
+        + f": {degrees}; {dp}",
         f"  AC {ac}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
         + ("; loss parallel" if lay.loss_parallel else ""),
-        f"  batch: local {t.local_batch_size} x seq {t.seq_len} x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
+        f"  batch: local {t.local_batch_size} x seq {t.seq_len} x accum {plan.grad_accum} = "
+        f"{per_gpu:,} tokens/GPU/step; "
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
         *(f"  note: {n}" for n in r.notes),
         "",
@@ -200,8 +218,10 @@ def format_report(r: DryRun) -> str:
             f"+ buffers {m.collective_buffers / GiB:.1f} + activations {m.activations / GiB:.1f})"
         )
     elif share > TIGHT_FRACTION:
-        lines.append(f"fits, tight: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%}); "
-                     "the CUDA context, NCCL buffers and fragmentation need some of the rest")
+        lines.append(
+            f"fits, tight: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%}); "
+            "the CUDA context, NCCL buffers and fragmentation need some of the rest"
+        )
     else:
         lines.append(f"fits: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%})")
     return "\n".join(lines)

@@ -52,13 +52,21 @@ def main(argv: list[str]) -> int:
         step = int(opts["--step"])
         path = folders.newest_intact(root) if step < 0 else folders.step_dir(root, step)
         if path is None or not path.is_dir():
-            raise CheckpointError(f"no complete checkpoint in {root}" if path is None else f"checkpoint {path} does not exist")
+            raise CheckpointError(
+                f"no complete checkpoint in {root}" if path is None else f"checkpoint {path} does not exist"
+            )
         if why := folders.problem(path):
             raise CheckpointError(f"checkpoint {path} is unusable: {why}")
         load_model_weights(model, str(path))
-        export_hf(model, opts["--out"], adapter=plan.spec.hf_adapter, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                  bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
-                  max_shard_bytes=int(float(opts["--max-shard-mb"]) * 2**20))
+        export_hf(
+            model,
+            opts["--out"],
+            adapter=plan.spec.hf_adapter,
+            dtype=DTYPES[cfg.checkpoint.export_dtype],
+            bos_id=plan.tokenizer.bos_id,
+            eos_id=plan.tokenizer.eos_id,
+            max_shard_bytes=int(float(opts["--max-shard-mb"]) * 2**20),
+        )
         if rank == 0:
             print(f"exported {path} to {opts['--out']}", flush=True)
     finally:

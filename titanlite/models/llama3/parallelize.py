@@ -42,13 +42,19 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> n
     if dims.dp_enabled:
         param_dtype = DTYPES[cfg.training.mixed_precision_param]
         reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
-        reshard = ReshardPlan.of(cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks),
-                                 gathers=dims.dp_mode != "replicate")
+        reshard = ReshardPlan.of(
+            cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
+        )
         if cfg.parallelism.dp_impl == "fsdp2":
             apply_fsdp2(model, units, dims.submesh(dims.dp_dim_names), param_dtype, reduce_dtype, reshard)
         else:
-            data_parallel(model, dims.submesh(dims.dim_names), dims.dp_mode,
-                          MixedPrecisionPolicy(param_dtype, reduce_dtype), dp_ndim=len(dims.dp_dim_names))
+            data_parallel(
+                model,
+                dims.submesh(dims.dim_names),
+                dims.dp_mode,
+                MixedPrecisionPolicy(param_dtype, reduce_dtype),
+                dp_ndim=len(dims.dp_dim_names),
+            )
             apply_reshard(model, units, reshard)
     return model
 
@@ -57,28 +63,36 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     """Megatron-style TP with sequence parallelism on norms, the residual stream and the embedding
     output; with loss parallel the logits stay sharded on the vocab dim (the loss runs under
     `loss_parallel()` without gathering them)."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    })
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        },
+    )
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
