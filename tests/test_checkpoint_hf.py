@@ -158,6 +158,7 @@ def test_sharded_export_and_import(tmp_path):
         assert result[layout]["logits_max_diff"] < 1e-5, result
 
 
+@pytest.mark.slow
 def test_cli_export(tmp_path, capsys):
     """`python -m titanlite.tools.hf export` on a checkpoint of the debug model gives its weights."""
     from titanlite.checkpoint.manager import CheckpointManager

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, assert_ok, child_env, torchrun
+from harness import LOSS_REL, SMALL, RunResult, assert_ok
+from harness import train as run_trainer
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.manager import TEST_KILL_ENV
 
 pytestmark = pytest.mark.slow
 
-STEPS, INTERVAL, RESHARD_REL = 4, 2, 1e-5
+STEPS, INTERVAL = 4, 2
 LAYOUTS = {
     "dp2": (2, []),
     "dp2xtp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
@@ -37,37 +36,25 @@ LAYOUTS = {
 }
 
 
-def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> subprocess.CompletedProcess:
+def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> RunResult:
     nproc, layout_args = LAYOUTS[layout]
-    args = [
-        "-m",
-        "titanlite.train",
-        "--config",
-        "train_configs/debug_model.toml",
-        "--job.dump_folder",
-        str(dump),
+    return run_trainer(
+        dump,
+        nproc,
+        *SMALL,
         "--training.steps",
         str(STEPS),
-        "--training.seq_len",
-        "64",
         "--training.local_batch_size",
         "2",
         "--training.global_batch_size",
         "8",
-        "--training.deterministic",
-        "--metrics.log_freq",
-        "1",
-        "--no-metrics.enable_tensorboard",
         "--checkpoint.enable",
         "--checkpoint.interval",
         str(INTERVAL),
         *layout_args,
         *extra,
-    ]
-    env = child_env(**({TEST_KILL_ENV: kill_at} if kill_at else {}))
-    if nproc == 1:
-        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    return torchrun(args, nproc, env=env)
+        env={TEST_KILL_ENV: kill_at} if kill_at else {},
+    )
 
 
 def _records(dump: Path) -> list[dict]:
@@ -103,7 +90,7 @@ def reference(tmp_path_factory) -> Path:
     return dump
 
 
-def _assert_resumed(proc: subprocess.CompletedProcess, step: int) -> None:
+def _assert_resumed(proc: RunResult, step: int) -> None:
     assert "resumed from" in proc.stderr and f"step-{step} at step {step}" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -115,14 +102,23 @@ def test_exact_resume_dp2(reference, tmp_path):
     assert losses(run) == after(reference, INTERVAL)
 
 
-def test_exact_resume_dp2_tp2(tmp_path):
-    uninterrupted = tmp_path / "uninterrupted"
-    assert_ok(train(uninterrupted, "dp2xtp2", "--checkpoint.async_mode", "async"))
-    run = resume_from(uninterrupted, INTERVAL, tmp_path / "resumed")
+@pytest.fixture(scope="module")
+def dp2xtp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
+    """The reference's step-2 resumed on dp2 x tp2 (same dp, new tp), async saves after every step."""
+    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("dp2xtp2"))
+    return run, train(run, "dp2xtp2", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async")
+
+
+def test_exact_resume_dp2_tp2(dp2xtp2_run, tmp_path):
+    """A dp2 x tp2 checkpoint (step 3, async) resumed on dp2 x tp2 reproduces step 4 bitwise."""
+    src, proc = dp2xtp2_run
+    assert_ok(proc)
+    run = resume_from(src, INTERVAL + 1, tmp_path)
     proc = train(run, "dp2xtp2", "--checkpoint.async_mode", "async")
     assert_ok(proc)
-    _assert_resumed(proc, INTERVAL)
-    assert losses(run) == after(uninterrupted, INTERVAL)
+    _assert_resumed(proc, INTERVAL + 1)
+    assert "resharded" not in proc.stderr
+    assert losses(run) == after(src, INTERVAL + 1)
 
 
 def test_kill_between_saves_resumes_from_last_checkpoint(reference, tmp_path):
@@ -155,11 +151,11 @@ def test_kill_during_async_save_keeps_previous_checkpoint(reference, tmp_path):
 def _assert_close(got: dict[int, float], expected: dict[int, float], first: int) -> None:
     assert sorted(got) == list(range(first, STEPS + 1)), got
     for step, loss in got.items():
-        assert abs(loss - expected[step]) <= RESHARD_REL * abs(expected[step]), (step, loss, expected[step])
+        assert abs(loss - expected[step]) <= LOSS_REL * abs(expected[step]), (step, loss, expected[step])
 
 
 @pytest.fixture(scope="module")
-def fsdp2_run(reference, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def fsdp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
     """The reference's step-2 resumed on 4 ranks with FSDP2 (dp 2 -> 4), saving every step."""
     run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("fsdp2_dp4"))
     return run, train(run, "dp4_fsdp2", "--checkpoint.interval", "1")
@@ -173,10 +169,9 @@ def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, fsdp2_run):
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
 
 
-def test_reshard_dp2_to_dp2_tp2(reference, tmp_path):
+def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
     """Same dp degree, new tp: each rank continues its dp rank's data."""
-    run = resume_from(reference, INTERVAL, tmp_path)
-    proc = train(run, "dp2xtp2")
+    run, proc = dp2xtp2_run
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     assert "resharded from world 2, dp 2, tp 1" in proc.stderr

@@ -88,6 +88,7 @@ def test_missing_config_file():
         load_config(["--config", "/nonexistent/x.toml"])
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_exit_2(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[training]\nstepz = 3\n")

@@ -248,6 +248,7 @@ def test_bad_degrees_are_one_config_error_line(capsys):
     assert code == 2 and len(err.splitlines()) == 1 and "world size 60 is not divisible" in err
 
 
+@pytest.mark.slow
 def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(tmp_path):
     config = tmp_path / "debug_fake.toml"
     config.write_text((ROOT / DEBUG).read_text() + '\n[comm]\nmode = "fake_backend"\nfake_world_size = 4\n')

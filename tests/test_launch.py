@@ -7,6 +7,8 @@ import math
 import shlex
 import subprocess
 
+import pytest
+
 from harness import ROOT, child_env
 
 FAKE_SRUN = """#!/bin/bash
@@ -28,6 +30,7 @@ def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+@pytest.mark.slow
 def test_two_nodes_use_the_c10d_rendezvous():
     env = child_env(NNODES="2", NGPU="2", RDZV_ENDPOINT="node001:29500", RDZV_ID="job7", DRY_LAUNCH="1")
     argv = launched(
@@ -54,6 +57,7 @@ def test_two_nodes_use_the_c10d_rendezvous():
     ]
 
 
+@pytest.mark.slow
 def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -91,6 +95,7 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
     assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_cpu_fallback_and_compares_with_the_estimate(tmp_path):
     out = tmp_path / "gpu_check.json"
     # Compilation is left out here for time; the same script compiles with aot_eager by default on CPU.

@@ -7,29 +7,15 @@ Runs use the debug model with seq_len 64 and metrics every step, so each is a fe
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, child_env, torchrun
-
-COMMON = [
-    "--config",
-    "train_configs/debug_model.toml",
-    "--training.seq_len",
-    "64",
-    "--metrics.log_freq",
-    "1",
-    "--training.deterministic",
-    "--no-metrics.enable_tensorboard",
-]
+from harness import SMALL, RunResult, train
 
 
-def run(dump: Path, *overrides: str, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
-    return torchrun(
-        ["-m", "titanlite.train", *COMMON, "--job.dump_folder", str(dump), *overrides], nproc, env=child_env(**env)
-    )
+def run(dump: Path, *overrides: str, nproc: int = 2, launcher: str = "torchrun", **env: str) -> RunResult:
+    return train(dump, nproc, *SMALL, *overrides, launcher=launcher, env=env)
 
 
 def losses(dump: Path) -> dict[int, float]:
@@ -73,32 +59,14 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, uninterrupted):
 @pytest.mark.slow
 def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
     """run_train.sh passes comm.max_restarts to torchrun; the job comes back from the last checkpoint."""
-    env = child_env(
-        NGPU="2",
+    proc = run(
+        tmp_path,
+        *("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1"),
+        launcher="run_train",
         TITANLITE_FAULT_EXIT_AT="6",
         TITANLITE_FAULT_RANK="1",
         TITANLITE_FAULT_ONCE=str(tmp_path / "fired"),
         LOG_RANK="0,1",
-    )
-    proc = subprocess.run(
-        [
-            str(ROOT / "run_train.sh"),
-            *COMMON[2:],
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.steps",
-            "8",
-            "--checkpoint.enable",
-            "--checkpoint.interval",
-            "2",
-            "--comm.max_restarts",
-            "1",
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert (tmp_path / "fired").exists()

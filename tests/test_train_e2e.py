@@ -86,15 +86,11 @@ def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_refere
     assert len(diffs) == 10 and max(diffs) < LOSS_REL, diffs
 
 
-FULL_PLAN = [
-    "--training.steps",
-    "10",
-    "--training.global_batch_size",
-    "16",
-    "--compile.enable",
-    "--activation_checkpoint.mode",
-    "selective",
-]
+# aot_eager keeps the three compiles short; the inductor backend's parity is in test_compile.
+# fmt: off
+FULL_PLAN = ["--training.steps", "10", "--training.global_batch_size", "16", "--compile.enable",
+             "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective"]
+# fmt: on
 
 
 @pytest.mark.slow
@@ -123,7 +119,7 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     }
     for name, run in runs.items():
         run.ok()
-        assert "plan: AC selective (op); compile inductor" in run.log, name
+        assert "plan: AC selective (op); compile aot_eager" in run.log, name
         assert "compile report" in run.log and (run.dump / "compile_report.json").exists(), name
     assert "mesh {'dp_shard': 1} (simple_fsdp, fully_shard)" in runs["python"].log
     reference = runs["ngpu2"].losses
@@ -145,6 +141,7 @@ def test_one_process_mixed_precision_is_applied(tmp_path):
     assert abs(bf16.losses[0] - fp32.losses[0]) / fp32.losses[0] < 1e-2
 
 
+@pytest.mark.slow
 def test_bad_dataset_path_is_one_line(tmp_path):
     proc = subprocess.run(
         [
@@ -166,6 +163,7 @@ def test_bad_dataset_path_is_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "nothing" in proc.stderr
 
 
+@pytest.mark.slow
 def test_preflight_reports_bad_mesh(tmp_path):
     proc = subprocess.run(
         [

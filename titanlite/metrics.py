@@ -8,6 +8,7 @@ once at start-up by a short probe (the log says so).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,12 @@ def peak_tflops(device: torch.device) -> tuple[float, str]:
             if key in name:
                 return value, f"{name} bf16 dense peak"
         return 312.0, f"unknown GPU {name}: assuming A100 bf16 peak"
+    return _cpu_peak_tflops(), "CPU fp32 matmul peak, measured"
+
+
+@functools.cache
+def _cpu_peak_tflops() -> float:
+    """Measured once per process: every trainer a process builds reports MFU against the same peak."""
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     for _ in range(3):
@@ -50,8 +57,7 @@ def peak_tflops(device: torch.device) -> tuple[float, str]:
     while time.perf_counter() - start < 0.25:
         a @ b
         reps += 1
-    rate = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
-    return rate, "CPU fp32 matmul peak, measured"
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
 class MemoryMonitor:
