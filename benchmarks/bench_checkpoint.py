@@ -32,30 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.build import RunPlan
 from titanlite.config import JobConfig
-from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.step import cross_entropy_loss, training_step
+from titanlite.models.llama3 import ModelArgs, llama3_configs
+from titanlite.train import Trainer
 
 VOCAB, SEQ, LOCAL_BATCH = 2056, 64, 2
 MODELS = {
     "debugmodel": ModelArgs(**{**llama3_configs["debugmodel"].__dict__, "vocab_size": VOCAB}),
     "1024x8": ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=VOCAB, max_seq_len=2048),
 }
-
-
-def build(args: ModelArgs, cfg: JobConfig, dims: ParallelDims | None, device: torch.device):
-    with torch.device("meta"):
-        model = Transformer(args, seq_len=SEQ)
-    if dims is not None:
-        model = parallelize_llama(model, dims, cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed=0, buffer_device=device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    return model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, 1000)
 
 
 def folder_bytes(path: Path) -> int:
@@ -67,13 +53,11 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     cfg.job.dump_folder = str(out / f"{name}-{mode}")
     cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.async_mode = True, 10**9, mode
     cfg.training.mixed_precision_param = "float32" if device.type == "cpu" else "bfloat16"
-    dims = ParallelDims(1, -1, 1, world) if world > 1 else None
-    if dims is not None:
-        dims.build_mesh(device.type)
+    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = SEQ, LOCAL_BATCH, 1000
+    cfg.metrics.enable_tensorboard = False
     args = MODELS[name]
-    model, optimizer, scheduler = build(args, cfg, dims, device)
-    ckpt = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, dataloader=None,
-                             dims=dims or ParallelDims(1, -1, 1, 1), rank=rank, world_size=world, device=device)
+    trainer = Trainer(cfg, RunPlan.build(cfg, world, args=args))  # the run as the trainer builds it
+    model, optimizer, ckpt = trainer.model, trainer.optimizer, trainer.checkpointer
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g)
     batch = [(tokens[:, :-1], tokens[:, 1:])]
@@ -81,7 +65,8 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     step_times, blocking, after_start = [], 0.0, 0.0
     for step in range(1, save_step + opts.steps_after + 1):
         start = time.perf_counter()
-        training_step(model, optimizer, scheduler, batch, cross_entropy_loss, False, 1.0, device)
+        trainer.step = step
+        trainer.train_step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         trained = time.perf_counter()
@@ -100,9 +85,14 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     gsd = time.perf_counter() - start
     folder = Path(cfg.job.dump_folder) / "checkpoint" / f"step-{save_step}"
     return {
-        "model": name, "params": args.num_params(), "mode": mode, "step": baseline,
-        "size": folder_bytes(folder) if rank == 0 else 0, "blocking": blocking,
-        "slowdown": loop - opts.steps_after * baseline, "gsd": gsd,
+        "model": name,
+        "params": args.num_params(),
+        "mode": mode,
+        "step": baseline,
+        "size": folder_bytes(folder) if rank == 0 else 0,
+        "blocking": blocking,
+        "slowdown": loop - opts.steps_after * baseline,
+        "gsd": gsd,
     }
 
 
@@ -127,18 +117,25 @@ def main() -> None:
             box = [tmp]
             dist.broadcast_object_list(box, src=0)
             out = Path(box[0])
-        rows = [measure(name, mode, out, opts, rank, world, device)
-                for name in opts.models.split(",") for mode in modes]
+        rows = [
+            measure(name, mode, out, opts, rank, world, device) for name in opts.models.split(",") for mode in modes
+        ]
         if world > 1:
             dist.barrier()
     if rank == 0:
-        print(f"\n{world} rank(s), {device.type}, SimpleFSDP, seq {SEQ}, local batch {LOCAL_BATCH}; "
-              f"one save after step {opts.steps_before + 1}, {opts.steps_after} steps after it\n")
-        print("| model | params | checkpoint | save mode | step time | blocking call | loop slowdown | get_state_dict |")
+        print(
+            f"\n{world} rank(s), {device.type}, SimpleFSDP, seq {SEQ}, local batch {LOCAL_BATCH}; "
+            f"one save after step {opts.steps_before + 1}, {opts.steps_after} steps after it\n"
+        )
+        print(
+            "| model | params | checkpoint | save mode | step time | blocking call | loop slowdown | get_state_dict |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['size'] / 2**20:.0f} MiB | {r['mode']} | "
-                  f"{r['step']:.2f}s | {r['blocking']:.2f}s | {r['slowdown']:.2f}s | {r['gsd']:.2f}s |")
+            print(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['size'] / 2**20:.0f} MiB | {r['mode']} | "
+                f"{r['step']:.2f}s | {r['blocking']:.2f}s | {r['slowdown']:.2f}s | {r['gsd']:.2f}s |"
+            )
     if world > 1:
         dist.destroy_process_group()
 

@@ -27,19 +27,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from titanlite.build import RunPlan
 from titanlite.config import JobConfig
-from titanlite.models.llama3 import ModelArgs, Transformer
-from titanlite.models.llama3.parallelize import parallelize_llama
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.step import cross_entropy_loss, training_step
+from titanlite.models.llama3 import ModelArgs
+from titanlite.train import Trainer
 
 # 8 blocks of dim 256 and a 2k vocabulary: 7.0M parameters in 75 tensors. Unbucketed, a step issues 214
 # collectives (all-gathers, re-gathers, reduce-scatters) of ~100-250 us fixed cost each on gloo loopback
@@ -51,10 +48,12 @@ VARIANTS = {
     "SimpleFSDP compiled": dict(dp_impl="simple_fsdp", compile=True),
     "SimpleFSDP compiled + auto": dict(dp_impl="simple_fsdp", compile=True, bucketing="auto"),
     "SimpleFSDP compiled + transformer_block": dict(dp_impl="simple_fsdp", compile=True, bucketing="transformer_block"),
-    "SimpleFSDP compiled (model) + transformer_block": dict(dp_impl="simple_fsdp", compile=True,
-                                                            bucketing="transformer_block", scope="model"),
+    "SimpleFSDP compiled (model) + transformer_block": dict(
+        dp_impl="simple_fsdp", compile=True, bucketing="transformer_block", scope="model"
+    ),
     "SimpleFSDP compiled (model) + transformer_block (no reorder)": dict(
-        dp_impl="simple_fsdp", compile=True, bucketing="transformer_block", scope="model", reorder=False),
+        dp_impl="simple_fsdp", compile=True, bucketing="transformer_block", scope="model", reorder=False
+    ),
     "FSDP2 eager": dict(dp_impl="fsdp2"),
     "FSDP2 compiled": dict(dp_impl="fsdp2", compile=True),
 }
@@ -66,17 +65,15 @@ KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
 class Variant:
     name: str
     cfg: JobConfig
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    loss_fn: Callable
+    trainer: Trainer
     times: list[float] = field(default_factory=list)
     compile_s: float = 0.0
     growth: int = 0
     collectives: Counter[str] = field(default_factory=Counter)
 
 
-def build(name: str, opts: dict, dims: ParallelDims, dump_root: str, seq: int) -> Variant:
+def build(name: str, opts: dict, world: int, dump_root: str, seq: int, batch: int) -> Variant:
+    """The trainer itself (`Trainer(cfg, plan)` with this benchmark's model) for one variant."""
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "float32"
     cfg.parallelism.dp_impl = opts["dp_impl"]
@@ -86,21 +83,15 @@ def build(name: str, opts: dict, dims: ParallelDims, dump_root: str, seq: int) -
     cfg.compile.scope = opts.get("scope", "block")
     cfg.compile.reorder = opts.get("reorder", True)
     cfg.job.dump_folder = os.path.join(dump_root, name.replace(" ", "_").replace("+", "p"))
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(ARGS, seq_len=seq)
-    parallelize_llama(model, dims, cfg)
-    model.to_empty(device=dims.world_mesh.device_type)
-    model.init_weights(seed=0)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    # As the trainer does: with compile on, the loss (component "loss") is compiled too.
-    loss_fn = torch.compile(cross_entropy_loss, backend="inductor") if cfg.compile.enable else cross_entropy_loss
-    return Variant(name, cfg, model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, 10_000), loss_fn)
+    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = seq, batch, 10_000
+    cfg.metrics.enable_tensorboard = False
+    return Variant(name, cfg, Trainer(cfg, RunPlan.build(cfg, world, args=ARGS)))
 
 
 def step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> float:
     t0 = time.perf_counter()
-    training_step(v.model, v.optimizer, v.scheduler, [batch], v.loss_fn, False, 1.0, device)
+    v.trainer.step += 1
+    v.trainer.train_step([batch])
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -108,9 +99,9 @@ def step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], device: torch.dev
 
 def state_bytes(v: Variant) -> int:
     """Local parameters, gradients and optimizer state."""
-    params = list(v.model.parameters())
+    params = list(v.trainer.model.parameters())
     tensors = params + [p.grad for p in params if p.grad is not None]
-    tensors += [t for s in v.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tensors += [t for s in v.trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
 
@@ -172,9 +163,6 @@ def main() -> None:
     box = [cache]
     dist.broadcast_object_list(box)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = box[0]  # cold compiles, shared by the ranks
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world, n_heads=ARGS.n_heads,
-                        n_kv_heads=ARGS.kv_heads)
-    dims.build_mesh(device.type)
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, ARGS.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -182,7 +170,7 @@ def main() -> None:
     names = [n for n in VARIANTS if n in args.variants.split(",")]
     variants = []
     for name in names:
-        v = build(name, VARIANTS[name], dims, box[0], args.seq)
+        v = build(name, VARIANTS[name], world, box[0], args.seq, args.batch)
         warm = [step(v, batch, device) for _ in range(args.warmup + 1)]
         v.compile_s = warm[0] - statistics.median(warm[1:])
         variants.append(v)
@@ -200,10 +188,14 @@ def main() -> None:
     if rank == 0:
         tokens_per_step = args.batch * args.seq * world
         base = next((v for v in variants if v.name == BASELINE), None)
-        print(f"\n{ARGS.num_params() / 1e6:.1f}M params, {ARGS.n_layers} blocks, dim {ARGS.dim}, seq {args.seq}, "
-              f"local batch {args.batch}, {world} ranks ({device.type}), median of {args.steps} interleaved steps\n")
-        print("| variant | tokens/s | vs FSDP2 eager | peak memory (MiB) | vs FSDP2 eager "
-              "| collectives/step (ag/rs/ar) | compile (s) |")
+        print(
+            f"\n{ARGS.num_params() / 1e6:.1f}M params, {ARGS.n_layers} blocks, dim {ARGS.dim}, seq {args.seq}, "
+            f"local batch {args.batch}, {world} ranks ({device.type}), median of {args.steps} interleaved steps\n"
+        )
+        print(
+            "| variant | tokens/s | vs FSDP2 eager | peak memory (MiB) | vs FSDP2 eager "
+            "| collectives/step (ag/rs/ar) | compile (s) |"
+        )
         print("|---|---:|---:|---:|---:|---|---:|")
         peak = {v.name: state_bytes(v) + v.growth for v in variants}
         for v in variants:
@@ -211,8 +203,10 @@ def main() -> None:
             base_tps = tokens_per_step / statistics.median(base.times) if base else float("nan")
             mem_ratio = peak[v.name] / peak[BASELINE] if base else float("nan")
             c = v.collectives
-            print(f"| {v.name} | {tps:,.0f} | {tps / base_tps:.2f}x | {peak[v.name] / 2**20:.0f} | {mem_ratio:.2f}x "
-                  f"| {sum(c.values())} ({c['ag']}/{c['rs']}/{c['ar']}) | {max(v.compile_s, 0.0):.1f} |")
+            print(
+                f"| {v.name} | {tps:,.0f} | {tps / base_tps:.2f}x | {peak[v.name] / 2**20:.0f} | {mem_ratio:.2f}x "
+                f"| {sum(c.values())} ({c['ag']}/{c['rs']}/{c['ar']}) | {max(v.compile_s, 0.0):.1f} |"
+            )
     dist.destroy_process_group()
 
 

@@ -27,11 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titanlite.config import load_config  # noqa: E402
+from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.data.loader import build_dataloader  # noqa: E402
 from titanlite.data.sources import LocalSource, open_source  # noqa: E402
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
-from titanlite.train import DEFAULT_CONFIG  # noqa: E402
 
 WARMUP_BATCHES = 5
 
@@ -39,9 +38,16 @@ WARMUP_BATCHES = 5
 def loader_rate(cfg, tokenizer: Tokenizer, dp: int, workers: int, batches: int) -> float:
     t = cfg.training
     loader = build_dataloader(
-        tokenizer=tokenizer, dataset_path=t.dataset_path, text_field=t.dataset_text_field, seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size, global_batch_size=t.local_batch_size * dp, dp_rank=0, dp_degree=dp,
-        virtual_shards=t.dataset_virtual_shards, num_workers=workers,
+        tokenizer=tokenizer,
+        dataset_path=t.dataset_path,
+        text_field=t.dataset_text_field,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        global_batch_size=t.local_batch_size * dp,
+        dp_rank=0,
+        dp_degree=dp,
+        virtual_shards=t.dataset_virtual_shards,
+        num_workers=workers,
     )
     it = iter(loader)
     for _ in range(WARMUP_BATCHES):
@@ -63,8 +69,11 @@ def trainer_rate(args) -> tuple[float, str]:
 
 def suite_dp(row: dict, world: int) -> int:
     overrides = row["overrides"]
-    tp = int(overrides[overrides.index("--parallelism.tensor_parallel_degree") + 1]) \
-        if "--parallelism.tensor_parallel_degree" in overrides else 1
+    tp = (
+        int(overrides[overrides.index("--parallelism.tensor_parallel_degree") + 1])
+        if "--parallelism.tensor_parallel_degree" in overrides
+        else 1
+    )
     return world // tp
 
 
@@ -76,7 +85,9 @@ def tokenizer_rows(cfg, tokenizer: Tokenizer) -> list[dict]:
     mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     enc = tokenizer.model
     cases = {
-        "titanlite Tokenizer.encode (bos+eos), per document": lambda: [tokenizer.encode(d, bos=True, eos=True) for d in docs],
+        "titanlite Tokenizer.encode (bos+eos), per document": lambda: [
+            tokenizer.encode(d, bos=True, eos=True) for d in docs
+        ],
         "raw tiktoken encode_ordinary, per document": lambda: [enc.encode_ordinary(d) for d in docs],
         "raw tiktoken encode_ordinary_batch (threads)": lambda: enc.encode_ordinary_batch(docs),
     }
@@ -86,7 +97,9 @@ def tokenizer_rows(cfg, tokenizer: Tokenizer) -> list[dict]:
         start = time.perf_counter()
         tokens = sum(len(ids) for ids in fn())
         elapsed = time.perf_counter() - start
-        rows.append(dict(name=name, tokens_per_s=tokens / elapsed, mb_per_s=mb / elapsed, tokens=tokens, docs=len(docs)))
+        rows.append(
+            dict(name=name, tokens_per_s=tokens / elapsed, mb_per_s=mb / elapsed, tokens=tokens, docs=len(docs))
+        )
     return rows
 
 
@@ -103,8 +116,10 @@ def main(argv: list[str]) -> int:
     cfg = load_config(["--config", args.config, *overrides])
     tokenizer = build_tokenizer(cfg.model.tokenizer_path or None)
     consumer, consumer_source = trainer_rate(args)
-    loaders = [dict(name=f"loader, {w} workers", tokens_per_s=loader_rate(cfg, tokenizer, args.dp, w, args.batches))
-               for w in (0, 1)]
+    loaders = [
+        dict(name=f"loader, {w} workers", tokens_per_s=loader_rate(cfg, tokenizer, args.dp, w, args.batches))
+        for w in (0, 1)
+    ]
     toks = tokenizer_rows(cfg, tokenizer)
     t = cfg.training
     lines = [
@@ -122,12 +137,18 @@ def main(argv: list[str]) -> int:
         "|---|---:|---:|---:|",
     ]
     raw = next((r for r in toks if r["name"].startswith("raw tiktoken encode_ordinary,")), None)
-    lines += [f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['mb_per_s']:.2f} | "
-              f"{r['tokens_per_s'] / raw['tokens_per_s']:.2f} |" for r in toks]
+    lines += [
+        f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['mb_per_s']:.2f} | "
+        f"{r['tokens_per_s'] / raw['tokens_per_s']:.2f} |"
+        for r in toks
+    ]
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(consumer_tps=consumer, consumer_source=consumer_source,
-                                              loaders=loaders, tokenizers=toks), indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            dict(consumer_tps=consumer, consumer_source=consumer_source, loaders=loaders, tokenizers=toks), indent=2
+        )
+    )
     print(f"\nJSON: {args.out}")
     return 0
 

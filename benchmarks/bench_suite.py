@@ -4,8 +4,8 @@
         [--only FRAGMENT,...] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
 
 Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds every variant in that one
-launch, each as the trainer builds it (`parallelize_llama` on the meta device, materialise, initialise)
-and stepped with `titanlite.step.training_step` on fixed random tokens:
+launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.build`, the model's parallelize
+plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
 
     SimpleFSDP eager / compiled / compiled + per-block bucketing, FSDP2 eager / compiled,
     replicate (SimpleFSDP's DDP mode), and tp=2 (the dp x tp variant at 2 ranks: dp is 1).
@@ -52,13 +52,10 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titanlite.config import CHOICES, load_config  # noqa: E402
+from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.memory_plan import local_tensor  # noqa: E402
 from titanlite.metrics import peak_tflops  # noqa: E402
-from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from titanlite.step import cross_entropy_loss, training_step  # noqa: E402
-from titanlite.tools.dry_run import build_meta_model  # noqa: E402
-from titanlite.train import DEFAULT_CONFIG, RunPlan  # noqa: E402
+from titanlite.train import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
 VARIANTS: dict[str, list[str]] = {
@@ -67,7 +64,12 @@ VARIANTS: dict[str, list[str]] = {
     "SimpleFSDP compiled + bucketing": [*COMPILE, "--compile.bucketing", "transformer_block"],
     "FSDP2 eager": ["--parallelism.dp_impl", "fsdp2"],
     "FSDP2 compiled": ["--parallelism.dp_impl", "fsdp2", *COMPILE],
-    "replicate (DDP)": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "replicate (DDP)": [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ],
     "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
 }
 BASELINE = "FSDP2 eager"
@@ -96,31 +98,22 @@ class Result:
 
 
 class Variant:
-    """One model, optimizer and batch, built the trainer's way."""
+    """One run, built by the trainer itself, with its fixed batch."""
 
     def __init__(self, cfg, world: int, device: torch.device, global_batch: int):
-        plan = RunPlan.build(cfg, world)
-        self.model = build_meta_model(cfg, plan, world, device.type)
-        self.model.to_empty(device=device)
-        self.model.init_weights(seed=cfg.training.seed, buffer_device=device)
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, 10**6)
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
-        self.loss_parallel = plan.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-        self.device, self.max_norm = device, cfg.training.max_norm
+        self.trainer = Trainer(cfg)
+        plan = self.trainer.plan
+        self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
         local = global_batch // plan.dims.dp
-        dp_rank = dist.get_rank() // plan.dims.tp
+        dp_rank = plan.dims.dp_rank_of(dist.get_rank())
         g = torch.Generator().manual_seed(1000 + dp_rank)
         tokens = torch.randint(0, plan.model_args.vocab_size, (local, cfg.training.seq_len + 1), generator=g)
         self.batches = [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
         self.flops_per_token = plan.model_args.flops_per_token(cfg.training.seq_len)
 
     def step(self) -> None:
-        loss, _ = training_step(self.model, self.optimizer, self.scheduler, self.batches, self.loss_fn,
-                                self.loss_parallel, self.max_norm, self.device)
+        self.trainer.step += 1
+        loss, _ = self.trainer.train_step(self.batches)
         loss.item()  # waits for the device
 
     def state_bytes(self) -> int:
@@ -188,7 +181,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Several models in one process: each block of each compiled variant is its own Dynamo cache entry.
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
-    base = ["--config", args.config, *overrides]
+    base = ["--config", args.config, "--no-metrics.enable_tensorboard", *overrides]
     global_batch = load_config(base).training.local_batch_size * world
     results: dict[str, Result] = {}
     variants: dict[str, Variant] = {}
@@ -227,8 +220,15 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     peak, peak_source = peak_tflops(device)
     if rank == 0:
         rows = [result_row(r, world, peak) for r in results.values()]
-        record = dict(world=world, device=str(device), peak_tflops=peak, peak_source=peak_source, args=vars(args),
-                      overrides=overrides, variants=rows)
+        record = dict(
+            world=world,
+            device=str(device),
+            peak_tflops=peak,
+            peak_source=peak_source,
+            args=vars(args),
+            overrides=overrides,
+            variants=rows,
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2))
         print(format_table(rows, world, device, peak_source, args), flush=True)
@@ -239,9 +239,16 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
 def result_row(r: Result, world: int, peak: float) -> dict:
     tps = r.tokens_per_s
     return dict(
-        name=r.name, overrides=r.overrides, error=r.error, tokens_per_s=tps, step_times_s=r.step_times,
-        peak_mib=r.peak_bytes / 2**20, state_mib=r.state_bytes / 2**20, step_growth_mib=r.peak_delta / 2**20,
-        collectives=r.collectives, collectives_per_step=sum(r.collectives.values()),
+        name=r.name,
+        overrides=r.overrides,
+        error=r.error,
+        tokens_per_s=tps,
+        step_times_s=r.step_times,
+        peak_mib=r.peak_bytes / 2**20,
+        state_mib=r.state_bytes / 2**20,
+        step_growth_mib=r.peak_delta / 2**20,
+        collectives=r.collectives,
+        collectives_per_step=sum(r.collectives.values()),
         mfu_pct=100 * r.flops_per_token * tps / (world * peak * 1e12) if tps else 0.0,
     )
 
@@ -290,8 +297,17 @@ def main(argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # large CPU tensors: mmap, returned when freed
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "--local-ranks-filter", "0", __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "--local-ranks-filter",
+        "0",
+        __file__,
+        *argv,
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
