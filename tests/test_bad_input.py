@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import subprocess
 
 import pytest
@@ -56,7 +57,25 @@ CASES = [
     (None, ["--parallelism.data_parallel_shard_degree", "0"], 2, ["data_parallel_shard_degree", "-1"]),
     (None, ["--model.name", "gpt2"], 2, ["model.name", "llama3"]),
     ("[training]\nseq_len = 64\nseq_len = 32\n", [], 2, ["invalid TOML"]),
+    (None, ["--optimizer.lr", "nan"], 2, ["config key 'optimizer.lr' must be a finite number, got nan"]),
+    (None, ["--optimizer.beta1", "1.5"], 2, ["config key 'optimizer.beta1' must be in [0, 1), got 1.5"]),
+    (None, ["--optimizer.eps", "-1e-8"], 2, ["optimizer.eps", "positive", "-1e-08"]),
+    (None, ["--optimizer.weight_decay", "-0.1"], 2, ["optimizer.weight_decay", "non-negative"]),
+    (None, ["--optimizer.name", "SGD"], 2, ["optimizer.name", "AdamW"]),
+    (None, ["--comm.train_timeout_seconds", "0"], 2, ["comm.train_timeout_seconds", "positive"]),
+    (None, ["--comm.init_timeout_seconds", "-5"], 2, ["comm.init_timeout_seconds", "positive"]),
+    (None, ["--training.global_batch_size", "-8"], 2, ["global_batch_size", "-1 (local x dp) or positive"]),
+    (None, ["--checkpoint.enable", "--checkpoint.load_step", "3"], 2, ["load_step 3", "step-3 does not exist"]),
+    (None, ["--checkpoint.initial_load_path", "/nonexistent"], 2, ["initial_load_path /nonexistent is not a folder"]),
+    (None, ["--model.tokenizer_path", "{tmp}/no_bytes.tiktoken"], 2, ["no_bytes.tiktoken", "256 of the 256"]),
 ]
+
+# Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
+FILES = {
+    "no_bytes.tiktoken": "".join(
+        f"{base64.b64encode(bytes([i // 256 + 97, i % 256])).decode()} {i}\n" for i in range(300)
+    ),
+}
 
 
 def case_id(text: str | None, overrides: list[str]) -> str:
@@ -75,6 +94,9 @@ def case_id(text: str | None, overrides: list[str]) -> str:
 
 @pytest.mark.parametrize("text,overrides,world,fragments", CASES, ids=[case_id(c[0], c[1]) for c in CASES])
 def test_bad_input_one_line_exit_2(tmp_path, monkeypatch, capsys, text, overrides, world, fragments):
+    for name, content in FILES.items():
+        (tmp_path / name).write_text(content)
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     config = BASE
     if text is not None:
         config = str(tmp_path / "bad.toml")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from harness import ROOT, child_env
-from titanlite.config import ConfigError, JobConfig, load_config
+from titanlite.config import ConfigError, JobConfig, Range, load_config
 
 
 def test_defaults_and_toml(tmp_path):
@@ -81,6 +83,55 @@ def test_bad_configs(tmp_path, text, overrides, fragments):
     assert "\n" not in msg
     for frag in fragments:
         assert frag in msg, (frag, msg)
+
+
+# Numeric keys that legitimately take any value of their type. Empty today: every numeric key has a
+# `Range`. A key added here needs a comment saying why no value can be wrong.
+UNBOUNDED: set[str] = set()
+
+
+def test_every_numeric_key_has_a_range_or_is_listed_as_unbounded():
+    """A new int/float key must declare its domain (`metadata=POSITIVE`, `_range(...)`) or be listed above."""
+    missing = []
+    for section, cls in typing.get_type_hints(JobConfig).items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kinds = {hints[f.name], *typing.get_args(hints[f.name])}  # `int | None` counts as numeric too
+            numeric = bool(kinds & {int, float}) and hints[f.name] is not bool
+            key = f"{section}.{f.name}"
+            if numeric and not isinstance(f.metadata.get("range"), Range) and key not in UNBOUNDED:
+                missing.append(key)
+    assert not missing, f"numeric config keys without a Range: {missing}"
+    assert not UNBOUNDED - {
+        f"{s}.{f.name}" for s, c in typing.get_type_hints(JobConfig).items() for f in dataclasses.fields(c)
+    }
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--optimizer.beta1", "1.5"], "config key 'optimizer.beta1' must be in [0, 1), got 1.5"),
+        (["--optimizer.lr", "nan"], "config key 'optimizer.lr' must be a finite number, got nan"),
+        (["--compile.cpu_gflops", "inf"], "config key 'compile.cpu_gflops' must be a finite number, got inf"),
+        (["--optimizer.eps", "0"], "config key 'optimizer.eps' must be positive, got 0.0"),
+        (["--training.gc_freq", "-1"], "config key 'training.gc_freq' must be non-negative, got -1"),
+        (["--training.global_batch_size", "-4"], "must be -1 (local x dp) or positive, got -4"),
+        (["--checkpoint.load_step", "-2"], "must be -1 (the newest) or non-negative, got -2"),
+        (["--training.seed", str(2**64)], "must be in [0, 18446744073709551615]"),
+    ],
+)
+def test_ranges_and_non_finite_values(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(override)
+    assert message in str(e.value)
+
+
+def test_range_bounds_are_inclusive_or_open_as_declared():
+    unit = Range(low=0, high=1, high_open=True)
+    assert 0 in unit and 0.999 in unit and 1 not in unit and -0.0 in unit
+    sentinel = Range(low=0, low_open=True, also=-1)
+    assert -1 in sentinel and 0 not in sentinel and -2 not in sentinel and 1 in sentinel
+    load_config(["--optimizer.beta1", "0", "--optimizer.lr", "0", "--training.max_norm", "0"])  # edges pass
 
 
 def test_missing_config_file():

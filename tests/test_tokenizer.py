@@ -122,3 +122,13 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("this is not base64\n")
     with pytest.raises(ConfigError, match="not a tiktoken BPE file"):
         build_tokenizer(str(bad))
+
+
+def test_a_file_without_every_single_byte_is_one_clear_error(tmp_path):
+    """tiktoken would panic in Rust on the first text needing a missing byte; the load says so instead."""
+    ranks = {bytes([b]): i for i, b in enumerate(b for b in range(256) if b not in (0x80, 0xFF))}
+    ranks.update({b"ab": 254, b"cd": 255})
+    path = tmp_path / "partial.tiktoken"
+    write_tiktoken(ranks, path)
+    with pytest.raises(ConfigError, match=r"partial.tiktoken: 2 of the 256 single bytes have no token \(first: 0x80\)"):
+        build_tokenizer(str(path))

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
@@ -29,6 +31,59 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Range:
+    """The domain of a numeric config key, kept on its field (`metadata=`) so `validate` checks every key
+    from the schema itself: a new key declares its range where it is declared, and cannot be forgotten.
+
+    `also` is one extra allowed value outside the interval (a sentinel such as -1 = "the rest").
+    """
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    also: float | None = None
+    also_means: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if value == self.also:
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        """The domain in words: `positive`, `non-negative`, `in [0, 1)`, `>= 2`, with the sentinel first."""
+        if self.high == math.inf and self.low == 0:
+            text = "positive" if self.low_open else "non-negative"
+        elif self.high == math.inf:
+            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.low == -math.inf:
+            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        if self.also is None:
+            return text
+        means = f" ({self.also_means})" if self.also_means else ""
+        return f"{_num(self.also)}{means} or {text}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _range(**kwargs: Any) -> dict[str, Range]:
+    """Field metadata holding a `Range`."""
+    return {"range": Range(**kwargs)}
+
+
+POSITIVE = _range(low=0, low_open=True)
+NON_NEGATIVE = _range(low=0)
+FRACTION = _range(low=0, high=1)  # [0, 1]
 
 
 @dataclass
@@ -53,21 +108,22 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = field(default=8e-4, metadata=NON_NEGATIVE)
+    beta1: float = field(default=0.9, metadata=_range(low=0, high=1, high_open=True))
+    beta2: float = field(default=0.95, metadata=_range(low=0, high=1, high_open=True))
+    eps: float = field(default=1e-8, metadata=POSITIVE)
+    """Positive: with 0, a parameter whose gradient is always zero divides 0 by 0 in AdamW."""
+    weight_decay: float = field(default=0.1, metadata=NON_NEGATIVE)
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 10
-    decay_ratio: float = 1.0
+    warmup_steps: int = field(default=10, metadata=NON_NEGATIVE)
+    decay_ratio: float = field(default=1.0, metadata=FRACTION)
     """Fraction of the post-warmup steps spent decaying; < 1 gives warmup-stable-decay (WSD)."""
     decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = field(default=0.0, metadata=FRACTION)
     """The final learning rate as a fraction of `optimizer.lr`."""
 
 
@@ -76,32 +132,36 @@ class Training:
     dataset_path: str = ""
     """A file, directory or glob of .txt/.jsonl/.parquet, or `hf://name[:config][@split]`; empty = bundled corpus."""
     dataset_text_field: str = "text"
-    dataset_virtual_shards: int = 0
+    dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
     """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""
-    dataloader_num_workers: int = 0
-    local_batch_size: int = 8
-    global_batch_size: int = -1
+    dataloader_num_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    local_batch_size: int = field(default=8, metadata=POSITIVE)
+    global_batch_size: int = field(default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="local x dp"))
     """-1 = local batch size x data-parallel degree; larger values use gradient accumulation."""
-    seq_len: int = 2048
-    max_norm: float = 1.0
-    steps: int = 10000
-    seed: int = 0
+    seq_len: int = field(default=2048, metadata=POSITIVE)
+    max_norm: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    steps: int = field(default=10000, metadata=POSITIVE)
+    seed: int = field(default=0, metadata=_range(low=0, high=2**64 - 1))
+    """Seeds torch and Python (torch takes at most 64 bits)."""
     deterministic: bool = False
-    gc_freq: int = 50
+    gc_freq: int = field(default=50, metadata=NON_NEGATIVE)
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the gathered parameters in forward/backward, on every device and world size (master weights
     stay float32); the CPU configs set float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    skip_nonfinite_steps: int = 0
+    skip_nonfinite_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """How many optimizer steps with a non-finite loss or grad norm may be skipped; 0 = stop on the first."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = -1
+    data_parallel_replicate_degree: int = field(default=1, metadata=POSITIVE)
+    data_parallel_shard_degree: int = field(
+        default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="the rest")
+    )
     """-1 = whatever the world size leaves after the other degrees."""
-    tensor_parallel_degree: int = 1
+    tensor_parallel_degree: int = field(default=1, metadata=POSITIVE)
     dp_impl: Literal["simple_fsdp", "fsdp2"] = "simple_fsdp"
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
@@ -113,11 +173,11 @@ class Parallelism:
 class Checkpoint:
     enable: bool = False
     folder: str = "checkpoint"
-    interval: int = 500
-    keep_latest_k: int = 0
+    interval: int = field(default=500, metadata=POSITIVE)
+    keep_latest_k: int = field(default=0, metadata=NON_NEGATIVE)
     """Keep only the newest k complete checkpoints (0 = keep all)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    load_step: int = -1
+    load_step: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="the newest"))
     """-1 = the newest complete checkpoint."""
     initial_load_path: str = ""
     initial_load_in_hf: bool = False
@@ -150,19 +210,19 @@ class Compile:
     cost_model: Literal["measure", "config"] = "measure"
     """CPU figures for `auto` bucketing's runtime estimates: `measure` (time a matmul, a copy and a gloo
     all-gather at start-up) or `config` (the four figures below). CUDA uses torch's GPU estimators."""
-    cpu_gflops: float = 128.0
+    cpu_gflops: float = field(default=128.0, metadata=POSITIVE)
     """Matmul GFLOP/s of one rank (defaults: a 2-core x86 VM with gloo on loopback, one thread per rank)."""
-    cpu_mem_gbps: float = 8.0
+    cpu_mem_gbps: float = field(default=8.0, metadata=POSITIVE)
     """Copy bandwidth of one rank, GB/s."""
-    comm_latency_us: float = 256.0
+    comm_latency_us: float = field(default=256.0, metadata=NON_NEGATIVE)
     """Fixed cost of one collective, microseconds (also used by `measure` on a fake process group)."""
-    comm_gbps: float = 1.0
+    comm_gbps: float = field(default=1.0, metadata=POSITIVE)
     """Per-rank collective bandwidth, GB/s (also used by `measure` on a fake process group)."""
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = field(default=10, metadata=POSITIVE)
     enable_tensorboard: bool = True
     save_tb_folder: str = "tb"
     disable_color_printing: bool = False
@@ -172,23 +232,23 @@ class Metrics:
 class Profiling:
     enable_profiling: bool = False
     save_traces_folder: str = "profile_traces"
-    profile_freq: int = 10
+    profile_freq: int = field(default=10, metadata=POSITIVE)
     enable_memory_snapshot: bool = False
     save_memory_snapshot_folder: str = "memory_snapshot"
 
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300
-    train_timeout_seconds: int = 100
-    max_restarts: int = 0
+    init_timeout_seconds: int = field(default=300, metadata=POSITIVE)
+    train_timeout_seconds: int = field(default=100, metadata=POSITIVE)
+    max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     mode: Literal["default", "fake_backend"] = "default"
     """`fake_backend` = a dry run on a fake process group."""
-    fake_world_size: int = 0
+    fake_world_size: int = field(default=0, metadata=NON_NEGATIVE)
     """Dry run: the world size to plan for; 0 = NGPU x NNODES as run_train.sh computes it (WORLD_SIZE)."""
-    fake_rank: int = 0
+    fake_rank: int = field(default=0, metadata=NON_NEGATIVE)
     """Dry run: the rank whose shards are reported (rank 0 holds the larger part of uneven shards)."""
-    fake_gpu_memory_gib: float = 80.0
+    fake_gpu_memory_gib: float = field(default=80.0, metadata=POSITIVE)
     """Dry run: memory of one GPU in GiB (80: H100/A100 80GB; H200 141, B200 180, MI300X 192)."""
 
 
@@ -370,54 +430,29 @@ def load_config(argv: list[str], default_config: str = "") -> JobConfig:
     return cfg
 
 
+def _numeric_values(cfg: JobConfig) -> Iterator[tuple[str, float, Range | None]]:
+    """(`section.key`, value, its `Range` or None) for every int and float field of the schema."""
+    for section, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (int, float):
+                yield f"{section}.{f.name}", getattr(getattr(cfg, section), f.name), f.metadata.get("range")
+
+
 def validate(cfg: JobConfig) -> None:
-    """Check values that the types alone cannot: choices, signs, ranges."""
+    """Check values that the types alone cannot: choices, every numeric key's `Range`, finite floats."""
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}")
-    positive = {
-        "training.steps": cfg.training.steps,
-        "training.seq_len": cfg.training.seq_len,
-        "training.local_batch_size": cfg.training.local_batch_size,
-        "metrics.log_freq": cfg.metrics.log_freq,
-        "checkpoint.interval": cfg.checkpoint.interval,
-        "parallelism.data_parallel_replicate_degree": cfg.parallelism.data_parallel_replicate_degree,
-        "parallelism.tensor_parallel_degree": cfg.parallelism.tensor_parallel_degree,
-        "profiling.profile_freq": cfg.profiling.profile_freq,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    non_negative = {
-        "lr_scheduler.warmup_steps": cfg.lr_scheduler.warmup_steps,
-        "training.dataset_virtual_shards": cfg.training.dataset_virtual_shards,
-        "training.dataloader_num_workers": cfg.training.dataloader_num_workers,
-        "training.gc_freq": cfg.training.gc_freq,
-        "training.skip_nonfinite_steps": cfg.training.skip_nonfinite_steps,
-        "checkpoint.keep_latest_k": cfg.checkpoint.keep_latest_k,
-        "comm.max_restarts": cfg.comm.max_restarts,
-        "comm.fake_world_size": cfg.comm.fake_world_size,
-        "optimizer.lr": cfg.optimizer.lr,
-        "training.max_norm": cfg.training.max_norm,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"config key '{key}' must not be negative, got {value}")
-    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError(
-            f"config key 'lr_scheduler.decay_ratio' must be in [0, 1], got {cfg.lr_scheduler.decay_ratio}"
-        )
-    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
-        raise ConfigError(
-            f"config key 'lr_scheduler.min_lr_factor' must be in [0, 1], got {cfg.lr_scheduler.min_lr_factor}"
-        )
-    if cfg.parallelism.data_parallel_shard_degree == 0 or cfg.parallelism.data_parallel_shard_degree < -1:
-        raise ConfigError(
-            "config key 'parallelism.data_parallel_shard_degree' must be -1 (the rest) or positive, "
-            f"got {cfg.parallelism.data_parallel_shard_degree}"
-        )
+    for key, value, domain in _numeric_values(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
+        if domain is not None and value not in domain:
+            raise ConfigError(f"config key '{key}' must be {domain.describe()}, got {value}")
+    if cfg.optimizer.name != "AdamW":
+        raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) > 0):
         raise ConfigError(

@@ -1,7 +1,8 @@
 """Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
 
-Validates the config, the mesh for WORLD_SIZE, the tokenizer file, the dataset path and the dump folder
-in one process, so bad input is one line and exit code 2 instead of one traceback per rank. On success
+Validates the config, the mesh for WORLD_SIZE, the tokenizer file, the dataset path, the checkpoint to
+load and the dump folder in one process, so bad input is one line and exit code 2 instead of one
+traceback per rank. On success
 prints the torchrun restart budget (`comm.max_restarts`) for run_train.sh.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from titanlite.build import RunPlan
-from titanlite.config import DEFAULT_CONFIG, load_config
+from titanlite.checkpoint import folders
+from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.data.loader import build_dataloader
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import CheckpointError, ConfigError, run_cli
 
 
 def check_dump_folder(path: str) -> None:
@@ -24,6 +27,29 @@ def check_dump_folder(path: str) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"job.dump_folder {path!r} is not writable: {e.strerror}") from None
+
+
+def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
+    """The checkpoint a run would load exists: `load_step`'s folder is complete and intact, and
+    `initial_load_path` (read only when there is no checkpoint to resume from) is a folder.
+
+    Read-only: the ranks' own choice (`folders.choose`) also removes interrupted saves.
+    """
+    if cfg.create_seed_checkpoint:
+        return  # writes step 0 and loads nothing
+    root = Path(dump_folder) / cfg.folder
+    done = folders.scan(root)[0] if cfg.enable else []
+    if cfg.enable and cfg.load_step >= 0:
+        path = folders.step_dir(root, cfg.load_step)
+        if cfg.load_step not in done:
+            have = ", ".join(f"step-{s}" for s in done) or "none"
+            raise CheckpointError(
+                f"checkpoint.load_step {cfg.load_step}: {path} does not exist (complete checkpoints: {have})"
+            )
+        if why := folders.problem(path):
+            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    if cfg.initial_load_path and not done and not Path(cfg.initial_load_path).is_dir():
+        raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
 
 
 def preflight(argv: list[str], world_size: int) -> int:
@@ -44,6 +70,7 @@ def preflight(argv: list[str], world_size: int) -> int:
             num_workers=t.dataloader_num_workers,
         )
     check_dump_folder(cfg.job.dump_folder)
+    check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     return cfg.comm.max_restarts
 
 

@@ -66,7 +66,8 @@ def special_tokens(n_ranks: int) -> dict[str, int]:
 
 
 def load_ranks(path: str | Path) -> dict[bytes, int]:
-    """Read a tiktoken BPE file: ranks must be exactly 0..n-1 with distinct byte strings.
+    """Read a tiktoken BPE file: ranks must be exactly 0..n-1 with distinct byte strings, and every one of
+    the 256 single bytes must be a token.
 
     Parsed here rather than with `tiktoken.load`, which keeps a cache keyed by path (a rebuilt
     file would be served stale) and may try to download.
@@ -81,8 +82,16 @@ def load_ranks(path: str | Path) -> dict[bytes, int]:
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError:
                 raise ConfigError(f"{path}:{lineno}: not a tiktoken BPE file (expected 'base64 rank')") from None
-    if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) < 256:
-        raise ConfigError(f"{path}: BPE ranks must be 0..n-1 over distinct tokens, including all 256 bytes")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ConfigError(f"{path}: BPE ranks must be 0..n-1 over distinct tokens")
+    # Byte-level BPE encodes any text only if every single byte is a token; without them tiktoken
+    # panics (in Rust, in every rank) on the first text that needs a missing byte.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ConfigError(
+            f"{path}: {len(missing)} of the 256 single bytes have no token (first: 0x{missing[0]:02x}); "
+            "a byte-level BPE file needs all of them"
+        )
     return ranks
 
 
