@@ -152,6 +152,9 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     skip_nonfinite_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """How many optimizer steps with a non-finite loss or grad norm may be skipped; 0 = stop on the first."""
+    allow_dataset_change: bool = False
+    """Resume from a checkpoint trained on other data (its fingerprint differs): warn and read the new dataset
+    from its beginning. Off, such a resume stops: the saved data positions would point into other files."""
 
 
 @dataclass
@@ -242,6 +245,10 @@ class Comm:
     init_timeout_seconds: int = field(default=300, metadata=POSITIVE)
     train_timeout_seconds: int = field(default=100, metadata=POSITIVE)
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
+    stop_grace_seconds: float = field(default=120.0, metadata=POSITIVE)
+    """After a stop signal (SIGTERM, SIGUSR1, Ctrl-C) the launcher waits this long for the ranks to reach a
+    step boundary and save, then kills them. Keep it below the scheduler's own grace period (SLURM
+    KillWait, Kubernetes terminationGracePeriodSeconds), or that one kills the launcher first."""
     mode: Literal["default", "fake_backend"] = "default"
     """`fake_backend` = a dry run on a fake process group."""
     fake_world_size: int = field(default=0, metadata=NON_NEGATIVE)
