@@ -96,15 +96,46 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
+    # device_id makes NCCL initialise eagerly and lets mesh subgroups split from the world communicator.
+    device_id = device if device.type == "cuda" else None
+    if device.type == "cuda":
+        for key, value in nccl_env_defaults(cfg.job.dump_folder, world_from_env()[0]).items():
+            os.environ.setdefault(key, value)
     if "MASTER_ADDR" not in os.environ and world_from_env()[1] == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
         return
     # torchrun keeps one store across restarts; without a per-attempt prefix a restarted rank can read
     # the previous attempt's peer addresses and fail to connect.
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"titanlite/attempt{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+
+
+def nccl_env_defaults(dump_folder: str, rank: int) -> dict[str, str]:
+    """NCCL's flight recorder on by default, dumped when a collective times out (as TorchTitan documents
+    it): the last collectives of every rank land in `<dump_folder>/comm_traces/rank_<r>` for debugging a
+    hang. Users' own settings win (the caller only sets what is unset)."""
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(dump_folder), "comm_traces", "rank_"),
+    }
+
+
+def apply_train_timeout(cfg: JobConfig, dims: ParallelDims) -> dict[str, timedelta]:
+    """Shorten every process group's timeout to `comm.train_timeout_seconds` (after the first step, which
+    includes compilation): the world and each mesh group (dp, tp, the flattened dp), whose collectives
+    would otherwise keep the backend's default (NCCL 10 min, gloo 30 min). A barrier first, so no rank
+    shortens a timeout while a peer is still compiling. Returns the timeouts it set, by group."""
+    timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
+    dist.barrier()
+    groups = {"world": dist.group.WORLD, **(dims.process_groups() if dims.mesh_built else {})}
+    for group in groups.values():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return {name: timeout for name in groups}
 
 
 def build_model(plan: RunPlan, device: torch.device, mesh_device_type: str | None = None) -> nn.Module:

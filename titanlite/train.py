@@ -16,12 +16,18 @@ import random
 import signal
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from titanlite.build import RunPlan, build_model, init_device, init_distributed, world_from_env
+from titanlite.build import (
+    RunPlan,
+    apply_train_timeout,
+    build_model,
+    init_device,
+    init_distributed,
+    world_from_env,
+)
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.loader import build_dataloader
@@ -140,10 +146,9 @@ class Trainer:
     # --- set-up helpers ---------------------------------------------------------------------------------
 
     def _set_train_timeout(self) -> None:
-        """After the first step (which includes compilation), a dead peer must surface within the train timeout."""
-        if dist.is_initialized():
-            timeout = timedelta(seconds=self.cfg.comm.train_timeout_seconds)
-            dist.distributed_c10d._set_pg_timeout(timeout, None)
+        """After the first step (which includes compilation), a dead peer must surface within the train
+        timeout, on every process group the step uses."""
+        apply_train_timeout(self.cfg, self.dims)
 
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import TINY  # noqa: E402
-from titanlite.build import RunPlan  # noqa: E402
+from titanlite.build import RunPlan, apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
@@ -122,8 +122,17 @@ def run(case: dict, dump: str, batches):
         loss, _ = trainer.train_step(micro)
         losses.append(trainer._global_mean(loss))
         first = first or snapshot(trainer.model)
+    before = group_timeouts(dims)
+    apply_train_timeout(cfg, dims)
+    timeouts = {"before": before, "after": group_timeouts(dims)}
     trainer.close()
-    return losses, *first
+    return losses, *first, timeouts
+
+
+def group_timeouts(dims) -> dict[str, float]:
+    """The timeout of every process group a step uses, read back from the gloo backends."""
+    groups = {"world": dist.group.WORLD, **dims.process_groups()}
+    return {n: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for n, g in groups.items()}
 
 
 def main() -> None:
@@ -135,11 +144,12 @@ def main() -> None:
     records = []
     for case in cases:
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
-        losses, grads, params = run(case, dump, batches)
+        losses, grads, params, timeouts = run(case, dump, batches)
         rec = dict(
             case=case,
             losses=losses,
             ref_losses=r_losses,
+            timeouts=timeouts,
             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
             grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
             param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.errors import ConfigError
@@ -138,6 +139,14 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh["tp"] if self.tp_enabled else None
+
+    def process_groups(self) -> dict[str, dist.ProcessGroup]:
+        """Every process group of the mesh by dim name (and the flattened `dp`): what a collective can run on."""
+        mesh = self.world_mesh
+        names = list(mesh.mesh_dim_names or ())
+        if len(self.dp_dim_names) > 1:
+            names.append("dp")
+        return {name: mesh[name].get_group() for name in names}
 
     def dp_rank_of(self, rank: int) -> int:
         """Global `rank`'s index on the flattened dp mesh (ranks are laid out dp_replicate, dp_shard, tp);

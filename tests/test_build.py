@@ -1,0 +1,59 @@
+"""The construction module: one process is a world of one with the full plan; NCCL defaults; timeouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from harness import tiny_args
+from titanlite.build import RunPlan, apply_train_timeout, build_model, init_distributed, nccl_env_defaults
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+
+
+def test_one_process_without_torchrun_gets_a_one_rank_group_and_the_full_plan(monkeypatch, tmp_path):
+    for key in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.training.seq_len = 16
+    cfg.activation_checkpoint.mode = "full"
+    init_distributed(cfg, torch.device("cpu"))
+    try:
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        plan = RunPlan.build(cfg, 1, args=tiny_args())
+        assert plan.dims.dp_enabled and plan.dims.dp_mode == "fully_shard" and plan.dims.dim_names == ("dp_shard",)
+        model = build_model(plan, torch.device("cpu"))
+        # SimpleFSDP on the one-rank mesh: DTensor parameters, bf16 compute (the default), fp32 master weights.
+        param = dict(model.named_parameters())["layers.0.attention.wq.weight"]
+        assert isinstance(param, DTensor) and param.dtype == torch.float32
+        assert model.layers["0"].attention.wq.weight.dtype == torch.bfloat16  # gathered for compute
+        assert model(torch.randint(0, 257, (1, 16))).dtype == torch.bfloat16
+        timeouts = apply_train_timeout(cfg, plan.dims)
+        assert set(timeouts) == {"world", "dp_shard"}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_existing_process_group_is_kept(process_group):
+    world = dist.group.WORLD
+    init_distributed(JobConfig(), torch.device("cpu"))
+    assert dist.group.WORLD is world
+
+
+def test_nccl_flight_recorder_defaults_point_into_the_dump_folder(tmp_path):
+    env = nccl_env_defaults(str(tmp_path), rank=3)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
+
+
+def test_unknown_model_family_and_flavor_are_config_errors():
+    cfg = JobConfig()
+    cfg.model.name = "gpt2"
+    with pytest.raises(ConfigError, match="model.name.*llama3"):
+        RunPlan.build(cfg, 1)
+    cfg.model.name, cfg.model.flavor = "llama3", "7B"
+    with pytest.raises(ConfigError, match="model.flavor.*8B"):
+        RunPlan.build(cfg, 1)
