@@ -114,9 +114,13 @@ def train(
     """Train with `config` + `overrides` into `dump`. `launcher`: `python` (one process, no torchrun),
     `torchrun`, `run_train` (the launcher script, NGPU=nproc), or `auto` (python for 1, else torchrun)."""
     args = ["--config", config, "--job.dump_folder", str(dump), *overrides]
-    env = child_env(**(env or {}))
+    given = env or {}
+    env = child_env(**given)
     if launcher == "auto":
         launcher = "python" if nproc == 1 else "torchrun"
+    if "OMP_NUM_THREADS" not in given:
+        # As run_train.sh does for users: the cores shared by the ranks (one process gets them all).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if launcher == "python":
         proc = subprocess.run(
             [sys.executable, "-m", "titanlite.train", *args],

@@ -57,3 +57,18 @@ def test_unknown_model_family_and_flavor_are_config_errors():
     cfg.model.name, cfg.model.flavor = "llama3", "7B"
     with pytest.raises(ConfigError, match="model.flavor.*8B"):
         RunPlan.build(cfg, 1)
+
+
+def test_tokens_per_gpu_do_not_depend_on_the_layout():
+    """The same global batch on 2 GPUs counts the same tokens per GPU under dp=2 and under tp=2."""
+
+    def plan(*, tp: int, local: int) -> RunPlan:
+        cfg = JobConfig()
+        cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.global_batch_size = 64, local, 8
+        cfg.parallelism.tensor_parallel_degree = tp
+        return RunPlan.build(cfg, 2, args=tiny_args())
+
+    dp2, tp2 = plan(tp=1, local=4), plan(tp=2, local=8)
+    assert dp2.tokens_per_gpu_step == tp2.tokens_per_gpu_step == 8 * 64 / 2
+    # Per-rank counting (local batch x seq x accumulation) would give tp=2 twice the tokens.
+    assert tp2.cfg.training.local_batch_size * 64 * tp2.grad_accum == 2 * tp2.tokens_per_gpu_step

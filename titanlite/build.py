@@ -71,6 +71,13 @@ class RunPlan:
             )
         return cls(cfg, spec, tokenizer, args, dims, global_batch, global_batch // (t.local_batch_size * dims.dp))
 
+    @property
+    def tokens_per_gpu_step(self) -> float:
+        """Tokens of one optimizer step per GPU: the global batch's tokens over the world size. Tokens/s
+        and MFU use it, so tensor-parallel ranks, which share one data-parallel replica's tokens, do not
+        each count them (per-rank counting read tp times too high)."""
+        return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
+
 
 def init_device() -> torch.device:
     """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU."""

@@ -102,8 +102,8 @@ class StepStats:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int
-    """Tokens processed by this rank since the last log."""
+    tokens: float
+    """Tokens per GPU since the last log: the global batch's tokens over the world size."""
     elapsed: float
     data_time: float
 

@@ -218,7 +218,7 @@ class Trainer:
         gc.disable()
         gc.collect(1)
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
-        tokens_per_step = cfg.local_batch_size * cfg.seq_len * self.grad_accum
+        tokens_per_step = self.plan.tokens_per_gpu_step
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
