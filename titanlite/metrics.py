@@ -19,30 +19,35 @@ import torch
 
 logger = logging.getLogger("titanlite")
 
-# Dense bf16 peak TFLOP/s per GPU name fragment.
+# Dense bf16 peak TFLOP/s (no sparsity) per GPU name fragment, most specific first: the first fragment
+# found in the device name wins, so "GB200" must precede "B200" and the H100 variants the plain "H100"
+# (SXM). Vendor data sheets.
 GPU_PEAK_TFLOPS = {
+    "GB200": 2500.0,
+    "B200": 2250.0,
     "H200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
     "H100": 989.0,
     "H800": 989.0,
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.0,
     "A10G": 125.0,
-    "B200": 2250.0,
-    "GB200": 2500.0,
-    "MI300X": 1307.0,
     "MI325X": 1307.0,
+    "MI300X": 1307.0,
 }
 
 
-def peak_tflops(device: torch.device) -> tuple[float, str]:
-    """(peak TFLOP/s, where it comes from)."""
+def peak_tflops(device: torch.device) -> tuple[float | None, str]:
+    """(peak TFLOP/s, where it comes from); None for a GPU the table does not know (MFU is then not
+    reported rather than computed against a guessed peak)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_TFLOPS.items():
             if key in name:
                 return value, f"{name} bf16 dense peak"
-        return 312.0, f"unknown GPU {name}: assuming A100 bf16 peak"
+        return None, f"unknown GPU {name}: MFU not reported"
     return _cpu_peak_tflops(), "CPU fp32 matmul peak, measured"
 
 
@@ -112,7 +117,7 @@ class MetricsLogger:
     def __init__(self, cfg, dump_folder: str, device: torch.device, flops_per_token: float, enabled: bool):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
-        self.peak, self.peak_source = peak_tflops(device) if enabled else (1.0, "")
+        self.peak, self.peak_source = peak_tflops(device) if enabled else (None, "")
         self.writer = None
         self.jsonl = None
         color = not cfg.disable_color_printing
@@ -132,7 +137,8 @@ class MetricsLogger:
             return
         os.makedirs(dump_folder, exist_ok=True)
         self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
-        logger.info(f"MFU peak: {self.peak:.2f} TFLOP/s ({self.peak_source}); memory: {self.memory.kind}")
+        peak = f"{self.peak:.2f} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
+        logger.info(f"MFU peak: {peak}; memory: {self.memory.kind}")
         if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -162,7 +168,7 @@ class MetricsLogger:
             lr=s.lr,
             tps=tps,
             tflops=tflops,
-            mfu=100.0 * tflops / self.peak,
+            mfu=100.0 * tflops / self.peak if self.peak else None,
             mem_peak_gib=mem,
             data_time_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
@@ -178,7 +184,8 @@ class MetricsLogger:
             f"{c['red']}step: {s.step:5d}  {c['green']}loss: {s.loss:8.4f}  "
             f"{c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
             f"{c['cyan']}lr: {s.lr:.3e}  {c['blue']}memory: {mem:5.2f}GiB  "
-            f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  mfu: {record['mfu']:.2f}%  "
+            f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  "
+            f"mfu: {'n/a' if record['mfu'] is None else format(record['mfu'], '.2f') + '%'}  "
             f"data: {record['data_time_pct']:.1f}%{c['reset']}"
         )
         self.jsonl.write(json.dumps(record) + "\n")
@@ -195,7 +202,8 @@ class MetricsLogger:
                 ("time/data_pct", "data_time_pct"),
                 ("time/step_s", "step_time_s"),
             ):
-                self.writer.add_scalar(tag, record[key], s.step)
+                if record[key] is not None:
+                    self.writer.add_scalar(tag, record[key], s.step)
             self.writer.flush()
         return record
 
