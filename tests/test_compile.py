@@ -226,3 +226,22 @@ def test_compiled_parity_2_ranks(tmp_path):
 @pytest.mark.slow
 def test_compiled_parity_dp_x_tp(tmp_path):
     _parity(CASES_4, 4, tmp_path)
+
+
+def test_auto_bucketing_estimates_analytically_on_every_device(fake_world, monkeypatch):
+    """Without a CPU cost model (the CUDA path) torch's scheduler still gets analytical estimates: its
+    default benchmarks nodes on the GPU and syncs the results over the world for every graph."""
+    import torch._inductor.fx_passes.overlap_scheduling as scheduling
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    options = inductor_config.aten_distributed_optimizations
+    monkeypatch.setattr(
+        scheduling,
+        "schedule_overlap_bucketing_from_inductor_configs",
+        lambda gm: seen.append((options.compute_estimator, options.collective_estimator)),
+    )
+    BucketingPass("auto", True, (BLOCK_PLAN,), block_scope=True, cost=None, insert_overlap_deps=False)(
+        _traced(fake_world).graph
+    )
+    assert seen == [("analytical", "analytical")]

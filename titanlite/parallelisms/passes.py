@@ -295,11 +295,16 @@ class BucketingPass(CustomGraphPass):
         patch: dict[str, Any] = {
             "aten_distributed_optimizations.collective_bucketing": True,
             "aten_distributed_optimizations.insert_overlap_deps": self.insert_overlap_deps,
+            # Analytical estimates on every device. torch 2.13's default benchmarks each compute node on
+            # the GPU and, because benchmarks differ by rank, all-gathers the estimates over the world
+            # (`all_gather_object`) for every compiled graph, FX-cache hits included. Analytical
+            # estimates are the same on every rank from the shapes alone, so no sync is needed.
+            "aten_distributed_optimizations.compute_estimator": "analytical",
+            "aten_distributed_optimizations.collective_estimator": "analytical",
         }
         if self.cost is not None:
             patch.update(
                 {
-                    "aten_distributed_optimizations.compute_estimator": "analytical",
                     "aten_distributed_optimizations.custom_runtime_estimation": self.cost.collective_ms,
                     "aten_distributed_optimizations.pre_bucketing_fsdp_collectives_bucket_cap_mb": cap,
                 }
