@@ -1,5 +1,6 @@
 # Sourced by run_train.sh and run_tests.sh: find or build a Python environment with titanlite's
-# dependencies and export PYTHON. An active environment that already has them is used as is; otherwise
+# dependencies and export PYTHON. On a cluster run it once on a login node (`bash scripts/env.sh`): inside
+# a SLURM job it refuses to set up, since every node would install into the shared checkout at once. An active environment that already has them is used as is; otherwise
 # a project-local .venv is created. Machines without an NVIDIA GPU get torch's CPU wheel, never the
 # multi-GB CUDA build.
 TITANLITE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,7 +20,16 @@ else
   PYTHON="$VENV/bin/python"
   STAMP="$VENV/.titanlite-deps"
   WANT=$(cat "$TITANLITE_ROOT/pyproject.toml" | cksum)
-  if [ ! -x "$PYTHON" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! _have_deps "$PYTHON"; then
+  _venv_ready() { [ -x "$PYTHON" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && _have_deps "$PYTHON"; }
+  if ! _venv_ready && [ -n "${SLURM_JOB_ID:-}" ]; then
+    # Every node of a job would create and pip-install the same folder on the shared filesystem at once.
+    echo "titanlite: error: $VENV is not set up; run 'bash scripts/env.sh' once on a login node, then submit the job" >&2
+    exit 2
+  fi
+  # One installer at a time (two launches on one machine); the second finds the environment ready.
+  exec 9>"$TITANLITE_ROOT/.venv.lock"
+  command -v flock >/dev/null && flock 9
+  if ! _venv_ready; then
     echo "titanlite: setting up $VENV (one time)" >&2
     SYS_PY=$(command -v python3 || command -v python)
     [ -x "$PYTHON" ] || "$SYS_PY" -m venv "$VENV"
@@ -37,6 +47,10 @@ else
     "${PIP[@]}" -e "$TITANLITE_ROOT[dev]"
     echo "$WANT" > "$STAMP"
   fi
+  exec 9>&-
 fi
 export PYTHON
 export PYTHONPATH="$TITANLITE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  echo "titanlite: environment ready: $PYTHON"
+fi
