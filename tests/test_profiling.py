@@ -7,31 +7,9 @@ import json
 import pytest
 import torch
 
-from harness import train
+from harness import SMALL, train
 from titanlite.config import Profiling
 from titanlite.profiling import Profiler
-
-
-@pytest.mark.slow
-def test_a_two_step_cpu_run_writes_a_trace_that_parses(tmp_path):
-    train(
-        tmp_path,
-        1,
-        "--training.steps",
-        "2",
-        "--training.local_batch_size",
-        "2",
-        "--training.seq_len",
-        "64",
-        "--no-metrics.enable_tensorboard",
-        "--profiling.enable_profiling",
-        "--profiling.profile_freq",
-        "2",
-    ).ok()
-    assert [p.name for p in (tmp_path / "profile_traces").iterdir()] == ["iteration_2"]
-    trace = json.loads((tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json").read_text())
-    names = {e.get("name", "") for e in trace["traceEvents"]}
-    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
 
 
 def _run(tmp_path, freq: int, start: int, steps: int, **flags) -> list[str]:
@@ -54,11 +32,50 @@ def test_schedule_records_global_multiples_of_the_frequency_after_resume(tmp_pat
     ]
 
 
-def test_cpu_memory_record_is_the_profiler_memory_timeline(tmp_path):
+def test_cpu_memory_record_is_the_allocated_bytes_of_the_step(tmp_path):
     written = _run(tmp_path, freq=2, start=0, steps=2, enable_memory_snapshot=True)
     assert written == ["memory_snapshot/iteration_2/rank3_memory_timeline.json"]
-    times, sizes = json.loads((tmp_path / written[0]).read_text())
-    assert len(times) == len(sizes) > 0
+    timeline = json.loads((tmp_path / written[0]).read_text())
+    assert (timeline["step"], timeline["rank"], timeline["device"]) == (2, 3, "cpu")
+    times, sizes = timeline["times_us"], timeline["allocated_bytes"]
+    assert len(times) == len(sizes) > 0 and times == sorted(times)
+    assert timeline["peak_bytes"] == max(sizes) >= 4 * 8 * 4  # at least the forward's [4, 8] fp32 output
+    assert timeline["top_allocating_ops"][0][1] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_write_traces_and_cpu_memory_timelines_and_train_on(tmp_path):
+    """Chrome traces that parse, one per rank and recorded step. torch's own CPU memory timeline fails on
+    a multi-rank step's collectives and the profiler's exit then segfaults; two ranks profiled every 2
+    steps must train to the end and write one memory timeline per rank and recorded step."""
+    run = train(
+        tmp_path,
+        2,
+        *SMALL,
+        "--training.steps",
+        "4",
+        "--training.local_batch_size",
+        "2",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.enable_memory_snapshot",
+        launcher="run_train",
+    ).ok()
+    assert "memory snapshot is CUDA-only" in run.log and "not written" not in run.log
+    assert [r["step"] for r in run.metrics] == [1, 2, 3, 4]
+    for step in (2, 4):
+        for rank in (0, 1):
+            folder = f"iteration_{step}"
+            timeline = json.loads(
+                (tmp_path / "memory_snapshot" / folder / f"rank{rank}_memory_timeline.json").read_text()
+            )
+            assert timeline["peak_bytes"] > 0
+            assert (tmp_path / "profile_traces" / folder / f"rank{rank}_trace.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "profile_traces").iterdir()) == ["iteration_2", "iteration_4"]
+    trace = json.loads((tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
 
 
 def test_disabled_profiling_records_nothing(tmp_path):

@@ -237,6 +237,9 @@ class Profiling:
     save_traces_folder: str = "profile_traces"
     profile_freq: int = field(default=10, metadata=POSITIVE)
     enable_memory_snapshot: bool = False
+    """CUDA only: the allocator's history at each profiled step (and on OOM), for pytorch.org/memory_viz.
+    On CPU, where there is none, each profiled step writes its allocated bytes over time instead
+    (`rank<r>_memory_timeline.json`, see titanlite/profiling.py)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
 
 

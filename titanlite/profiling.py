@@ -15,17 +15,22 @@ end of training is dropped.
 - CUDA: the caching allocator's history (`torch.cuda.memory._record_memory_history`), dumped as
   `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle` at the
   same steps and, on an out-of-memory error, into `.../oom/`. View at https://pytorch.org/memory_viz.
-- CPU has no allocator history. The equivalent is the profiler's memory timeline: the recorded steps
-  are profiled with `profile_memory=True` (plus shapes and stacks, which the timeline needs) and
-  `export_memory_timeline` writes `rank<r>_memory_timeline.json` next to the snapshots: [timestamps,
-  bytes per category (parameter, optimizer state, input, temporary, activation, gradient, ...)].
+- CPU has no allocator history, so the snapshot is CUDA-only. torch's CPU substitute,
+  `export_memory_timeline`, is not used: in torch 2.13 its data-flow analysis fails on the in-place
+  collectives of a multi-rank step (`AssertionError: version mismatch`), and stopping the profiler after
+  that error crashes the process (SIGSEGV). Instead the recorded steps are profiled with
+  `profile_memory=True` and each writes `rank<r>_memory_timeline.json` next to where the snapshots
+  would go: the CPU bytes allocated (net) since the step began, at each operator's start
+  (`times_us`, `allocated_bytes`), the peak, and the operators that allocated most.
+
+A profile that cannot be written is a warning, never the end of the run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import warnings
 from types import TracebackType
 
 import torch
@@ -35,6 +40,7 @@ from titanlite.config import Profiling
 
 logger = logging.getLogger("titanlite")
 MAX_MEMORY_EVENTS = 100_000
+TOP_OPS = 10
 
 
 class Profiler:
@@ -46,6 +52,11 @@ class Profiler:
         self.memory_dir = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
         self.cuda_history = cfg.enable_memory_snapshot and device.type == "cuda"
         self.cpu_timeline = cfg.enable_memory_snapshot and device.type != "cuda"
+        if self.cpu_timeline and rank == 0:
+            logger.info(
+                "profiling: the memory snapshot is CUDA-only; on CPU each recorded step writes "
+                "rank<r>_memory_timeline.json (allocated bytes over the step) instead"
+            )
         self._prof: profile | None = None
         self._steps = 0
         self._closing = False
@@ -66,8 +77,6 @@ class Profiler:
                 schedule=self._action,
                 on_trace_ready=self._on_trace_ready,
                 profile_memory=self.cpu_timeline,
-                record_shapes=self.cpu_timeline,
-                with_stack=self.cpu_timeline,
             )
             self._prof.__enter__()
         if self.cuda_history:
@@ -105,15 +114,47 @@ class Profiler:
         if self._closing or step % self.cfg.profile_freq:
             return  # the profiler flushes an unfinished cycle on exit: not a whole step
         folder = f"iteration_{step}"
-        if self.cfg.enable_profiling:
-            prof.export_chrome_trace(self._path(self.trace_dir, folder, "trace.json"))
-        if self.cpu_timeline:
-            with warnings.catch_warnings():  # deprecated in favour of the CUDA-only history: no CPU successor
-                warnings.simplefilter("ignore", FutureWarning)
-                prof.export_memory_timeline(self._path(self.memory_dir, folder, "memory_timeline.json"), device="cpu")
+        # An exception escaping this callback leaves torch's profiler half-stopped, and its exit then
+        # crashes the process: a profile that cannot be written is only a warning.
+        try:
+            if self.cfg.enable_profiling:
+                prof.export_chrome_trace(self._path(self.trace_dir, folder, "trace.json"))
+            if self.cpu_timeline:
+                timeline = cpu_memory_timeline(prof)
+                with open(self._path(self.memory_dir, folder, "memory_timeline.json"), "w") as f:
+                    json.dump({"step": step, "rank": self.rank, **timeline}, f)
+        except Exception as e:
+            logger.warning(f"profile of step {step} not written: {type(e).__name__}: {e}")
+            return
         logger.info(
             f"profile of step {step} written to {self.trace_dir if self.cfg.enable_profiling else self.memory_dir}"
         )
 
     def _dump_cuda_snapshot(self, folder: str) -> None:
         torch.cuda.memory._dump_snapshot(self._path(self.memory_dir, folder, "memory_snapshot.pickle"))
+
+
+def cpu_memory_timeline(prof: profile) -> dict:
+    """CPU allocations of a recorded step from the profiler's memory records (`profile_memory=True`).
+
+    Each operator's own allocations minus frees (`self_cpu_memory_usage`) are counted at its start, and
+    records outside any operator as they happen; the running sum is the net allocated bytes since the
+    step began. Built from the events alone, so collectives and in-place ops cannot upset it.
+    """
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    times, allocated, total = [], [], 0
+    for t, delta in changes:
+        total += delta
+        times.append(round(t, 3))
+        allocated.append(total)
+    by_op = sorted(
+        ((e.key, e.self_cpu_memory_usage) for e in prof.key_averages() if e.self_cpu_memory_usage > 0),
+        key=lambda kv: -kv[1],
+    )
+    return {
+        "device": "cpu",
+        "times_us": times,
+        "allocated_bytes": allocated,
+        "peak_bytes": max(allocated, default=0),
+        "top_allocating_ops": [[name, size] for name, size in by_op[:TOP_OPS]],
+    }
