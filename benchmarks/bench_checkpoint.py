@@ -3,9 +3,11 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_checkpoint.py \
         [--steps-before 5] [--steps-after 6] [--out DIR]
 
-For each model (the debug flavor, and a 1024-dim x 8-layer Llama) and each save mode, a SimpleFSDP model
-trains on fixed random tokens; `CheckpointManager.save` runs after every step as in the Trainer and saves
-once (the step after `--steps-before`). Reported per row (rank 0, a markdown table):
+For each model (the debug flavor, and a 1024-dim x 8-layer Llama) and each save mode, the trainer itself
+(`Trainer(cfg, plan)`: `titanlite.build` with that model, SimpleFSDP) trains on fixed random tokens with
+the shipped `Trainer.train_step`; its `CheckpointManager.save` runs after every step as in the training
+loop and saves once (the step after `--steps-before`). Without torchrun it is a world of one.
+Reported per row (rank 0, a markdown table):
 
 - blocking call: time spent inside the `save()` call that saves (sync: the whole save; async: collecting
   the state dict, per-rank files and staging a CPU copy);
@@ -21,18 +23,16 @@ once (the step after `--steps-before`). Reported per row (rank 0, a markdown tab
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from titanlite.build import RunPlan
+from titanlite.build import RunPlan, init_device, init_distributed, world_from_env
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs, llama3_configs
 from titanlite.train import Trainer
@@ -83,6 +83,7 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     start = time.perf_counter()
     get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     gsd = time.perf_counter() - start
+    trainer.close()  # the process group is main's and stays open
     folder = Path(cfg.job.dump_folder) / "checkpoint" / f"step-{save_step}"
     return {
         "model": name,
@@ -103,13 +104,11 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--models", default=",".join(MODELS))
     opts = parser.parse_args()
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    rank, world = world_from_env()
+    device = init_device()  # the trainer's device and process group (one rank too), shared by the rows
+    group_cfg = JobConfig()
+    group_cfg.comm.init_timeout_seconds = 600
+    init_distributed(group_cfg, device)
     modes = ["disabled", "async"] + (["async_with_pinned_mem"] if device.type == "cuda" else [])
     with tempfile.TemporaryDirectory(dir=opts.out or None) as tmp:
         out = Path(tmp)
@@ -136,8 +135,7 @@ def main() -> None:
                 f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['size'] / 2**20:.0f} MiB | {r['mode']} | "
                 f"{r['step']:.2f}s | {r['blocking']:.2f}s | {r['slowdown']:.2f}s | {r['gsd']:.2f}s |"
             )
-    if world > 1:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     MALLOC_MMAP_THRESHOLD_=1048576 OMP_NUM_THREADS=1 PYTHONPATH=. \
         python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/bench_compile.py [--steps 6]
 
-Every variant is built as the trainer builds it (compiled variants also compile the loss) and warmed up
+Every variant is the trainer itself (`Trainer(cfg, plan)`: `titanlite.build` with this benchmark's model;
+compiled variants also compile the loss), stepped by the shipped `Trainer.train_step`, and warmed up
 first. Its first step compiles: the compile time shown is that step minus a warm one, from an inductor
 cache that starts empty (variants built later reuse C++ kernels that earlier ones compiled, so theirs is
 a lower bound). Then the variants are timed interleaved, one step each per round, so that load from
@@ -14,7 +15,7 @@ glibc's free memory trimmed first; with MALLOC_MMAP_THRESHOLD_ large tensors are
 when freed), on CUDA the allocator's peak. All variants live in one process, hence growth, not the
 absolute peak. Collectives per step are counted by the profiler (`c10d::*` events: every all-gather,
 reduce-scatter and all-reduce that reaches the process group, eager or compiled; the all-reduces are the
-gradient-norm clipping's). Rank 0 prints a markdown table.
+gradient-norm clipping's and the trainer's agreement on a finite step). Rank 0 prints a markdown table.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from titanlite.build import RunPlan
+from titanlite.build import RunPlan, init_device, init_distributed
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs
 from titanlite.train import Trainer
@@ -153,11 +154,11 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the names")
     args = parser.parse_args()
 
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = init_device()  # the trainer's device and process group (`titanlite.build`), shared by the variants
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    group_cfg = JobConfig()
+    group_cfg.comm.init_timeout_seconds = 1800  # all steps run under it: first steps compile for minutes
+    init_distributed(group_cfg, device)
     world, rank = dist.get_world_size(), dist.get_rank()
     cache = tempfile.mkdtemp(prefix="bench_inductor_") if rank == 0 else ""
     box = [cache]
@@ -207,6 +208,8 @@ def main() -> None:
                 f"| {v.name} | {tps:,.0f} | {tps / base_tps:.2f}x | {peak[v.name] / 2**20:.0f} | {mem_ratio:.2f}x "
                 f"| {sum(c.values())} ({c['ag']}/{c['rs']}/{c['ar']}) | {max(v.compile_s, 0.0):.1f} |"
             )
+    for v in variants:
+        v.trainer.close()
     dist.destroy_process_group()
 
 

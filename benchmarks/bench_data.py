@@ -5,7 +5,7 @@ tokenization against raw tiktoken on the same text.
         [--dp 2] [--out outputs/bench/data.json] [--config FILE] [--section.key value ...]
 
 Loader rows: `titanlite.data.loader.build_dataloader` for dp rank 0 of `--dp` ranks (the corpus and
-tokenizer of the config), iterated for `--batches` batches after 5 warm-up batches, with 0 and 2
+tokenizer of the config), iterated for `--batches` batches after 5 warm-up batches, with 0 and 1
 workers: documents streamed per virtual shard, tokenized, packed into seq_len + 1 windows and batched.
 The trainer consumes local_batch x seq_len tokens per dp rank per step: its rate per dp rank is the
 suite's global tokens/s over the variant's dp degree (`--suite`, fastest variant), or `--trainer-tps`

@@ -11,9 +11,10 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     replicate (SimpleFSDP's DDP mode), and tp=2 (the dp x tp variant at 2 ranks: dp is 1).
 
 Every variant processes the same global batch (local batch x 2 tokens per step; the tp variant's
-single dp rank takes all of it). After `--warmup` steps per variant (compilation happens there), the
-variants run `--steps` steps each in `--rounds` interleaved rounds, so drift in machine load hits all of
-them alike; tokens/s is the global batch over the median step time.
+single dp rank takes all of it in the trainer's microbatches: two local batches, accumulated). After
+`--warmup` steps per variant (compilation happens there), the variants run `--steps` steps each in
+`--rounds` interleaved rounds, so drift in machine load hits all of them alike; tokens/s is the global
+batch over the median step time.
 
 Peak memory is the variant's model state (parameters, gradients and optimizer state, from the local
 tensors) plus the highest step-time growth over the memory in use before its steps: on CUDA
@@ -23,10 +24,12 @@ unseen). All variants live in one process, hence the growth rather than the abso
 
 Collectives per step are counted in one extra profiled step per variant, from the process-group ops the
 profiler records (`c10d::*`: every all-gather, reduce-scatter and all-reduce that reaches the backend,
-eager or compiled, FSDP2 included), on rank 0. MFU uses `ModelArgs.flops_per_token` against
+eager or compiled, FSDP2 included; the all-reduces include the gradient norm's and the trainer's
+agreement on a finite step), on rank 0. MFU uses `ModelArgs.flops_per_token` against
 `titanlite.metrics.peak_tflops` (GPU table, or a measured CPU matmul peak).
 
-Rank 0 prints a markdown table and writes the JSON. A variant that cannot be built or run here (e.g.
+Rank 0 prints a markdown table and writes the JSON; the trainers' dump folder (compile reports, their
+lock) is `suite_runs/` next to it. A variant that cannot be built or run here (e.g.
 bucketing before the compile passes exist) is reported as failed with its one-line reason.
 """
 
@@ -42,7 +45,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.memory_plan import local_tensor  # noqa: E402
 from titanlite.metrics import peak_tflops  # noqa: E402
@@ -100,15 +103,17 @@ class Result:
 class Variant:
     """One run, built by the trainer itself, with its fixed batch."""
 
-    def __init__(self, cfg, world: int, device: torch.device, global_batch: int):
+    def __init__(self, cfg, device: torch.device):
         self.trainer = Trainer(cfg)
         plan = self.trainer.plan
         self.model, self.optimizer = self.trainer.model, self.trainer.optimizer
-        local = global_batch // plan.dims.dp
         dp_rank = plan.dims.dp_rank_of(dist.get_rank())
         g = torch.Generator().manual_seed(1000 + dp_rank)
-        tokens = torch.randint(0, plan.model_args.vocab_size, (local, cfg.training.seq_len + 1), generator=g)
-        self.batches = [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
+        shape = (plan.global_batch // plan.dims.dp, cfg.training.seq_len + 1)
+        tokens = torch.randint(0, plan.model_args.vocab_size, shape, generator=g).to(device)
+        # The rank's share of the global batch in the trainer's microbatches (local batch x grad_accum).
+        self.batches = [(m[:, :-1], m[:, 1:]) for m in tokens.split(cfg.training.local_batch_size)]
+        assert len(self.batches) == plan.grad_accum
         self.flops_per_token = plan.model_args.flops_per_token(cfg.training.seq_len)
 
     def step(self) -> None:
@@ -174,15 +179,20 @@ def bucketing_available() -> bool:
 
 
 def worker(args: argparse.Namespace, overrides: list[str]) -> None:
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    # Collectives keep the start-up timeout (10 min here: compiling a variant can take minutes) because the
+    # variants are stepped without `Trainer.train`, which is what shortens it after step 1.
+    # The trainers write (compile reports, metrics file) and hold the dump folder's lock: a folder of the
+    # benchmark's own, not the config's, so a training run of that config can go on meanwhile.
+    dump = str(Path(args.out).parent / "suite_runs")
+    base = ["--config", args.config, "--job.dump_folder", dump, "--no-metrics.enable_tensorboard"]
+    base += ["--comm.init_timeout_seconds", "600", *overrides]
+    base_cfg = load_config(base)
+    device = init_device()  # the trainer's device and process group (`titanlite.build`), shared by the variants
+    init_distributed(base_cfg, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     # Several models in one process: each block of each compiled variant is its own Dynamo cache entry.
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
-    base = ["--config", args.config, "--no-metrics.enable_tensorboard", *overrides]
-    global_batch = load_config(base).training.local_batch_size * world
+    global_batch = base_cfg.training.local_batch_size * world
     results: dict[str, Result] = {}
     variants: dict[str, Variant] = {}
     for name, extra in VARIANTS.items():
@@ -194,7 +204,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
             continue
         try:
             cfg = load_config([*base, *extra, "--training.global_batch_size", str(global_batch)])
-            variant = Variant(cfg, world, device, global_batch)
+            variant = Variant(cfg, device)
             for _ in range(args.warmup):
                 variant.step()
             result.collectives = count_collectives(variant)
@@ -233,6 +243,8 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
         Path(args.out).write_text(json.dumps(record, indent=2))
         print(format_table(rows, world, device, peak_source, args), flush=True)
         print(f"\nJSON: {args.out}", flush=True)
+    for variant in variants.values():
+        variant.trainer.close()
     dist.destroy_process_group()
 
 

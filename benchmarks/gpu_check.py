@@ -51,7 +51,9 @@ def run(argv: list[str]) -> dict:
     if not torch.cuda.is_available():
         overrides = CPU_FALLBACK + overrides
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
-    cfg = load_config(["--config", args.config, *overrides, "--training.steps", str(args.warmup + args.steps)])
+    # No TensorBoard run folder: the steps are timed here, not logged (`--metrics.enable_tensorboard` brings it back).
+    overrides = ["--no-metrics.enable_tensorboard", *overrides, "--training.steps", str(args.warmup + args.steps)]
+    cfg = load_config(["--config", args.config, *overrides])
     trainer = Trainer(cfg)
     plan, device, t = trainer.plan, trainer.device, cfg.training
     g = torch.Generator().manual_seed(t.seed)
