@@ -8,6 +8,7 @@ import random
 import sys
 import types
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -337,3 +338,120 @@ def test_bundled_corpus_is_the_default():
     assert TOK.decode(first).startswith('<|begin_of_text|>The "assert" statement')
     lengths = Counter(len(windows(next(it))[0]) for _ in range(5))
     assert lengths == Counter({65: 5})
+
+
+def _zst(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
+@pytest.mark.parametrize(
+    "name,encode",
+    [
+        ("c4-train.00000-of-01024.json", lambda b: b),  # JSON lines under .json, as C4 ships
+        ("d.json.gz", gzip.compress),
+        ("D.JSONL.GZ", gzip.compress),
+        ("d.jsonl.zst", _zst),
+        ("D.Json.Zst", _zst),
+    ],
+)
+def test_json_lines_in_every_suffix_and_compression(tmp_path, docs, name, encode):
+    pytest.importorskip("zstandard")
+    plain = write_jsonl(tmp_path / "plain.jsonl", docs)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / name).write_bytes(encode(plain.read_bytes()))
+    # Three epochs of shard 0 on rank 0 of 2: compressed files are reopened on every pass.
+    assert take(iter(loader(tmp_path / "in", dp=2, gbs=2, shards=2)), 60) == take(
+        iter(loader(plain, dp=2, gbs=2, shards=2)), 60
+    )
+
+
+def test_text_in_every_compression_and_case(tmp_path, docs):
+    pytest.importorskip("zstandard")
+    plain = write_txt(tmp_path / "plain.txt", docs)
+    for name, encode in [("a.TXT", bytes), ("b.txt.gz", gzip.compress), ("c.Txt.Zst", _zst)]:
+        (tmp_path / name.split(".")[0]).mkdir()
+        (tmp_path / name.split(".")[0] / name).write_bytes(encode(plain.read_bytes()))
+        assert take(iter(loader(tmp_path / name.split(".")[0])), 12) == take(iter(loader(plain)), 12), name
+
+
+def test_compressed_files_are_streamed_not_read_whole(tmp_path):
+    """16 MB of text in a .txt.gz: indexing and reading it never hold more than a few documents."""
+    import tracemalloc
+
+    paragraph = ("streamed line of text " * 40 + "\n") * 4 + "\n"  # ~3.5 KB
+    path = tmp_path / "big.txt.gz"
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        for i in range(4800):
+            f.write(f"doc {i} " + paragraph)
+    tracemalloc.start()
+    try:
+        source = open_source(str(path), "text")
+        texts = list(islice(source.shard_documents(3, 4, 1000), 50))  # far into the file
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert source.num_documents == 4800 and texts[0].startswith("doc 4003 ")
+    assert peak < 2 << 20, f"{peak:,} bytes traced for a {path.stat().st_size:,}-byte file of 16 MB of text"
+
+
+def test_zst_without_zstandard_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "d.jsonl.zst").write_bytes(b"not read")
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(DataError, match=r"\.zst files need.*titanlite\[data\]"):
+        loader(tmp_path)
+
+
+def test_unsupported_files_are_one_warning_per_type_with_counts(tmp_path, docs, caplog):
+    write_jsonl(tmp_path / "data.jsonl", docs)
+    for name in ("a.csv", "b.csv", "sub/c.CSV", "README.md", "LICENSE"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("not data\n")
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert open_source(str(tmp_path), "text").num_documents == len(docs)
+    skipped = sorted(r.getMessage().split(" in ")[0] for r in caplog.records)
+    assert skipped == ["data: skipped 1 (no suffix) file", "data: skipped 1 .md file", "data: skipped 3 .csv files"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        open_source("", "text")  # the bundled corpus: its README is expected
+    assert not caplog.records
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfFirst paragraph.\n\nSecond one.\n")
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first record"}\n{"text": "second"}\n')
+    source = open_source(str(tmp_path), "text")
+    assert [source.document(d) for d in range(source.num_documents)] == [
+        "first record",
+        "second",
+        "First paragraph.",
+        "Second one.",
+    ]
+
+
+def test_each_new_epoch_is_logged_once_with_its_step(tmp_path, docs, caplog):
+    """One shard, 4 samples a step: epoch e begins in the sample that needs token (e - 1) x T."""
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    tokens = sum(len(TOK.encode(d, bos=True, eos=True)) for d in docs)
+    expected = [f"data: epoch {e} begins at step {(e - 1) * tokens // (SEQ + 1) // 4 + 1}" for e in (2, 3)]
+    steps = (2 * tokens // (SEQ + 1)) // 4 + 2
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        take(iter(loader(data, gbs=4, lbs=4, shards=1)), steps)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: epoch")] == expected
+    # Resumed a step before epoch 2: the step count is in the state.
+    first = loader(data, gbs=4, lbs=4, shards=1)
+    take(iter(first), int(expected[0].split()[-1]) - 1)
+    state = first.state_dict()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        resumed = loader(data, gbs=4, lbs=4, shards=1)
+        resumed.load_state_dict(state)
+        take(iter(resumed), 1)
+        old = loader(data, gbs=4, lbs=4, shards=1)  # a state saved before steps were counted
+        old.load_state_dict({k: v for k, v in state.items() if k != "step"})
+        take(iter(old), 1)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: epoch")] == [
+        expected[0],
+        f"data: epoch 2 begins after {len(docs)} documents of virtual shard 0",
+    ]

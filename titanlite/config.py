@@ -130,7 +130,8 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset_path: str = ""
-    """A file, directory or glob of .txt/.jsonl/.parquet, or `hf://name[:config][@split]`; empty = bundled corpus."""
+    """A file, directory or glob of .txt/.jsonl/.json (JSON lines)/.parquet, .gz or .zst compressed too (see
+    titanlite/data/sources.py), or `hf://name[:config][@split]`; empty = bundled corpus."""
     dataset_text_field: str = "text"
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
     """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""

@@ -17,10 +17,16 @@ position (`ShardCursor`) is all the state needed to continue it on any rank.
 With dataloader workers, whole microbatches go round-robin to workers (that is how the DataLoader
 schedules them), so each worker owns the shards of the microbatches it serves and produces exactly
 the samples the single-process stream would put there.
+
+Epochs. Shards start over independently (their token counts differ); the first time one of a
+process's shards starts a new pass, it logs `data: epoch E begins at step N` (the optimizer step the
+sample belongs to; the state counts completed steps). With workers only worker 0 logs, so the line
+comes once per rank and epoch, from worker 0's shards.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -30,6 +36,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from titanlite.data.sources import DocumentSource
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
+
+logger = logging.getLogger("titanlite")
 
 STATE_VERSION = 1
 
@@ -142,6 +150,7 @@ class ShardStream:
         self.cursor = cursor
         self._docs: Iterator[str] | None = None  # this pass's documents, positioned after `_tokens`' one
         self._tokens: list[int] | None = None
+        self.pass_documents = 0  # documents of the last finished pass (known once one has finished)
 
     def _current(self) -> list[int]:
         if self._tokens is None:
@@ -155,6 +164,7 @@ class ShardStream:
                         f"{self.source.name}: virtual shard {self.shard} has no documents; the data has fewer "
                         f"documents than the {self.num_shards} virtual shards (set training.dataset_virtual_shards)"
                     )
+                self.pass_documents = c.doc
                 c.epoch, c.doc, c.offset = c.epoch + 1, 0, 0
                 self._docs = None
                 return self._current()
@@ -184,7 +194,8 @@ class PackedShards(IterableDataset):
     """Endless (inputs, labels) samples of one data-parallel rank, with a portable state.
 
     `state_dict()` = {"version", "V", "dp_rank", "dp_degree", "global_batch_size", "local_batch_size",
-    "round_pos": samples already produced in the current step, "shards": {str(v): ShardCursor fields}}.
+    "round_pos": samples already produced in the current step, "step": completed steps (None if a state
+    saved without it was loaded), "shards": {str(v): ShardCursor fields}}.
     `load_state_dict` takes the shards this rank owns from a state that may hold more (all ranks'
     merged), so the dp degree can change between runs at a step boundary.
     """
@@ -198,7 +209,10 @@ class PackedShards(IterableDataset):
         self.layout = layout
         self._round = layout.rank_shards  # the shards this process reads, in step order
         self._round_pos = 0  # samples produced in the current round (a worker's round: its share of a step)
+        self._step: int | None = 0  # completed rounds, i.e. optimizer steps; None = unknown
+        self._log_epochs = True
         self._streams = {v: self._stream(v, ShardCursor()) for v in self._round}
+        self._epoch = 0  # the newest epoch any of this process's shards is in
 
     def _stream(self, shard: int, cursor: ShardCursor) -> ShardStream:
         return ShardStream(shard, self.source, self.tokenizer, self.layout.num_shards, cursor)
@@ -207,15 +221,32 @@ class PackedShards(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self._round, self._round_pos = self.layout.worker_round(worker, num_workers, self._round_pos)
+        self._log_epochs = worker == 0
         return self._samples()
 
     def _samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         k, window = self.layout.samples_per_shard, self.seq_len + 1
         while True:
-            tokens = self._streams[self._round[self._round_pos // k]].take(window)
+            shard = self._round[self._round_pos // k]
+            tokens = self._streams[shard].take(window)
+            if self._streams[shard].cursor.epoch > self._epoch:
+                self._new_epoch(shard)
             self._round_pos = (self._round_pos + 1) % (len(self._round) * k)  # state first: it is read after yield
+            if self._round_pos == 0 and self._step is not None:
+                self._step += 1
             sample = torch.tensor(tokens, dtype=torch.long)
             yield sample[:-1], sample[1:]
+
+    def _new_epoch(self, shard: int) -> None:
+        stream = self._streams[shard]
+        self._epoch = stream.cursor.epoch
+        if not self._log_epochs:
+            return
+        if self._step is not None:
+            when = f"at step {self._step + 1}"
+        else:  # resumed from a state that did not count steps
+            when = f"after {stream.pass_documents:,} documents of virtual shard {shard}"
+        logger.info(f"data: epoch {self._epoch + 1} begins {when}")
 
     def state_dict(self) -> dict:
         layout = self.layout
@@ -227,6 +258,7 @@ class PackedShards(IterableDataset):
             "global_batch_size": layout.global_batch_size,
             "local_batch_size": layout.local_batch_size,
             "round_pos": self._round_pos,
+            "step": self._step,
             "shards": {str(v): asdict(self._streams[v].cursor) for v in self._round},
         }
 
@@ -249,4 +281,6 @@ class PackedShards(IterableDataset):
             raise CheckpointError(f"data loader state lacks virtual shards {missing} of dp rank {layout.dp_rank}")
         self._round = layout.rank_shards
         self._round_pos = state["round_pos"]
+        self._step = state.get("step")
         self._streams = {v: self._stream(v, ShardCursor(**state["shards"][str(v)])) for v in self._round}
+        self._epoch = max(stream.cursor.epoch for stream in self._streams.values())

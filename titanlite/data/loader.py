@@ -10,6 +10,7 @@ wrapper, which is specific to one worker count):
     {"version": 1, "V": virtual shards, "dp_rank": r, "dp_degree": n,
      "global_batch_size": ..., "local_batch_size": ...,
      "round_pos": samples this rank already produced in the current optimizer step,
+     "step": optimizer steps completed (None when resumed from a state saved without it),
      "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token}}}
 
 Only plain ints and strings: it can be pickled or JSON-encoded. Loading it into a loader with the
@@ -63,8 +64,10 @@ class TokenLoader(StatefulDataLoader):
             state["shards"].update(worker["dataset_state"]["shards"])
         layout = self.dataset.layout
         yielded = snapshot["_snapshot_step"] + native["_steps_since_snapshot"]
-        step_batch = (state["round_pos"] // layout.local_batch_size + yielded) % layout.microbatches
-        state["round_pos"] = step_batch * layout.local_batch_size
+        batches = state["round_pos"] // layout.local_batch_size + yielded  # since the start of the step
+        if state["step"] is not None:
+            state["step"] += batches // layout.microbatches
+        state["round_pos"] = batches % layout.microbatches * layout.local_batch_size
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -5,17 +5,24 @@ always lands in the same virtual shard (`d % V`, see `dataset.py`) whatever the 
 layout. It serves one shard's documents (`shard`, `shard + V`, ...) from a given ordinal, which is
 all a shard stream needs to start, resume or begin a new epoch.
 
-Local data (`LocalSource`): files sorted by path, documents in file order.
+Local data (`LocalSource`): files sorted by path, documents in file order. Suffixes, in any case:
 
-- `.txt` (and `.txt.gz`): documents are separated by one or more blank lines.
-- `.jsonl` (and `.jsonl.gz`): one JSON object per line, the text in `text_field`.
+- `.txt`: documents are separated by one or more blank lines.
+- `.jsonl` and `.json` (JSON lines, as C4 ships it): one JSON object per line, the text in `text_field`.
+- either, compressed: `.gz` (gzip), `.zst` (Zstandard; needs the `zstandard` package, the `data` extra).
 - `.parquet` (needs pyarrow): column `text_field`.
+
+Other files in a directory or glob are skipped with one warning per suffix (and its file count); a
+UTF-8 byte-order mark at the start of a file is not part of its text.
 
 All files are scanned once, at start-up, into an index of document byte offsets (row numbers for
 parquet): that validates the data up front (bad records are skipped with one counted warning per
 file, never a crash), gives the document count, and lets a shard seek straight to its documents
 at any epoch or resume point instead of re-reading everything before them. Only the shard streams
-tokenize, and only their own documents.
+tokenize, and only their own documents. Files are read as streams, never whole: plain files are
+memory-mapped; compressed ones are decompressed line by line to index them, and each shard stream
+decompresses forward through them to its own documents (their offsets only grow within a pass), so
+memory stays flat whatever the file size, at the cost of one decompression per owned shard and pass.
 
 Hugging Face (`HFSource`, `hf://name[:config][@split]`): streamed with `datasets` (imported lazily);
 each shard stream iterates the dataset and keeps every V-th usable record. Streams have no index,
@@ -27,31 +34,45 @@ from __future__ import annotations
 import bisect
 import glob
 import gzip
+import io
 import json
 import logging
 import mmap
 import os
-import re
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Literal, Protocol
 
 from titanlite.errors import DataError
 
 logger = logging.getLogger("titanlite")
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus"
-TEXT_SUFFIXES = (".txt", ".txt.gz")
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-PARQUET_SUFFIXES = (".parquet",)
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+Kind = Literal["txt", "jsonl", "parquet"]
+Compression = Literal["", "gz", "zst"]
+FORMATS: dict[str, tuple[Kind, Compression]] = {
+    ".txt": ("txt", ""),
+    ".txt.gz": ("txt", "gz"),
+    ".txt.zst": ("txt", "zst"),
+    ".jsonl": ("jsonl", ""),
+    ".jsonl.gz": ("jsonl", "gz"),
+    ".jsonl.zst": ("jsonl", "zst"),
+    ".json": ("jsonl", ""),
+    ".json.gz": ("jsonl", "gz"),
+    ".json.zst": ("jsonl", "zst"),
+    ".parquet": ("parquet", ""),
+}
+"""Lower-cased suffix -> (what the file holds, its compression)."""
+SUPPORTED_SUFFIXES = tuple(FORMATS)
+_LONGEST_FIRST = sorted(FORMATS, key=len, reverse=True)
 
-_BLANK_LINES = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")  # a document separator in .txt files
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, as some editors start .txt files
 _BINARY_SNIFF = 8192  # like git: a NUL byte in the first 8 KiB means a binary file
-_OPEN_FILES = 8  # LRU of mapped/decompressed files; shard streams advance roughly together
+_OPEN_FILES = 8  # LRU of mapped files; shard streams advance roughly together
+_SKIP_CHUNK = 64 << 10  # decompress-and-discard step of a forward seek
 
 
 class DocumentSource(Protocol):
@@ -86,23 +107,109 @@ def _jsonl_text(line: bytes, field: str) -> tuple[str | None, str]:
     return record_text(record, field)
 
 
-def resolve_files(path: str) -> list[Path]:
-    """The supported files named by a file, a directory (recursive) or a glob, sorted by path."""
-    if os.path.isfile(path):
-        if not path.endswith(SUPPORTED_SUFFIXES):
-            raise DataError(f"dataset_path {path}: unsupported file type (use {', '.join(SUPPORTED_SUFFIXES)})")
-        return [Path(path)]
+def file_format(path: str | Path) -> tuple[Kind, Compression] | None:
+    """(kind, compression) of a file by its suffix, in any case; None for an unsupported file."""
+    name = os.path.basename(path).lower()
+    for suffix in _LONGEST_FIRST:
+        if name.endswith(suffix):
+            return FORMATS[suffix]
+    return None
+
+
+def _walk(path: str) -> tuple[list[Path], Counter[str]]:
+    """(supported files, sorted by path; count of the other files by lower-cased suffix) under `path`."""
     found: set[str] = set()
     for match in [path] if os.path.isdir(path) else glob.glob(path, recursive=True):
         if os.path.isdir(match):
             for dirpath, _, filenames in os.walk(match):
                 found.update(os.path.join(dirpath, name) for name in filenames)
-        else:
+        elif os.path.isfile(match):
             found.add(match)
-    files = sorted(Path(f) for f in found if f.endswith(SUPPORTED_SUFFIXES) and os.path.isfile(f))
+    files = sorted(Path(f) for f in found if file_format(f) is not None)
+    skipped = Counter(Path(f).suffix.lower() or "(no suffix)" for f in found if file_format(f) is None)
+    return files, skipped
+
+
+def resolve_files(path: str) -> list[Path]:
+    """The supported files named by a file, a directory (recursive) or a glob, sorted by path."""
+    if os.path.isfile(path):
+        if file_format(path) is None:
+            raise DataError(f"dataset_path {path}: unsupported file type (use {', '.join(SUPPORTED_SUFFIXES)})")
+        return [Path(path)]
+    files, _ = _walk(path)
     if not files:
         raise DataError(f"dataset_path {path!r} matches no {', '.join(SUPPORTED_SUFFIXES)} file")
     return files
+
+
+def warn_skipped_files(path: str) -> None:
+    """One warning per unsupported suffix among the files `path` names, with their count."""
+    if os.path.isfile(path):
+        return
+    for suffix, n in sorted(_walk(path)[1].items()):
+        files = "file" if n == 1 else "files"
+        logger.warning(f"data: skipped {n} {suffix} {files} in {path}: not one of {', '.join(SUPPORTED_SUFFIXES)}")
+
+
+def _require_zstandard() -> None:
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        raise DataError("reading .zst files needs the zstandard package: pip install 'titanlite[data]'") from None
+
+
+def open_stream(path: Path, compression: Compression) -> BinaryIO:
+    """The file's (decompressed) bytes as a buffered binary stream, read incrementally."""
+    if compression == "gz":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if compression == "zst":
+        import zstandard
+
+        # Multi-frame files (parallel compressors) and long-window ones (--long) are both common.
+        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        raw = dctx.stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+        return io.BufferedReader(raw)  # type: ignore[arg-type]
+    return open(path, "rb")
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged file raises: I/O, truncated or corrupt gzip/parquet, corrupt zstd."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError)
+    try:
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errors
+
+
+class ForwardReader:
+    """Reads byte ranges of a (compressed) stream in increasing order by decompressing forward; an
+    earlier offset (the next pass) reopens the file."""
+
+    def __init__(self, path: Path, compression: Compression) -> None:
+        self.path, self.compression = path, compression
+        self._f: BinaryIO | None = None
+        self._pos = 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        if self._f is None or offset < self._pos:
+            self.close()
+            self._f, self._pos = open_stream(self.path, self.compression), 0
+        while self._pos < offset:
+            chunk = self._f.read(min(offset - self._pos, _SKIP_CHUNK))
+            if not chunk:
+                raise EOFError(f"{self.path} ended before byte {offset}")
+            self._pos += len(chunk)
+        data = self._f.read(length)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 class LocalSource:
@@ -112,42 +219,44 @@ class LocalSource:
         self.name = name
         self.files = files
         self.text_field = text_field
+        self.formats = [file_format(f) or ("txt", "") for f in files]  # resolve_files kept supported ones
         self._starts = array("q")  # index of each file's first document
-        self._offsets = array("q")  # byte offset (parquet: row number)
+        self._offsets = array("q")  # byte offset in the (decompressed) file; parquet: row number
         self._lengths = array("q")
         self._cache: OrderedDict[int, object] = OrderedDict()
-        if any(f.name.endswith(PARQUET_SUFFIXES) for f in files):
+        if any(kind == "parquet" for kind, _ in self.formats):
             _require_pyarrow()
-        for path in files:
+        if any(compression == "zst" for _, compression in self.formats):
+            _require_zstandard()
+        for i, path in enumerate(files):
             self._starts.append(len(self._offsets))
-            self._index(path)
+            self._index(i, path)
         self.num_documents: int = len(self._offsets)
 
-    def _index(self, path: Path) -> None:
+    def _index(self, i: int, path: Path) -> None:
+        kind, compression = self.formats[i]
+        issues: Counter[str] = Counter()
         try:
-            data = self._read(path)
-        except (OSError, EOFError, ValueError) as e:  # unreadable, corrupt gzip/parquet
+            if kind == "parquet":
+                column = _read_parquet_column(path, self.text_field)
+                spans = [(row, 0) for row, text in enumerate(column) if text is not None]
+                issues["rows without usable text"] = len(column) - len(spans)
+            else:
+                with open_stream(path, compression) as f:
+                    head = f.read(_BINARY_SNIFF)
+                if b"\0" in head:
+                    logger.warning(f"data: skipped {path}: binary file")
+                    return
+                with open_stream(path, compression) as f:
+                    pos = len(_BOM) if head.startswith(_BOM) else 0
+                    f.read(pos)
+                    if kind == "txt":
+                        spans = _scan_txt(f, pos, issues)
+                    else:
+                        spans = _scan_jsonl(f, pos, self.text_field, issues)
+        except _read_errors() as e:  # unreadable, corrupt or truncated gzip/zstd/parquet
             logger.warning(f"data: skipped {path}: cannot read it ({e})")
             return
-        try:
-            self._index_data(path, data)
-        finally:
-            if isinstance(data, mmap.mmap):
-                data.close()
-
-    def _index_data(self, path: Path, data: bytes | mmap.mmap | list[str | None]) -> None:
-        issues: Counter[str] = Counter()
-        spans: list[tuple[int, int]] = []
-        if isinstance(data, list):
-            spans = [(row, 0) for row, text in enumerate(data) if text is not None]
-            issues["rows without usable text"] = len(data) - len(spans)
-        elif b"\0" in data[:_BINARY_SNIFF]:
-            logger.warning(f"data: skipped {path}: binary file")
-            return
-        elif path.name.endswith(TEXT_SUFFIXES):
-            spans = _scan_txt(data, issues)
-        else:
-            spans = _scan_jsonl(data, self.text_field, issues)
         self._offsets.extend(off for off, _ in spans)
         self._lengths.extend(n for _, n in spans)
         issues = +issues  # drop zero counts
@@ -157,81 +266,106 @@ class LocalSource:
             detail = ", ".join(f"{n} {why}" for why, n in sorted(issues.items()))
             logger.warning(f"data: {path}: skipped {detail}; kept {len(spans)} documents")
 
-    def _read(self, path: Path) -> bytes | mmap.mmap | list[str | None]:
-        """A file's bytes (mapped, or decompressed) or a parquet text column."""
-        if path.name.endswith(PARQUET_SUFFIXES):
-            return _read_parquet_column(path, self.text_field)
-        if path.name.endswith(".gz"):
-            return gzip.decompress(path.read_bytes())
-        if path.stat().st_size == 0:
-            return b""
-        with open(path, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-    def _load(self, i: int) -> bytes | mmap.mmap | list[str | None]:
-        """`_read`, with a small LRU cache: shard streams read documents of the same few files."""
+    def _load(self, i: int) -> mmap.mmap | bytes | list[str | None]:
+        """A plain file mapped, or a parquet text column, with a small LRU cache: shard streams read
+        documents of the same few files."""
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]  # type: ignore[return-value]
-        data = self._cache[i] = self._read(self.files[i])
+        path = self.files[i]
+        if self.formats[i][0] == "parquet":
+            data: mmap.mmap | bytes | list[str | None] = _read_parquet_column(path, self.text_field)
+        elif path.stat().st_size == 0:
+            data = b""
+        else:
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._cache[i] = data
         if len(self._cache) > _OPEN_FILES:
             _, old = self._cache.popitem(last=False)
             if isinstance(old, mmap.mmap):
                 old.close()
         return data
 
-    def document(self, d: int) -> str:
+    def document(self, d: int, readers: dict[int, ForwardReader] | None = None) -> str:
+        """Document `d`. A compressed file is read through `readers[file]` (kept by the caller, so that
+        reading forward resumes where it stopped), or decompressed from its start without one."""
         i = bisect.bisect_right(self._starts, d) - 1  # empty files share their successor's start
-        data = self._load(i)
-        if isinstance(data, list):
-            return data[self._offsets[d]]  # type: ignore[return-value]
-        raw = data[self._offsets[d] : self._offsets[d] + self._lengths[d]]
-        if self.files[i].name.endswith(TEXT_SUFFIXES):
+        kind, compression = self.formats[i]
+        offset, length = self._offsets[d], self._lengths[d]
+        if kind == "parquet":
+            return self._load(i)[offset]  # type: ignore[index,return-value]
+        if compression:
+            reader = (readers or {}).get(i) or ForwardReader(self.files[i], compression)
+            if readers is not None:
+                readers[i] = reader
+            raw = reader.read(offset, length)
+            if readers is None:
+                reader.close()
+        else:
+            raw = self._load(i)[offset : offset + length]  # type: ignore[index]
+        if kind == "txt":
             return raw.decode("utf-8")
         return json.loads(raw)[self.text_field]
 
     def shard_documents(self, shard: int, num_shards: int, start: int) -> Iterator[str]:
-        for d in range(shard + start * num_shards, self.num_documents, num_shards):
-            yield self.document(d)
+        readers: dict[int, ForwardReader] = {}  # this stream's compressed files: one open at a time
+        try:
+            for d in range(shard + start * num_shards, self.num_documents, num_shards):
+                i = bisect.bisect_right(self._starts, d) - 1
+                for other in [f for f in readers if f != i]:
+                    readers.pop(other).close()
+                yield self.document(d, readers)
+        finally:
+            for reader in readers.values():
+                reader.close()
 
     def __getstate__(self) -> dict:
         """Picklable for spawned dataloader workers: open maps stay behind."""
         return {**self.__dict__, "_cache": OrderedDict()}
 
 
-def _scan_txt(data: bytes | mmap.mmap, issues: Counter[str]) -> list[tuple[int, int]]:
-    """(offset, length) of each blank-line-separated, valid UTF-8 paragraph, whitespace trimmed."""
+def _scan_txt(lines: Iterable[bytes], pos: int, issues: Counter[str]) -> list[tuple[int, int]]:
+    """(offset, length) of each paragraph (lines up to a blank one) that is valid UTF-8, whitespace
+    trimmed; `pos` is the offset of the first line."""
     spans = []
-    pos = 0
-    separators = [(m.start(), m.end()) for m in _BLANK_LINES.finditer(data)]
-    for end, next_pos in separators + [(len(data), len(data))]:
-        chunk = data[pos:end]
-        text = chunk.strip()
-        if text:
-            try:
-                text.decode("utf-8")
-                spans.append((pos + len(chunk) - len(chunk.lstrip()), len(text)))
-            except UnicodeDecodeError:
-                issues["undecodable paragraphs"] += 1
-        pos = next_pos
+    para: list[bytes] = []  # the current paragraph's lines
+    start = 0
+
+    def close() -> None:
+        text = b"".join(para)
+        stripped = text.strip()
+        try:
+            stripped.decode("utf-8")
+            spans.append((start + len(text) - len(text.lstrip()), len(stripped)))
+        except UnicodeDecodeError:
+            issues["undecodable paragraphs"] += 1
+        para.clear()
+
+    for line in lines:
+        if line.strip():
+            if not para:
+                start = pos
+            para.append(line)
+        elif para:
+            close()
+        pos += len(line)
+    if para:
+        close()
     return spans
 
 
-def _scan_jsonl(data: bytes | mmap.mmap, field: str, issues: Counter[str]) -> list[tuple[int, int]]:
+def _scan_jsonl(lines: Iterable[bytes], pos: int, field: str, issues: Counter[str]) -> list[tuple[int, int]]:
     """(offset, length) of each line that is a JSON object with a non-empty string `field`."""
     spans = []
-    pos, size = 0, len(data)
-    while pos < size:
-        end = data.find(b"\n", pos)
-        end = size if end < 0 else end
-        line = data[pos:end]
+    for line in lines:
         if line.strip():
             text, why = _jsonl_text(line, field)
             if text is None:
                 issues[f"lines with {why}"] += 1
             else:
-                spans.append((pos, end - pos))
-        pos = end + 1
+                spans.append((pos, len(line.rstrip(b"\n"))))
+        pos += len(line)
     return spans
 
 
@@ -292,4 +426,7 @@ def open_source(dataset_path: str, text_field: str) -> DocumentSource:
     if dataset_path.startswith("hf://"):
         return HFSource(dataset_path, text_field)
     path = dataset_path or str(BUNDLED_CORPUS)
-    return LocalSource(resolve_files(path), text_field, name=path)
+    files = resolve_files(path)
+    if dataset_path:  # the bundled corpus's README is expected
+        warn_skipped_files(path)
+    return LocalSource(files, text_field, name=path)
