@@ -1,32 +1,40 @@
-"""Checkpointing in one process: exact restore, atomic folders, damaged folders, model-only saves, seed
-checkpoints, initial loads, save errors, and the data loader's resharding rule at the loader level.
+"""Checkpointing in one process: exact restore, atomic folders, damaged and corrupted folders, model-only
+saves, seed checkpoints, initial loads, failed saves, the dump-folder lock, resuming with changed settings,
+and the data loader's resharding rule at the loader level.
 
-The multi-process resume, kill and reshard runs are in test_checkpoint_resume.py; HF interop in
-test_checkpoint_hf.py.
+The multi-process resume, kill and reshard runs are in test_checkpoint_resume.py; the same faults through
+the command line in test_checkpoint_faults.py; HF interop in test_checkpoint_hf.py.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from harness import tiny_args
+from harness import ROOT, child_env, tiny_args
 from titanlite.build import RunPlan
-from titanlite.checkpoint import folders, rank_state
+from titanlite.checkpoint import folders, lock, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.errors import CheckpointError, ConfigError
+from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
 from titanlite.models.llama3 import SPEC, ModelArgs
+from titanlite.optim import lr_factor
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.train import Trainer
 
@@ -44,7 +52,8 @@ class Run:
     """A trainer of the tiny model (one process), stepped by the shipped `Trainer.train_step` and saved
     after each step as the trainer's loop does."""
 
-    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, **ckpt):
+    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, over: dict | None = None, **ckpt):
+        """`ckpt`: checkpoint keys; `over`: any other `section.key` values."""
         cfg = JobConfig()
         cfg.job.dump_folder = str(dump)
         cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = SEQ, LBS, 20
@@ -55,6 +64,9 @@ class Run:
         cfg.checkpoint.interval = 1
         for key, value in ckpt.items():
             setattr(cfg.checkpoint, key, value)
+        for key, value in (over or {}).items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
         self.cfg = cfg
         self.trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=args))
         self.model, self.sched, self.loader = self.trainer.model, self.trainer.lr_scheduler, self.trainer.dataloader
@@ -96,7 +108,8 @@ def saved_run(dump: Path, steps: int = 2, **ckpt) -> Run:
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    """The trainer's warnings (DCP also logs a failed save, on a logger with only a NullHandler)."""
+    return [r.getMessage() for r in caplog.records if r.name == "titanlite" and r.levelno >= logging.WARNING]
 
 
 # --- exact restore and folder layout ---------------------------------------------------------------------
@@ -131,6 +144,9 @@ def test_folder_layout_and_marker(tmp_path):
     del on_disk[folders.MARKER]
     assert marker["files"] == on_disk
     assert set(on_disk) == {".metadata", "__0_0.distcp", "rank_state/rank-00000.pt"}
+    assert marker["checksums"] == {rel: folders.checksum(path / rel) for rel in on_disk}
+    assert marker["config"] == run.cfg.to_dict() and marker["global_batch"] == LBS
+    assert marker["dataset"]["files"] == 12 and len(marker["tokenizer"]["digest"]) == 16
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in keys and "train_state.step" in keys
     assert any(k.startswith("optimizer.state.layers.0.attention.wq.weight") for k in keys)
@@ -196,6 +212,19 @@ def _no_metadata(r: Path) -> str:
     return "missing file .metadata"
 
 
+def _bit_flip(r: Path) -> str:
+    data = r / "step-2" / "__0_0.distcp"
+    flip_a_bit(data)
+    return "file __0_0.distcp has CRC-32"
+
+
+def flip_a_bit(path: Path) -> None:
+    """Flip one bit in the middle of `path`: the size stays, only the checksum tells."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def _garbled_metadata(r: Path) -> str:
     meta = r / "step-2" / ".metadata"
     meta.write_bytes(b"\0" * meta.stat().st_size)
@@ -210,6 +239,7 @@ def _garbled_metadata(r: Path) -> str:
         (_truncated, 1),
         (_no_metadata, 1),
         (_garbled_metadata, 1),
+        (_bit_flip, 1),
     ],
 )
 def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, damage, expected_step):
@@ -252,6 +282,9 @@ def test_load_step(tmp_path):
         CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"
     ):
         Run(tmp_path, load_step=7).ckpt.load()
+    flip_a_bit(root(tmp_path) / "step-3" / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"step-3 is unusable: file __0_0.distcp has CRC-32 \w+, the marker"):
+        Run(tmp_path, load_step=3).ckpt.load()
     (root(tmp_path) / "step-2" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"step-2 is unusable: file __0_0.distcp has 1 bytes"):
         Run(tmp_path, load_step=2).ckpt.load()
@@ -365,6 +398,173 @@ def test_save_error_warns_or_stops(tmp_path, caplog):
     stop = Run(tmp_path, stop_on_save_error=True)
     with pytest.raises(CheckpointError, match="checkpoint step 1 could not be saved"):
         stop.train(1, 1)
+
+
+@pytest.fixture
+def failing_write(monkeypatch):
+    """DCP's file writer fails with a full disk while writing the data of step 2 (after the rank-state file)."""
+    write_data = FileSystemWriter.write_data
+
+    def write_or_fail(self, plan, planner):
+        if Path(self.path).name == "step-2.partial":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_or_fail)
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_dcp_write_warns_and_keeps_training(tmp_path, caplog, failing_write, async_mode):
+    """The failure reaches the trainer as DCP's CheckpointException (a BaseException)."""
+    run = Run(tmp_path, async_mode=async_mode)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        run.train(1, 3)
+        run.ckpt.close()
+    (message,) = warnings_of(caplog)
+    assert message.startswith("checkpoint step 2 could not be saved to ") and "\n" not in message
+    assert "OSError on rank 0: [Errno 28] No space left on device; training continues" in message
+    assert folders.scan(root(tmp_path)) == ([1, 3], [])
+    assert run.ckpt.last_complete() == str(root(tmp_path) / "step-3")
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_write, async_mode):
+    run = Run(tmp_path, async_mode=async_mode, stop_on_save_error=True)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2 could not be saved .*No space left on device$"):
+        run.train(1, 3)
+        run.ckpt.close()
+    assert folders.scan(root(tmp_path)) == ([1], [])
+
+
+# --- the dump-folder lock ------------------------------------------------------------------------------------
+
+
+def hold_in_another_process(dump: Path) -> subprocess.Popen:
+    """A process that holds `dump`'s lock until killed."""
+    code = (
+        "import sys, time\n"
+        "from titanlite.checkpoint.lock import DumpFolderLock\n"
+        "DumpFolderLock(sys.argv[1]); print('held', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(dump)], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def locked_for_other_processes(dump: Path) -> bool:
+    code = "import sys; from titanlite.checkpoint.lock import check_free; check_free(sys.argv[1])"
+    return subprocess.run([sys.executable, "-c", code, str(dump)], env=child_env(), capture_output=True).returncode != 0
+
+
+def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
+    holder = hold_in_another_process(tmp_path)
+    try:
+        who = rf"\(host {socket.gethostname()}, pid {holder.pid}, since [-\d: ]+\)"
+        with pytest.raises(DumpFolderInUse, match=rf"^job.dump_folder {tmp_path} is in use by another run {who}"):
+            lock.DumpFolderLock(str(tmp_path))
+        with pytest.raises(DumpFolderInUse):
+            lock.check_free(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # The kernel dropped the dead holder's lock; its .lock file is simply locked again.
+    assert f"pid {holder.pid}," in (tmp_path / lock.LOCK_NAME).read_text()
+    lock.check_free(str(tmp_path))
+    held = lock.DumpFolderLock(str(tmp_path))
+    assert f"pid {os.getpid()}," in (tmp_path / lock.LOCK_NAME).read_text()
+    held.release()
+
+
+def test_lock_is_shared_by_the_trainers_of_one_process(tmp_path):
+    first = Run(tmp_path)
+    second = Run(tmp_path)  # a benchmark or test building several trainers: no conflict
+    first.trainer.close()
+    assert locked_for_other_processes(tmp_path)
+    second.trainer.close()
+    assert not locked_for_other_processes(tmp_path)
+
+
+# --- resuming with changed settings -------------------------------------------------------------------------
+
+
+def test_new_optimizer_settings_apply_after_resume(tmp_path, caplog):
+    """A new lr (and weight decay, betas) replaces the checkpoint's in the optimizer and the LR schedule."""
+    saved_run(tmp_path, steps=2)
+    over = {"optimizer.lr": 4e-4, "optimizer.weight_decay": 0.05, "optimizer.beta2": 0.99, "training.steps": 30}
+    run = Run(tmp_path, over=over)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        assert run.ckpt.load() == 2
+    (line,) = [r.getMessage() for r in caplog.records if "settings changed" in r.getMessage()]
+    assert "optimizer.lr 0.0008 -> 0.0004, optimizer.beta2 0.95 -> 0.99, optimizer.weight_decay 0.1 -> 0.05" in line
+    assert "training.steps 20 -> 30" in line
+
+    def expected_lr(step: int) -> float:
+        sched = run.cfg.lr_scheduler
+        return 4e-4 * lr_factor(
+            step,
+            total_steps=30,
+            warmup_steps=sched.warmup_steps,
+            decay_ratio=sched.decay_ratio,
+            decay_type=sched.decay_type,
+            min_lr_factor=sched.min_lr_factor,
+        )
+
+    (group,) = run.trainer.optimizer.param_groups
+    assert group["lr"] == run.sched.get_last_lr()[0] == expected_lr(2)
+    assert group["initial_lr"] == 4e-4 and group["weight_decay"] == 0.05 and group["betas"] == (0.9, 0.99)
+    run.train(3, 3)
+    assert group["lr"] == expected_lr(3)
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"model.flavor": "1B"}, "model.flavor was debugmodel, this run has 1B"),
+        ({"training.seq_len": 16}, "training.seq_len was 8, this run has 16"),
+        ({"training.local_batch_size": 4}, "training.global_batch_size was 2 samples per step, this run has 4 samples"),
+        (
+            {"training.dataset_virtual_shards": 1},
+            "training.dataset_virtual_shards was 2 virtual shards, this run has 1",
+        ),
+    ],
+)
+def test_settings_that_cannot_change_stop_the_resume(tmp_path, over, message):
+    saved_run(tmp_path, steps=1)
+    run = Run(tmp_path, seed=3, over=over)
+    before = run.params()
+    with pytest.raises(CheckpointError, match="cannot change when resuming") as e:
+        run.ckpt.load()
+    assert str(e.value).startswith(f"checkpoint {root(tmp_path) / 'step-1'}: {message}") and "\n" not in str(e.value)
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
+
+
+def test_another_dataset_stops_unless_allowed(tmp_path, caplog):
+    saved_run(tmp_path / "run", steps=2)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"document {i}: " + "some other words " * 20 for i in range(40)))
+    with pytest.raises(
+        CheckpointError, match=r"training.dataset_path was .*corpus \(12 files, .* this run reads .*other"
+    ):
+        Run(tmp_path / "run", over={"training.dataset_path": str(other)}).ckpt.load()
+    run = Run(tmp_path / "run", over={"training.dataset_path": str(other), "training.allow_dataset_change": True})
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert run.ckpt.load() == 2
+    (message,) = warnings_of(caplog)
+    assert "the data stream restarts from the beginning of the new dataset" in message
+    fresh = Run(tmp_path / "fresh", over={"training.dataset_path": str(other)})
+    assert all(torch.equal(a, b) for a, b in zip(next(iter(run.loader)), next(iter(fresh.loader))))
+
+
+def test_the_same_dataset_elsewhere_resumes(tmp_path, caplog):
+    """The fingerprint is the files' content, not their location or modification times."""
+    saved_run(tmp_path / "run", steps=1)
+    copy = shutil.copytree(ROOT / "titanlite" / "data" / "corpus", tmp_path / "corpus")
+    os.utime(copy / "pydocs_000.txt", (0, 0))
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        assert Run(tmp_path / "run", over={"training.dataset_path": str(copy)}).ckpt.load() == 1
+    assert f'training.dataset_path "" -> "{copy}"' in caplog.text
 
 
 # --- the data loader's resharding rule, at the loader level -----------------------------------------------

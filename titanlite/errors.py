@@ -30,6 +30,10 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or incompatible."""
 
 
+class DumpFolderInUse(UserError):
+    """Another run holds the dump folder's lock (`titanlite/checkpoint/lock.py`)."""
+
+
 class TrainingDiverged(UserError):
     """The loss or gradient norm stopped being finite; reported in one line, exit code 3."""
 

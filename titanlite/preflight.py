@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from titanlite.build import RunPlan
-from titanlite.checkpoint import folders
+from titanlite.checkpoint import folders, lock
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.data.loader import build_dataloader
 from titanlite.errors import CheckpointError, ConfigError, run_cli
@@ -70,6 +70,7 @@ def preflight(argv: list[str], world_size: int) -> int:
             num_workers=t.dataloader_num_workers,
         )
     check_dump_folder(cfg.job.dump_folder)
+    lock.check_free(cfg.job.dump_folder)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     return cfg.comm.max_restarts
 

@@ -28,6 +28,7 @@ from titanlite.build import (
     init_distributed,
     world_from_env,
 )
+from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.loader import build_dataloader
@@ -67,6 +68,8 @@ class Trainer:
         self.rank, self.world_size = world_from_env()
         self.device = init_device()
         init_logging(self.rank)
+        # One run at a time per dump folder, held from before anything is written there until close().
+        self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
         if cfg.job.print_config and self.rank == 0:
             print(cfg.to_json(), flush=True)
         self._seed(cfg.training.seed, cfg.training.deterministic)
@@ -272,6 +275,8 @@ class Trainer:
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self.folder_lock is not None:
+            self.folder_lock.release()
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""Checkpoint folders on disk: names, the completion marker, validation, choice and pruning.
+"""Checkpoint folders on disk: names, the completion marker, checksums, validation, choice and pruning.
 
 Layout under `<job.dump_folder>/<checkpoint.folder>/`:
 
@@ -11,10 +11,16 @@ Layout under `<job.dump_folder>/<checkpoint.folder>/`:
 
 Why this protocol: a crash (kill -9, node loss, full disk) can happen at any point of a save. Every
 file is written into `step-N.partial`. Only once DCP's `.metadata` exists, so that every rank's data is
-on disk, does rank 0 write `complete.json` (listing every file and its size, fsynced) and rename the
-folder to `step-N` with a single `os.rename`. A folder named `step-N` was therefore complete when it
-appeared; the sizes in its marker catch files truncated or deleted later. Older checkpoints are pruned
-only after the rename, so a complete checkpoint is on disk at every moment.
+on disk, does rank 0 write `complete.json` (listing every file with its size and CRC-32, fsynced) and
+rename the folder to `step-N` with a single `os.rename`. A folder named `step-N` was therefore complete
+when it appeared; the sizes in its marker catch files truncated or deleted later, the checksums files
+whose bytes changed (a bit flip on disk or in transfer).
+
+Checksums cost one read of the data: each rank checksums the files it wrote, from the page cache, in
+the DCP writer (`ChecksummingWriter`, so an async save does it in the background) and leaves the list in
+`checksums/`, which rank 0 merges into the marker. On load every rank verifies its share of the files
+(`checksum_problem`), so verifying a checkpoint takes as long as reading 1/world of it.
+Older checkpoints are pruned only after the rename, so a complete checkpoint is on disk at every moment.
 """
 
 from __future__ import annotations
@@ -24,15 +30,22 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 logger = logging.getLogger("titanlite")
 
 MARKER = "complete.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: file sizes only; 2: also a CRC-32 per file (`checksums` in the marker)."""
+CHECKSUMS = "checksums"
+_CHUNK = 4 << 20
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\.partial$")
 
@@ -53,6 +66,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checksum(path: Path) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits, read in 4 MiB chunks (zlib releases the GIL while it sums)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer that also checksums the files this rank wrote, right after writing them.
+
+    The list goes to `checksums/<prefix>.json` (the prefix is the rank's DCP file prefix), read by
+    `complete`. DCP finishes a save (and `.metadata` appears) only after every rank's `write_data`
+    returned, so rank 0 finds every list when it completes the folder.
+    """
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        names = sorted({result.storage_data.relative_path for result in future.wait()})
+        folder = Path(self.path)
+        sums = {name: checksum(folder / name) for name in names}
+        out = folder / CHECKSUMS / f"{plan.storage_data.prefix}.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(sums))
+        return future
+
+
 def prepare(root: Path, step: int) -> Path:
     """An empty `step-N.partial` (a leftover from an interrupted save of the same step is removed)."""
     path = partial_dir(root, step)
@@ -69,8 +110,17 @@ def complete(root: Path, step: int, info: dict) -> Path:
     first and deleted only after the new folder is in place.
     """
     partial, final = partial_dir(root, step), step_dir(root, step)
+    sums: dict[str, str] = {}
+    lists = partial / CHECKSUMS
+    if lists.is_dir():  # the ranks' checksums of their data files (ChecksummingWriter)
+        for part in sorted(lists.iterdir()):
+            sums.update(json.loads(part.read_text()))
+        shutil.rmtree(lists)
     files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
-    marker = {"format": FORMAT_VERSION, "step": step, **info, "files": files}
+    for rel in files:
+        if rel not in sums:  # .metadata and the small rank-state files
+            sums[rel] = checksum(partial / rel)
+    marker = {"format": FORMAT_VERSION, "step": step, **info, "files": files, "checksums": sums}
     tmp = partial / (MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(marker, f, indent=1)
@@ -114,6 +164,24 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def checksum_problem(path: Path, marker: dict, rank: int = 0, world_size: int = 1) -> str | None:
+    """The first file of `rank`'s share whose CRC-32 differs from the marker's, or None.
+
+    The files are dealt out largest first, so `world_size` ranks each read about 1/world of the folder.
+    A marker without checksums (format 1) has nothing to verify.
+    """
+    sums = marker.get("checksums") or {}
+    files = sorted(sums, key=lambda rel: (-marker["files"].get(rel, 0), rel))
+    for rel in files[rank::world_size]:
+        try:
+            actual = checksum(path / rel)
+        except OSError as e:
+            return f"cannot read file {rel} ({e.strerror})"
+        if actual != sums[rel]:
+            return f"file {rel} has CRC-32 {actual}, the marker says {sums[rel]} (corrupted)"
+    return None
+
+
 def read_marker(path: Path) -> dict:
     return json.loads((path / MARKER).read_text())
 
@@ -142,15 +210,20 @@ class Choice:
     error: str | None = None
 
 
-def choose(root: Path, load_step: int) -> Choice:
+def choose(root: Path, load_step: int, rejected: dict[int, str] | None = None) -> Choice:
     """Pick the folder to resume from: `load_step`, or the newest usable one (-1).
 
     Interrupted saves (`.partial`) are reported and removed. A damaged `step-N` is reported in one line
-    and the previous one is tried. A model-only checkpoint past step 0 (`last_save_model_only`) holds no
-    optimizer or data state, so it is skipped when looking for the newest one to resume from. Damaged
-    or non-resumable folders only, with nothing usable behind them, is an error: silently starting
-    over would overwrite them.
+    and the previous one is tried; `rejected` holds the steps the caller found damaged already (a
+    checksum mismatch, reported by the caller) with the reason. A model-only checkpoint past step 0
+    (`last_save_model_only`) holds no optimizer or data state, so it is skipped when looking for the
+    newest one to resume from. Damaged or non-resumable folders only, with nothing usable behind them,
+    is an error: silently starting over would overwrite them.
+
+    The checks here are cheap (marker, file sizes, DCP metadata); checksums are verified by the caller
+    on every rank (`checksum_problem`).
     """
+    rejected = rejected or {}
     done, partial = scan(root)
     for step in partial:
         path = partial_dir(root, step)
@@ -163,12 +236,15 @@ def choose(root: Path, load_step: int) -> Choice:
             return Choice(
                 error=f"checkpoint.load_step {load_step}: {path} does not exist (complete checkpoints: {have})"
             )
-        if why := problem(path):
+        if why := rejected.get(load_step) or problem(path):
             return Choice(error=f"checkpoint {path} is unusable: {why}")
         return Choice(str(path), read_marker(path))
-    rejected = []
+    reasons = []
     for step in reversed(done):
         path = step_dir(root, step)
+        if step in rejected:
+            reasons.append(f"{path.name}: {rejected[step]}")
+            continue
         why = problem(path)
         if why is None:
             marker = read_marker(path)
@@ -176,18 +252,16 @@ def choose(root: Path, load_step: int) -> Choice:
                 return Choice(str(path), marker)
             why = "holds only the model weights (last_save_model_only), not the training state"
         logger.warning(f"checkpoint {path} is unusable: {why}; trying the previous one")
-        rejected.append(f"{path.name}: {why}")
-    if rejected:
-        return Choice(error=f"no usable checkpoint in {root} ({'; '.join(rejected)})")
+        reasons.append(f"{path.name}: {why}")
+    if reasons:
+        return Choice(error=f"no usable checkpoint in {root} ({'; '.join(reasons)})")
     return Choice()
 
 
-def newest_intact(root: Path) -> Path | None:
-    """The newest complete, undamaged checkpoint folder (model-only ones included), if any."""
-    for step in reversed(scan(root)[0]):
-        if problem(step_dir(root, step)) is None:
-            return step_dir(root, step)
-    return None
+def newest(root: Path) -> Path | None:
+    """The newest complete checkpoint folder (model-only ones included), damaged or not; None if none."""
+    done = scan(root)[0]
+    return step_dir(root, done[-1]) if done else None
 
 
 def prune(root: Path, keep: int) -> list[Path]:

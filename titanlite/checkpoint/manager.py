@@ -17,6 +17,30 @@ second thread must not issue collectives on the training process group. The save
 rename, pruning) by rank 0 when it polls a finished save, at the next `save()` call or in `close()`.
 `async_with_pinned_mem` stages into reused pinned host memory on CUDA; on CPU it is plain `async`.
 
+A save that fails (full disk, permissions, an I/O error on any rank, sync or async) removes its
+`.partial` folder and logs one warning; training goes on with the previous checkpoint as the newest, or
+stops with `checkpoint.stop_on_save_error`. DCP reports a rank's failure to every rank as a
+`CheckpointException`, which is a `BaseException`: it is caught by name.
+
+Resuming checks, before anything is loaded, that the checkpoint's files match their checksums (each
+rank verifies its share; a mismatch is reported in one line and the previous checkpoint is tried) and
+compares the run's settings with the ones the checkpoint recorded (`complete.json`: the config, the
+dataset and tokenizer fingerprints of `fingerprint.py`, the effective global batch and virtual shards).
+Changed settings are listed in one log line; what happens to each:
+
+- cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
+  `model.name`, `model.flavor` (and any other model shape, checked tensor by tensor), the tokenizer
+  (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
+  (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
+  (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
+  content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
+  beginning of the new dataset;
+- resharded, as with any layout: `parallelism.*`, `training.local_batch_size` (the global batch stays);
+- take the new value: everything else, e.g. `optimizer.*` (lr, betas, eps, weight_decay,
+  implementation: the saved param groups' values are replaced, and the LR schedule's base LR is the new
+  `optimizer.lr`), `lr_scheduler.*` and `training.steps` (the schedule is recomputed at the restored
+  step), `training.max_norm`, checkpoint, metrics, profiling, compile and activation-checkpoint keys.
+
 Test hook: `TITANLITE_TEST_KILL_AT=N` makes every rank SIGKILL itself after `save(N)` returns (a crash
 between saves); `TITANLITE_TEST_KILL_AT=N:mid_save` makes rank 0 SIGKILL itself while finalising the
 save of step N, after all data is written and before the completion marker (a crash inside a save).
@@ -24,6 +48,7 @@ save of step N, after all data is written and before the completion marker (a cr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -39,6 +64,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -50,6 +76,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint import folders, rank_state
+from titanlite.checkpoint.fingerprint import dataset_fingerprint, describe_dataset, tokenizer_fingerprint
 from titanlite.checkpoint.hf import import_hf
 from titanlite.config import DTYPES, JobConfig
 from titanlite.errors import CheckpointError, ConfigError
@@ -58,6 +85,9 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.simple_fsdp import sharded_view
 
 logger = logging.getLogger("titanlite")
+
+# Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
+_NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
 
 TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -117,6 +147,42 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
     _sharded(set_model_state_dict, model, state)
 
 
+def verify_checksums(path: str, marker: dict) -> str | None:
+    """Collective over the default process group, if there is one: every rank verifies the checksums of its
+    share of the files of checkpoint `path` (`folders.checksum_problem`); the first problem found, or None."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    why = folders.checksum_problem(Path(path), marker, rank, world)
+    if world == 1:
+        return why
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, why)
+    return next((w for w in found if w), None)
+
+
+def describe_error(error: BaseException) -> str:
+    """A save error in one line; DCP's CheckpointException holds the exception of every failed rank."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        text = f"{type(cause).__name__} on rank {rank}: {cause}"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _flat(config: dict) -> dict:
+    """`section.key` -> value of a config as `JobConfig.to_dict()` gives it."""
+    return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
+
+
+@dataclass
+class _Resume:
+    """What rank 0 found comparing a checkpoint's recorded settings with this run's (module docstring)."""
+
+    changed: list[str]
+    error: str | None = None
+    dataset_changed: str | None = None
+
+
 @dataclass
 class _Pending:
     """An async save in flight."""
@@ -160,6 +226,13 @@ class CheckpointManager:
             )
         self._pending: _Pending | None = None
         self._last_saved = -1
+        self._verify_seconds = 0.0
+        # Fingerprints of the inputs, once per run on rank 0 (it writes the markers and compares on resume).
+        self._dataset = self._tokenizer = None
+        if rank == 0 and dataloader is not None:
+            t = cfg.training
+            self._dataset = dataset_fingerprint(t.dataset_path, t.dataset_text_field)
+            self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
         self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
         self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
         self._stager: DefaultStager | None = None
@@ -203,6 +276,23 @@ class CheckpointManager:
             "tp_degree": self.dims.tp,
             "dp_impl": p.dp_impl,
             "flavor": self.job.model.flavor,
+        }
+
+    def _batch_layout(self) -> tuple[int, int]:
+        """(samples per optimizer step, virtual data shards), derived as `RunPlan.build` and the loader do."""
+        t = self.job.training
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dp_degree
+        return global_batch, t.dataset_virtual_shards or global_batch
+
+    def _inputs(self) -> dict:
+        """What a resume compares with (module docstring); rank 0 records it in the completion marker."""
+        global_batch, virtual_shards = self._batch_layout()
+        return {
+            "config": self.job.to_dict(),
+            "global_batch": global_batch,
+            "virtual_shards": virtual_shards,
+            "dataset": self._dataset,
+            "tokenizer": self._tokenizer,
         }
 
     # --- collectives on the training process group (main thread only) -------------------------------
@@ -271,12 +361,18 @@ class CheckpointManager:
             "model_only": model_only,
             "dtype": self.cfg.export_dtype if dtype is not None else "float32",
             **self._layout(),
+            **(self._inputs() if self.rank == 0 else {}),
         }
         self._last_saved = step
+        writer = folders.ChecksummingWriter(str(path))
         if self._async:
-            future = dcp.async_save(
-                state, checkpoint_id=str(path), process_group=self._async_pg, async_stager=self._stager
-            )
+            try:
+                future = dcp.async_save(
+                    state, storage_writer=writer, process_group=self._async_pg, async_stager=self._stager
+                )
+            except (Exception, CheckpointException) as e:
+                self._failed(step, path, e)
+                return
             self._pending = _Pending(step, path, info, future, start)
             if self.rank == 0:
                 logger.info(
@@ -284,8 +380,8 @@ class CheckpointManager:
                 )
             return
         try:
-            dcp.save(state, checkpoint_id=str(path))
-        except Exception as e:  # DCP reports a failure on any rank to every rank
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as e:  # DCP reports a failure on any rank to every rank
             self._failed(step, path, e)
             return
         self._finalize(step, path, info, start)
@@ -309,7 +405,11 @@ class CheckpointManager:
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
         """Drop the partial folder; stop (checkpoint.stop_on_save_error) or warn and keep training."""
-        message = f"checkpoint step {step} could not be saved to {path}: {type(error).__name__}: {error}"
+        message = f"checkpoint step {step} could not be saved to {path}: {describe_error(error)}"
+        try:  # torch's file writer reports a full disk as a short write: say how much space is left
+            message += f" ({shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system)"
+        except OSError:
+            pass
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         if self.cfg.stop_on_save_error:
@@ -326,7 +426,7 @@ class CheckpointManager:
             return
         try:
             pending.future.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             self._failed(pending.step, pending.path, e)
             return
         self._finalize(pending.step, pending.path, pending.info, pending.started)
@@ -354,7 +454,7 @@ class CheckpointManager:
         """Restore the newest usable checkpoint (or `load_step`, or `initial_load_path`); the step to resume from."""
         choice = folders.Choice()
         if self.cfg.enable:
-            choice = self._broadcast(folders.choose(self.root, self.cfg.load_step) if self.rank == 0 else None)
+            choice = self._choose()
         if choice.error:
             raise CheckpointError(choice.error)
         if choice.path is not None:
@@ -366,6 +466,91 @@ class CheckpointManager:
         if self.cfg.initial_load_path:
             self._load_initial(self.cfg.initial_load_path)
         return 0
+
+    def _choose(self) -> folders.Choice:
+        """Rank 0 picks a folder by the cheap checks (`folders.choose`), then every rank verifies its share
+        of the checksums; a mismatch is reported in one line and the previous folder is tried (an explicit
+        `load_step` fails instead)."""
+        rejected: dict[int, str] = {}
+        while True:
+            choice = self._broadcast(
+                folders.choose(self.root, self.cfg.load_step, rejected) if self.rank == 0 else None
+            )
+            if choice.error or choice.path is None:
+                return choice
+            start = time.perf_counter()
+            why = verify_checksums(choice.path, choice.marker)
+            self._verify_seconds = time.perf_counter() - start
+            if why is None:
+                return choice
+            rejected[choice.marker["step"]] = why
+            if self.cfg.load_step < 0 and self.rank == 0:
+                logger.warning(f"checkpoint {choice.path} is unusable: {why}; trying the previous one")
+
+    def _compare(self, path: str, marker: dict) -> _Resume:
+        """This run's settings against the ones `marker` recorded (rank 0; module docstring)."""
+        if "config" not in marker:
+            return _Resume([])  # written before checkpoints recorded their settings
+        old, new = _flat(marker["config"]), _flat(self.job.to_dict())
+        global_batch, virtual_shards = self._batch_layout()
+        fixed = [
+            ("model.name", old.get("model.name"), new["model.name"], ""),
+            ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
+            ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
+            ("training.global_batch_size", marker["global_batch"], global_batch, " samples per step"),
+            ("training.dataset_virtual_shards", marker["virtual_shards"], virtual_shards, " virtual shards"),
+        ]
+        if marker.get("tokenizer") and self._tokenizer and marker["tokenizer"]["digest"] != self._tokenizer["digest"]:
+            was, now = marker["tokenizer"], self._tokenizer
+            fixed.append(
+                (
+                    "model.tokenizer_path",
+                    f"{was['name']} (digest {was['digest']})",
+                    f"{now['name']} (digest {now['digest']})",
+                    "",
+                )
+            )
+        for key, was, now, unit in fixed:
+            if was != now:
+                return _Resume(
+                    [],
+                    f"checkpoint {path}: {key} was {was}{unit}, this run has {now}{unit}; it cannot change when "
+                    "resuming (restore it, or train in another job.dump_folder)",
+                )
+        changed = [
+            f"{key} {json.dumps(old[key])} -> {json.dumps(value)}"
+            for key, value in new.items()
+            if key in old and old[key] != value and key not in _NOT_SETTINGS
+        ]
+        was, now = marker.get("dataset"), self._dataset
+        if not (was and now and was["digest"] != now["digest"]):
+            return _Resume(changed)
+        what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
+        if not self.job.training.allow_dataset_change:
+            return _Resume(
+                changed,
+                f"checkpoint {path}: {what}; its data positions would point into other documents (set "
+                "training.allow_dataset_change = true to read the new dataset from its beginning)",
+            )
+        return _Resume(
+            changed,
+            dataset_changed=f"checkpoint {path}: {what}; training.allow_dataset_change = true: the data stream "
+            "restarts from the beginning of the new dataset (model and optimizer state are resumed)",
+        )
+
+    def _restore_schedule(self, saved: dict, fresh: list[dict]) -> None:
+        """Load the LR schedule's position with this run's hyperparameters.
+
+        `set_state_dict` put the saved param groups back (lr, betas, eps, weight decay, ...) and the saved
+        schedule holds the old base LR: both are replaced by `fresh`, the groups as this run's config
+        built them, and the current LR is recomputed at the restored step as the scheduler's own step
+        computes it (so an unchanged config restores it bitwise).
+        """
+        base = [group["initial_lr"] for group in fresh]
+        lrs = [b * fn(saved["last_epoch"]) for b, fn in zip(base, self.lr_scheduler.lr_lambdas)]
+        self.lr_scheduler.load_state_dict({**saved, "base_lrs": base, "_last_lr": lrs})
+        for group, new, lr in zip(self.optimizer.param_groups, fresh, lrs):
+            group.update(new, lr=lr)
 
     def _log(self, message: str) -> None:
         if self.rank == 0:
@@ -391,8 +576,14 @@ class CheckpointManager:
         """Shapes are checked and the data loader state is taken (resharding rule in rank_state.py) before
         any tensor is loaded, so an incompatible checkpoint fails with the model untouched."""
         start = time.perf_counter()
+        resume = self._broadcast(self._compare(path, marker) if self.rank == 0 else None)
+        if resume.error:
+            raise CheckpointError(resume.error)
+        if resume.changed:
+            self._log(f"checkpoint: settings changed since {path}: {', '.join(resume.changed)} (the new values apply)")
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
+        fresh = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
         cache: dict[int, dict] = {}
 
@@ -401,7 +592,10 @@ class CheckpointManager:
                 cache[r] = rank_state.read(Path(path), r)
             return cache[r]
 
-        if self.dataloader is not None:
+        if resume.dataset_changed:
+            if self.rank == 0:
+                logger.warning(resume.dataset_changed)
+        elif self.dataloader is not None:
             loader_state = rank_state.loader_state_for(self.dp_rank, self.dp_degree, old_dp, old_tp, read_rank)
             if loader_state is None:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
@@ -415,12 +609,13 @@ class CheckpointManager:
             optim_state_dict=optim_sd,
             options=_OPTIONS,
         )
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._restore_schedule(state["lr_scheduler"], fresh)
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
         step = int(state["train_state"]["step"])
         resharded = (old_world, old_dp, old_tp) != (self.world_size, self.dp_degree, self.dims.tp)
         self._log(
-            f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s"
+            f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s "
+            f"(checksums verified in {self._verify_seconds:.2f}s)"
             + (f" (resharded from world {old_world}, dp {old_dp}, tp {old_tp})" if resharded else "")
         )
         return step

@@ -3,8 +3,10 @@
     python -m titanlite.tools.hf export --config FILE [--step N] --out DIR [--max-shard-mb M] [--section.key value ...]
 
 The model is built as the trainer builds it (`titanlite.build`), in one process or under torchrun with
-the training layout; the newest complete checkpoint (or `--step N`) of the run's dump folder is loaded
-and written by `titanlite.checkpoint.hf.export_hf` in `checkpoint.export_dtype`.
+the training layout; the newest complete checkpoint (or `--step N`) of the run's dump folder is verified
+(file sizes and checksums, each rank its share), loaded and written by `titanlite.checkpoint.hf.export_hf`
+in `checkpoint.export_dtype`. A damaged checkpoint is refused in one line (exit code 2), never replaced
+by an older one behind the user's back: `--step` names an intact one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from titanlite.build import RunPlan, build_model, init_device, init_distributed, world_from_env
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.hf import export_hf
-from titanlite.checkpoint.manager import load_model_weights
+from titanlite.checkpoint.manager import load_model_weights, verify_checksums
 from titanlite.config import DEFAULT_CONFIG, DTYPES, load_config
 from titanlite.errors import CheckpointError, run_cli
 
@@ -50,13 +52,13 @@ def main(argv: list[str]) -> int:
         model = build_model(plan, device)
         root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
         step = int(opts["--step"])
-        path = folders.newest_intact(root) if step < 0 else folders.step_dir(root, step)
+        path = folders.newest(root) if step < 0 else folders.step_dir(root, step)
         if path is None or not path.is_dir():
             raise CheckpointError(
                 f"no complete checkpoint in {root}" if path is None else f"checkpoint {path} does not exist"
             )
-        if why := folders.problem(path):
-            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+        if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
+            raise CheckpointError(f"checkpoint {path} is unusable: {why}; not exported")
         load_model_weights(model, str(path))
         export_hf(
             model,

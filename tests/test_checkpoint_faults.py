@@ -1,0 +1,192 @@
+"""Checkpoints under faults, through the real entry points (one process, `python -m titanlite.train`, so
+exit codes are the trainer's own): a full disk during a sync and an async save, a second run on a locked
+dump folder, a bit flip in a shard (resume and HF export), and a resume with changed settings.
+
+The full disk is a real one where this process may mount a 4 MiB tmpfs (root); elsewhere a 4 MiB file
+size limit (RLIMIT_FSIZE, inherited by the trainer) makes the same DCP write fail (EFBIG). Either way
+torch's file writer reports a short write (a RuntimeError); on the tmpfs the warning also shows 0 MiB free.
+The in-process variants (injected write faults, the lock's holder dying, every settings rule) are in
+test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, SMALL, RunResult, child_env, train
+from titanlite.checkpoint import folders
+from titanlite.checkpoint.lock import DumpFolderLock
+from titanlite.optim import lr_factor
+
+pytestmark = pytest.mark.slow
+
+DISK = 4 << 20  # far below one debug-model checkpoint (70 MB)
+BASE = [*SMALL, "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
+
+
+def run(dump: Path, *overrides: str, steps: int = 2) -> RunResult:
+    return train(dump, 1, *BASE, "--training.steps", str(steps), *overrides, launcher="python")
+
+
+def error_lines(proc: RunResult) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("titanlite: error:")]
+
+
+def flip_a_bit(path: Path) -> None:
+    """Flip one bit in the middle of `path` (same size: only a checksum can tell)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+# --- a full disk ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def full_disk(tmp_path) -> Iterator[tuple[Path, str]]:
+    """(a checkpoint folder on a 4 MiB disk, what the warning says about it)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode == 0:
+        try:
+            yield mount / "checkpoint", "(0 MiB free on its file system)"
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (DISK, hard))  # inherited by the trainer started next
+    try:
+        yield mount / "checkpoint", "RuntimeError on rank 0"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _assert_nothing_left(folder: Path) -> None:
+    assert not folder.exists() or list(folder.iterdir()) == [], list(folder.iterdir())
+    disk = os.statvfs(folder.parent)
+    if disk.f_blocks * disk.f_frsize <= DISK:  # the tmpfs: its space is free again
+        assert disk.f_bfree == disk.f_blocks
+
+
+def test_disk_full_during_sync_saves_warns_and_trains_on(tmp_path, full_disk):
+    folder, cause = full_disk
+    proc = run(tmp_path / "run", "--checkpoint.folder", str(folder))
+    assert proc.returncode == 0, proc.log[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "could not be saved" in line]
+    assert len(warned) == 2 and all(cause in line and "training continues" in line for line in warned), warned
+    assert [r["step"] for r in proc.metrics] == [1, 2]
+    _assert_nothing_left(folder)
+
+
+def test_disk_full_during_an_async_save_stops_with_stop_on_save_error(tmp_path, full_disk):
+    folder, cause = full_disk
+    proc = run(
+        tmp_path / "run",
+        "--checkpoint.folder",
+        str(folder),
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.stop_on_save_error",
+    )
+    assert proc.returncode == 2, proc.log[-3000:]
+    (line,) = error_lines(proc)
+    assert "checkpoint step 1 could not be saved" in line and cause in line, line
+    _assert_nothing_left(folder)
+
+
+# --- a second run on the same dump folder -------------------------------------------------------------------
+
+
+def test_a_locked_dump_folder_is_refused_in_one_line(tmp_path):
+    dump = tmp_path / "run"
+    held = DumpFolderLock(str(dump))  # this process plays the run that holds the folder
+    try:
+        holder = f"host {socket.gethostname()}, pid {os.getpid()}"
+        proc = run(dump)
+        assert proc.returncode == 2, proc.log[-3000:]
+        (line,) = error_lines(proc)
+        assert f"job.dump_folder {dump} is in use by another run ({holder}" in line, line
+        assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint").exists()
+        pre = subprocess.run(
+            [sys.executable, "-m", "titanlite.preflight", "--job.dump_folder", str(dump), *BASE],
+            env=child_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert pre.returncode == 2 and pre.stderr.count("\n") == 1 and holder in pre.stderr, pre.stderr
+    finally:
+        held.release()
+
+
+# --- a bit flip in a shard, and a resume with changed settings ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """Steps 1-2 of the debug model with a checkpoint after each."""
+    dump = tmp_path_factory.mktemp("two_checkpoints")
+    run(dump).ok()
+    assert folders.scan(dump / "checkpoint") == ([1, 2], [])
+    return dump
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src / "checkpoint", dst / "checkpoint")
+    return dst
+
+
+def test_a_bit_flip_is_refused_by_export_and_skipped_by_resume(two_checkpoints, tmp_path):
+    dump = copy_of(two_checkpoints, tmp_path / "run")
+    flip_a_bit(dump / "checkpoint" / "step-2" / "__0_0.distcp")
+    export = subprocess.run(
+        [sys.executable, "-m", "titanlite.tools.hf", "export", "--job.dump_folder", str(dump)]
+        + ["--out", str(tmp_path / "hf"), "--training.seq_len", "64"],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 2 and export.stderr.count("\n") == 1, export.stderr[-3000:]
+    assert "step-2 is unusable: file __0_0.distcp has CRC-32" in export.stderr and "(corrupted)" in export.stderr
+    assert not (tmp_path / "hf").exists()
+    proc = run(dump, steps=3)
+    assert proc.returncode == 0, proc.log[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warned) == 1 and "step-2 is unusable: file __0_0.distcp has CRC-32" in warned[0], warned
+    assert "trying the previous one" in warned[0]
+    assert "resumed from" in proc.stderr and "step-1 at step 1" in proc.stderr
+    assert [r["step"] for r in proc.metrics] == [2, 3]
+
+
+def test_a_new_lr_is_used_after_resume(two_checkpoints, tmp_path):
+    dump = copy_of(two_checkpoints, tmp_path / "run")
+    proc = run(dump, "--optimizer.lr", "1e-3", steps=3)
+    assert proc.returncode == 0, proc.log[-3000:]
+    (changed,) = [line for line in proc.stderr.splitlines() if "settings changed since" in line]
+    assert "optimizer.lr 0.003 -> 0.001" in changed and "training.steps 2 -> 3" in changed, changed
+    # The LR after step 3 is the new base LR on the new 3-step schedule (debug_model.toml's warmup and decay).
+    factor = lr_factor(3, total_steps=3, warmup_steps=10, decay_ratio=1.0, decay_type="cosine", min_lr_factor=0.1)
+    assert [r["step"] for r in proc.metrics] == [3]
+    assert proc.metrics[0]["lr"] == pytest.approx(1e-3 * factor, rel=1e-6)
+
+
+def test_a_new_global_batch_stops_the_resume_in_one_line(two_checkpoints, tmp_path):
+    dump = copy_of(two_checkpoints, tmp_path / "run")
+    proc = run(dump, "--training.global_batch_size", "4", steps=3)
+    assert proc.returncode == 2, proc.log[-3000:]
+    (line,) = error_lines(proc)
+    assert "training.global_batch_size was 2 samples per step, this run has 4 samples per step" in line, line
+    assert folders.scan(dump / "checkpoint") == ([1, 2], [])
+    assert json.loads((dump / "checkpoint" / "step-2" / folders.MARKER).read_text())["step"] == 2

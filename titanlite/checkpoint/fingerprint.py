@@ -1,0 +1,65 @@
+"""Fingerprints of a run's inputs that a checkpoint depends on: the dataset and the tokenizer.
+
+A checkpoint records them (`complete.json`) so that a resume can tell a different dataset or tokenizer
+from the same one moved elsewhere: the data loader's saved positions are offsets into one list of
+documents, and token ids mean something only under one vocabulary.
+
+Dataset: the supported files that `training.dataset_path` names (the bundled corpus for ""), each
+identified by its path relative to the dataset's root, its size and a BLAKE2b hash of its first and
+last 64 KiB, plus the text field. Cheap (two small reads a file) and independent of where the files live
+or their modification times, which a copy or a fresh checkout changes. An `hf://` dataset is identified
+by its name, config and split. Tokenizer: a hash of the whole vocabulary file (a few MB at most).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from titanlite.data.sources import BUNDLED_CORPUS, resolve_files
+from titanlite.data.tokenizer import BUNDLED_VOCAB
+
+_EDGE = 64 << 10
+
+
+def _edges(path: Path, size: int) -> bytes:
+    """The first and last 64 KiB of a file (all of it when smaller)."""
+    with open(path, "rb") as f:
+        head = f.read(_EDGE)
+        if size <= 2 * _EDGE:
+            return head + f.read()
+        f.seek(size - _EDGE)
+        return head + f.read(_EDGE)
+
+
+def dataset_fingerprint(dataset_path: str, text_field: str) -> dict:
+    """{"name", "files", "bytes", "digest"} of the dataset a run reads (module docstring)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"text_field={text_field}\n".encode())
+    if dataset_path.startswith("hf://"):
+        digest.update(dataset_path.encode())
+        return {"name": dataset_path, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
+    name = dataset_path or str(BUNDLED_CORPUS)
+    files = resolve_files(name)
+    root = os.path.commonpath([str(f.parent) for f in files])
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{os.path.relpath(path, root)}\0{size}\0".encode())
+        digest.update(hashlib.blake2b(_edges(path, size), digest_size=16).digest())
+    return {"name": name, "files": len(files), "bytes": total, "digest": digest.hexdigest()}
+
+
+def tokenizer_fingerprint(tokenizer_path: str) -> dict:
+    """{"name", "digest"} of the vocabulary file (`model.tokenizer_path`, "" = the bundled one)."""
+    path = Path(tokenizer_path) if tokenizer_path else BUNDLED_VOCAB
+    digest = hashlib.blake2b(path.read_bytes(), digest_size=8)
+    return {"name": str(tokenizer_path or "bundled"), "digest": digest.hexdigest()}
+
+
+def describe_dataset(fp: dict) -> str:
+    if not fp["files"]:
+        return f"{fp['name']} (digest {fp['digest']})"
+    return f"{fp['name']} ({fp['files']} files, {fp['bytes']:,} bytes, digest {fp['digest']})"

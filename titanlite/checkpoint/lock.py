@@ -1,0 +1,106 @@
+"""The dump-folder lock: one run at a time writes checkpoints and metrics into a dump folder.
+
+Two runs on one folder would delete each other's half-written saves, publish folders that are not
+complete and interleave their metrics. Rank 0 therefore holds `fcntl.flock` on `<dump_folder>/.lock`
+for the life of the run and writes its host and pid into the file, so a second run can say who holds
+it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same before any rank starts).
+
+The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
+killed run is simply locked again, there is no stale state to clean up. The lock is per process and
+shared by every trainer in it (benchmarks and tests build several trainers in one process); it guards
+against another process. On a file system without flock support the run goes on with a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from titanlite.errors import DumpFolderInUse
+
+logger = logging.getLogger("titanlite")
+
+LOCK_NAME = ".lock"
+
+# Locks held by this process: lock file -> (its descriptor, number of holders in this process).
+_held: dict[Path, tuple[int, int]] = {}
+
+
+def _path(dump_folder: str) -> Path:
+    return (Path(dump_folder) / LOCK_NAME).resolve()
+
+
+def _holder(fd: int) -> str:
+    """The holder recorded in the lock file, as written by `acquire`."""
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "holder unknown"
+
+
+def _try_lock(path: Path) -> int | None:
+    """An open descriptor of `path` holding its flock, or None on a file system without flock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            holder = _holder(fd)
+            os.close(fd)
+            raise DumpFolderInUse(
+                f"job.dump_folder {path.parent} is in use by another run ({holder}): wait for it to end "
+                "or choose another job.dump_folder"
+            ) from None
+        os.close(fd)
+        logger.warning(f"cannot lock {path} ({e.strerror}): a second run on this dump folder would not be detected")
+        return None
+    return fd
+
+
+class DumpFolderLock:
+    """Holds the lock of one dump folder until `release()` (or the process ends)."""
+
+    def __init__(self, dump_folder: str):
+        self.path = _path(dump_folder)
+        self._released = False
+        if self.path in _held:
+            fd, count = _held[self.path]
+            _held[self.path] = (fd, count + 1)
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _try_lock(self.path)
+        if fd is None:
+            self._released = True
+            return
+        os.ftruncate(fd, 0)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {stamp}\n".encode(), 0)
+        _held[self.path] = (fd, 1)
+
+    def release(self) -> None:
+        """Drop this holder; the flock is released when the last holder in the process lets go."""
+        if self._released:
+            return
+        self._released = True
+        fd, count = _held[self.path]
+        if count > 1:
+            _held[self.path] = (fd, count - 1)
+            return
+        del _held[self.path]
+        os.close(fd)  # closing the descriptor releases the flock; the file stays for the next run
+
+
+def check_free(dump_folder: str) -> None:
+    """Raise `DumpFolderInUse` if another process holds the folder's lock (the preflight's check)."""
+    path = _path(dump_folder)
+    if path in _held or not path.parent.is_dir():
+        return
+    fd = _try_lock(path)
+    if fd is not None:
+        os.close(fd)
