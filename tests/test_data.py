@@ -455,3 +455,21 @@ def test_each_new_epoch_is_logged_once_with_its_step(tmp_path, docs, caplog):
         expected[0],
         f"data: epoch 2 begins after {len(docs)} documents of virtual shard 0",
     ]
+
+
+def test_truncated_or_corrupt_compressed_files_are_skipped_with_a_warning(tmp_path, caplog):
+    pytest.importorskip("zstandard")
+    import zstandard
+
+    lines = "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(50)).encode()
+    frame = zstandard.ZstdCompressor().compress(lines)
+    (tmp_path / "two_frames.jsonl.zst").write_bytes(frame + frame)  # as parallel compressors write
+    (tmp_path / "cut.jsonl.zst").write_bytes(frame + frame[:-5])
+    (tmp_path / "garbage.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(200)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:-12])
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        source = open_source(str(tmp_path), "text")
+    assert source.num_documents == 100
+    skipped = sorted(r.getMessage().split(": ")[1].removeprefix("skipped ") for r in caplog.records)
+    assert [Path(s).name for s in skipped] == ["cut.jsonl.gz", "cut.jsonl.zst", "garbage.jsonl.zst"]
+    assert "ends inside a Zstandard frame" in caplog.text

@@ -163,13 +163,55 @@ def open_stream(path: Path, compression: Compression) -> BinaryIO:
     if compression == "gz":
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if compression == "zst":
+        return io.BufferedReader(ZstdFrames(path))  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file, frame after frame (parallel compressors write several).
+
+    zstandard's own stream reader returns a truncated file's bytes as if it were whole; here a file that
+    ends inside a frame raises EOFError, as a truncated gzip file does, so the file is reported.
+    """
+
+    def __init__(self, path: Path) -> None:
         import zstandard
 
-        # Multi-frame files (parallel compressors) and long-window ones (--long) are both common.
-        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
-        raw = dctx.stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
-        return io.BufferedReader(raw)  # type: ignore[arg-type]
-    return open(path, "rb")
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)  # also files made with --long
+        self._file = open(path, "rb")
+        self._frame = self._dctx.decompressobj()
+        self._in_frame = False  # the current frame has had input
+        self._out = memoryview(b"")  # decompressed, not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._out:
+            data = self._file.read(_SKIP_CHUNK)
+            if not data:
+                if self._in_frame and not self._frame.eof:
+                    raise EOFError("the file ends inside a Zstandard frame (truncated)")
+                return 0
+            self._out = memoryview(self._decompress(data))
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            self._in_frame = True
+            out.append(self._frame.decompress(data))
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
