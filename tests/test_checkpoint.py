@@ -422,7 +422,8 @@ def test_a_failed_dcp_write_warns_and_keeps_training(tmp_path, caplog, failing_w
         run.ckpt.close()
     (message,) = warnings_of(caplog)
     assert message.startswith("checkpoint step 2 could not be saved to ") and "\n" not in message
-    assert "OSError on rank 0: [Errno 28] No space left on device; training continues" in message
+    assert "OSError on rank 0: [Errno 28] No space left on device (" in message
+    assert message.endswith(" MiB free on its file system); training continues (checkpoint.stop_on_save_error = false)")
     assert folders.scan(root(tmp_path)) == ([1, 3], [])
     assert run.ckpt.last_complete() == str(root(tmp_path) / "step-3")
 
@@ -430,7 +431,10 @@ def test_a_failed_dcp_write_warns_and_keeps_training(tmp_path, caplog, failing_w
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_write, async_mode):
     run = Run(tmp_path, async_mode=async_mode, stop_on_save_error=True)
-    with pytest.raises(CheckpointError, match=r"checkpoint step 2 could not be saved .*No space left on device$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint step 2 could not be saved .*No space left on device \([\d,]+ MiB free on its file system\)$",
+    ):
         run.train(1, 3)
         run.ckpt.close()
     assert folders.scan(root(tmp_path)) == ([1], [])
