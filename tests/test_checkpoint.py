@@ -443,18 +443,27 @@ def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_writ
 # --- the dump-folder lock ------------------------------------------------------------------------------------
 
 
-def hold_in_another_process(dump: Path) -> subprocess.Popen:
-    """A process that holds `dump`'s lock until killed."""
+def hold_in_another_process(dump: Path, fork: bool = False) -> tuple[subprocess.Popen, int]:
+    """A process that holds `dump`'s lock until killed (and, with `fork`, a forked child of it, as a data
+    loader worker is); returns the process and the child's pid (0 without `fork`)."""
     code = (
-        "import sys, time\n"
+        "import os, sys, time\n"
         "from titanlite.checkpoint.lock import DumpFolderLock\n"
-        "DumpFolderLock(sys.argv[1]); print('held', flush=True); time.sleep(600)\n"
+        "DumpFolderLock(sys.argv[1])\n"
+        "child = os.fork() if sys.argv[2] == '1' else 0\n"
+        "if sys.argv[2] == '1' and child == 0: time.sleep(600); os._exit(0)\n"
+        "print('held', child, flush=True); time.sleep(600)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(dump)], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(dump), str(int(fork))],
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    assert proc.stdout.readline() == "held\n"
-    return proc
+    word, child = proc.stdout.readline().split()
+    assert word == "held"
+    return proc, int(child)
 
 
 def locked_for_other_processes(dump: Path) -> bool:
@@ -463,7 +472,7 @@ def locked_for_other_processes(dump: Path) -> bool:
 
 
 def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
-    holder = hold_in_another_process(tmp_path)
+    holder, _ = hold_in_another_process(tmp_path)
     try:
         who = rf"\(host {socket.gethostname()}, pid {holder.pid}, since [-\d: ]+\)"
         with pytest.raises(DumpFolderInUse, match=rf"^job.dump_folder {tmp_path} is in use by another run {who}"):
@@ -479,6 +488,18 @@ def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
     held = lock.DumpFolderLock(str(tmp_path))
     assert f"pid {os.getpid()}," in (tmp_path / lock.LOCK_NAME).read_text()
     held.release()
+
+
+def test_lock_is_not_kept_by_a_forked_child_of_a_dead_holder(tmp_path):
+    holder, child = hold_in_another_process(tmp_path, fork=True)
+    try:
+        assert locked_for_other_processes(tmp_path)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        assert not locked_for_other_processes(tmp_path)  # while the child lives on
+        os.kill(child, 0)
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_lock_is_shared_by_the_trainers_of_one_process(tmp_path):

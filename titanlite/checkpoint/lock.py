@@ -6,7 +6,9 @@ for the life of the run and writes its host and pid into the file, so a second r
 it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same before any rank starts).
 
 The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
-killed run is simply locked again, there is no stale state to clean up. The lock is per process and
+killed run is simply locked again, there is no stale state to clean up. A flock belongs to the open file,
+which a forked child (a data-loader worker) would share and keep locked after its parent died, so
+forked children close their copy at once. The lock is per process and
 shared by every trainer in it (benchmarks and tests build several trainers in one process); it guards
 against another process. On a file system without flock support the run goes on with a warning.
 """
@@ -29,6 +31,16 @@ LOCK_NAME = ".lock"
 
 # Locks held by this process: lock file -> (its descriptor, number of holders in this process).
 _held: dict[Path, tuple[int, int]] = {}
+
+
+def _close_in_child() -> None:
+    """After a fork: the child must not keep the parent's locks alive (module docstring)."""
+    for fd, _ in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _path(dump_folder: str) -> Path:
