@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Launch titanlite training through torchrun.
+# Launch titanlite training: titanlite/launch.py (torch's elastic agent, torchrun's options) starts the
+# ranks of this node. SIGTERM, SIGUSR1 or Ctrl-C stop every rank at the next step with a checkpoint
+# (exit 0; Ctrl-C twice: at once, exit 130); a rank's error is printed once (exit 2 bad input, 3
+# divergence, 1 crash); if the launcher is killed, its ranks die with it.
 #
 #   ./run_train.sh [--config FILE] [--dry-run] [--section.key value ...]
 #
@@ -13,8 +16,8 @@
 #   RDZV_ENDPOINT / MASTER_ADDR:MASTER_PORT   rendezvous host:port for multi-node (default localhost:29500)
 #   RDZV_ID      job id shared by all nodes (default titanlite)
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
-#   MAX_RESTARTS torchrun restarts after a failure (default: comm.max_restarts from the config, else 0)
-#   DRY_LAUNCH   1 = after the preflight, print the torchrun command line instead of running it
+#   MAX_RESTARTS restarts after a failure (default: comm.max_restarts from the config, else 0)
+#   DRY_LAUNCH   1 = after the preflight, print the launch command line instead of running it
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 
@@ -42,7 +45,16 @@ fi
 NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
 
-if [ "$DRY_RUN" = 0 ]; then
+# The environment is input too: one line and exit code 2 before anything starts.
+bad_env() { echo "titanlite: error: $1" >&2; exit 2; }
+[[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || bad_env "NGPU must be a positive integer (processes per node), got '$NGPU'"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || bad_env "NNODES must be a positive integer, got '$NNODES'"
+[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || bad_env "LOG_RANK must be comma-separated local ranks such as 0,1, got '$LOG_RANK'"
+[[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || bad_env "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
+
+# comm.mode = "fake_backend" can only come from the config file or an override that names it: the
+# config is parsed (a second or so) only then.
+if [ "$DRY_RUN" = 0 ] && { grep -qs fake_backend "$CONFIG" || [[ "${ARGS[*]-}" == *fake_backend* ]]; }; then
   MODE=$("$PYTHON" -c 'import sys; from titanlite.config import load_config; print(load_config(sys.argv[1:]).comm.mode)' \
            --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" 2>/dev/null || true)
   [ "$MODE" = fake_backend ] && DRY_RUN=1
@@ -68,7 +80,7 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-LAUNCH=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS"
+LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS"
         --local-ranks-filter "$LOG_RANK" --role rank --tee 3
         -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then

@@ -1,8 +1,12 @@
-"""Preemption, non-finite steps and fault injection.
+"""Preemption, non-finite steps, what a rank owes its launcher, and fault injection.
 
-Preemption: SIGTERM and SIGUSR1 only set a flag. Once per step every rank contributes its flag (and
-whether its loss is finite) to one small all-reduce, so all ranks agree on the same step to save a
-checkpoint and stop, whichever rank the scheduler signalled.
+Preemption: SIGTERM and SIGUSR1 (and in a command-line run the first Ctrl-C) only set a flag. Once per
+step every rank contributes its flag (and whether its loss is finite) to one small all-reduce, so all
+ranks agree on the same step to save a checkpoint and stop, whichever rank the signal reached.
+
+Under the launcher (`titanlite.launch`, which sets `LAUNCHER_PID_ENV`) a rank dies with the launcher
+(Linux parent-death signal) and reports its failure into the error file torch elastic gives it
+(`TORCHELASTIC_ERROR_FILE`) instead of its own stderr, so the launcher prints the root cause once.
 
 Fault injection is for tests: environment variables that make a run fail in a chosen way at a chosen
 step (`TITANLITE_FAULT_*`). A fault with `TITANLITE_FAULT_ONCE=<file>` fires only if that file does not
@@ -11,29 +15,48 @@ exist yet (it is created first), so a restarted run goes on normally.
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import os
 import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import UserError, exit_code, run_cli
+
 logger = logging.getLogger("titanlite")
 
 
 class Preemption:
-    """Records SIGTERM/SIGUSR1 instead of dying, so the trainer can checkpoint at a step boundary."""
+    """Records SIGTERM/SIGUSR1 instead of dying, so the trainer can checkpoint at a step boundary.
+
+    With `interrupt` (a command-line run) the first SIGINT is a stop signal too and a second one raises
+    `KeyboardInterrupt`: Ctrl-C saves and stops, Ctrl-C twice stops at once. SIGINT is left alone when
+    the process was started with it ignored (a background job).
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt: bool = False) -> None:
         self.received: int | None = None
-        for sig in self.SIGNALS:
+        signals = list(self.SIGNALS)
+        if interrupt and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signals.append(signal.SIGINT)
+        for sig in signals:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
 
 
 @dataclass
@@ -54,6 +77,60 @@ def agree(preemption: Preemption, loss: torch.Tensor, grad_norm: torch.Tensor, d
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return StepVerdict(preempted=bool(flags[0].item()), finite=not bool(flags[1].item()))
+
+
+# --- under the launcher ---------------------------------------------------------------------------------
+
+LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
+"""Set by `titanlite.launch` for its ranks: the launcher's pid."""
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def follow_launcher() -> None:
+    """Under the launcher, have Linux kill this rank when the launcher dies (even by SIGKILL), so no rank
+    trains on orphaned. A save in progress is cut short: its `step-N.partial` folder is never loaded."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
+    # The launcher may have died before the request: then we are already someone else's child.
+    if os.getppid() != int(launcher):
+        os._exit(1)
+
+
+def write_failure(path: str, message: str, code: int) -> None:
+    """Record why this rank fails in torch elastic's error-file format (a string message), with the exit
+    code and a precise time so the launcher can tell the first failure from its consequences."""
+    now = time.time()
+    with open(path, "w") as f:
+        json.dump({"message": message, "timestamp": int(now), "time": now, "exit_code": code}, f)
+
+
+def run_rank(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """Run the trainer's `main` as a command: `errors.run_cli`'s contract (a `UserError` is one line and
+    exit code 2 or 3) plus exit code 130 without a traceback on Ctrl-C twice. Under the launcher the
+    rank follows it, and the error line or traceback goes to the rank's error file for the launcher to
+    print once, not to this rank's own output (which the launcher may show too)."""
+    follow_launcher()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if os.environ.get(LAUNCHER_PID_ENV) else None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if error_file is None:
+            return run_cli(main, argv)
+        try:
+            return main(argv)
+        except UserError as e:
+            write_failure(error_file, f"titanlite: error: {e}", exit_code(e))
+            return exit_code(e)
+        except Exception:
+            write_failure(error_file, traceback.format_exc(), 1)
+            return 1
+    except KeyboardInterrupt:
+        print("titanlite: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 # --- test-only fault injection ---------------------------------------------------------------------------
@@ -79,7 +156,9 @@ def _claim_once() -> bool:
 
 def inject_before_step(step: int, rank: int) -> None:
     """`TITANLITE_FAULT_EXIT_AT=k` (with `TITANLITE_FAULT_RANK`, default 0): that rank dies at step k;
-    `TITANLITE_FAULT_SIGTERM_AT=k`: that rank sends itself SIGTERM at step k."""
+    `TITANLITE_FAULT_SIGTERM_AT=k`: that rank sends itself SIGTERM at step k; `TITANLITE_FAULT_USER_ERROR_AT=k`
+    / `TITANLITE_FAULT_CRASH_AT=k`: that rank alone raises a `UserError` (bad input only it can see, such
+    as an unreadable shard on its host) / a `RuntimeError` (a bug) at step k."""
     if rank != int(os.environ.get("TITANLITE_FAULT_RANK", "0")):
         return
     if step == _fault_step("EXIT_AT") and _claim_once():
@@ -87,6 +166,10 @@ def inject_before_step(step: int, rank: int) -> None:
         os._exit(17)
     if step == _fault_step("SIGTERM_AT") and _claim_once():
         os.kill(os.getpid(), signal.SIGTERM)
+    if step == _fault_step("USER_ERROR_AT") and _claim_once():
+        raise UserError(f"fault injection: rank {rank} found bad input at step {step}")
+    if step == _fault_step("CRASH_AT") and _claim_once():
+        raise RuntimeError(f"fault injection: rank {rank} crashed at step {step}")
 
 
 def nan_injection(step: int) -> bool:

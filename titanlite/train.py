@@ -1,10 +1,12 @@
 """The training entry point: `python -m titanlite.train --config FILE [--section.key value ...]`.
 
-Under torchrun (`run_train.sh`) or alone: one process without torchrun is a world of one and gets the
-same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and process
-group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader -> `train_step` in
-the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence exit code 3
-(`errors.run_cli`). Nothing imports this module: tools build runs through `titanlite.build`.
+Under `titanlite.launch` (`run_train.sh`), under torchrun or alone: a single process is a world of one
+and gets the same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and
+process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader ->
+`train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
+exit code 3; Ctrl-C saves and stops, twice stops at once with exit code 130 (`resilience.run_rank`).
+Under `titanlite.launch` a failing rank's message goes to the launcher, which prints it once. Nothing
+imports this module: tools build runs through `titanlite.build`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.loader import build_dataloader
-from titanlite.errors import TrainingDiverged, run_cli
+from titanlite.errors import TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
-from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
+from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection, run_rank
 from titanlite.step import cross_entropy_loss, forward_backward
 
 logger = logging.getLogger("titanlite")
@@ -60,10 +62,11 @@ class Trainer:
     """Builds every component from the config and runs the step loop.
 
     `plan` replaces the one built from `cfg` (tests train tiny models through this same trainer). A
-    process group that exists already is used and left open by `close()`.
+    process group that exists already is used and left open by `close()`. `preemption` is the stop-signal
+    recorder `main` installs before anything is built, so a signal during set-up is not lost.
     """
 
-    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None):
+    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None, preemption: Preemption | None = None):
         self.cfg = cfg
         self.rank, self.world_size = world_from_env()
         self.device = init_device()
@@ -112,7 +115,7 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.step = 0
         self.skipped_steps = 0
-        self.preemption = Preemption()
+        self.preemption = preemption or Preemption()
         self.preempted = False
         self.checkpointer = CheckpointManager(
             cfg,
@@ -280,8 +283,9 @@ class Trainer:
 
 
 def main(argv: list[str]) -> int:
+    preemption = Preemption(interrupt=True)
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, preemption=preemption)
     try:
         trainer.train()
     finally:
@@ -290,4 +294,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_rank(main))
