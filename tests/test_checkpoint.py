@@ -573,6 +573,8 @@ def test_another_dataset_stops_unless_allowed(tmp_path, caplog):
         CheckpointError, match=r"training.dataset_path was .*corpus \(12 files, .* this run reads .*other"
     ):
         Run(tmp_path / "run", over={"training.dataset_path": str(other)}).ckpt.load()
+    with pytest.raises(CheckpointError, match=r"training.dataset_text_field was 'text', this run has 'body'; its data"):
+        Run(tmp_path / "run", over={"training.dataset_text_field": "body"}).ckpt.load()
     run = Run(tmp_path / "run", over={"training.dataset_path": str(other), "training.allow_dataset_change": True})
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         assert run.ckpt.load() == 2

@@ -34,12 +34,12 @@ def _edges(path: Path, size: int) -> bytes:
 
 
 def dataset_fingerprint(dataset_path: str, text_field: str) -> dict:
-    """{"name", "files", "bytes", "digest"} of the dataset a run reads (module docstring)."""
+    """{"name", "text_field", "files", "bytes", "digest"} of the dataset a run reads (module docstring)."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(f"text_field={text_field}\n".encode())
     if dataset_path.startswith("hf://"):
         digest.update(dataset_path.encode())
-        return {"name": dataset_path, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
+        return {"name": dataset_path, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
     name = dataset_path or str(BUNDLED_CORPUS)
     files = resolve_files(name)
     root = os.path.commonpath([str(f.parent) for f in files])
@@ -49,7 +49,7 @@ def dataset_fingerprint(dataset_path: str, text_field: str) -> dict:
         total += size
         digest.update(f"{os.path.relpath(path, root)}\0{size}\0".encode())
         digest.update(hashlib.blake2b(_edges(path, size), digest_size=16).digest())
-    return {"name": name, "files": len(files), "bytes": total, "digest": digest.hexdigest()}
+    return {"name": name, "text_field": text_field, "files": len(files), "bytes": total, "digest": digest.hexdigest()}
 
 
 def tokenizer_fingerprint(tokenizer_path: str) -> dict:

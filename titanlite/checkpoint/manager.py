@@ -526,6 +526,8 @@ class CheckpointManager:
         if not (was and now and was["digest"] != now["digest"]):
             return _Resume(changed)
         what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
+        if was["text_field"] != now["text_field"]:
+            what = f"training.dataset_text_field was {was['text_field']!r}, this run has {now['text_field']!r}"
         if not self.job.training.allow_dataset_change:
             return _Resume(
                 changed,
