@@ -379,6 +379,14 @@ def test_seed_checkpoint_needs_one_process(tmp_path):
         )
 
 
+def test_a_corrupted_initial_load_path_is_refused(tmp_path):
+    saved_run(tmp_path / "src", steps=1)
+    flip_a_bit(root(tmp_path / "src") / "step-1" / "__0_0.distcp")
+    run = Run(tmp_path / "run", enable=False, initial_load_path=str(root(tmp_path / "src") / "step-1"))
+    with pytest.raises(CheckpointError, match=r"step-1 is unusable: file __0_0.distcp has CRC-32 \w+, the marker says"):
+        run.ckpt.load()
+
+
 def test_bad_initial_load_path(tmp_path):
     with pytest.raises(CheckpointError, match="initial_load_path .* is not a folder"):
         Run(tmp_path, initial_load_path=str(tmp_path / "nope")).ckpt.load()

@@ -569,7 +569,9 @@ class CheckpointManager:
             return
         if not Path(path).is_dir():
             raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
-        if (Path(path) / folders.MARKER).exists() and (why := folders.problem(Path(path))):
+        if (Path(path) / folders.MARKER).exists() and (
+            why := folders.problem(Path(path)) or verify_checksums(path, folders.read_marker(Path(path)))
+        ):
             raise CheckpointError(f"checkpoint {path} is unusable: {why}")
         self._log(f"checkpoint: loading initial model weights from {path}")
         load_model_weights(self.model, path)
