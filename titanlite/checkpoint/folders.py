@@ -13,8 +13,8 @@ Why this protocol: a crash (kill -9, node loss, full disk) can happen at any poi
 file is written into `step-N.partial`. Only once DCP's `.metadata` exists, so that every rank's data is
 on disk, does rank 0 write `complete.json` (listing every file with its size and CRC-32, fsynced) and
 rename the folder to `step-N` with a single `os.rename`. A folder named `step-N` was therefore complete
-when it appeared; the sizes in its marker catch files truncated or deleted later, the checksums files
-whose bytes changed (a bit flip on disk or in transfer).
+when it appeared; the sizes in its marker catch files truncated or deleted later, the checksums catch
+files whose bytes changed (a bit flip on disk or in transfer).
 
 Checksums cost one read of the data: each rank checksums the files it wrote, from the page cache, in
 the DCP writer (`ChecksummingWriter`, so an async save does it in the background) and leaves the list in

@@ -8,9 +8,9 @@ it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same befo
 The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
 killed run is simply locked again, there is no stale state to clean up. A flock belongs to the open file,
 which a forked child (a data-loader worker) would share and keep locked after its parent died, so
-forked children close their copy at once. The lock is per process and
-shared by every trainer in it (benchmarks and tests build several trainers in one process); it guards
-against another process. On a file system without flock support the run goes on with a warning.
+forked children close their copy at once. The lock is per process and shared by every trainer in it
+(benchmarks and tests build several trainers in one process); it guards against another process. On a
+file system without flock support the run goes on with a warning.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _path(dump_folder: str) -> Path:
 
 
 def _holder(fd: int) -> str:
-    """The holder recorded in the lock file, as written by `acquire`."""
+    """The holder recorded in the lock file, as `DumpFolderLock` writes it."""
     try:
         text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     except OSError:
