@@ -135,8 +135,10 @@ def root_cause(failures: dict[int, ProcessFailure], log_dir: str) -> Report:
         else:
             abrupt.append((float(f.timestamp), rank, f))
     if user:
+        # The code the rank meant: it may still be killed while exiting (torch stops the other ranks with
+        # SIGTERM once one has failed, and Python restores default handlers as it shuts down).
         _, _, f = min(user)
-        return Report(f.error_file_data["message"], f.exitcode)
+        return Report(f.error_file_data["message"], f.error_file_data["exit_code"])
     if abrupt:
         _, rank, f = min(abrupt)
         how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"

@@ -85,6 +85,7 @@ LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
 """Set by `titanlite.launch` for its ranks: the launcher's pid."""
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_FAILED_AT = "_titanlite_failed_at"  # attribute note_failure sets on the exception
 
 
 def follow_launcher() -> None:
@@ -101,12 +102,19 @@ def follow_launcher() -> None:
         os._exit(1)
 
 
-def write_failure(path: str, message: str, code: int) -> None:
+def note_failure(error: BaseException) -> None:
+    """Stamp `error` with the time training failed, before cleanup (closing the process group, exiting)
+    lets the peers fail too: the launcher reports the earliest failure as the root cause."""
+    if not hasattr(error, _FAILED_AT):
+        setattr(error, _FAILED_AT, time.time())
+
+
+def write_failure(path: str, message: str, code: int, error: BaseException) -> None:
     """Record why this rank fails in torch elastic's error-file format (a string message), with the exit
     code and a precise time so the launcher can tell the first failure from its consequences."""
-    now = time.time()
+    when = getattr(error, _FAILED_AT, time.time())
     with open(path, "w") as f:
-        json.dump({"message": message, "timestamp": int(now), "time": now, "exit_code": code}, f)
+        json.dump({"message": message, "timestamp": int(when), "time": when, "exit_code": code}, f)
 
 
 def run_rank(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
@@ -123,10 +131,10 @@ def run_rank(main: Callable[[list[str]], int], argv: list[str] | None = None) ->
         try:
             return main(argv)
         except UserError as e:
-            write_failure(error_file, f"titanlite: error: {e}", exit_code(e))
+            write_failure(error_file, f"titanlite: error: {e}", exit_code(e), e)
             return exit_code(e)
-        except Exception:
-            write_failure(error_file, traceback.format_exc(), 1)
+        except Exception as e:
+            write_failure(error_file, traceback.format_exc(), 1, e)
             return 1
     except KeyboardInterrupt:
         print("titanlite: interrupted", file=sys.stderr, flush=True)

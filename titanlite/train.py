@@ -38,7 +38,7 @@ from titanlite.errors import TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
-from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection, run_rank
+from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection, note_failure, run_rank
 from titanlite.step import cross_entropy_loss, forward_backward
 
 logger = logging.getLogger("titanlite")
@@ -288,6 +288,9 @@ def main(argv: list[str]) -> int:
     trainer = Trainer(cfg, preemption=preemption)
     try:
         trainer.train()
+    except BaseException as e:
+        note_failure(e)
+        raise
     finally:
         trainer.close()
     return 0
