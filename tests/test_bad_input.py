@@ -116,7 +116,7 @@ def test_table_is_large_enough():
 
 @pytest.mark.slow
 def test_launcher_reports_bad_input_without_traceback(tmp_path):
-    """Through run_train.sh: the preflight stops the launch before torchrun starts any rank."""
+    """Through run_train.sh: the preflight stops the launch before the launcher starts any rank."""
     proc = subprocess.run(
         [str(ROOT / "run_train.sh"), "--training.stepz", "3"],
         env=child_env(NGPU="2"),

@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness import ROOT, SMALL, child_env
+from titanlite.launch import root_cause
+from titanlite.resilience import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
 RUN = [*SMALL, "--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "1000"]
@@ -182,3 +185,32 @@ def test_bad_environment_is_one_line_before_anything_starts(tmp_path, var, value
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"titanlite: error: {var} must be a positive integer") and f"'{value}'" in lines[0]
     assert not (tmp_path / "dump").exists()
+
+
+def failure(tmp_path: Path, rank: int, exitcode: int, report: tuple[str, int, float] | None = None) -> ProcessFailure:
+    """A failed rank as torch's agent sees it; `report` = (message, exit code, time) written as a rank does."""
+    path = tmp_path / f"error-{rank}-{time.monotonic_ns()}.json"  # a fresh file for every failure
+    if report is not None:
+        error = RuntimeError()
+        error._titanlite_failed_at = report[2]
+        write_failure(str(path), report[0], report[1], error)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_root_cause_is_the_user_error_then_an_abrupt_death_then_the_first_traceback(tmp_path):
+    gloo = "Traceback (most recent call last):\nRuntimeError: Connection closed by peer"
+    user = "titanlite: error: checkpoint step-9 is unusable"
+    # A user error wins over a peer's earlier traceback; its exit code is the one the rank meant, even
+    # if the rank was stopped by SIGTERM while exiting.
+    got = root_cause({0: failure(tmp_path, 0, 1, (gloo, 1, 5.0)), 1: failure(tmp_path, 1, -15, (user, 2, 6.0))}, "L")
+    assert (got.text, got.code) == (user, 2)
+    # A rank that died without a report (killed, os._exit) is the cause of its peers' tracebacks.
+    got = root_cause({0: failure(tmp_path, 0, 1, (gloo, 1, 5.0)), 1: failure(tmp_path, 1, -9)}, "/tmp/logs")
+    assert (got.text, got.code) == (
+        "titanlite: error: rank 1 was killed by SIGKILL (the ranks' logs are in /tmp/logs)",
+        1,
+    )
+    # Among tracebacks, the earliest.
+    boom = "Traceback (most recent call last):\nValueError: boom"
+    got = root_cause({0: failure(tmp_path, 0, 1, (gloo, 1, 7.0)), 1: failure(tmp_path, 1, 1, (boom, 1, 6.0))}, "L")
+    assert (got.text, got.code) == (f"titanlite: error: rank 1 crashed:\n{boom}", 1)

@@ -58,7 +58,7 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, uninterrupted):
 
 @pytest.mark.slow
 def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
-    """run_train.sh passes comm.max_restarts to torchrun; the job comes back from the last checkpoint."""
+    """run_train.sh passes comm.max_restarts to the launcher; the job comes back from the last checkpoint."""
     proc = run(
         tmp_path,
         *("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1"),
