@@ -602,6 +602,22 @@ def test_the_same_dataset_elsewhere_resumes(tmp_path, caplog):
     assert f'training.dataset_path "" -> "{copy}"' in caplog.text
 
 
+def test_another_tokenizer_stops_the_same_one_elsewhere_resumes(tmp_path):
+    """Token ids mean something under one vocabulary only: the fingerprint is the file's content."""
+    saved_run(tmp_path / "run", steps=1)
+    lines = (ROOT / "titanlite" / "data" / "assets" / "pydocs_2k.tiktoken").read_text().splitlines()
+    same, other = tmp_path / "same.tiktoken", tmp_path / "other.tiktoken"
+    same.write_text("\n".join(lines) + "\n")
+    assert Run(tmp_path / "run", over={"model.tokenizer_path": str(same)}).ckpt.load() == 1
+    (a, ra), (b, rb) = lines[1000].split(), lines[1001].split()
+    lines[1000:1002] = [f"{b} {ra}", f"{a} {rb}"]  # two tokens swap ids
+    other.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        CheckpointError, match=rf"model.tokenizer_path was bundled \(digest \w+\), this run has {other}"
+    ):
+        Run(tmp_path / "run", over={"model.tokenizer_path": str(other)}).ckpt.load()
+
+
 # --- the data loader's resharding rule, at the loader level -----------------------------------------------
 
 
