@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from titanlite.build import RunPlan, init_device, init_distributed, world_from_env
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs, llama3_configs
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 VOCAB, SEQ, LOCAL_BATCH = 2056, 64, 2
 MODELS = {

@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from titanlite.build import RunPlan, init_device, init_distributed
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 # 8 blocks of dim 256 and a 2k vocabulary: 7.0M parameters in 75 tensors. Unbucketed, a step issues 214
 # collectives (all-gathers, re-gathers, reduce-scatters) of ~100-250 us fixed cost each on gloo loopback

@@ -58,7 +58,7 @@ from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.memory_plan import local_tensor  # noqa: E402
 from titanlite.metrics import peak_tflops  # noqa: E402
-from titanlite.train import Trainer  # noqa: E402
+from titanlite.trainer import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
 VARIANTS: dict[str, list[str]] = {

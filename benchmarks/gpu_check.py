@@ -26,7 +26,7 @@ import torch
 from titanlite.config import load_config
 from titanlite.memory_plan import GiB, Layout, estimate
 from titanlite.metrics import MemoryMonitor, peak_tflops
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 CONFIG = "train_configs/llama3_1b_gpu.toml"
 CPU_FALLBACK = [

@@ -36,7 +36,7 @@ from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
 from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.optim import lr_factor
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 TOK = build_tokenizer(None)
 SEQ, LBS = 8, 2

@@ -3,6 +3,7 @@
     plan = RunPlan.build(cfg, world_size)     everything derived from config + world size, checked first
     device = init_device()                    cuda:LOCAL_RANK, else cpu
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
+    loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
     model = build_model(plan, device)         meta -> the model's parallelize plan -> materialise -> init
 
 A single process is a world of one: it gets a one-rank process group and the same plan as any world
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config import JobConfig
+from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
@@ -77,6 +79,25 @@ class RunPlan:
         and MFU use it, so tensor-parallel ranks, which share one data-parallel replica's tokens, do not
         each count them (per-rank counting read tp times too high)."""
         return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
+
+
+def build_loader(plan: RunPlan, dp_rank: int) -> Any:
+    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured.
+
+    Built before the process group: a bad dataset path is reported before any rank starts work."""
+    t = plan.cfg.training
+    return build_dataloader(
+        tokenizer=plan.tokenizer,
+        dataset_path=t.dataset_path,
+        text_field=t.dataset_text_field,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        global_batch_size=plan.global_batch,
+        dp_rank=dp_rank,
+        dp_degree=plan.dims.dp,
+        virtual_shards=t.dataset_virtual_shards,
+        num_workers=t.dataloader_num_workers,
+    )
 
 
 def init_device() -> torch.device:

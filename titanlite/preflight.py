@@ -13,10 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from titanlite.build import RunPlan
+from titanlite.build import RunPlan, build_loader
 from titanlite.checkpoint import folders, lock
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
-from titanlite.data.loader import build_dataloader
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 
 
@@ -57,18 +56,7 @@ def preflight(argv: list[str], world_size: int) -> int:
     plan = RunPlan.build(cfg, world_size)
     t = cfg.training
     if not t.dataset_path.startswith("hf://"):
-        build_dataloader(
-            tokenizer=plan.tokenizer,
-            dataset_path=t.dataset_path,
-            text_field=t.dataset_text_field,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            global_batch_size=plan.global_batch,
-            dp_rank=0,
-            dp_degree=plan.dims.dp,
-            virtual_shards=t.dataset_virtual_shards,
-            num_workers=t.dataloader_num_workers,
-        )
+        build_loader(plan, dp_rank=0)
     check_dump_folder(cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)

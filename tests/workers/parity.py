@@ -27,7 +27,7 @@ from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 from titanlite.step import cross_entropy_loss, forward_backward  # noqa: E402
-from titanlite.train import Trainer  # noqa: E402
+from titanlite.trainer import Trainer  # noqa: E402
 
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 5, 1234
 

@@ -1,0 +1,267 @@
+"""The Trainer: builds a run from its config (through `titanlite.build`) and runs the step loop.
+
+`Trainer.train_step` is the one training step (gradients, agreement across ranks on stop signals and
+non-finite values, the optimizer and LR-schedule step); the loop in `Trainer.train` adds data, metrics,
+profiling and checkpoints around it. Tests and benchmarks drive this same class; the command-line entry
+point is `titanlite.train`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from titanlite.build import (
+    RunPlan,
+    apply_train_timeout,
+    build_loader,
+    build_model,
+    init_device,
+    init_distributed,
+    world_from_env,
+)
+from titanlite.checkpoint.lock import DumpFolderLock
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.config import JobConfig
+from titanlite.errors import TrainingDiverged
+from titanlite.metrics import MetricsLogger, StepStats
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.profiling import Profiler
+from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
+from titanlite.step import cross_entropy_loss, forward_backward
+
+logger = logging.getLogger("titanlite")
+
+
+def init_logging(rank: int) -> None:
+    """One stderr handler on the `titanlite` logger (replaced, not added, when a process builds several
+    trainers); records still propagate, so handlers on the root logger see them too."""
+    for handler in [h for h in logger.handlers if getattr(h, "titanlite", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    )
+    handler.titanlite = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+class Trainer:
+    """Builds every component from the config and runs the step loop.
+
+    `plan` replaces the one built from `cfg` (tests train tiny models through this same trainer). A
+    process group that exists already is used and left open by `close()`. `preemption` is the stop-signal
+    recorder `main` installs before anything is built, so a signal during set-up is not lost.
+    """
+
+    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None, preemption: Preemption | None = None):
+        self.cfg = cfg
+        self.rank, self.world_size = world_from_env()
+        self.device = init_device()
+        init_logging(self.rank)
+        # One run at a time per dump folder, held from before anything is written there until close().
+        self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
+        if cfg.job.print_config and self.rank == 0:
+            print(cfg.to_json(), flush=True)
+        self._seed(cfg.training.seed, cfg.training.deterministic)
+
+        self.plan = plan or RunPlan.build(cfg, self.world_size)
+        self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
+        self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
+        t, dp = cfg.training, self.dims.dp
+        # Built before the process group: a bad dataset path is reported before any rank starts work.
+        self.dataloader = build_loader(self.plan, self.dims.dp_rank_of(self.rank))
+
+        self._owns_process_group = not dist.is_initialized()
+        init_distributed(cfg, self.device)
+        self.model = build_model(self.plan, self.device)
+        self.model.train()
+        n_params = self.model_args.num_params()
+        logger.info(
+            f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {self.model_args.vocab_size}; "
+            f"mesh {dict(zip(self.dims.dim_names, [getattr(self.dims, n) for n in self.dims.dim_names]))} "
+            f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
+            f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
+        )
+        logger.info(f"plan: {self._describe_plan()}")
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
+        self.step = 0
+        self.skipped_steps = 0
+        self.preemption = preemption or Preemption()
+        self.preempted = False
+        self.checkpointer = CheckpointManager(
+            cfg,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            dims=self.dims,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+        )
+        self.metrics = MetricsLogger(
+            cfg.metrics,
+            cfg.job.dump_folder,
+            self.device,
+            flops_per_token=self.model_args.flops_per_token(t.seq_len),
+            enabled=self.rank == 0,
+        )
+
+    def _describe_plan(self) -> str:
+        c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
+        compiled = "eager"
+        if c.enable:
+            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {c.scope}, bucketing {c.bucketing})"
+        ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
+        precision = (
+            f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
+            if self.dims.dp_enabled
+            else "float32 (no data-parallel plan)"
+        )
+        return f"AC {ac_text}; {compiled}; {precision}"
+
+    # --- set-up helpers ---------------------------------------------------------------------------------
+
+    def _set_train_timeout(self) -> None:
+        """After the first step (which includes compilation), a dead peer must surface within the train
+        timeout, on every process group the step uses."""
+        apply_train_timeout(self.cfg, self.dims)
+
+    @staticmethod
+    def _seed(seed: int, deterministic: bool) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=False)
+            torch.backends.cudnn.benchmark = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    # --- the step ---------------------------------------------------------------------------------------
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite."""
+        loss_fn = self.loss_fn
+        if nan_injection(self.step):
+            loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
+        loss, grad_norm = forward_backward(
+            self.model,
+            self.optimizer,
+            batches,
+            loss_fn,
+            self.dims.loss_parallel,
+            self.cfg.training.max_norm,
+            self.device,
+        )
+        verdict = agree(self.preemption, loss, grad_norm, self.device)
+        self.preempted = verdict.preempted
+        if verdict.finite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        else:
+            self._on_nonfinite(loss, grad_norm)
+        return loss, grad_norm
+
+    def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Skip the update (up to `training.skip_nonfinite_steps` times), else stop with the facts."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        limit = self.cfg.training.skip_nonfinite_steps
+        what = f"step {self.step}: loss {loss.item():.4g}, grad norm {grad_norm.item():.4g}"
+        if self.skipped_steps > limit:
+            last = self.checkpointer.last_complete() or "none"
+            raise TrainingDiverged(
+                f"non-finite {what} (skipped {self.skipped_steps - 1} of at most {limit}); last good checkpoint: {last}"
+            )
+        logger.warning(f"non-finite {what}; update skipped ({self.skipped_steps} of at most {limit})")
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Average a per-rank loss over the data-parallel mesh (tp ranks hold the same value)."""
+        mesh = self.dims.dp_mesh
+        if mesh is None:
+            return value.item()
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG, group=mesh.get_group())
+        return value.item()
+
+    def train(self) -> None:
+        cfg = self.cfg.training
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(0, force=True, model_only=True)
+            self.checkpointer.close()
+            logger.info("seed checkpoint written; exiting")
+            return
+        self.step = self.checkpointer.load()
+        data_iter = iter(self.dataloader)
+        gc.disable()
+        gc.collect(1)
+        window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+        tokens_per_step = self.plan.tokens_per_gpu_step
+        logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
+        with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
+            while self.step < cfg.steps:
+                self.step += 1
+                inject_before_step(self.step, self.rank)
+                t0 = time.perf_counter()
+                batches = [next(data_iter) for _ in range(self.grad_accum)]
+                window_data += time.perf_counter() - t0
+                loss, grad_norm = self.train_step(batches)
+                profiler.step()
+                window_steps += 1
+                if self.step == 1:
+                    self._set_train_timeout()
+                log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
+                if log_now or self.preempted:
+                    elapsed = time.perf_counter() - window_start
+                    self.metrics.log(
+                        StepStats(
+                            step=self.step,
+                            loss=self._global_mean(loss),
+                            grad_norm=grad_norm.item(),
+                            lr=self.lr_scheduler.get_last_lr()[0],
+                            tokens=tokens_per_step * window_steps,
+                            elapsed=elapsed,
+                            data_time=window_data,
+                        ),
+                        window_steps,
+                    )
+                    window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+                if self.preempted:
+                    self._save_and_stop()
+                    return
+                self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
+                if cfg.gc_freq and self.step % cfg.gc_freq == 0:
+                    gc.collect(1)
+        gc.enable()
+        logger.info("training finished")
+
+    def _save_and_stop(self) -> None:
+        """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly."""
+        self.checkpointer.save(self.step, force=True)
+        self.checkpointer.close()
+        signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer's"
+        logger.info(
+            f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
+            f"{self.checkpointer.last_complete()}; exiting"
+        )
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if self.folder_lock is not None:
+            self.folder_lock.release()
