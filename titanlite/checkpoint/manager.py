@@ -24,22 +24,8 @@ stops with `checkpoint.stop_on_save_error`. DCP reports a rank's failure to ever
 
 Resuming checks, before anything is loaded, that the checkpoint's files match their checksums (each
 rank verifies its share; a mismatch is reported in one line and the previous checkpoint is tried) and
-compares the run's settings with the ones the checkpoint recorded (`complete.json`: the config, the
-dataset and tokenizer fingerprints of `fingerprint.py`, the effective global batch and virtual shards).
-Changed settings are listed in one log line; what happens to each:
-
-- cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor` (and any other model shape, checked tensor by tensor), the tokenizer
-  (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
-  (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
-  (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
-  content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
-  beginning of the new dataset;
-- resharded, as with any layout: `parallelism.*`, `training.local_batch_size` (the global batch stays);
-- take the new value: everything else, e.g. `optimizer.*` (lr, betas, eps, weight_decay,
-  implementation: the saved param groups' values are replaced, and the LR schedule's base LR is the new
-  `optimizer.lr`), `lr_scheduler.*` and `training.steps` (the schedule is recomputed at the restored
-  step), `training.max_norm`, checkpoint, metrics, profiling, compile and activation-checkpoint keys.
+that no setting changed that cannot change (`resume_policy.py`: which keys stop a resume, which are
+resharded, which take the new value); changed settings are listed in one log line.
 
 Test hook: `TITANLITE_TEST_KILL_AT=N` makes every rank SIGKILL itself after `save(N)` returns (a crash
 between saves); `TITANLITE_TEST_KILL_AT=N:mid_save` makes rank 0 SIGKILL itself while finalising the
@@ -48,7 +34,6 @@ save of step N, after all data is written and before the completion marker (a cr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -76,8 +61,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint import folders, rank_state
-from titanlite.checkpoint.fingerprint import dataset_fingerprint, describe_dataset, tokenizer_fingerprint
+from titanlite.checkpoint.fingerprint import dataset_fingerprint, tokenizer_fingerprint
 from titanlite.checkpoint.hf import import_hf
+from titanlite.checkpoint.resume_policy import ResumeCheck, compare_settings
 from titanlite.config import DTYPES, JobConfig
 from titanlite.errors import CheckpointError, ConfigError
 from titanlite.models.registry import get_model_spec
@@ -85,9 +71,6 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.simple_fsdp import sharded_view
 
 logger = logging.getLogger("titanlite")
-
-# Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
-_NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
 
 TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -167,20 +150,6 @@ def describe_error(error: BaseException) -> str:
     else:
         text = f"{type(error).__name__}: {error}"
     return " ".join(text.split())
-
-
-def _flat(config: dict) -> dict:
-    """`section.key` -> value of a config as `JobConfig.to_dict()` gives it."""
-    return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
-
-
-@dataclass
-class _Resume:
-    """What rank 0 found comparing a checkpoint's recorded settings with this run's (module docstring)."""
-
-    changed: list[str]
-    error: str | None = None
-    dataset_changed: str | None = None
 
 
 @dataclass
@@ -487,58 +456,9 @@ class CheckpointManager:
             if self.cfg.load_step < 0 and self.rank == 0:
                 logger.warning(f"checkpoint {choice.path} is unusable: {why}; trying the previous one")
 
-    def _compare(self, path: str, marker: dict) -> _Resume:
-        """This run's settings against the ones `marker` recorded (rank 0; module docstring)."""
-        if "config" not in marker:
-            return _Resume([])  # written before checkpoints recorded their settings
-        old, new = _flat(marker["config"]), _flat(self.job.to_dict())
-        global_batch, virtual_shards = self._batch_layout()
-        fixed = [
-            ("model.name", old.get("model.name"), new["model.name"], ""),
-            ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
-            ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
-            ("training.global_batch_size", marker["global_batch"], global_batch, " samples per step"),
-            ("training.dataset_virtual_shards", marker["virtual_shards"], virtual_shards, " virtual shards"),
-        ]
-        if marker.get("tokenizer") and self._tokenizer and marker["tokenizer"]["digest"] != self._tokenizer["digest"]:
-            was, now = marker["tokenizer"], self._tokenizer
-            fixed.append(
-                (
-                    "model.tokenizer_path",
-                    f"{was['name']} (digest {was['digest']})",
-                    f"{now['name']} (digest {now['digest']})",
-                    "",
-                )
-            )
-        for key, was, now, unit in fixed:
-            if was != now:
-                return _Resume(
-                    [],
-                    f"checkpoint {path}: {key} was {was}{unit}, this run has {now}{unit}; it cannot change when "
-                    "resuming (restore it, or train in another job.dump_folder)",
-                )
-        changed = [
-            f"{key} {json.dumps(old[key])} -> {json.dumps(value)}"
-            for key, value in new.items()
-            if key in old and old[key] != value and key not in _NOT_SETTINGS
-        ]
-        was, now = marker.get("dataset"), self._dataset
-        if not (was and now and was["digest"] != now["digest"]):
-            return _Resume(changed)
-        what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
-        if was["text_field"] != now["text_field"]:
-            what = f"training.dataset_text_field was {was['text_field']!r}, this run has {now['text_field']!r}"
-        if not self.job.training.allow_dataset_change:
-            return _Resume(
-                changed,
-                f"checkpoint {path}: {what}; its data positions would point into other documents (set "
-                "training.allow_dataset_change = true to read the new dataset from its beginning)",
-            )
-        return _Resume(
-            changed,
-            dataset_changed=f"checkpoint {path}: {what}; training.allow_dataset_change = true: the data stream "
-            "restarts from the beginning of the new dataset (model and optimizer state are resumed)",
-        )
+    def _compare(self, path: str, marker: dict) -> ResumeCheck:
+        """This run's settings against the ones `marker` recorded (rank 0; `resume_policy.py`)."""
+        return compare_settings(path, marker, self._inputs(), self.job.training.allow_dataset_change)
 
     def _restore_schedule(self, saved: dict, fresh: list[dict]) -> None:
         """Load the LR schedule's position with this run's hyperparameters.

@@ -1,0 +1,100 @@
+"""Which settings may change when a run resumes from a checkpoint, decided before anything loads.
+
+A checkpoint's completion marker records what the run trained with (`CheckpointManager._inputs`: the
+config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effective global batch and
+virtual shards). `compare_settings` holds a resuming run against it:
+
+- cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
+  `model.name`, `model.flavor` (and any other model shape, checked tensor by tensor by the manager), the
+  tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
+  (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
+  (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
+  content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
+  beginning of the new dataset;
+- resharded, as with any layout: `parallelism.*`, `training.local_batch_size` (the global batch stays);
+- take the new value: everything else, e.g. `optimizer.*` (lr, betas, eps, weight_decay,
+  implementation: the saved param groups' values are replaced, and the LR schedule's base LR is the new
+  `optimizer.lr`), `lr_scheduler.*` and `training.steps` (the schedule is recomputed at the restored
+  step), `training.max_norm`, checkpoint, metrics, profiling, compile and activation-checkpoint keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from titanlite.checkpoint.fingerprint import describe_dataset
+
+# Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
+_NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
+
+
+@dataclass
+class ResumeCheck:
+    """What comparing a checkpoint's recorded settings with this run's found."""
+
+    changed: list[str]
+    """`key old -> new` for every changed setting, logged in one line."""
+    error: str | None = None
+    """A setting that cannot change did: the one line the resume stops with."""
+    dataset_changed: str | None = None
+    """The dataset changed and `training.allow_dataset_change` accepts it: the warning to log."""
+
+
+def _flat(config: dict) -> dict:
+    """`section.key` -> value of a config as `JobConfig.to_dict()` gives it."""
+    return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
+
+
+def compare_settings(path: str, marker: dict, inputs: dict, allow_dataset_change: bool) -> ResumeCheck:
+    """This run's `inputs` (as `CheckpointManager._inputs` records them) against checkpoint `path`'s
+    `marker` (module docstring)."""
+    if "config" not in marker:
+        return ResumeCheck([])  # written before checkpoints recorded their settings
+    old, new = _flat(marker["config"]), _flat(inputs["config"])
+    fixed = [
+        ("model.name", old.get("model.name"), new["model.name"], ""),
+        ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
+        ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
+        ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),
+        ("training.dataset_virtual_shards", marker["virtual_shards"], inputs["virtual_shards"], " virtual shards"),
+    ]
+    was_tok, now_tok = marker.get("tokenizer"), inputs["tokenizer"]
+    if was_tok and now_tok and was_tok["digest"] != now_tok["digest"]:
+        fixed.append(
+            (
+                "model.tokenizer_path",
+                f"{was_tok['name']} (digest {was_tok['digest']})",
+                f"{now_tok['name']} (digest {now_tok['digest']})",
+                "",
+            )
+        )
+    for key, was, now, unit in fixed:
+        if was != now:
+            return ResumeCheck(
+                [],
+                f"checkpoint {path}: {key} was {was}{unit}, this run has {now}{unit}; it cannot change when "
+                "resuming (restore it, or train in another job.dump_folder)",
+            )
+    changed = [
+        f"{key} {json.dumps(old[key])} -> {json.dumps(value)}"
+        for key, value in new.items()
+        if key in old and old[key] != value and key not in _NOT_SETTINGS
+    ]
+    was, now = marker.get("dataset"), inputs["dataset"]
+    if not (was and now and was["digest"] != now["digest"]):
+        return ResumeCheck(changed)
+    what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
+    if was["text_field"] != now["text_field"]:
+        what = f"training.dataset_text_field was {was['text_field']!r}, this run has {now['text_field']!r}"
+    if not allow_dataset_change:
+        return ResumeCheck(
+            changed,
+            f"checkpoint {path}: {what}; its data positions would point into other documents (set "
+            "training.allow_dataset_change = true to read the new dataset from its beginning)",
+        )
+    return ResumeCheck(
+        changed,
+        dataset_changed=f"checkpoint {path}: {what}; training.allow_dataset_change = true: the data stream "
+        "restarts from the beginning of the new dataset (model and optimizer state are resumed)",
+    )
