@@ -8,8 +8,9 @@ what they expect of a job's first process:
   process group, are forwarded once to every rank; the ranks agree on the next step boundary, save and
   exit (`resilience.Preemption`), and the launcher exits 0. It waits `comm.stop_grace_seconds` for
   them, then kills them (exit code 128 + signal). A second Ctrl-C kills them at once (exit code 130).
-  SIGHUP and SIGQUIT end the run at once through torch's own handling. torch starts every rank in a
-  session of its own, so a signal to the launcher's group reaches the ranks only through the launcher.
+  SIGHUP and SIGQUIT end the run at once through torch's own handling; signals ignored when the
+  launcher started (SIGHUP under `nohup`) stay ignored. torch starts every rank in a session of its
+  own, so a signal to the launcher's group reaches the ranks only through the launcher: exactly once.
 * Death of the launcher. Every rank asks Linux to kill it when the launcher dies
   (`resilience.follow_launcher`): a SIGKILL of the launcher leaves no rank training on.
 * One error contract. A failing rank writes its report into the error file torch elastic gives it
@@ -44,7 +45,7 @@ from titanlite.errors import EXIT_DIVERGED, EXIT_USER_ERROR, run_cli
 from titanlite.resilience import LAUNCHER_PID_ENV
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-IMMEDIATE_SIGNALS = "SIGHUP,SIGQUIT"  # left to torch: it sends them on to the ranks and shuts down
+IMMEDIATE_SIGNALS = (signal.SIGHUP, signal.SIGQUIT)  # left to torch: it sends them on to the ranks and shuts down
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
@@ -59,6 +60,12 @@ class Agent(LocalElasticAgent):
         return result
 
 
+def handled(signals: tuple[signal.Signals, ...]) -> list[signal.Signals]:
+    """The signals not ignored when the launcher started: `nohup` (SIGHUP) and a background job of a
+    non-interactive shell (SIGINT) keep their meaning."""
+    return [sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN]
+
+
 class Stopper:
     """The launcher's handlers of stop signals: forward the first to every rank once, bound the wait by
     the grace period (SIGALRM), and turn a second Ctrl-C or the end of the grace period into torch's
@@ -69,7 +76,7 @@ class Stopper:
         self.agent: Agent | None = None
         self.received: signal.Signals | None = None
         self.reason, self.code = "", 0
-        for sig in STOP_SIGNALS:
+        for sig in handled(STOP_SIGNALS):
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGALRM, self._on_grace_over)
 
@@ -180,7 +187,7 @@ def build_launch(argv: list[str]) -> Launch:
         args.master_port = 29500
     grace = load_config(args.training_script_args, default_config=DEFAULT_CONFIG).comm.stop_grace_seconds
     config, entrypoint, entry_args = config_from_args(args)
-    config.signals_to_handle = IMMEDIATE_SIGNALS
+    config.signals_to_handle = ",".join(sig.name for sig in handled(IMMEDIATE_SIGNALS))
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
