@@ -69,8 +69,14 @@ fi
 
 # Validate the config, mesh and paths in one process first: bad input is one line and exit code 2,
 # before any rank starts.
-CONFIG_RESTARTS=$(WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
-MAX_RESTARTS=${MAX_RESTARTS:-$CONFIG_RESTARTS}
+# The launcher runs the preflight itself (bad input: one line, exit code 2, before any rank starts) and
+# takes comm.max_restarts from the config unless MAX_RESTARTS is set. DRY_LAUNCH runs it here.
+RESTARTS=()
+if [ "${DRY_LAUNCH:-0}" = 1 ]; then
+  MAX_RESTARTS=${MAX_RESTARTS:-$(WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" \
+    "${ARGS[@]+"${ARGS[@]}"}")}
+fi
+[ -n "${MAX_RESTARTS:-}" ] && RESTARTS=(--max-restarts "$MAX_RESTARTS")
 
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   RDZV=(--standalone)
@@ -80,7 +86,7 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS"
+LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
         --local-ranks-filter "$LOG_RANK" --role rank --tee 3
         -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then

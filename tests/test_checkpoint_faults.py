@@ -1,6 +1,7 @@
-"""Checkpoints under faults, through the real entry points (one process, `python -m titanlite.train`, so
-exit codes are the trainer's own): a full disk during a sync and an async save, a second run on a locked
-dump folder, a bit flip in a shard (resume and HF export), and a resume with changed settings.
+"""Checkpoints under faults, as users meet them: through `run_train.sh` (NGPU=1: the preflight, the
+launcher and one rank; exit codes and error lines are what the launcher reports): a full disk during a
+sync and an async save, a second run on a locked dump folder, a bit flip in a shard (resume and HF
+export), and a resume with changed settings.
 
 The full disk is a real one where this process may mount a 4 MiB tmpfs (root); elsewhere a 4 MiB file
 size limit (RLIMIT_FSIZE, inherited by the trainer) makes the same DCP write fail (EFBIG). Either way
@@ -35,7 +36,7 @@ BASE = [*SMALL, "--training.local_batch_size", "2", "--checkpoint.enable", "--ch
 
 
 def run(dump: Path, *overrides: str, steps: int = 2) -> RunResult:
-    return train(dump, 1, *BASE, "--training.steps", str(steps), *overrides, launcher="python")
+    return train(dump, 1, *BASE, "--training.steps", str(steps), *overrides, launcher="run_train")
 
 
 def error_lines(proc: RunResult) -> list[str]:

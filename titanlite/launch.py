@@ -42,6 +42,7 @@ from torch.distributed.run import config_from_args, parse_args, parse_min_max_nn
 
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_USER_ERROR, run_cli
+from titanlite.preflight import preflight
 from titanlite.resilience import LAUNCHER_PID_ENV
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -179,7 +180,14 @@ def build_launch(argv: list[str]) -> Launch:
     """torchrun's command line -> torch's agent (built as `torch.distributed.run` builds it), the grace
     period from the trainer's config, and where torch elastic keeps the ranks' logs."""
     args = parse_args(argv)
-    one_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    nnodes = parse_min_max_nnodes(args.nnodes)[1]
+    one_node = nnodes == 1
+    # The preflight, in this process (one interpreter start less per launch): bad input is one line and
+    # exit code 2 before any rank starts. Its restart budget applies unless --max-restarts was given.
+    nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+    restarts = preflight(list(args.training_script_args), nproc * nnodes)
+    if not any(a.startswith(("--max-restarts", "--max_restarts")) for a in argv):
+        args.max_restarts = restarts
     implicit = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and one_node
     if args.standalone or implicit:  # as torchrun: a private c10d store on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
