@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,39 +51,32 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
 PARITY_STEPS = ["--training.steps", "10", "--training.global_batch_size", "8"]
 
 
+LAYOUTS = {
+    "dp2xtp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                "--training.local_batch_size", "2"],
+    "fsdp2": ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_shard_degree", "4",
+              "--training.local_batch_size", "2"],
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def one_process_reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref"), 1, *PARITY_STEPS, "--training.local_batch_size", "8")
+def layout_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Metrics rows of the one-process reference (local batch 8) and of each 4-process layout (local
+    batch 4 unless the layout says), all at global batch 8. One after another: 4-process runs side by
+    side only oversubscribe the cores."""
+    root = tmp_path_factory.mktemp("layouts")
+    launches = {"reference": (1, ["--training.local_batch_size", "8"])}
+    launches.update({name: (4, ["--training.local_batch_size", "4", *layout]) for name, layout in LAYOUTS.items()})
+    return {name: train(root / name, nproc, *PARITY_STEPS, *extra) for name, (nproc, extra) in launches.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-        [
-            "--parallelism.dp_impl",
-            "fsdp2",
-            "--parallelism.data_parallel_shard_degree",
-            "4",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ],
-    ids=["dp2xtp2", "hsdp2x2", "fsdp2"],
-)
-def test_cli_layout_parity_with_one_process(tmp_path, layout, one_process_reference):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cli_layout_parity_with_one_process(layout, layout_runs):
     """Same global batch of 8: one process with local batch 8 vs 4 processes; losses match (fp32)."""
-    par = train(tmp_path, 4, *PARITY_STEPS, "--training.local_batch_size", "4", *layout)
-    diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(one_process_reference, par)]
+    reference, par = layout_runs["reference"], layout_runs[layout]
+    diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(reference, par)]
     assert len(diffs) == 10 and max(diffs) < LOSS_REL, diffs
 
 
@@ -98,25 +92,29 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     """One process (run_train.sh with NGPU=1, and python -m titanlite.train without torchrun) compiles,
     checkpoints activations and writes the compile report; its losses equal 2 processes' at the same
     global batch (fp32, deterministic)."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    runs = {
-        "python": run_trainer(
-            tmp_path / "python", 1, *SMALL, *FULL_PLAN, "--training.local_batch_size", "16", launcher="python", env=env
-        ),
-        "ngpu1": run_trainer(
-            tmp_path / "ngpu1",
-            1,
-            *SMALL,
-            *FULL_PLAN,
-            "--training.local_batch_size",
-            "16",
-            launcher="run_train",
-            env=env,
-        ),
-        "ngpu2": run_trainer(
-            tmp_path / "ngpu2", 2, *SMALL, *FULL_PLAN, "--training.local_batch_size", "8", launcher="run_train", env=env
-        ),
+    # The three runs go side by side: their compiles are mostly single-threaded Python.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    launches = {
+        "python": (1, "16", "python"),
+        "ngpu1": (1, "16", "run_train"),
+        "ngpu2": (2, "8", "run_train"),
     }
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = {
+            name: pool.submit(
+                run_trainer,
+                tmp_path / name,
+                nproc,
+                *SMALL,
+                *FULL_PLAN,
+                "--training.local_batch_size",
+                local,
+                launcher=launcher,
+                env=env,
+            )
+            for name, (nproc, local, launcher) in launches.items()
+        }
+        runs = {name: future.result() for name, future in futures.items()}
     for name, run in runs.items():
         run.ok()
         assert "plan: AC selective (op); compile aot_eager" in run.log, name
