@@ -33,7 +33,8 @@ else
     echo "titanlite: setting up $VENV (one time)" >&2
     SYS_PY=$(command -v python3 || command -v python)
     [ -x "$PYTHON" ] || "$SYS_PY" -m venv "$VENV"
-    PIP=("$PYTHON" -m pip install -q --disable-pip-version-check)
+    # No bytecode compilation at install (thousands of torch files): modules compile on first import.
+    PIP=("$PYTHON" -m pip install -q --disable-pip-version-check --no-compile)
     if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
       if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
         "${PIP[@]}" "torch==$TORCH_VERSION"

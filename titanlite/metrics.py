@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import platform
 import time
 from dataclasses import dataclass
 
@@ -48,12 +49,51 @@ def peak_tflops(device: torch.device) -> tuple[float | None, str]:
             if key in name:
                 return value, f"{name} bf16 dense peak"
         return None, f"unknown GPU {name}: MFU not reported"
-    return _cpu_peak_tflops(), "CPU fp32 matmul peak, measured"
+    return _cpu_peak_tflops(), f"CPU fp32 matmul peak, measured once on this machine ({CPU_PEAK_CACHE})"
+
+
+# The measured CPU peak, per CPU model, core count, thread count and torch version: measured once per
+# machine, so MFU does not drift between runs with timing noise (re-measured after deleting the file).
+CPU_PEAK_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "titanlite", "cpu_peak_tflops.json"
+)
+
+
+def _cpu_key() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
 @functools.cache
 def _cpu_peak_tflops() -> float:
-    """Measured once per process: every trainer a process builds reports MFU against the same peak."""
+    """The cached peak for this machine, else measured now and cached (best effort: a read-only home
+    only costs the measurement at each start)."""
+    key = _cpu_key()
+    try:
+        with open(CPU_PEAK_CACHE) as f:
+            cached = json.load(f)
+        if key in cached:
+            return float(cached[key])
+    except (OSError, ValueError):
+        cached = {}
+    peak = _measure_cpu_peak_tflops()
+    try:
+        os.makedirs(os.path.dirname(CPU_PEAK_CACHE), exist_ok=True)
+        tmp = f"{CPU_PEAK_CACHE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({**cached, key: peak}, f, indent=1)
+        os.replace(tmp, CPU_PEAK_CACHE)
+    except OSError:
+        pass
+    return peak
+
+
+def _measure_cpu_peak_tflops() -> float:
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     for _ in range(3):
