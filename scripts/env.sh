@@ -33,8 +33,9 @@ else
     echo "titanlite: setting up $VENV (one time)" >&2
     SYS_PY=$(command -v python3 || command -v python)
     [ -x "$PYTHON" ] || "$SYS_PY" -m venv "$VENV"
-    # No bytecode compilation at install (thousands of torch files): modules compile on first import.
-    PIP=("$PYTHON" -m pip install -q --disable-pip-version-check --no-compile)
+    # Bytecode is compiled at install: environments often set PYTHONDONTWRITEBYTECODE, and then every
+    # process would compile torch's modules again at import.
+    PIP=("$PYTHON" -m pip install -q --disable-pip-version-check)
     if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
       if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
         "${PIP[@]}" "torch==$TORCH_VERSION"
