@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.memory_plan import local_tensor  # noqa: E402
-from titanlite.metrics import peak_tflops  # noqa: E402
+from titanlite.metrics import mfu_pct, peak_tflops  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
@@ -248,7 +248,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def result_row(r: Result, world: int, peak: float) -> dict:
+def result_row(r: Result, world: int, peak: float | None) -> dict:
     tps = r.tokens_per_s
     return dict(
         name=r.name,
@@ -261,7 +261,7 @@ def result_row(r: Result, world: int, peak: float) -> dict:
         step_growth_mib=r.peak_delta / 2**20,
         collectives=r.collectives,
         collectives_per_step=sum(r.collectives.values()),
-        mfu_pct=100 * r.flops_per_token * tps / (world * peak * 1e12) if tps else 0.0,
+        mfu_pct=mfu_pct(r.flops_per_token * tps / (world * 1e12), peak) if tps else 0.0,
     )
 
 
@@ -281,9 +281,10 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
         c = r["collectives"]
         tps_ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         mem_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "n/a"
+        mfu = "n/a" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}"
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | {tps_ratio} | {r['peak_mib']:,.0f} | {mem_ratio} | "
-            f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}) | {r['mfu_pct']:.1f} |"
+            f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}) | {mfu} |"
         )
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ import torch
 
 from titanlite.config import load_config
 from titanlite.memory_plan import GiB, Layout, estimate
-from titanlite.metrics import MemoryMonitor, peak_tflops
+from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
 from titanlite.trainer import Trainer
 
 CONFIG = "train_configs/llama3_1b_gpu.toml"
@@ -93,7 +93,7 @@ def run(argv: list[str]) -> dict:
         steps=args.steps,
         tokens_per_s=tps,
         tflops=tflops,
-        mfu_pct=100 * tflops / peak_rate,
+        mfu_pct=mfu_pct(tflops, peak_rate),
         peak_tflops=peak_rate,
         peak_source=peak_source,
         memory_kind=memory.kind,
@@ -112,8 +112,9 @@ def report(r: dict) -> str:
             f"{r['dtype']} compute, "
             f"compile {r['compile']}, AC {r['ac']} | batch {r['local_batch']} x {r['seq_len']}",
             f"{r['steps']} timed steps after {r['warmup']} warm-up: {r['tokens_per_s']:,.0f} tokens/s, "
-            f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}% of {r['peak_tflops']:.0f} TFLOP/s "
-            f"({r['peak_source']})",
+            f"{r['tflops']:.1f} TFLOP/s, MFU "
+            + (f"{r['mfu_pct']:.1f}% of {r['peak_tflops']:.0f} TFLOP/s " if r["mfu_pct"] is not None else "n/a ")
+            + f"({r['peak_source']})",
             f"peak memory {r['peak_gib']:.2f} GiB ({r['memory_kind']}) vs dry-run estimate {r['estimate_gib']:.2f} GiB "
             f"(estimate / measured = {r['estimate_gib'] / max(r['peak_gib'], 1e-9):.2f}; "
             f"activations {r['estimate_activations_gib']:.2f} GiB of it, eager-kernel model)",

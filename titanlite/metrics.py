@@ -40,6 +40,11 @@ GPU_PEAK_TFLOPS = {
 }
 
 
+def mfu_pct(tflops: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation in percent; None where the device's peak is unknown."""
+    return 100.0 * tflops / peak if peak else None
+
+
 def peak_tflops(device: torch.device) -> tuple[float | None, str]:
     """(peak TFLOP/s, where it comes from); None for a GPU the table does not know (MFU is then not
     reported rather than computed against a guessed peak)."""
@@ -208,7 +213,7 @@ class MetricsLogger:
             lr=s.lr,
             tps=tps,
             tflops=tflops,
-            mfu=100.0 * tflops / self.peak if self.peak else None,
+            mfu=mfu_pct(tflops, self.peak),
             mem_peak_gib=mem,
             data_time_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
