@@ -43,10 +43,13 @@ def tiny_args(**over) -> ModelArgs:
     return dataclasses.replace(TINY, **over)
 
 
-# Short, deterministic, every step logged: the base of every trainer run in the tests.
+# Short, deterministic, every step logged: the base of every trainer run in the tests. Steps, not
+# start-up, dominate a debug-model run on 2 cores, so batches are small (2 x 64 tokens per rank).
 SMALL = [
     "--training.seq_len",
     "64",
+    "--training.local_batch_size",
+    "2",
     "--metrics.log_freq",
     "1",
     "--training.deterministic",
