@@ -6,10 +6,10 @@ so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses c
 The kill -9 tests use the test hook TITANLITE_TEST_KILL_AT (manager.py) and restart in the same dump
 folder, as a relaunch would.
 
-Tolerances: resuming on the same layout (including after a kill) must reproduce the uninterrupted losses
-of every resumed step bitwise. Resuming on another layout (other dp degree, tp, FSDP2, one process)
-changes only the order of floating-point reductions, so losses must agree within a relative 1e-5
-(observed: ~1e-7).
+Tolerances: resuming on the same layout (after a kill between saves, during an async save, or from a
+dp2 x tp2 checkpoint) must reproduce the uninterrupted losses of every resumed step bitwise. Resuming
+on another layout (other dp degree, tp, FSDP2, one process) changes only the order of floating-point
+reductions, so losses must agree within a relative 1e-5 (observed: ~1e-7).
 """
 
 from __future__ import annotations
@@ -92,14 +92,6 @@ def reference(tmp_path_factory) -> Path:
 
 def _assert_resumed(proc: RunResult, step: int) -> None:
     assert "resumed from" in proc.stderr and f"step-{step} at step {step}" in proc.stderr, proc.stderr[-3000:]
-
-
-def test_exact_resume_dp2(reference, tmp_path):
-    run = resume_from(reference, INTERVAL, tmp_path)
-    proc = train(run, "dp2", "--checkpoint.async_mode", "async")
-    assert_ok(proc)
-    _assert_resumed(proc, INTERVAL)
-    assert losses(run) == after(reference, INTERVAL)
 
 
 @pytest.fixture(scope="module")
