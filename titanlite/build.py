@@ -81,8 +81,28 @@ class RunPlan:
         return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
 
 
-def build_loader(plan: RunPlan, dp_rank: int) -> Any:
-    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured.
+AUTO_CUDA_WORKERS = 2
+"""`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""
+
+
+def loader_workers(plan: RunPlan, device_type: str) -> int:
+    """The configured worker count, or for -1 (auto) on CUDA the largest count up to `AUTO_CUDA_WORKERS`
+    that the data layout allows (workers serve whole microbatches: the count must divide the
+    microbatches per step and a microbatch must hold whole virtual-shard contributions; one worker
+    already overlaps loading with the GPU), and 0 on CPU, where workers would compete with the ranks for
+    cores."""
+    t = plan.cfg.training
+    if t.dataloader_num_workers >= 0:
+        return t.dataloader_num_workers
+    samples_per_shard = plan.global_batch // (t.dataset_virtual_shards or plan.global_batch)
+    if device_type != "cuda" or t.local_batch_size % samples_per_shard:
+        return 0
+    return max(w for w in range(1, AUTO_CUDA_WORKERS + 1) if plan.grad_accum % w == 0)
+
+
+def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
+    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
+    for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes).
 
     Built before the process group: a bad dataset path is reported before any rank starts work."""
     t = plan.cfg.training
@@ -96,7 +116,8 @@ def build_loader(plan: RunPlan, dp_rank: int) -> Any:
         dp_rank=dp_rank,
         dp_degree=plan.dims.dp,
         virtual_shards=t.dataset_virtual_shards,
-        num_workers=t.dataloader_num_workers,
+        num_workers=loader_workers(plan, device_type),
+        pin_memory=device_type == "cuda",
     )
 
 

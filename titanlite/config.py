@@ -135,7 +135,10 @@ class Training:
     dataset_text_field: str = "text"
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
     """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""
-    dataloader_num_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    dataloader_num_workers: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="auto"))
+    """Data-loading worker processes per rank. -1 = auto: on CUDA up to 2 (as many as the layout allows:
+    they must divide the microbatches per step), so tokenizing overlaps the GPU's work; on CPU 0, since
+    workers would take cores from the ranks' own compute."""
     local_batch_size: int = field(default=8, metadata=POSITIVE)
     global_batch_size: int = field(default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="local x dp"))
     """-1 = local batch size x data-parallel degree; larger values use gradient accumulation."""
