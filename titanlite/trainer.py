@@ -65,7 +65,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, plan: RunPlan | None = None, preemption: Preemption | None = None):
         self.cfg = cfg
         self.rank, self.world_size = world_from_env()
-        self.device = init_device()
+        # A seed checkpoint is one process holding the whole unsharded model (70B in fp32: 280 GB): it is
+        # built in host memory, never on a GPU, and needs no data.
+        self.seed_only = cfg.checkpoint.create_seed_checkpoint
+        self.device = torch.device("cpu") if self.seed_only else init_device()
         init_logging(self.rank)
         # One run at a time per dump folder, held from before anything is written there until close().
         self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
@@ -78,7 +81,9 @@ class Trainer:
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
-        self.dataloader = build_loader(self.plan, self.dims.dp_rank_of(self.rank))
+        self.dataloader = (
+            None if self.seed_only else build_loader(self.plan, self.dims.dp_rank_of(self.rank), self.device.type)
+        )
 
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)

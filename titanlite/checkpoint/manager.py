@@ -373,7 +373,8 @@ class CheckpointManager:
         )
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
-        """Drop the partial folder; stop (checkpoint.stop_on_save_error) or warn and keep training."""
+        """Drop the partial folder; stop (checkpoint.stop_on_save_error, or a seed checkpoint, which is the
+        run's only product) or warn and keep training."""
         message = f"checkpoint step {step} could not be saved to {path}: {describe_error(error)}"
         try:  # torch's file writer reports a full disk as a short write: say how much space is left
             message += f" ({shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system)"
@@ -381,7 +382,7 @@ class CheckpointManager:
             pass
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        if self.cfg.stop_on_save_error:
+        if self.cfg.stop_on_save_error or self.cfg.create_seed_checkpoint:
             raise CheckpointError(message)
         logger.warning(message + "; training continues (checkpoint.stop_on_save_error = false)")
 
