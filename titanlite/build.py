@@ -121,9 +121,25 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
     )
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's default setting for training: segments that grow in place instead of new
+fixed-size blocks, so memory freed by one step's differently sized buffers (gathers, activations under
+AC, compiled graphs' temporaries) is reused rather than fragmented; TorchTitan's default too."""
+
+
+def default_alloc_conf(environ: dict[str, str]) -> None:
+    """Set `PYTORCH_ALLOC_CONF` to `CUDA_ALLOC_CONF` unless the user configured the allocator (under
+    that name or the older `PYTORCH_CUDA_ALLOC_CONF`). The allocator reads it once, at its first use:
+    call before anything touches CUDA memory."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
+
+
 def init_device() -> torch.device:
-    """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU."""
+    """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU. On CUDA, first the
+    allocator's default (`default_alloc_conf`), before the device's first allocation."""
     if torch.cuda.is_available():
+        default_alloc_conf(os.environ)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         return device
