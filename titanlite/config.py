@@ -199,7 +199,9 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     selective_ac_option: str = "op"
-    """`op` (save matmul/attention outputs, recompute the rest) or an integer k (every k-th block)."""
+    """`op` (save attention and every other matmul output, recompute the rest: TorchTitan's rule),
+    `op_all_mm` (save every matmul output) or an integer k (every k-th block fully); see
+    titanlite/parallelisms/activation_checkpoint.py."""
 
 
 @dataclass
@@ -468,9 +470,10 @@ def validate(cfg: JobConfig) -> None:
     if cfg.optimizer.name != "AdamW":
         raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
     option = cfg.activation_checkpoint.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) > 0):
+    if option not in ("op", "op_all_mm") and not (option.isdigit() and int(option) > 0):
         raise ConfigError(
-            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: expected 'op' or a positive integer"
+            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
+            "expected 'op', 'op_all_mm' or a positive integer"
         )
     for component in cfg.compile.components:
         if component not in ("model", "loss"):
