@@ -21,7 +21,9 @@ import titanlite.trainer as trainer_module
 from harness import ROOT, child_env, tiny_args
 from titanlite.build import CUDA_ALLOC_CONF, RunPlan, build_loader, init_device, loader_workers
 from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.models.init import InitSpec, init_parameter_, init_parameters_
+from titanlite.preflight import preflight
 from titanlite.tools.visible_gpus import visible_gpus
 from titanlite.trainer import Trainer
 
@@ -168,6 +170,12 @@ def test_seed_checkpoint_is_built_on_the_cpu_on_a_gpu_node_and_equals_the_traine
     dcp.load(loaded, checkpoint_id=str(tmp_path / "seed" / "checkpoint" / "step-0"))
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_a_seed_checkpoint_of_several_processes_stops_before_any_rank_starts(tmp_path):
+    argv = ["--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"single process \(world size 8; NGPU=1 ./run_train.sh"):
+        preflight(argv, world_size=8)
 
 
 def test_threaded_init_draws_the_same_values_as_one_thread():
