@@ -7,11 +7,13 @@
 #   ./run_train.sh [--config FILE] [--dry-run] [--section.key value ...]
 #
 # --dry-run (or comm.mode = "fake_backend"): no torchrun; one CPU process plans the memory per GPU of a
-# world of NGPU x NNODES ranks (titanlite/tools/dry_run.py). When NGPU is unset and no GPU is visible,
-# the config's comm.fake_world_size is planned for (the 70B/405B configs name their intended size).
+# world of NGPU x NNODES ranks (titanlite/tools/dry_run.py). When NGPU is unset (even on a GPU node),
+# the config's comm.fake_world_size is planned for (the 70B/405B configs name their intended size), else
+# the visible GPUs (or 2) x NNODES.
 #
 # Environment:
-#   NGPU         processes per node (default: number of visible CUDA GPUs, else 2 CPU processes)
+#   NGPU         processes per node (default: the CUDA GPUs torch sees, honouring CUDA_VISIBLE_DEVICES;
+#                without any, 2 CPU processes)
 #   NNODES       number of nodes (default 1); NODE_RANK is implied by torchrun's c10d rendezvous
 #   RDZV_ENDPOINT / MASTER_ADDR:MASTER_PORT   rendezvous host:port for multi-node (default localhost:29500)
 #   RDZV_ID      job id shared by all nodes (default titanlite)
@@ -33,12 +35,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# NGPU given by the user; a dry run plans for it (x NNODES) instead of the config's comm.fake_world_size.
 GIVEN_NGPU=${NGPU:-}
 if [ -z "${NGPU:-}" ]; then
-  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    NGPU=$(nvidia-smi -L | wc -l)
-    GIVEN_NGPU=$NGPU
-  else
+  # What torch sees (CUDA_VISIBLE_DEVICES, MIG), not nvidia-smi's lines: titanlite/tools/visible_gpus.py.
+  NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus)
+  if [ "$NGPU" = 0 ]; then
+    if [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+      echo "titanlite: warning: nvidia-smi lists GPUs but torch sees none (a torch without CUDA?): starting 2 CPU processes" >&2
+    fi
     NGPU=2
   fi
 fi
@@ -60,7 +65,7 @@ if [ "$DRY_RUN" = 0 ] && { grep -qs fake_backend "$CONFIG" || [[ "${ARGS[*]-}" =
   [ "$MODE" = fake_backend ] && DRY_RUN=1
 fi
 if [ "$DRY_RUN" = 1 ]; then
-  # NGPU x NNODES when NGPU is known; else the config's comm.fake_world_size, else WORLD_SIZE.
+  # NGPU x NNODES when the user set NGPU; else the config's comm.fake_world_size, else WORLD_SIZE.
   FAKE_WORLD=()
   [ -n "$GIVEN_NGPU" ] && FAKE_WORLD=(--comm.fake_world_size $((NGPU * NNODES)))
   WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.tools.dry_run --config "$CONFIG" \

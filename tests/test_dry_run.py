@@ -182,7 +182,8 @@ def test_activation_estimate_matches_tp_measurement(two_rank_records, layout):
     [
         ("none", "op", None),
         ("full", "op", None),
-        ("selective", "op", None),
+        ("selective", "op", None),  # every other matmul saved
+        ("selective", "op_all_mm", None),
         ("full", "op", 64),  # small vocabulary: the last block's backward is the peak, not the loss
     ],
 )

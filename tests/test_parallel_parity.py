@@ -18,6 +18,7 @@ CASES_2 = [
     {"tp": 2},
     {"shard": 2, "ac": "full"},
     {"shard": 2, "ac": "selective"},
+    {"shard": 2, "ac": "selective", "ac_option": "op_all_mm"},
     {"shard": 2, "ac": "selective", "ac_option": "2"},
     {"rep": 2, "ac": "full"},
     {"tp": 2, "ac": "full"},

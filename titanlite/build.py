@@ -81,8 +81,28 @@ class RunPlan:
         return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
 
 
-def build_loader(plan: RunPlan, dp_rank: int) -> Any:
-    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured.
+AUTO_CUDA_WORKERS = 2
+"""`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""
+
+
+def loader_workers(plan: RunPlan, device_type: str) -> int:
+    """The configured worker count, or for -1 (auto) on CUDA the largest count up to `AUTO_CUDA_WORKERS`
+    that the data layout allows (workers serve whole microbatches: the count must divide the
+    microbatches per step and a microbatch must hold whole virtual-shard contributions; one worker
+    already overlaps loading with the GPU), and 0 on CPU, where workers would compete with the ranks for
+    cores."""
+    t = plan.cfg.training
+    if t.dataloader_num_workers >= 0:
+        return t.dataloader_num_workers
+    samples_per_shard = plan.global_batch // (t.dataset_virtual_shards or plan.global_batch)
+    if device_type != "cuda" or t.local_batch_size % samples_per_shard:
+        return 0
+    return max(w for w in range(1, AUTO_CUDA_WORKERS + 1) if plan.grad_accum % w == 0)
+
+
+def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
+    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
+    for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes).
 
     Built before the process group: a bad dataset path is reported before any rank starts work."""
     t = plan.cfg.training
@@ -96,13 +116,30 @@ def build_loader(plan: RunPlan, dp_rank: int) -> Any:
         dp_rank=dp_rank,
         dp_degree=plan.dims.dp,
         virtual_shards=t.dataset_virtual_shards,
-        num_workers=t.dataloader_num_workers,
+        num_workers=loader_workers(plan, device_type),
+        pin_memory=device_type == "cuda",
     )
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's default setting for training: segments that grow in place instead of new
+fixed-size blocks, so memory freed by one step's differently sized buffers (gathers, activations under
+AC, compiled graphs' temporaries) is reused rather than fragmented; TorchTitan's default too."""
+
+
+def default_alloc_conf(environ: dict[str, str]) -> None:
+    """Set `PYTORCH_ALLOC_CONF` to `CUDA_ALLOC_CONF` unless the user configured the allocator (under
+    that name or the older `PYTORCH_CUDA_ALLOC_CONF`). The allocator reads it once, at its first use:
+    call before anything touches CUDA memory."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
+
+
 def init_device() -> torch.device:
-    """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU."""
+    """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU. On CUDA, first the
+    allocator's default (`default_alloc_conf`), before the device's first allocation."""
     if torch.cuda.is_available():
+        default_alloc_conf(os.environ)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         return device

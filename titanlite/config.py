@@ -135,7 +135,10 @@ class Training:
     dataset_text_field: str = "text"
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
     """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""
-    dataloader_num_workers: int = field(default=0, metadata=NON_NEGATIVE)
+    dataloader_num_workers: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="auto"))
+    """Data-loading worker processes per rank. -1 = auto: on CUDA up to 2 (as many as the layout allows:
+    they must divide the microbatches per step), so tokenizing overlaps the GPU's work; on CPU 0, since
+    workers would take cores from the ranks' own compute."""
     local_batch_size: int = field(default=8, metadata=POSITIVE)
     global_batch_size: int = field(default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="local x dp"))
     """-1 = local batch size x data-parallel degree; larger values use gradient accumulation."""
@@ -196,7 +199,9 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     selective_ac_option: str = "op"
-    """`op` (save matmul/attention outputs, recompute the rest) or an integer k (every k-th block)."""
+    """`op` (save attention and every other matmul output, recompute the rest: TorchTitan's rule),
+    `op_all_mm` (save every matmul output) or an integer k (every k-th block fully); see
+    titanlite/parallelisms/activation_checkpoint.py."""
 
 
 @dataclass
@@ -465,9 +470,10 @@ def validate(cfg: JobConfig) -> None:
     if cfg.optimizer.name != "AdamW":
         raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
     option = cfg.activation_checkpoint.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) > 0):
+    if option not in ("op", "op_all_mm") and not (option.isdigit() and int(option) > 0):
         raise ConfigError(
-            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: expected 'op' or a positive integer"
+            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
+            "expected 'op', 'op_all_mm' or a positive integer"
         )
     for component in cfg.compile.components:
         if component not in ("model", "loss"):

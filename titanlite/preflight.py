@@ -15,6 +15,7 @@ from pathlib import Path
 
 from titanlite.build import RunPlan, build_loader
 from titanlite.checkpoint import folders, lock
+from titanlite.checkpoint.manager import check_seed_world
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 
@@ -53,6 +54,7 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
 
 def preflight(argv: list[str], world_size: int) -> int:
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+    check_seed_world(cfg.checkpoint, world_size)
     plan = RunPlan.build(cfg, world_size)
     t = cfg.training
     if not t.dataset_path.startswith("hf://"):

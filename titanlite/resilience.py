@@ -61,22 +61,42 @@ class Preemption:
 
 @dataclass
 class StepVerdict:
+    """What every rank agreed on after a step, read from the device once."""
+
     preempted: bool
+    """Some rank received a stop signal."""
     finite: bool
+    """Every rank's loss and the gradient norm are finite."""
+    loss: float
+    """The loss averaged over the data-parallel replicas (the value logged)."""
+    grad_norm: float
+    """The global gradient norm before clipping (the same on every rank)."""
 
 
 def agree(preemption: Preemption, loss: torch.Tensor, grad_norm: torch.Tensor, device: torch.device) -> StepVerdict:
-    """One all-reduce over the world: did any rank get a stop signal, and is every loss/grad norm finite?"""
-    flags = torch.tensor(
+    """The step's one host sync: one all-reduce over the world and one read of its result.
+
+    The tensor summed over the world holds [stop signal received, loss or grad norm not finite,
+    loss / world size]; all of it is computed on the device (no read before the all-reduce). The last
+    entry sums to the mean over the data-parallel replicas, since tensor-parallel peers hold the same
+    loss. The grad norm (already global) is appended after the reduction, and the four numbers come to
+    the host in one `tolist()`: the stop and skip decisions must be the same on every rank and taken
+    before the update, so one read per step is needed, and the logged scalars ride along with it.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss = loss.detach().float().reshape(())
+    grad_norm = grad_norm.detach().float().reshape(())
+    flags = torch.stack(
         [
-            float(preemption.received is not None),
-            float(not (torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())),
-        ],
-        device=device,
+            torch.full((), float(preemption.received is not None), device=device),
+            (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float(),
+            loss / world,
+        ]
     )
     if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return StepVerdict(preempted=bool(flags[0].item()), finite=not bool(flags[1].item()))
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    preempted, nonfinite, mean_loss, norm = torch.cat([flags, grad_norm.reshape(1)]).tolist()
+    return StepVerdict(preempted=preempted > 0, finite=nonfinite == 0, loss=mean_loss, grad_norm=norm)
 
 
 # --- under the launcher ---------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ def forward_backward(
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, labels in batches:
-        inputs, labels = inputs.to(device), labels.to(device)
+        # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
             pred = model(inputs)
             loss = loss_fn(pred, labels) / len(batches)

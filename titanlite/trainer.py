@@ -34,7 +34,7 @@ from titanlite.errors import TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
-from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
+from titanlite.resilience import Preemption, StepVerdict, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
 
 logger = logging.getLogger("titanlite")
@@ -65,7 +65,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, plan: RunPlan | None = None, preemption: Preemption | None = None):
         self.cfg = cfg
         self.rank, self.world_size = world_from_env()
-        self.device = init_device()
+        # A seed checkpoint is one process holding the whole unsharded model (70B in fp32: 280 GB): it is
+        # built in host memory, never on a GPU, and needs no data.
+        self.seed_only = cfg.checkpoint.create_seed_checkpoint
+        self.device = torch.device("cpu") if self.seed_only else init_device()
         init_logging(self.rank)
         # One run at a time per dump folder, held from before anything is written there until close().
         self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
@@ -78,7 +81,9 @@ class Trainer:
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
-        self.dataloader = build_loader(self.plan, self.dims.dp_rank_of(self.rank))
+        self.dataloader = (
+            None if self.seed_only else build_loader(self.plan, self.dims.dp_rank_of(self.rank), self.device.type)
+        )
 
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)
@@ -100,6 +105,8 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.step = 0
         self.skipped_steps = 0
+        self.verdict: StepVerdict | None = None
+        """The last step's agreement: stop signal, finite, and the logged loss and grad norm."""
         self.preemption = preemption or Preemption()
         self.preempted = False
         self.checkpointer = CheckpointManager(
@@ -153,7 +160,10 @@ class Trainer:
     # --- the step ---------------------------------------------------------------------------------------
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite."""
+        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite.
+
+        One host sync: the agreement's single read (`resilience.agree`), which also brings the logged
+        loss and grad norm to the host (`self.verdict`); nothing else in the step waits for the device."""
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
@@ -166,36 +176,27 @@ class Trainer:
             self.cfg.training.max_norm,
             self.device,
         )
-        verdict = agree(self.preemption, loss, grad_norm, self.device)
-        self.preempted = verdict.preempted
-        if verdict.finite:
+        self.verdict = agree(self.preemption, loss, grad_norm, self.device)
+        self.preempted = self.verdict.preempted
+        if self.verdict.finite:
             self.optimizer.step()
             self.lr_scheduler.step()
         else:
-            self._on_nonfinite(loss, grad_norm)
+            self._on_nonfinite(self.verdict)
         return loss, grad_norm
 
-    def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def _on_nonfinite(self, verdict: StepVerdict) -> None:
         """Skip the update (up to `training.skip_nonfinite_steps` times), else stop with the facts."""
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         limit = self.cfg.training.skip_nonfinite_steps
-        what = f"step {self.step}: loss {loss.item():.4g}, grad norm {grad_norm.item():.4g}"
+        what = f"step {self.step}: loss {verdict.loss:.4g}, grad norm {verdict.grad_norm:.4g}"
         if self.skipped_steps > limit:
             last = self.checkpointer.last_complete() or "none"
             raise TrainingDiverged(
                 f"non-finite {what} (skipped {self.skipped_steps - 1} of at most {limit}); last good checkpoint: {last}"
             )
         logger.warning(f"non-finite {what}; update skipped ({self.skipped_steps} of at most {limit})")
-
-    def _global_mean(self, value: torch.Tensor) -> float:
-        """Average a per-rank loss over the data-parallel mesh (tp ranks hold the same value)."""
-        mesh = self.dims.dp_mesh
-        if mesh is None:
-            return value.item()
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG, group=mesh.get_group())
-        return value.item()
 
     def train(self) -> None:
         cfg = self.cfg.training
@@ -218,7 +219,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 batches = [next(data_iter) for _ in range(self.grad_accum)]
                 window_data += time.perf_counter() - t0
-                loss, grad_norm = self.train_step(batches)
+                self.train_step(batches)
                 profiler.step()
                 window_steps += 1
                 if self.step == 1:
@@ -229,8 +230,8 @@ class Trainer:
                     self.metrics.log(
                         StepStats(
                             step=self.step,
-                            loss=self._global_mean(loss),
-                            grad_norm=grad_norm.item(),
+                            loss=self.verdict.loss,
+                            grad_norm=self.verdict.grad_norm,
                             lr=self.lr_scheduler.get_last_lr()[0],
                             tokens=tokens_per_step * window_steps,
                             elapsed=elapsed,

@@ -120,7 +120,7 @@ def run(case: dict, dump: str, batches):
         x, y = x[rank_slice], y[rank_slice]
         micro = list(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)))
         loss, _ = trainer.train_step(micro)
-        losses.append(trainer._global_mean(loss))
+        losses.append(trainer.verdict.loss)
         first = first or snapshot(trainer.model)
     before = group_timeouts(dims)
     apply_train_timeout(cfg, dims)

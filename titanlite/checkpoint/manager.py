@@ -64,7 +64,7 @@ from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.fingerprint import dataset_fingerprint, tokenizer_fingerprint
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.resume_policy import ResumeCheck, compare_settings
-from titanlite.config import DTYPES, JobConfig
+from titanlite.config import DTYPES, Checkpoint, JobConfig
 from titanlite.errors import CheckpointError, ConfigError
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.parallel_dims import ParallelDims
@@ -152,6 +152,16 @@ def describe_error(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+def check_seed_world(cfg: Checkpoint, world_size: int) -> None:
+    """A seed checkpoint is written by one process (the preflight checks it before any rank starts: on a
+    GPU node NGPU defaults to every GPU)."""
+    if cfg.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}; "
+            "NGPU=1 ./run_train.sh ...): the seed checkpoint is written unsharded and loads into any layout"
+        )
+
+
 @dataclass
 class _Pending:
     """An async save in flight."""
@@ -188,11 +198,7 @@ class CheckpointManager:
         self.dims, self.rank, self.world_size, self.device = dims, rank, world_size, device
         self.root = Path(cfg.job.dump_folder) / self.cfg.folder
         self.dp_rank, self.dp_degree = dims.dp_rank_of(rank), dims.dp
-        if self.cfg.create_seed_checkpoint and world_size != 1:
-            raise ConfigError(
-                f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}): "
-                "the seed checkpoint is written unsharded and loads into any layout"
-            )
+        check_seed_world(self.cfg, world_size)
         self._pending: _Pending | None = None
         self._last_saved = -1
         self._verify_seconds = 0.0
@@ -373,7 +379,8 @@ class CheckpointManager:
         )
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
-        """Drop the partial folder; stop (checkpoint.stop_on_save_error) or warn and keep training."""
+        """Drop the partial folder; stop (checkpoint.stop_on_save_error, or a seed checkpoint, which is the
+        run's only product) or warn and keep training."""
         message = f"checkpoint step {step} could not be saved to {path}: {describe_error(error)}"
         try:  # torch's file writer reports a full disk as a short write: say how much space is left
             message += f" ({shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system)"
@@ -381,7 +388,7 @@ class CheckpointManager:
             pass
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        if self.cfg.stop_on_save_error:
+        if self.cfg.stop_on_save_error or self.cfg.create_seed_checkpoint:
             raise CheckpointError(message)
         logger.warning(message + "; training continues (checkpoint.stop_on_save_error = false)")
 

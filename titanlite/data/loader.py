@@ -126,8 +126,12 @@ def build_dataloader(
     dp_degree: int,
     virtual_shards: int = 0,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> TokenLoader:
-    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front."""
+    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
+
+    `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
+    without blocking the host."""
     layout = Layout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
@@ -152,4 +156,6 @@ def build_dataloader(
     dataset = PackedShards(source, tokenizer, seq_len, layout)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
-        return TokenLoader(dataset, batch_size=local_batch_size, num_workers=num_workers, collate_fn=collate)
+        return TokenLoader(
+            dataset, batch_size=local_batch_size, num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory
+        )

@@ -11,7 +11,10 @@ rank ever materialises a full parameter.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,14 +50,13 @@ def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return param, (0,) * param.dim()
 
 
-@torch.no_grad()
-def init_parameter_(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+def _chunk_jobs(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> list[Callable[[], None]]:
+    """One job per row chunk of `param` that this rank holds: draw the chunk, copy the local block of it."""
     local, offset = local_block(param)
     if spec.kind == "ones":
-        local.fill_(1.0)
-        return
+        return [torch.no_grad()(lambda: local.fill_(1.0))]
     if local.numel() == 0:
-        return
+        return []
     if param.dim() > 2:
         raise ValueError(f"{name}: layout-independent init supports 1D and 2D parameters")
     rows = param.shape[0]
@@ -65,9 +67,40 @@ def init_parameter_(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -
     rows_per_chunk = max(1, CHUNK_ELEMENTS // cols)
     base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
     local2d = local.view(n_rows, n_cols)
-    for chunk in range(row0 // rows_per_chunk, (row0 + n_rows - 1) // rows_per_chunk + 1):
+
+    @torch.no_grad()  # grad mode is per thread: the jobs may run on a pool's threads
+    def job(chunk: int) -> None:
         start = chunk * rows_per_chunk
         block = torch.empty(min(rows_per_chunk, rows - start), cols, dtype=torch.float32)
         _fill(block, spec, torch.Generator().manual_seed(base + chunk))
         lo, hi = max(start, row0), min(start + block.shape[0], row0 + n_rows)
         local2d[lo - row0 : hi - row0].copy_(block[lo - start : hi - start, col0 : col0 + n_cols])
+
+    first, last = row0 // rows_per_chunk, (row0 + n_rows - 1) // rows_per_chunk
+    return [partial(job, chunk) for chunk in range(first, last + 1)]
+
+
+@torch.no_grad()
+def init_parameter_(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> None:
+    """Initialise one parameter (or this rank's block of it), chunk after chunk."""
+    for job in _chunk_jobs(param, spec, seed, name):
+        job()
+
+
+@torch.no_grad()
+def init_parameters_(params: list[tuple[str, torch.Tensor, InitSpec]], seed: int, threads: int = 0) -> None:
+    """Initialise many (name, parameter, spec) at once, their chunks drawn on `threads` CPU threads (0 =
+    torch's intra-op thread count, which run_train.sh sets to the cores per rank).
+
+    The CPU generator draws sequentially, so one thread fills about 200M values per second: a 70B model
+    would take minutes. Chunks are independent (each has its own generator, and torch's kernels release
+    the GIL), so threads divide the time and the values are the same as one thread's."""
+    jobs = [job for name, param, spec in params for job in _chunk_jobs(param, spec, seed, name)]
+    threads = min(threads or torch.get_num_threads(), len(jobs))
+    if threads <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="titanlite-init") as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, run_cli
 from titanlite.memory_plan import GiB, Layout, MemoryEstimate, estimate
 from titanlite.models.registry import get_model_spec
+from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile import REPORT_NAME
 from titanlite.step import cross_entropy_loss
 
@@ -116,7 +118,21 @@ def dry_run(cfg: JobConfig) -> DryRun:
     with fake_process_group(rank, world_size):
         model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
         memory = estimate(model, plan.spec.units(model), plan.spec.activation_bytes(plan.model_args, layout), layout)
+    if layout.ac_mode == "selective" and layout.ac_option in OP_OPTIONS:
+        notes.append(selective_op_note(plan, layout))
     return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes)
+
+
+def selective_op_note(plan: RunPlan, layout: Layout) -> str:
+    """Selective AC by op, both matmul rules (activation_checkpoint.py): the activation peak of each."""
+    peaks = {
+        option: plan.spec.activation_bytes(plan.model_args, dataclasses.replace(layout, ac_option=option))["peak"]
+        for option in OP_OPTIONS
+    }
+    return (
+        f"selective AC activations: {peaks['op'] / GiB:.2f} GiB with op (every other matmul saved), "
+        f"{peaks['op_all_mm'] / GiB:.2f} GiB with op_all_mm (every matmul saved)"
+    )
 
 
 def compile_report(cfg: JobConfig, world_size: int, args: Any = None, seq_len: int = 16) -> dict[str, Any]:

@@ -32,9 +32,11 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     per_block = {
         "none": 2 * norm + qkv + sdpa + 4 * f * e / t,
         "full": d * e / t,
-        # Selective op: the block input, every matmul output (row-parallel ones as full-size partial sums,
-        # plus their reduce-scattered outputs under TP) and the SDPA outputs.
-        "op": d * e / t + qkv + sdpa + 2 * f * e / t + 2 * d * e + (2 * d * e / t if t > 1 else 0),
+        # Selective op, every matmul saved: the block input, every matmul output (row-parallel ones as
+        # full-size partial sums, plus their reduce-scattered outputs under TP) and the SDPA outputs.
+        "op_all_mm": d * e / t + qkv + sdpa + 2 * f * e / t + 2 * d * e + (2 * d * e / t if t > 1 else 0),
+        # Every other matmul (wq, wv, w1, w2 saved; wk, wo, w3 recomputed).
+        "op": d * e / t + (h + kv) * hd * e / t + sdpa + f * e / t + d * e + (2 * d * e / t if t > 1 else 0),
     }
     # Gradients of one block's activations while it runs backward.
     block_grads = (2 * f + d) * e / t + (d * e if t > 1 else 0)

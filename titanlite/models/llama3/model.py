@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.init import InitSpec, init_parameter_
+from titanlite.models.init import InitSpec, init_parameters_
 
 
 @dataclass
@@ -192,7 +192,6 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter (sharded or not) deterministically and rebuild the RoPE tables."""
-        for fqn, param in self.named_parameters():
-            init_parameter_(param, self.init_spec(fqn), seed, fqn)
+        init_parameters_([(fqn, p, self.init_spec(fqn)) for fqn, p in self.named_parameters()], seed)
         cos, sin = rope_tables(self.args, self.seq_len, device=buffer_device or self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
