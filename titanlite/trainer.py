@@ -23,6 +23,7 @@ from titanlite.build import (
     apply_train_timeout,
     build_loader,
     build_model,
+    describe_shape,
     init_device,
     init_distributed,
     world_from_env,
@@ -69,8 +70,6 @@ class Trainer:
         init_logging(self.rank)
         # One run at a time per dump folder, held from before anything is written there until close().
         self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
-        if cfg.job.print_config and self.rank == 0:
-            print(cfg.to_json(), flush=True)
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
         self.plan = plan or RunPlan.build(cfg, self.world_size)
@@ -86,7 +85,8 @@ class Trainer:
         self.model.train()
         n_params = self.model_args.num_params()
         logger.info(
-            f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {self.model_args.vocab_size}; "
+            f"model {cfg.model.name} {cfg.model.flavor} ({describe_shape(self.model_args)}): {n_params:,} parameters, "
+            f"vocab {self.model_args.vocab_size}; "
             f"mesh {dict(zip(self.dims.dim_names, [getattr(self.dims, n) for n in self.dims.dim_names]))} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
