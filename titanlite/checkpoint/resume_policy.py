@@ -5,8 +5,9 @@ config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effectiv
 virtual shards). `compare_settings` holds a resuming run against it:
 
 - cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor`, its shape overrides (`model.dim`, `n_layers`, `rope_theta`, ...; and any model shape, checked tensor by tensor by the manager), the
-  tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
+  `model.name`, `model.flavor`, its shape overrides (`model.dim`, `n_layers`, `rope_theta`, ...; any
+  other model shape is checked tensor by tensor by the manager), the tokenizer (`model.tokenizer_path`,
+  by the file's content), `training.seq_len`, the global batch size
   (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
   (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
   content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
