@@ -42,5 +42,5 @@ def test_unknown_gpu_logs_no_mfu(monkeypatch, tmp_path, caplog):
             StepStats(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=512, elapsed=1.0, data_time=0.0), 1
         )
     logger.close()
-    assert record["mfu"] is None and "mfu: n/a" in caplog.text
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu"] is None
+    assert record["mfu_pct"] is None and "mfu: n/a" in caplog.text
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu_pct"] is None

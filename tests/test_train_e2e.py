@@ -23,7 +23,7 @@ def train(tmp: Path, nproc: int, *overrides: str) -> list[dict]:
 def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
     records = train(tmp_path, 2, "--training.steps", "6", "--metrics.enable_tensorboard")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_peak_gib", "data_time_pct"):
+    for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_peak_gib", "data_pct"):
         assert key in records[0], key
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(r["tps"] > 0 and r["mem_peak_gib"] > 0 for r in records)
@@ -41,7 +41,7 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
         "loss/lr",
         "throughput/tps",
         "throughput/mfu_pct",
-        "memory/peak_gib",
+        "memory/mem_peak_gib",
         "time/data_pct",
     } <= tags
     losses = [e.value for e in acc.Scalars("loss/loss")]

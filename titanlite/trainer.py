@@ -119,6 +119,7 @@ class Trainer:
             self.device,
             flops_per_token=self.model_args.flops_per_token(t.seq_len),
             enabled=self.rank == 0,
+            run_config=cfg.to_dict(),
         )
 
     def _describe_plan(self) -> str:
@@ -211,6 +212,7 @@ class Trainer:
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         tokens_per_step = self.plan.tokens_per_gpu_step
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
+        self.metrics.begin(self.step, cfg.steps)
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1
