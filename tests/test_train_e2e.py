@@ -13,6 +13,7 @@ import pytest
 
 from harness import LOSS_REL, ROOT, SMALL, child_env
 from harness import train as run_trainer
+from titanlite.tools.dashboard import read_dashboard
 
 
 def train(tmp: Path, nproc: int, *overrides: str) -> list[dict]:
@@ -46,6 +47,11 @@ def test_two_process_run_writes_metrics_and_tensorboard(tmp_path):
     } <= tags
     losses = [e.value for e in acc.Scalars("loss/loss")]
     assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    # As TensorBoard's server reads it: every logged tag is in the custom layout, with its display name.
+    board = read_dashboard(str(run_dirs[0]))
+    in_layout = {t for charts in board.layout.values() for tags in charts.values() for t in tags}
+    assert in_layout == set(board.scalars) == tags
+    assert board.scalars["throughput/tps"].display_name == "Throughput (tokens/s per GPU)"
 
 
 PARITY_STEPS = ["--training.steps", "10", "--training.global_batch_size", "8"]

@@ -299,7 +299,7 @@ class MetricsLogger:
             self.wandb_run = wandb.init(
                 project=cfg.wandb_project,
                 name=cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder)),
-                dir=dump_folder,
+                dir=None if os.environ.get("WANDB_DIR") else dump_folder,  # the user's WANDB_DIR wins
                 config=run_config,
             )
             logger.info(f"Weights & Biases run: {self.wandb_run.name} ({os.environ.get('WANDB_MODE', 'online')})")
