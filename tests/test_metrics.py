@@ -18,7 +18,7 @@ from titanlite import metrics, preflight
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
 from titanlite.metrics import METRICS, MetricsLogger, StepStats, peak_tflops
-from titanlite.tools.dashboard import read_dashboard
+from titanlite.tools.dashboard import describe, read_dashboard
 
 
 @pytest.mark.parametrize(
@@ -100,6 +100,9 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
         assert got == pytest.approx([r[m.name] for r in records], rel=1e-6), tag
     assert board.scalars["throughput/mfu_pct"].values[0][1] == pytest.approx(100 * 512 * 1e6 / 0.25 / 1e12 / 0.5)
     assert board.layout["loss"]["Training loss (nats/token)"] == ["loss/loss"]
+    # The README describes the dashboards as this reader prints them.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "```\n" + describe(board) + "\n```" in readme
     # The old metrics.jsonl keys still read the same values (for one release).
     assert all(r["mfu"] == r["mfu_pct"] and r["data_time_pct"] == r["data_pct"] for r in records)
 

@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -650,10 +651,11 @@ def help_requested(argv: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     """`python -m titanlite.config [--help] [--config FILE] [overrides]`: the schema, or the merged config."""
-    if help_requested(argv):
-        print(help_text())
-        return 0
-    print(load_config(argv, default_config=DEFAULT_CONFIG).to_json())
+    text = help_text() if help_requested(argv) else load_config(argv, default_config=DEFAULT_CONFIG).to_json()
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
