@@ -9,6 +9,7 @@ import logging
 import re
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,8 +188,16 @@ def test_wandb_offline_run_holds_the_same_scalars_as_tensorboard(tmp_path, monke
     cfg = Metrics(peak_tflops=0.5, enable_wandb=True, wandb_project="proj", wandb_run_name="shape-study")
     records, _ = log_rows(cfg, tmp_path / "dump", run_config={"training": {"steps": 20}})
     [run_dir] = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*")
+    # wandb's service process writes the file and may still be flushing when finish() returns.
+    deadline = time.monotonic() + 60
+    while True:
+        run_file = wandb_records(run_dir)
+        if run_file and run_file[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.monotonic() < deadline, "the offline run file was not completed"
+        time.sleep(0.1)
     history, run = [], None
-    for r in wandb_records(run_dir):
+    for r in run_file:
         if r.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             history.append({k: v for k, v in items.items() if not k.startswith("_")})
