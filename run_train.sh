@@ -5,6 +5,8 @@
 # divergence, 1 crash); if the launcher is killed, its ranks die with it.
 #
 #   ./run_train.sh [--config FILE] [--dry-run] [--section.key value ...]
+#   ./run_train.sh --help                       every config key: type, default, description
+#   ./run_train.sh --job.print_config           the merged config as JSON; nothing is launched
 #
 # --dry-run (or comm.mode = "fake_backend"): no torchrun; one CPU process plans the memory per GPU of a
 # world of NGPU x NNODES ranks (titanlite/tools/dry_run.py). When NGPU is unset (even on a GPU node),
@@ -31,6 +33,7 @@ while [ $# -gt 0 ]; do
     --config) CONFIG="$2"; shift 2 ;;
     --config=*) CONFIG="${1#--config=}"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) exec "$PYTHON" -m titanlite.config --help ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done

@@ -1,15 +1,25 @@
-"""Metrics: the GPU peak table (most specific name first; unknown GPUs report no MFU)."""
+"""Metrics: the GPU peak table (most specific name first; unknown GPUs report no MFU), the CPU peak
+measured once per machine, the step line, and the dashboards (TensorBoard read back as its server reads
+it, W&B read back from an offline run's file)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import struct
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from titanlite import metrics, preflight
 from titanlite.config import Metrics
-from titanlite.metrics import MetricsLogger, StepStats, peak_tflops
+from titanlite.errors import run_cli
+from titanlite.metrics import METRICS, MetricsLogger, StepStats, peak_tflops
+from titanlite.tools.dashboard import describe, read_dashboard
 
 
 @pytest.mark.parametrize(
@@ -42,5 +52,174 @@ def test_unknown_gpu_logs_no_mfu(monkeypatch, tmp_path, caplog):
             StepStats(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=512, elapsed=1.0, data_time=0.0), 1
         )
     logger.close()
-    assert record["mfu"] is None and "mfu: n/a" in caplog.text
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu"] is None
+    assert record["mfu_pct"] is None and "mfu: n/a" in caplog.text
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu_pct"] is None
+
+
+def rows() -> list[StepStats]:
+    return [
+        StepStats(
+            step=s, loss=3.0 / s, grad_norm=0.5 * s, lr=1e-3 * s, tokens=512 * s, elapsed=0.25, data_time=0.01 * s
+        )
+        for s in (1, 10, 20)
+    ]
+
+
+def log_rows(cfg: Metrics, dump: Path, **kw) -> tuple[list[dict], list[str]]:
+    """Log three steps of a 20-step run with a fixed MFU peak; returns the metrics.jsonl rows and the console lines."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("titanlite").addHandler(handler)
+    logging.getLogger("titanlite").setLevel(logging.INFO)
+    try:
+        logger = MetricsLogger(cfg, str(dump), torch.device("cpu"), 1e6, enabled=True, **kw)
+        logger.begin(0, 20)
+        for s in rows():
+            logger.log(s, 1)
+        logger.close()
+    finally:
+        logging.getLogger("titanlite").removeHandler(handler)
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return records, [m for m in messages if m.lstrip("\x1b[0123456789m").startswith("step ")]
+
+
+def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(tmp_path):
+    """Read back as TensorBoard's server reads the event files: the custom layout holds exactly the logged
+    tags, each with its display name and description, and the values equal metrics.jsonl's under one name."""
+    records, _ = log_rows(Metrics(peak_tflops=0.5), tmp_path)
+    [run] = (tmp_path / "tb").iterdir()
+    board = read_dashboard(str(run))
+    logged = {m.tag: m for m in METRICS if not m.cuda_only}
+    assert set(board.scalars) == set(logged)
+    assert sorted(t for charts in board.layout.values() for tags in charts.values() for t in tags) == sorted(logged)
+    assert list(board.layout) == ["loss", "throughput", "memory", "time"]
+    for tag, m in logged.items():
+        assert board.scalars[tag].display_name == m.display_name and board.scalars[tag].description
+        assert tag == f"{m.group}/{m.name}" and board.layout[m.group][m.display_name] == [tag]
+        got = [v for _, v in board.scalars[tag].values]
+        assert got == pytest.approx([r[m.name] for r in records], rel=1e-6), tag
+    assert board.scalars["throughput/mfu_pct"].values[0][1] == pytest.approx(100 * 512 * 1e6 / 0.25 / 1e12 / 0.5)
+    assert board.layout["loss"]["Training loss (nats/token)"] == ["loss/loss"]
+    # The README describes the dashboards as this reader prints them.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "```\n" + describe(board) + "\n```" in readme
+    # The old metrics.jsonl keys still read the same values (for one release).
+    assert all(r["mfu"] == r["mfu_pct"] and r["data_time_pct"] == r["data_pct"] for r in records)
+
+
+def test_step_line_shows_progress_elapsed_and_eta_without_colour_off_a_terminal(tmp_path, monkeypatch):
+    _, lines = log_rows(Metrics(enable_tensorboard=False, peak_tflops=0.5), tmp_path / "a")
+    assert [line[:10] for line in lines] == ["step  1/20", "step 10/20", "step 20/20"]
+    assert all(re.search(r"elapsed \d+:\d\d:\d\d  eta \d+:\d\d:\d\d$", line) for line in lines)
+    assert lines[-1].endswith("eta 0:00:00")
+    assert not any("\x1b" in line for line in lines)
+    # The negative control: on a terminal the line is coloured, unless colours are disabled.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    _, coloured = log_rows(Metrics(enable_tensorboard=False, peak_tflops=0.5), tmp_path / "b")
+    assert all("\x1b[" in line for line in coloured)
+    cfg = Metrics(enable_tensorboard=False, peak_tflops=0.5, disable_color_printing=True)
+    assert not any("\x1b" in line for line in log_rows(cfg, tmp_path / "c")[1])
+
+
+def test_eta_is_the_mean_step_time_after_the_first_log(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    logger = MetricsLogger(Metrics(enable_tensorboard=False), "", torch.device("cpu"), 1e6, enabled=False)
+    logger.begin(0, 100)
+    assert logger._eta(1, window_step_s=5.0) == pytest.approx(99 * 5.0)  # compile-heavy first window
+    now[0] = 120.0
+    assert logger._eta(11, window_step_s=9.0) == pytest.approx(89 * 2.0)  # 20 s over 10 steps
+    assert metrics.clock(3725.4) == "1:02:05"
+
+
+def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """MFU must not drift between runs: the second start reads the first one's measurement."""
+    measured = iter([0.07, 0.03])
+    monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(metrics, "_measure_cpu_peak_tflops", lambda: next(measured))
+    metrics._cpu_peak_tflops.cache_clear()
+    try:
+        first = peak_tflops(torch.device("cpu"))[0]
+        metrics._cpu_peak_tflops.cache_clear()  # a new process
+        assert peak_tflops(torch.device("cpu"))[0] == first == 0.07
+        (tmp_path / "peak.json").unlink()
+        metrics._cpu_peak_tflops.cache_clear()
+        assert peak_tflops(torch.device("cpu"))[0] == 0.03  # deleting the cache measures again
+    finally:
+        metrics._cpu_peak_tflops.cache_clear()
+    configured = MetricsLogger(
+        Metrics(enable_tensorboard=False, peak_tflops=2.0), str(tmp_path), torch.device("cpu"), 1, True
+    )
+    configured.close()
+    assert (configured.peak, configured.peak_source) == (2.0, "metrics.peak_tflops")
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run file (`run-<id>.wandb`: a ':W&B' header, then the LevelDB log
+    format: 32 KiB blocks of records with a 7-byte header (CRC-32C, length, type: 1 full, 2 first,
+    3 middle, 4 last), each a serialized wandb `Record` protobuf)."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, records, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the block's tail is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+            buf = b""
+    return records
+
+
+def test_wandb_offline_run_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = Metrics(peak_tflops=0.5, enable_wandb=True, wandb_project="proj", wandb_run_name="shape-study")
+    records, _ = log_rows(cfg, tmp_path / "dump", run_config={"training": {"steps": 20}})
+    [run_dir] = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*")
+    # wandb's service process writes the file and may still be flushing when finish() returns.
+    deadline = time.monotonic() + 60
+    while True:
+        run_file = wandb_records(run_dir)
+        if run_file and run_file[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.monotonic() < deadline, "the offline run file was not completed"
+        time.sleep(0.1)
+    history, run = [], None
+    for r in run_file:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.append({k: v for k, v in items.items() if not k.startswith("_")})
+        elif r.WhichOneof("record_type") == "run":
+            run = r.run
+    assert run.project == "proj" and run.display_name == "shape-study"
+    assert {u.key: json.loads(u.value_json) for u in run.config.update}["training"] == {"steps": 20}
+    [tb] = (tmp_path / "dump" / "tb").iterdir()
+    board = read_dashboard(str(tb))
+    assert [set(h) for h in history] == [set(board.scalars)] * 3
+    for tag, scalar in board.scalars.items():
+        assert [h[tag] for h in history] == pytest.approx([v for _, v in scalar.values], rel=1e-6), tag
+    assert [h["loss/loss"] for h in history] == [r["loss"] for r in records]
+
+
+def test_wandb_enabled_but_missing_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an environment without the package
+    argv = ["--config", "train_configs/debug_model.toml", "--metrics.enable_wandb", "--job.dump_folder", str(tmp_path)]
+    assert run_cli(preflight.main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "titanlite: error: metrics.enable_wandb is set but the wandb package is not installed "
+        "(pip install 'titanlite[wandb]', or --no-metrics.enable_wandb)"
+    ]
+    assert run_cli(preflight.main, argv[:2] + argv[3:]) == 0  # the same run without W&B passes

@@ -13,6 +13,7 @@ import pytest
 
 from harness import LOSS_REL, ROOT, SMALL, child_env
 from harness import train as run_trainer
+from titanlite.tools.dashboard import read_dashboard
 
 
 def train(tmp: Path, nproc: int, *overrides: str) -> list[dict]:
@@ -104,7 +105,7 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
 def check_metrics_and_tensorboard(records: list[dict], tb: Path) -> None:
     """Every step has a metrics.jsonl row with every key, and TensorBoard holds the same losses."""
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
-    for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_peak_gib", "data_time_pct"):
+    for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_peak_gib", "data_pct"):
         assert key in records[0], key
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(r["tps"] > 0 and r["mem_peak_gib"] > 0 for r in records)
@@ -122,11 +123,16 @@ def check_metrics_and_tensorboard(records: list[dict], tb: Path) -> None:
         "loss/lr",
         "throughput/tps",
         "throughput/mfu_pct",
-        "memory/peak_gib",
+        "memory/mem_peak_gib",
         "time/data_pct",
     } <= tags
     losses = [e.value for e in acc.Scalars("loss/loss")]
     assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    # As TensorBoard's server reads it: every logged tag is in the custom layout, with its display name.
+    board = read_dashboard(str(run_dirs[0]))
+    in_layout = {t for charts in board.layout.values() for tags in charts.values() for t in tags}
+    assert in_layout == set(board.scalars) == tags
+    assert board.scalars["throughput/tps"].display_name == "Throughput (tokens/s per GPU)"
 
 
 @pytest.mark.slow

@@ -29,20 +29,58 @@ from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
+SHAPE_OVERRIDES = (
+    "n_layers",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "ffn_dim_multiplier",
+    "rope_theta",
+    "max_seq_len",
+)
+"""`model.*` keys that override the flavor's value of the model args' field of the same name (0 = keep)."""
+
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
-    """The flavor's args with the tokenizer's vocabulary, checked against the training sequence length."""
-    if cfg.model.flavor not in spec.flavors:
-        raise ConfigError(
-            f"config key 'model.flavor' = {cfg.model.flavor!r}: expected one of {', '.join(spec.flavors)}"
-        )
-    args = spec.flavors[cfg.model.flavor]
+    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked
+    (heads divide the width, kv heads divide the heads, the training sequence fits) before any rank
+    starts; tensor-parallel divisibility is checked with the mesh (`ParallelDims`)."""
+    m = cfg.model
+    if m.flavor not in spec.flavors:
+        raise ConfigError(f"config key 'model.flavor' = {m.flavor!r}: expected one of {', '.join(spec.flavors)}")
+    args = spec.flavors[m.flavor]
+    overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key)}
+    fields = {f.name for f in dataclasses.fields(args)}
+    for key in overrides:
+        if key not in fields:
+            raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
+    args = dataclasses.replace(args, **overrides, vocab_size=vocab_size)
+    shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
+    if hasattr(args, "n_heads") and hasattr(args, "dim") and args.dim % args.n_heads:
+        raise ConfigError(f"model {shape}: dim {args.dim} is not a multiple of n_heads {args.n_heads}")
+    kv = getattr(args, "kv_heads", None)
+    if kv is not None and args.n_heads % kv:
+        raise ConfigError(f"model {shape}: n_heads {args.n_heads} is not a multiple of n_kv_heads {kv}")
+    if hasattr(args, "dim") and (args.dim // args.n_heads) % 2:
+        raise ConfigError(f"model {shape}: head dim {args.dim // args.n_heads} (dim / n_heads) must be even for RoPE")
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the {cfg.model.flavor} model's "
-            f"max_seq_len {args.max_seq_len}"
+            f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len {args.max_seq_len} ({shape})"
         )
-    return dataclasses.replace(args, vocab_size=vocab_size)
+    return args
+
+
+def describe_shape(args: Any) -> str:
+    """The final shape of the model, flavor and overrides applied, for the start-up log."""
+    values = {key: getattr(args, key, None) for key in SHAPE_OVERRIDES if key != "ffn_dim_multiplier"}
+    values["ffn_dim"] = getattr(args, "ffn_hidden_dim", values["ffn_dim"])
+    values["n_kv_heads"] = getattr(args, "kv_heads", values["n_kv_heads"])
+    return ", ".join(
+        f"{key} {value:g}" if isinstance(value, float) else f"{key} {value}"
+        for key, value in values.items()
+        if value is not None
+    )
 
 
 @dataclass

@@ -10,11 +10,17 @@ for booleans, comma-separated lists.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import math
+import os
+import re
 import sys
+import textwrap
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +28,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import torch
 
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, run_cli
 
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
 """The config of a run started without `--config` (relative to the working directory, the checkout)."""
@@ -88,51 +94,91 @@ FRACTION = _range(low=0, high=1)  # [0, 1]
 
 @dataclass
 class Job:
+    """Where the run writes and how it is named."""
+
     config_file: str = ""
     """Path of the TOML file this config was read from (set by the loader)."""
     dump_folder: str = "./outputs"
     """Root of everything a run writes: metrics, TensorBoard events, checkpoints, traces."""
     description: str = ""
+    """Free text describing the run (shown with the config; not used otherwise)."""
     print_config: bool = False
-    """Print the merged config as JSON on rank 0 before training."""
+    """Print the merged config as JSON and exit without training."""
 
 
 @dataclass
 class Model:
+    """Which model: a family, a named flavor, optional overrides of the flavor's shape, the tokenizer."""
+
     name: str = "llama3"
+    """Model family: llama3, or one registered with titanlite.models.registry.register_model."""
     flavor: str = "debugmodel"
+    """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B); the keys below override parts of it."""
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
+    # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts.
+    n_layers: int = field(default=0, metadata=NON_NEGATIVE)
+    """Transformer blocks; 0 = the flavor's."""
+    dim: int = field(default=0, metadata=NON_NEGATIVE)
+    """Model (embedding) width; 0 = the flavor's. Must be a multiple of n_heads."""
+    n_heads: int = field(default=0, metadata=NON_NEGATIVE)
+    """Attention (query) heads; 0 = the flavor's. Must divide dim."""
+    n_kv_heads: int = field(default=0, metadata=NON_NEGATIVE)
+    """Key/value heads (grouped-query attention); 0 = the flavor's. Must divide n_heads."""
+    ffn_dim: int = field(default=0, metadata=NON_NEGATIVE)
+    """Hidden width of the feed-forward (SwiGLU) layer, exactly; 0 = from the flavor and ffn_dim_multiplier."""
+    ffn_dim_multiplier: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """Scales the default feed-forward width 8/3 x dim (then rounded up to the flavor's multiple_of); 0 = the
+    flavor's."""
+    rope_theta: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """RoPE base frequency; 0 = the flavor's."""
+    max_seq_len: int = field(default=0, metadata=NON_NEGATIVE)
+    """The longest sequence the model supports (training.seq_len must fit); 0 = the flavor's."""
 
 
 @dataclass
 class Optimizer:
+    """The optimizer and its hyperparameters."""
+
     name: str = "AdamW"
+    """The optimizer; AdamW is the one implemented."""
     lr: float = field(default=8e-4, metadata=NON_NEGATIVE)
+    """Peak learning rate, reached after the warmup."""
     beta1: float = field(default=0.9, metadata=_range(low=0, high=1, high_open=True))
+    """AdamW's first-moment decay."""
     beta2: float = field(default=0.95, metadata=_range(low=0, high=1, high_open=True))
+    """AdamW's second-moment decay."""
     eps: float = field(default=1e-8, metadata=POSITIVE)
     """Positive: with 0, a parameter whose gradient is always zero divides 0 by 0 in AdamW."""
     weight_decay: float = field(default=0.1, metadata=NON_NEGATIVE)
+    """Decoupled weight decay (AdamW)."""
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """torch's AdamW kernel: `foreach` (grouped), `fused` (one kernel) or `for-loop`."""
 
 
 @dataclass
 class LRScheduler:
+    """The learning-rate schedule: linear warmup, then an optional stable phase and a decay."""
+
     warmup_steps: int = field(default=10, metadata=NON_NEGATIVE)
+    """Steps of linear warmup from 0 to `optimizer.lr`."""
     decay_ratio: float = field(default=1.0, metadata=FRACTION)
     """Fraction of the post-warmup steps spent decaying; < 1 gives warmup-stable-decay (WSD)."""
     decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """Shape of the decay after warmup: `linear`, `cosine` or `sqrt`."""
     min_lr_factor: float = field(default=0.0, metadata=FRACTION)
     """The final learning rate as a fraction of `optimizer.lr`."""
 
 
 @dataclass
 class Training:
+    """Data, batch sizes, steps, precision and the run's seed."""
+
     dataset_path: str = ""
     """A file, directory or glob of .txt/.jsonl/.json (JSON lines)/.parquet, .gz or .zst compressed too (see
     titanlite/data/sources.py), or `hf://name[:config][@split]`; empty = bundled corpus."""
     dataset_text_field: str = "text"
+    """The JSON/parquet field holding the text."""
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
     """Number of virtual data shards (0 = the global batch size); fixes the data order for any dp degree."""
     dataloader_num_workers: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="auto"))
@@ -140,20 +186,26 @@ class Training:
     they must divide the microbatches per step), so tokenizing overlaps the GPU's work; on CPU 0, since
     workers would take cores from the ranks' own compute."""
     local_batch_size: int = field(default=8, metadata=POSITIVE)
+    """Sequences per rank per micro-batch."""
     global_batch_size: int = field(default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="local x dp"))
     """-1 = local batch size x data-parallel degree; larger values use gradient accumulation."""
     seq_len: int = field(default=2048, metadata=POSITIVE)
+    """Tokens per sequence; at most the model's max_seq_len."""
     max_norm: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Clip the global gradient norm to this; 0 = no clipping."""
     steps: int = field(default=10000, metadata=POSITIVE)
+    """Optimizer steps of the whole run (the LR schedule spans them)."""
     seed: int = field(default=0, metadata=_range(low=0, high=2**64 - 1))
     """Seeds torch and Python (torch takes at most 64 bits)."""
     deterministic: bool = False
+    """Use torch's deterministic algorithms (slower; bitwise repeatable runs)."""
     gc_freq: int = field(default=50, metadata=NON_NEGATIVE)
+    """Run Python's garbage collector every this many steps (automatic collection is off); 0 = never."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the gathered parameters in forward/backward, on every device and world size (master weights
     stay float32); the CPU configs set float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduction across data-parallel ranks."""
     skip_nonfinite_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """How many optimizer steps with a non-finite loss or grad norm may be skipped; 0 = stop on the first."""
     allow_dataset_change: bool = False
@@ -163,41 +215,60 @@ class Training:
 
 @dataclass
 class Parallelism:
+    """How the world of ranks is split: data parallel (FSDP, HSDP) and tensor parallel."""
+
     data_parallel_replicate_degree: int = field(default=1, metadata=POSITIVE)
+    """Replicas of the sharded model (HSDP's outer dimension); 1 = plain FSDP."""
     data_parallel_shard_degree: int = field(
         default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="the rest")
     )
     """-1 = whatever the world size leaves after the other degrees."""
     tensor_parallel_degree: int = field(default=1, metadata=POSITIVE)
+    """Ranks splitting each layer's matmuls (Megatron-style tensor parallelism)."""
     dp_impl: Literal["simple_fsdp", "fsdp2"] = "simple_fsdp"
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default` (all blocks but the last), `always` or `never`."""
     disable_loss_parallel: bool = False
+    """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
 
 
 @dataclass
 class Checkpoint:
+    """Saving, resuming and initial weights."""
+
     enable: bool = False
+    """Save checkpoints and resume from the newest one at start-up."""
     folder: str = "checkpoint"
+    """Checkpoint folder, relative to `job.dump_folder`."""
     interval: int = field(default=500, metadata=POSITIVE)
+    """Save every this many steps (and at the last step)."""
     keep_latest_k: int = field(default=0, metadata=NON_NEGATIVE)
     """Keep only the newest k complete checkpoints (0 = keep all)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """`disabled` (save blocks the step), `async` (save in the background) or `async_with_pinned_mem`."""
     load_step: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="the newest"))
     """-1 = the newest complete checkpoint."""
     initial_load_path: str = ""
+    """A checkpoint folder to start from when the run has none of its own (fine-tuning)."""
     initial_load_in_hf: bool = False
+    """`initial_load_path` is a Hugging Face folder (safetensors + config.json)."""
     last_save_model_only: bool = False
+    """The final save keeps only the model weights (no optimizer or data state)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of model-only saves and exports."""
     create_seed_checkpoint: bool = False
+    """Write the initialised model as step 0 and exit."""
     stop_on_save_error: bool = False
     """If a save fails (disk full, permissions), stop instead of warning and training on."""
 
 
 @dataclass
 class ActivationCheckpoint:
+    """Recomputing activations in backward to save memory."""
+
     mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: `none`, `full` (every block) or `selective`."""
     selective_ac_option: str = "op"
     """`op` (save attention and every other matmul output, recompute the rest: TorchTitan's rule),
     `op_all_mm` (save every matmul output) or an integer k (every k-th block fully); see
@@ -206,9 +277,14 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
+    """torch.compile and the compiler passes that bucket and reorder collectives."""
+
     enable: bool = False
+    """Compile with torch.compile."""
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: `inductor` (generates kernels), `aot_eager` or `eager` (debugging)."""
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What is compiled: `model`, `loss` or both (comma-separated)."""
     bucketing: Literal["none", "auto", "transformer_block"] = "none"
     """`none`, `auto` (torch's overlap scheduler) or `transformer_block` (one bucket per block)."""
     reorder: bool = True
@@ -231,29 +307,56 @@ class Compile:
 
 @dataclass
 class Metrics:
+    """Console step line, metrics.jsonl, TensorBoard and Weights & Biases."""
+
     log_freq: int = field(default=10, metadata=POSITIVE)
+    """Log metrics every this many steps (and at the first and last step)."""
     enable_tensorboard: bool = True
+    """Write TensorBoard events under `job.dump_folder`/`save_tb_folder`."""
     save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to `job.dump_folder` (one sub-folder per start)."""
     disable_color_printing: bool = False
+    """Never colour the step line (it is coloured only on a terminal anyway)."""
+    peak_tflops: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """The device's peak TFLOP/s that MFU is computed against; 0 = the GPU's data-sheet bf16 peak, or on CPU a
+    matmul rate measured once per machine and cached."""
+    enable_wandb: bool = False
+    """Also log the scalars to Weights & Biases (`pip install 'titanlite[wandb]'`; WANDB_MODE=offline works
+    without network)."""
+    wandb_project: str = "titanlite"
+    """Weights & Biases project."""
+    wandb_run_name: str = ""
+    """Weights & Biases run name; empty = the dump folder's name."""
 
 
 @dataclass
 class Profiling:
+    """torch.profiler traces and memory snapshots."""
+
     enable_profiling: bool = False
+    """Record torch.profiler traces every `profile_freq` steps."""
     save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to `job.dump_folder`."""
     profile_freq: int = field(default=10, metadata=POSITIVE)
+    """Profile one step every this many steps."""
     enable_memory_snapshot: bool = False
     """CUDA only: the allocator's history at each profiled step (and on OOM), for pytorch.org/memory_viz.
     On CPU, where there is none, each profiled step writes its allocated bytes over time instead
     (`rank<r>_memory_timeline.json`, see titanlite/profiling.py)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to `job.dump_folder`."""
 
 
 @dataclass
 class Comm:
+    """Process-group timeouts, restarts, stop signals and the dry run's fake backend."""
+
     init_timeout_seconds: int = field(default=300, metadata=POSITIVE)
+    """Timeout of the process group's set-up and the first step (which includes compilation)."""
     train_timeout_seconds: int = field(default=100, metadata=POSITIVE)
+    """Timeout of each collective after the first step: a dead peer surfaces within it."""
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
+    """Restarts of all ranks after a crash (not after bad input or divergence); MAX_RESTARTS overrides it."""
     stop_grace_seconds: float = field(default=120.0, metadata=POSITIVE)
     """After a stop signal (SIGTERM, SIGUSR1, Ctrl-C) the launcher waits this long for the ranks to reach a
     step boundary and save, then kills them. Keep it below the scheduler's own grace period (SLURM
@@ -478,3 +581,88 @@ def validate(cfg: JobConfig) -> None:
     for component in cfg.compile.components:
         if component not in ("model", "loss"):
             raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")
+
+
+# --- help: the schema in words ----------------------------------------------------------------------------
+
+USAGE = (
+    "usage: ./run_train.sh [--config FILE] [--dry-run] [--section.key VALUE | --section.key=VALUE | "
+    "--section.flag | --no-section.flag ...]"
+)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's attribute docstrings (the string under each field), read from its source: Python
+    keeps them nowhere at run time, and the schema's own docstrings are the one place keys are described."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    para = " ".join(text.split("\n\n")[0].split())
+    return re.split(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z`(])", para, maxsplit=1)[0].rstrip(".") + "."
+
+
+def describe_type(typ: Any, domain: Range | None) -> str:
+    """A field's type for people: `int, positive`, `one of a|b`, `list of str`."""
+    if get_origin(typ) is Literal:
+        return "one of " + "|".join(get_args(typ))
+    if get_origin(typ) is list:
+        return f"list of {get_args(typ)[0].__name__} (comma-separated)"
+    name = getattr(typ, "__name__", str(typ))
+    return f"{name}, {domain.describe()}" if domain is not None else name
+
+
+def help_text() -> str:
+    """Every section and key of the schema with its type, default and one-line description."""
+    out = [
+        USAGE,
+        "",
+        "Train a model from a TOML config (default train_configs/debug_model.toml) plus overrides of any key below;",
+        "bad input stops with one line and exit code 2 before any process starts. --dry-run plans memory on a fake",
+        "process group instead of training. Environment: NGPU, NNODES, RDZV_ENDPOINT, LOG_RANK, MAX_RESTARTS",
+        "(see the header of run_train.sh). --job.print_config prints the merged config and exits.",
+    ]
+    for section, cls in _sections().items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        out += ["", f"[{section}]  {first_sentence(inspect.getdoc(cls) or '')}"]
+        for f in dataclasses.fields(cls):
+            if f.name == "config_file":
+                continue  # set by --config
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            shown = ",".join(default) if isinstance(default, list) else json.dumps(default)
+            typ = describe_type(hints[f.name], f.metadata.get("range"))
+            out.append(f"  --{section}.{f.name} ({typ}; default {shown})")
+            out.append(f"      {first_sentence(docs.get(f.name, ''))}")
+    return "\n".join(out)
+
+
+def help_requested(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m titanlite.config [--help] [--config FILE] [overrides]`: the schema, or the merged config."""
+    text = help_text() if help_requested(argv) else load_config(argv, default_config=DEFAULT_CONFIG).to_json()
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

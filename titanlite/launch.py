@@ -237,6 +237,10 @@ def build_launch(argv: list[str]) -> Launch:
 
 def main(argv: list[str]) -> int:
     quiet_torch_elastic()
+    cfg = load_config(list(parse_args(argv).training_script_args), default_config=DEFAULT_CONFIG)
+    if cfg.job.print_config:  # the merged config, and nothing is launched
+        print(cfg.to_json(), flush=True)
+        return 0
     launch = build_launch(argv)
     agent = launch.agent
     stopper = Stopper(launch.grace_seconds)

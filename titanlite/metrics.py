@@ -2,21 +2,27 @@
 
 Memory: on CUDA the caching allocator's peak allocated/reserved bytes since the last log; on CPU the
 process's peak resident set size (`VmHWM`, reset after every log through /proc/self/clear_refs).
-MFU: against the GPU's dense bf16 peak for known GPUs; on CPU against a peak fp32 matmul rate measured
-once at start-up by a short probe (the log says so).
+MFU: against `metrics.peak_tflops` when set, else the GPU's dense bf16 peak for known GPUs, else on CPU
+against a peak fp32 matmul rate measured once per machine and cached (the log says which).
+Every scalar is declared once in `METRICS` (name, group, display name, unit, description): the
+metrics.jsonl key, the TensorBoard tag and its custom layout, and the W&B key all come from it.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+
+from titanlite.errors import ConfigError
 
 logger = logging.getLogger("titanlite")
 
@@ -146,6 +152,77 @@ class MemoryMonitor:
         return 0.0, None
 
 
+@dataclass(frozen=True)
+class Metric:
+    """One logged scalar: its name (the metrics.jsonl key), chart group, display name, unit, description.
+
+    The TensorBoard tag and the W&B key are `<group>/<name>`: one name per metric everywhere."""
+
+    name: str
+    group: str
+    title: str
+    unit: str
+    description: str
+    cuda_only: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"{self.group}/{self.name}"
+
+    @property
+    def display_name(self) -> str:
+        return f"{self.title} ({self.unit})" if self.unit else self.title
+
+
+METRICS = (
+    Metric("loss", "loss", "Training loss", "nats/token", "Cross-entropy of the step's batch, mean over dp ranks."),
+    Metric("grad_norm", "loss", "Gradient norm", "", "Global L2 norm of the gradients, before clipping."),
+    Metric("lr", "loss", "Learning rate", "", "The learning rate of the step (after warmup/decay)."),
+    Metric(
+        "tps",
+        "throughput",
+        "Throughput",
+        "tokens/s per GPU",
+        "The global batch's tokens over the world size and the step time (tp ranks share their tokens).",
+    ),
+    Metric("tflops", "throughput", "Achieved compute", "TFLOP/s per GPU", "Model FLOPs (6N + attention) per second."),
+    Metric("mfu_pct", "throughput", "MFU", "% of peak", "Achieved TFLOP/s over the device's peak (see the log)."),
+    Metric("mem_peak_gib", "memory", "Peak memory", "GiB", "CUDA max allocated, or CPU peak RSS, since last log."),
+    Metric("mem_reserved_gib", "memory", "Peak reserved", "GiB", "CUDA caching allocator's peak reserved.", True),
+    Metric("mem_pct", "memory", "Peak reserved", "% of GPU memory", "Peak reserved over the GPU's capacity.", True),
+    Metric("data_pct", "time", "Data loading", "% of step time", "Time spent waiting for the next batch."),
+    Metric("step_time_s", "time", "Step time", "s", "Wall time per optimizer step, averaged since the last log."),
+)
+"""Every scalar the logger writes, in chart order; the TensorBoard custom layout is built from it."""
+
+RENAMED = {"mfu": "mfu_pct", "data_time_pct": "data_pct"}
+"""metrics.jsonl keys renamed to the shared names; the old keys are still written (same values) for one
+release, then dropped."""
+
+
+def wandb_missing() -> bool:
+    """Whether the optional `wandb` package is absent (checked without importing it: that takes seconds)."""
+    try:
+        return importlib.util.find_spec("wandb") is None
+    except ValueError:  # sys.modules["wandb"] is None: imports of it are blocked
+        return True
+
+
+def check_wandb(cfg) -> None:
+    """`metrics.enable_wandb` needs the package: one line and exit code 2 before anything starts."""
+    if cfg.enable_wandb and wandb_missing():
+        raise ConfigError(
+            "metrics.enable_wandb is set but the wandb package is not installed "
+            "(pip install 'titanlite[wandb]', or --no-metrics.enable_wandb)"
+        )
+
+
+def clock(seconds: float) -> str:
+    """`H:MM:SS` for the step line's elapsed time and ETA."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 @dataclass
 class StepStats:
     step: int
@@ -158,49 +235,96 @@ class StepStats:
     data_time: float
 
 
+COLORS = dict(
+    red="\033[31m",
+    green="\033[32m",
+    yellow="\033[33m",
+    blue="\033[34m",
+    cyan="\033[36m",
+    magenta="\033[35m",
+    reset="\033[39m",
+)
+
+
 class MetricsLogger:
-    def __init__(self, cfg, dump_folder: str, device: torch.device, flops_per_token: float, enabled: bool):
+    """Rank 0's console step line, metrics.jsonl, TensorBoard events and (optionally) W&B run.
+
+    `run_config` (the whole config as a dict) is recorded with the W&B run."""
+
+    def __init__(
+        self,
+        cfg,
+        dump_folder: str,
+        device: torch.device,
+        flops_per_token: float,
+        enabled: bool,
+        run_config: dict | None = None,
+    ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
-        self.peak, self.peak_source = peak_tflops(device) if enabled else (None, "")
+        self.peak, self.peak_source = (None, "")
+        if enabled:
+            self.peak, self.peak_source = (
+                (cfg.peak_tflops, "metrics.peak_tflops") if cfg.peak_tflops else peak_tflops(device)
+            )
+        self.metrics = [m for m in METRICS if device.type == "cuda" or not m.cuda_only]
         self.writer = None
+        self.wandb_run = None
         self.jsonl = None
-        color = not cfg.disable_color_printing
-        self.c = {
-            k: (v if color else "")
-            for k, v in dict(
-                red="\033[31m",
-                green="\033[32m",
-                yellow="\033[33m",
-                blue="\033[34m",
-                cyan="\033[36m",
-                magenta="\033[35m",
-                reset="\033[39m",
-            ).items()
-        }
+        self.total_steps = 0
+        self.start: tuple[float, int] | None = None  # (time, step) of the first log: the ETA's rate
+        self.began = time.perf_counter()
+        # Colours only for a person at a terminal: log files and pipes get plain text.
+        color = not cfg.disable_color_printing and sys.stderr.isatty()
+        self.c = {k: (v if color else "") for k, v in COLORS.items()}
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
         self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
         peak = f"{self.peak:.2f} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
         logger.info(f"MFU peak: {peak}; memory: {self.memory.kind}")
+        if self.peak is None:
+            self.metrics = [m for m in self.metrics if m.name != "mfu_pct"]
         if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             log_dir = os.path.join(dump_folder, cfg.save_tb_folder, time.strftime("%Y%m%d-%H%M%S"))
             self.writer = SummaryWriter(log_dir)
-            self.writer.add_custom_scalars(
-                {
-                    "loss": {"loss": ["Multiline", ["loss/loss"]], "grad_norm": ["Multiline", ["loss/grad_norm"]]},
-                    "throughput": {
-                        "tps": ["Multiline", ["throughput/tps"]],
-                        "mfu": ["Multiline", ["throughput/mfu_pct"]],
-                    },
-                    "memory": {"peak": ["Multiline", ["memory/peak_gib"]]},
-                    "time": {"data": ["Multiline", ["time/data_pct"]], "step": ["Multiline", ["time/step_s"]]},
-                }
-            )
+            self.writer.add_custom_scalars(self.layout())
             logger.info(f"TensorBoard events: {log_dir}")
+        if cfg.enable_wandb:
+            check_wandb(cfg)
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder)),
+                dir=None if os.environ.get("WANDB_DIR") else dump_folder,  # the user's WANDB_DIR wins
+                config=run_config,
+            )
+            logger.info(f"Weights & Biases run: {self.wandb_run.name} ({os.environ.get('WANDB_MODE', 'online')})")
+
+    def layout(self) -> dict:
+        """The TensorBoard custom-scalars layout: one category per group, one chart per logged metric,
+        titled with its display name and unit."""
+        groups: dict = {}
+        for m in self.metrics:
+            groups.setdefault(m.group, {})[m.display_name] = ["Multiline", [m.tag]]
+        return groups
+
+    def begin(self, step: int, total_steps: int) -> None:
+        """Training starts after `step` (0, or the resumed step) and ends at `total_steps`."""
+        self.total_steps, self.began = total_steps, time.perf_counter()
+
+    def _eta(self, step: int, window_step_s: float) -> float:
+        """Seconds left: the mean step time since the first log (which includes compilation, so it is
+        left out), or the current window's before there are two logs."""
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = (now, step)
+        t0, s0 = self.start
+        per_step = (now - t0) / (step - s0) if step > s0 else window_step_s
+        return per_step * max(self.total_steps - step, 0)
 
     def log(self, s: StepStats, n_steps: int) -> dict:
         tps = s.tokens / max(s.elapsed, 1e-9)
@@ -213,9 +337,9 @@ class MetricsLogger:
             lr=s.lr,
             tps=tps,
             tflops=tflops,
-            mfu=mfu_pct(tflops, self.peak),
+            mfu_pct=mfu_pct(tflops, self.peak),
             mem_peak_gib=mem,
-            data_time_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
+            data_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
         )
         if reserved is not None:
@@ -225,35 +349,45 @@ class MetricsLogger:
         if not self.enabled:
             return record
         c = self.c
+        total = self.total_steps or s.step
+        elapsed = time.perf_counter() - self.began
+        eta = self._eta(s.step, record["step_time_s"])
+        mfu = "n/a" if record["mfu_pct"] is None else format(record["mfu_pct"], ".2f") + "%"
         logger.info(
-            f"{c['red']}step: {s.step:5d}  {c['green']}loss: {s.loss:8.4f}  "
+            f"{c['red']}step {s.step:>{len(str(total))}d}/{total}  {c['green']}loss: {s.loss:8.4f}  "
             f"{c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
             f"{c['cyan']}lr: {s.lr:.3e}  {c['blue']}memory: {mem:5.2f}GiB  "
-            f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  "
-            f"mfu: {'n/a' if record['mfu'] is None else format(record['mfu'], '.2f') + '%'}  "
-            f"data: {record['data_time_pct']:.1f}%{c['reset']}"
+            f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  mfu: {mfu}  "
+            f"data: {record['data_pct']:.1f}%{c['reset']}  elapsed {clock(elapsed)}  eta {clock(eta)}"
         )
-        self.jsonl.write(json.dumps(record) + "\n")
+        legacy = {old: record[new] for old, new in RENAMED.items()}
+        self.jsonl.write(json.dumps({**record, **legacy}) + "\n")
         self.jsonl.flush()
+        scalars = {m.tag: record[m.name] for m in self.metrics if record.get(m.name) is not None}
         if self.writer is not None:
-            for tag, key in (
-                ("loss/loss", "loss"),
-                ("loss/grad_norm", "grad_norm"),
-                ("loss/lr", "lr"),
-                ("throughput/tps", "tps"),
-                ("throughput/tflops", "tflops"),
-                ("throughput/mfu_pct", "mfu"),
-                ("memory/peak_gib", "mem_peak_gib"),
-                ("time/data_pct", "data_time_pct"),
-                ("time/step_s", "step_time_s"),
-            ):
-                if record[key] is not None:
-                    self.writer.add_scalar(tag, record[key], s.step)
+            writer = self.writer._get_file_writer()
+            for m in self.metrics:
+                if m.tag in scalars:
+                    writer.add_summary(self._summary(m, scalars[m.tag]), s.step)
             self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=s.step)
         return record
+
+    @staticmethod
+    def _summary(m: Metric, value: float):
+        """A scalar event carrying its display name and description (TensorBoard shows them; add_scalar
+        cannot set them)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+
+        metadata = SummaryMetadata(display_name=m.display_name, summary_description=m.description)
+        return Summary(value=[Summary.Value(tag=m.tag, simple_value=float(value), metadata=metadata)])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
         if self.jsonl is not None:
             self.jsonl.close()

@@ -1,9 +1,9 @@
 """Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
 
-Validates the config, the mesh for WORLD_SIZE, the tokenizer file, the dataset path, the checkpoint to
-load and the dump folder in one process, so bad input is one line and exit code 2 instead of one
-traceback per rank. On success
-prints the torchrun restart budget (`comm.max_restarts`) for run_train.sh.
+Validates the config, the mesh for WORLD_SIZE, the model's shape, optional packages it needs (wandb),
+the tokenizer file, the dataset path, the checkpoint to load and the dump folder in one process, so bad
+input is one line and exit code 2 instead of one traceback per rank. On success prints the torchrun
+restart budget (`comm.max_restarts`) for run_train.sh.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from titanlite.checkpoint import folders, lock
 from titanlite.checkpoint.manager import check_seed_world
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
+from titanlite.metrics import check_wandb
 
 
 def check_dump_folder(path: str) -> None:
@@ -55,6 +56,7 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
 def preflight(argv: list[str], world_size: int) -> int:
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     check_seed_world(cfg.checkpoint, world_size)
+    check_wandb(cfg.metrics)
     plan = RunPlan.build(cfg, world_size)
     t = cfg.training
     if not t.dataset_path.startswith("hf://"):

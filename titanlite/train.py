@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import sys
 
-from titanlite.config import DEFAULT_CONFIG, load_config
+from titanlite.build import world_from_env
+from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
 from titanlite.resilience import Preemption, note_failure, run_rank
 from titanlite.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:
+    if help_requested(argv):
+        print(help_text())
+        return 0
     preemption = Preemption(interrupt=True)
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+    if cfg.job.print_config:  # the merged config, without training
+        if world_from_env()[0] == 0:
+            print(cfg.to_json(), flush=True)
+        return 0
     trainer = Trainer(cfg, preemption=preemption)
     try:
         trainer.train()

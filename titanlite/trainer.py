@@ -23,6 +23,7 @@ from titanlite.build import (
     apply_train_timeout,
     build_loader,
     build_model,
+    describe_shape,
     init_device,
     init_distributed,
     world_from_env,
@@ -72,8 +73,6 @@ class Trainer:
         init_logging(self.rank)
         # One run at a time per dump folder, held from before anything is written there until close().
         self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
-        if cfg.job.print_config and self.rank == 0:
-            print(cfg.to_json(), flush=True)
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
         self.plan = plan or RunPlan.build(cfg, self.world_size)
@@ -91,7 +90,8 @@ class Trainer:
         self.model.train()
         n_params = self.model_args.num_params()
         logger.info(
-            f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, vocab {self.model_args.vocab_size}; "
+            f"model {cfg.model.name} {cfg.model.flavor} ({describe_shape(self.model_args)}): {n_params:,} parameters, "
+            f"vocab {self.model_args.vocab_size}; "
             f"mesh {dict(zip(self.dims.dim_names, [getattr(self.dims, n) for n in self.dims.dim_names]))} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
@@ -126,6 +126,7 @@ class Trainer:
             self.device,
             flops_per_token=self.model_args.flops_per_token(t.seq_len),
             enabled=self.rank == 0,
+            run_config=cfg.to_dict(),
         )
 
     def _describe_plan(self) -> str:
@@ -212,6 +213,7 @@ class Trainer:
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         tokens_per_step = self.plan.tokens_per_gpu_step
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
+        self.metrics.begin(self.step, cfg.steps)
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1

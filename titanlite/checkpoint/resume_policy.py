@@ -5,8 +5,9 @@ config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effectiv
 virtual shards). `compare_settings` holds a resuming run against it:
 
 - cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor` (and any other model shape, checked tensor by tensor by the manager), the
-  tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
+  `model.name`, `model.flavor`, its shape overrides (`model.dim`, `n_layers`, `rope_theta`, ...; any
+  other model shape is checked tensor by tensor by the manager), the tokenizer (`model.tokenizer_path`,
+  by the file's content), `training.seq_len`, the global batch size
   (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
   (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
   content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
@@ -55,6 +56,10 @@ def compare_settings(path: str, marker: dict, inputs: dict, allow_dataset_change
     fixed = [
         ("model.name", old.get("model.name"), new["model.name"], ""),
         ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
+        *(  # shape overrides of the flavor (0 = the flavor's; absent from older checkpoints)
+            (f"model.{k}", old.get(f"model.{k}", 0), new.get(f"model.{k}", 0), "")
+            for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta")
+        ),
         ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
         ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),
         ("training.dataset_virtual_shards", marker["virtual_shards"], inputs["virtual_shards"], " virtual shards"),

@@ -31,6 +31,8 @@ class ModelArgs:
     vocab_size: int = 128256
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    ffn_dim: int | None = None
+    """The feed-forward hidden width exactly (a shape override); None = from dim, the multiplier, multiple_of."""
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False
@@ -50,6 +52,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

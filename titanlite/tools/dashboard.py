@@ -1,0 +1,85 @@
+"""What TensorBoard shows for a run, read back from its event files:
+`python -m titanlite.tools.dashboard <dump_folder>/tb/<run>`.
+
+Prints the custom-scalars layout (category, chart title, tags) and every scalar tag with its display
+name, description and last value, through the event loader TensorBoard's own server uses, so the README's
+description of the dashboards and the tests check what a browser would show.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from titanlite.errors import UserError, run_cli
+
+
+@dataclass
+class Scalar:
+    display_name: str
+    description: str
+    values: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Dashboard:
+    layout: dict[str, dict[str, list[str]]]
+    """Custom-scalars layout: category -> chart title -> tags."""
+    scalars: dict[str, Scalar]
+    """Scalar tag -> its display name, description and (step, value) points."""
+
+
+def read_dashboard(run_dir: str) -> Dashboard:
+    """The layout and scalars of one TensorBoard run folder (one trainer start)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(run_dir)
+    acc.Reload()
+    layout: dict[str, dict[str, list[str]]] = {}
+    tags = acc.Tags()["tensors"]
+    for tag in tags:
+        if acc.SummaryMetadata(tag).plugin_data.plugin_name != "custom_scalars":
+            continue
+        proto = layout_pb2.Layout()
+        proto.ParseFromString(acc.Tensors(tag)[-1].tensor_proto.string_val[0])
+        for category in proto.category:
+            charts = layout.setdefault(category.title, {})
+            for chart in category.chart:
+                charts[chart.title] = list(chart.multiline.tag)
+    scalars = {}
+    for tag in tags:
+        meta = acc.SummaryMetadata(tag)
+        if meta.plugin_data.plugin_name != "scalars":
+            continue
+        points = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+        scalars[tag] = Scalar(meta.display_name, meta.summary_description, points)
+    if not layout and not scalars:
+        raise UserError(f"no TensorBoard events in {run_dir}")
+    return Dashboard(layout, scalars)
+
+
+def describe(board: Dashboard) -> str:
+    """The dashboard in words, as the README shows it."""
+    lines = []
+    for category, charts in board.layout.items():
+        lines.append(f"{category}:")
+        for title, tags in charts.items():
+            for tag in tags:
+                s = board.scalars.get(tag)
+                about = f" - {s.description}" if s and s.description else ""
+                lines.append(f"  {title}  [{tag}]{about}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    print(describe(read_dashboard(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
