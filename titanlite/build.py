@@ -97,6 +97,7 @@ def build_loader(plan: RunPlan, dp_rank: int) -> Any:
         dp_degree=plan.dims.dp,
         virtual_shards=t.dataset_virtual_shards,
         num_workers=t.dataloader_num_workers,
+        holdout_documents=plan.cfg.validation.holdout_documents,
     )
 
 

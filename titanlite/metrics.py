@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -110,6 +111,17 @@ def _measure_cpu_peak_tflops() -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
+class ValidationResult(Protocol):
+    """What `log_validation` reads of `titanlite.validation.ValidationResult` (that module sits above this one)."""
+
+    loss: float
+    seconds: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float: ...
+
+
 class MemoryMonitor:
     """Peak memory since the last `reset()`, in GiB."""
 
@@ -159,7 +171,15 @@ class StepStats:
 
 
 class MetricsLogger:
-    def __init__(self, cfg, dump_folder: str, device: torch.device, flops_per_token: float, enabled: bool):
+    def __init__(
+        self,
+        cfg,
+        dump_folder: str,
+        device: torch.device,
+        flops_per_token: float,
+        enabled: bool,
+        validation: bool = False,
+    ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
         self.peak, self.peak_source = peak_tflops(device) if enabled else (None, "")
@@ -198,6 +218,16 @@ class MetricsLogger:
                     },
                     "memory": {"peak": ["Multiline", ["memory/peak_gib"]]},
                     "time": {"data": ["Multiline", ["time/data_pct"]], "step": ["Multiline", ["time/step_s"]]},
+                    **(
+                        {
+                            "validation": {
+                                "loss": ["Multiline", ["validation/loss"]],
+                                "perplexity": ["Multiline", ["validation/ppl"]],
+                            }
+                        }
+                        if validation
+                        else {}
+                    ),
                 }
             )
             logger.info(f"TensorBoard events: {log_dir}")
@@ -249,6 +279,31 @@ class MetricsLogger:
             ):
                 if record[key] is not None:
                     self.writer.add_scalar(tag, record[key], s.step)
+            self.writer.flush()
+        return record
+
+    def log_validation(self, step: int, result: ValidationResult) -> dict:
+        """A held-out evaluation: its own console line, `metrics.jsonl` row (`step`, `val_loss`, `val_ppl`,
+        `val_tokens`, `val_time_s`; no `loss` key) and `validation/` TensorBoard scalars."""
+        record = dict(
+            step=step,
+            val_loss=result.loss,
+            val_ppl=result.perplexity,
+            val_tokens=result.tokens,
+            val_time_s=result.seconds,
+        )
+        if not self.enabled:
+            return record
+        c = self.c
+        logger.info(
+            f"{c['red']}step: {step:5d}  {c['green']}val_loss: {result.loss:8.4f}  val_ppl: {result.perplexity:,.2f}  "
+            f"{c['magenta']}({result.tokens:,} held-out tokens in {result.seconds:.2f}s){c['reset']}"
+        )
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("validation/loss", result.loss, step)
+            self.writer.add_scalar("validation/ppl", result.perplexity, step)
             self.writer.flush()
         return record
 

@@ -36,6 +36,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
+from titanlite.validation import Validator
 
 logger = logging.getLogger("titanlite")
 
@@ -79,6 +80,7 @@ class Trainer:
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         self.dataloader = build_loader(self.plan, self.dims.dp_rank_of(self.rank))
+        self.validator = Validator.create(self.plan, self.dims.dp_rank_of(self.rank))
 
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)
@@ -119,6 +121,7 @@ class Trainer:
             self.device,
             flops_per_token=self.model_args.flops_per_token(t.seq_len),
             enabled=self.rank == 0,
+            validation=self.validator is not None,
         )
 
     def _describe_plan(self) -> str:
@@ -239,6 +242,10 @@ class Trainer:
                         window_steps,
                     )
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+                if self.validator is not None and self.validator.due(self.step):
+                    result = self.validator.run(self.model, self.loss_fn, self.device)
+                    self.metrics.log_validation(self.step, result)
+                    window_start += result.seconds  # not training time: kept out of tokens/s
                 if self.preempted:
                     self._save_and_stop()
                     return

@@ -126,8 +126,13 @@ def build_dataloader(
     dp_degree: int,
     virtual_shards: int = 0,
     num_workers: int = 0,
+    holdout_documents: int = 0,
+    heldout: bool = False,
 ) -> TokenLoader:
-    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front."""
+    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
+
+    `holdout_documents` > 0 sets the last N documents of local data apart: the loader reads the documents
+    before them, or with `heldout` only them (validation)."""
     layout = Layout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
@@ -137,16 +142,31 @@ def build_dataloader(
         num_workers=num_workers,
     )
     source = open_source(dataset_path, text_field)
+    what = "held-out documents" if heldout else "documents"
+    if holdout_documents:
+        if not isinstance(source, LocalSource):
+            raise DataError(f"dataset_path {source.name}: documents can be held out of local data only")
+        n = source.num_documents
+        if holdout_documents >= n:
+            raise DataError(
+                f"dataset_path {source.name}: validation.holdout_documents {holdout_documents} leaves none of its "
+                f"{n} documents to train on"
+            )
+        source = source.part(n - holdout_documents, n) if heldout else source.part(0, n - holdout_documents)
     if isinstance(source, LocalSource):
         n = source.num_documents
         if n == 0:
             raise DataError(f"dataset_path {source.name}: no usable documents in {len(source.files)} files")
         if n < layout.num_shards:
-            raise DataError(
-                f"dataset_path {source.name}: {n} documents, fewer than the {layout.num_shards} virtual shards "
-                "(set training.dataset_virtual_shards lower)"
+            hint = (
+                "validation.local_batch_size x dp (each sample of a batch is one stream); hold out more or lower it"
+                if heldout
+                else "set training.dataset_virtual_shards lower"
             )
-        logger.info(f"data: {n:,} documents in {len(source.files)} files from {source.name}")
+            raise DataError(
+                f"dataset_path {source.name}: {n} {what}, fewer than the {layout.num_shards} virtual shards ({hint})"
+            )
+        logger.info(f"data: {n:,} {what} in {len(source.files)} files from {source.name}")
     elif next(source.shard_documents(0, 1, 0), None) is None:
         raise DataError(f"dataset_path {source.name}: no usable documents")
     dataset = PackedShards(source, tokenizer, seq_len, layout)

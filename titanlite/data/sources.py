@@ -32,6 +32,7 @@ so every owned shard reads the whole stream: prefer few virtual shards per rank 
 from __future__ import annotations
 
 import bisect
+import copy
 import glob
 import gzip
 import io
@@ -274,6 +275,16 @@ class LocalSource:
             self._starts.append(len(self._offsets))
             self._index(i, path)
         self.num_documents: int = len(self._offsets)
+        self._first = 0  # global index of this source's document 0 (`part`)
+
+    def part(self, begin: int, end: int) -> LocalSource:
+        """Documents [begin, end) as a source of their own, numbered from 0, sharing this one's index (a
+        held-out tail for validation: the rest keeps its document numbers, hence its virtual shards)."""
+        if not 0 <= begin <= end <= self.num_documents:
+            raise ValueError(f"documents [{begin}, {end}) of {self.num_documents}")
+        part = copy.copy(self)
+        part._first, part.num_documents, part._cache = self._first + begin, end - begin, OrderedDict()
+        return part
 
     def _index(self, i: int, path: Path) -> None:
         kind, compression = self.formats[i]
@@ -353,7 +364,8 @@ class LocalSource:
     def shard_documents(self, shard: int, num_shards: int, start: int) -> Iterator[str]:
         readers: dict[int, ForwardReader] = {}  # this stream's compressed files: one open at a time
         try:
-            for d in range(shard + start * num_shards, self.num_documents, num_shards):
+            first = self._first
+            for d in range(first + shard + start * num_shards, first + self.num_documents, num_shards):
                 i = bisect.bisect_right(self._starts, d) - 1
                 for other in [f for f in readers if f != i]:
                     readers.pop(other).close()
