@@ -11,9 +11,10 @@ wrapper, which is specific to one worker count):
      "global_batch_size": ..., "local_batch_size": ...,
      "round_pos": samples this rank already produced in the current optimizer step,
      "step": optimizer steps completed (None when resumed from a state saved without it),
-     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token}}}
+     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token,
+                        "source": for hf:// streams only, `datasets`' stream position before that document}}}
 
-Only plain ints and strings: it can be pickled or JSON-encoded. Loading it into a loader with the
+Only plain ints, strings and dicts of them: it can be pickled or JSON-encoded. Loading it into a loader with the
 same configuration continues with exactly the next batch (any batch boundary).
 
 Resharding rule. A shard's cursor means the same thing on any rank, so a checkpoint taken at a step
