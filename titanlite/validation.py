@@ -10,12 +10,13 @@ compare the same tokens, and there is no validation state to checkpoint.
 Training does not notice it: it reads no training batch, runs the forward under `no_grad` (the
 gradients and the optimizer are untouched), and the random-number states are forked and restored
 around it (starting a DataLoader iterator draws a seed from torch's generator), so neither that nor a
-forward that drew random numbers can shift training. A run with
-validation trains bitwise like one without, and resumes as exactly (tests/test_checkpoint_resume.py).
+forward that drew random numbers can shift training. A run with validation trains bitwise like one
+without, and resumes as exactly (tests/test_checkpoint_resume.py).
 
 Loss. Each batch's loss comes from `step.forward_loss`, the very model call training makes, inside
-the same `loss_context` (vocab-parallel logits under tensor parallelism give a replicated loss), so
-whatever schedules the model for training (a pipeline, later) schedules it here too. Batches hold the
+the same `loss_context` (vocab-parallel logits under tensor parallelism give a replicated loss): the
+one place a pipeline-parallel schedule would plug in, for training and validation alike (its last stage
+would then hold the loss and share it with the other stages before the data-parallel average). Batches hold the
 same number of tokens, so their mean is the token mean; it is then averaged over the data-parallel
 ranks (tensor-parallel peers read the same batches and hold the same value). Perplexity = exp(loss).
 The model stays in training mode (it has no dropout): compiled blocks are traced once more for
