@@ -97,7 +97,7 @@ class RunResult:
 
     @property
     def losses(self) -> list[float]:
-        return [r["loss"] for r in self.metrics]
+        return [r["loss"] for r in self.metrics if "loss" in r]  # validation rows have `val_loss` instead
 
     def ok(self) -> RunResult:
         if self.returncode != 0:

@@ -6,6 +6,12 @@ so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses c
 The kill -9 tests use the test hook TITANLITE_TEST_KILL_AT (manager.py) and restart in the same dump
 folder, as a relaunch would.
 
+Validation: every run holds out the corpus's last documents (the same training stream for all); the
+reference and the dp2 x tp2 runs evaluate on them every 2 steps, and so does the restart after the kill
+between saves, while the killed runs do not. The restarts matching the reference bitwise show that
+validation changes nothing in training (data, RNG, weights); the exact resumes also match its
+validation losses bitwise.
+
 Tolerances: resuming on the same layout (after a kill between saves, during an async save, or from a
 dp2 x tp2 checkpoint) must reproduce the uninterrupted losses of every resumed step bitwise. Resuming
 on another layout (other dp degree, tp, FSDP2, one process) changes only the order of floating-point
@@ -36,6 +42,18 @@ LAYOUTS = {
 }
 
 
+HOLDOUT = ["--validation.holdout_documents", "64"]
+VALIDATION = [
+    "--validation.enable",
+    "--validation.freq",
+    "2",
+    "--validation.steps",
+    "2",
+    "--validation.local_batch_size",
+    "2",
+]
+
+
 def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> RunResult:
     nproc, layout_args = LAYOUTS[layout]
     return run_trainer(
@@ -51,6 +69,7 @@ def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> RunResult:
         "--checkpoint.enable",
         "--checkpoint.interval",
         str(INTERVAL),
+        *HOLDOUT,
         *layout_args,
         *extra,
         env={TEST_KILL_ENV: kill_at} if kill_at else {},
@@ -64,7 +83,11 @@ def _records(dump: Path) -> list[dict]:
 
 def losses(dump: Path, skip: int = 0) -> dict[int, float]:
     """Loss per step, from the records after the first `skip` (a restarted run appends to metrics.jsonl)."""
-    return {r["step"]: r["loss"] for r in _records(dump)[skip:]}
+    return {r["step"]: r["loss"] for r in _records(dump)[skip:] if "loss" in r}
+
+
+def val_losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in _records(dump) if "val_loss" in r}
 
 
 def after(reference: Path, step: int) -> dict[int, float]:
@@ -83,10 +106,11 @@ def resume_from(src: Path, step: int, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """dp2 SimpleFSDP, async saves, uninterrupted."""
+    """dp2 SimpleFSDP, async saves, uninterrupted, validation every 2 steps."""
     dump = tmp_path_factory.mktemp("reference_dp2")
-    assert_ok(train(dump, "dp2", "--checkpoint.async_mode", "async"))
+    assert_ok(train(dump, "dp2", "--checkpoint.async_mode", "async", *VALIDATION))
     assert folders.scan(checkpoint(dump)) == ([2, 4], [])
+    assert sorted(val_losses(dump)) == [2, 4]
     return dump
 
 
@@ -98,7 +122,7 @@ def _assert_resumed(proc: RunResult, step: int) -> None:
 def dp2xtp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
     """The reference's step-2 resumed on dp2 x tp2 (same dp, new tp), async saves after every step."""
     run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("dp2xtp2"))
-    return run, train(run, "dp2xtp2", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async")
+    return run, train(run, "dp2xtp2", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async", *VALIDATION)
 
 
 def test_exact_resume_dp2_tp2(dp2xtp2_run, tmp_path):
@@ -106,11 +130,12 @@ def test_exact_resume_dp2_tp2(dp2xtp2_run, tmp_path):
     src, proc = dp2xtp2_run
     assert_ok(proc)
     run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "dp2xtp2", "--checkpoint.async_mode", "async")
+    proc = train(run, "dp2xtp2", "--checkpoint.async_mode", "async", *VALIDATION)
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL + 1)
     assert "resharded" not in proc.stderr
     assert losses(run) == after(src, INTERVAL + 1)
+    assert val_losses(run) == {STEPS: val_losses(src)[STEPS]}
 
 
 def test_kill_between_saves_resumes_from_last_checkpoint(reference, tmp_path):
@@ -119,10 +144,11 @@ def test_kill_between_saves_resumes_from_last_checkpoint(reference, tmp_path):
     assert killed.returncode != 0 and f"{TEST_KILL_ENV}=3: killing this process" in killed.stderr
     assert folders.scan(checkpoint(tmp_path)) == ([2], [])
     logged = len(_records(tmp_path))
-    proc = train(tmp_path, "dp2", "--checkpoint.async_mode", "disabled")
+    proc = train(tmp_path, "dp2", "--checkpoint.async_mode", "disabled", *VALIDATION)
     assert_ok(proc)
     _assert_resumed(proc, 2)
     assert losses(tmp_path, skip=logged) == after(reference, 2)
+    assert val_losses(tmp_path) == {STEPS: val_losses(reference)[STEPS]}
 
 
 def test_kill_during_async_save_keeps_previous_checkpoint(reference, tmp_path):
@@ -162,12 +188,15 @@ def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, fsdp2_run):
 
 
 def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
-    """Same dp degree, new tp: each rank continues its dp rank's data."""
+    """Same dp degree, new tp: each rank continues its dp rank's data; the validation loss (same held-out
+    batches for dp 2, vocab-parallel loss under tp) agrees with the dp2 reference's."""
     run, proc = dp2xtp2_run
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     assert "resharded from world 2, dp 2, tp 1" in proc.stderr
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
+    got, expected = val_losses(run)[STEPS], val_losses(reference)[STEPS]
+    assert abs(got - expected) <= LOSS_REL * expected, (got, expected)
 
 
 def test_reshard_fsdp2_dp4_to_one_process(reference, fsdp2_run, tmp_path):

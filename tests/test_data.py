@@ -6,7 +6,6 @@ import logging
 import pickle
 import random
 import sys
-import types
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -281,18 +280,84 @@ def test_parquet(tmp_path, docs):
     assert take(iter(loader(tmp_path / "d.parquet")), 8) == take(iter(loader(plain)), 8)
 
 
-def test_hf_streaming_source(tmp_path, docs, monkeypatch):
-    seen = {}
+def _hf_files(monkeypatch, docs: list[str], n_files: int) -> list[int]:
+    """`datasets.load_dataset` returns a local stream of `docs` in `n_files` data files (one generator call
+    each, as `datasets` streams files); the list it returns records every file opened, in order."""
+    import datasets
+
+    opened: list[int] = []
+    per_file = len(docs) // n_files
+
+    def records(files):
+        for f in files:
+            opened.append(f)
+            yield from ({"text": d} for d in docs[f * per_file : (f + 1) * per_file])
 
     def load_dataset(name, config, split, streaming):
-        seen.update(name=name, config=config, split=split, streaming=streaming)
-        return iter([{"text": d} for d in docs[:30]] + [{"text": None}] + [{"text": d} for d in docs[30:]])
+        assert (name, config, split, streaming) == ("org/name", "cfg", "train", True)
+        return datasets.IterableDataset.from_generator(records, gen_kwargs={"files": list(range(n_files))})
 
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    hf = loader("hf://org/name:cfg@validation", dp=2, rank=1)
-    assert seen == {"name": "org/name", "config": "cfg", "split": "validation", "streaming": True}
-    local = loader(write_jsonl(tmp_path / "d.jsonl", docs), dp=2, rank=1)
-    assert take(iter(hf), 40) == take(iter(local), 40)  # the same documents, the same batches
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return opened
+
+
+HF = "hf://org/name:cfg"
+
+
+def test_hf_streams_are_sharded_at_the_source_and_do_not_depend_on_the_layout(monkeypatch, docs, caplog):
+    opened = _hf_files(monkeypatch, docs, 32)  # 32 files, 8 virtual shards: 4 whole files a shard
+    reference = global_steps(ranks(HF, 1, gbs=8), 12, 8)
+    assert global_steps(ranks(HF, 2, gbs=8), 12, 4) == reference
+    assert global_steps(ranks(HF, 4, gbs=8), 12, 2) == reference
+    read = []
+    for rank in range(2):
+        dl = loader(HF, dp=2, rank=rank, gbs=8)
+        opened.clear()  # (building the loader reads one document to check the dataset)
+        take(iter(dl), 120)  # past an epoch: every owned file opened
+        read.append(set(opened))
+    assert len(read[0]) == len(read[1]) == 16 and not read[0] & read[1]  # each rank opens its half only
+    assert "virtual shard stream reads the whole stream" not in caplog.text
+
+    opened = _hf_files(monkeypatch, docs, 12)  # negative control: 12 files do not split into 8 shards
+    dl = loader(HF, dp=2, rank=1, gbs=8)
+    opened.clear()
+    take(iter(dl), 120)
+    assert set(opened) == set(range(12))
+    assert "12 data files, not a multiple of the 8 virtual shards" in caplog.text
+
+
+def test_hf_resume_continues_from_the_saved_stream_position(monkeypatch, docs):
+    opened = _hf_files(monkeypatch, docs, 32)
+    reference = take(iter(loader(HF, dp=2, rank=1, gbs=8)), 30)
+    first = loader(HF, dp=2, rank=1, gbs=8)
+    take(iter(first), 20)
+    state = json.loads(json.dumps(first.state_dict()))  # plain data, as checkpoints keep it
+    # The file holding each shard's current document (2 documents a file; shard v has files v, v + 8, ...).
+    current = {int(v): int(v) + 8 * (cursor["doc"] // 2) for v, cursor in state["shards"].items()}
+    assert any(current[v] > v for v in current)  # some shard is past its first file
+    assert all("source" in cursor for cursor in state["shards"].values())
+    opened.clear()
+    resumed = loader(HF, dp=2, rank=1, gbs=8)
+    resumed.load_state_dict(state)
+    opened.clear()
+    assert take(iter(resumed), 10) == reference[20:]
+    from_position = list(opened)
+
+    # Negative control: without the positions (a state saved before they were recorded) the streams
+    # restart and skip documents: the same batches, but every shard reopens its first file.
+    for cursor in state["shards"].values():
+        del cursor["source"]
+    opened.clear()
+    skipping = loader(HF, dp=2, rank=1, gbs=8)
+    skipping.load_state_dict(state)
+    opened.clear()
+    assert take(iter(skipping), 10) == reference[20:]
+    assert {1, 3, 5, 7} <= set(opened)  # each of rank 1's shards begins with file v
+    assert all(f >= current[f % 8] for f in from_position)  # no file a shard had left is opened again
+    assert len(from_position) < len(opened)
+
+
+def test_hf_needs_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(DataError, match="pip install datasets"):
         loader("hf://org/name")

@@ -20,6 +20,7 @@ from titanlite.config import Metrics
 from titanlite.errors import run_cli
 from titanlite.metrics import METRICS, MetricsLogger, StepStats, peak_tflops
 from titanlite.tools.dashboard import describe, read_dashboard
+from titanlite.validation import ValidationResult
 
 
 @pytest.mark.parametrize(
@@ -77,6 +78,8 @@ def log_rows(cfg: Metrics, dump: Path, **kw) -> tuple[list[dict], list[str]]:
         logger.begin(0, 20)
         for s in rows():
             logger.log(s, 1)
+            if kw.get("validation"):
+                logger.log_validation(s.step, ValidationResult(loss=6.0 - s.step / 10, seconds=0.5, tokens=4096))
         logger.close()
     finally:
         logging.getLogger("titanlite").removeHandler(handler)
@@ -87,18 +90,21 @@ def log_rows(cfg: Metrics, dump: Path, **kw) -> tuple[list[dict], list[str]]:
 def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(tmp_path):
     """Read back as TensorBoard's server reads the event files: the custom layout holds exactly the logged
     tags, each with its display name and description, and the values equal metrics.jsonl's under one name."""
-    records, _ = log_rows(Metrics(peak_tflops=0.5), tmp_path)
+    rows, _ = log_rows(Metrics(peak_tflops=0.5), tmp_path, validation=True)
     [run] = (tmp_path / "tb").iterdir()
     board = read_dashboard(str(run))
     logged = {m.tag: m for m in METRICS if not m.cuda_only}
+    records = [r for r in rows if "loss" in r]
+    val_records = [r for r in rows if "val_loss" in r]
     assert set(board.scalars) == set(logged)
     assert sorted(t for charts in board.layout.values() for tags in charts.values() for t in tags) == sorted(logged)
-    assert list(board.layout) == ["loss", "throughput", "memory", "time"]
+    assert list(board.layout) == ["loss", "throughput", "memory", "time", "validation"]
     for tag, m in logged.items():
         assert board.scalars[tag].display_name == m.display_name and board.scalars[tag].description
         assert tag == f"{m.group}/{m.name}" and board.layout[m.group][m.display_name] == [tag]
         got = [v for _, v in board.scalars[tag].values]
-        assert got == pytest.approx([r[m.name] for r in records], rel=1e-6), tag
+        expected = [r[m.name] for r in (val_records if m.validation else records)]
+        assert len(got) == 3 and got == pytest.approx(expected, rel=1e-6), tag
     assert board.scalars["throughput/mfu_pct"].values[0][1] == pytest.approx(100 * 512 * 1e6 / 0.25 / 1e12 / 0.5)
     assert board.layout["loss"]["Training loss (nats/token)"] == ["loss/loss"]
     # The README describes the dashboards as this reader prints them.

@@ -156,6 +156,7 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
         virtual_shards=t.dataset_virtual_shards,
         num_workers=loader_workers(plan, device_type),
         pin_memory=device_type == "cuda",
+        holdout_documents=plan.cfg.validation.holdout_documents,
     )
 
 

@@ -214,6 +214,26 @@ class Training:
 
 
 @dataclass
+class Validation:
+    """Held-out loss and perplexity during training (see titanlite/validation.py)."""
+
+    enable: bool = False
+    """Evaluate the held-out loss every `freq` steps (off: training only)."""
+    dataset_path: str = ""
+    """Held-out data, in any form `training.dataset_path` takes; empty = the training data's held-out tail
+    (`holdout_documents`)."""
+    holdout_documents: int = field(default=0, metadata=NON_NEGATIVE)
+    """The last N documents of the local training data, which training then never reads (whether validation is
+    on or not, so turning it on or off does not change the training stream); validation reads them."""
+    freq: int = field(default=500, metadata=POSITIVE)
+    """Evaluate after every `freq`-th optimizer step."""
+    steps: int = field(default=10, metadata=POSITIVE)
+    """Batches per evaluation; every evaluation reads the same batches from the held-out data's start."""
+    local_batch_size: int = field(default=8, metadata=POSITIVE)
+    """Sequences per batch and data-parallel rank (of `training.seq_len` tokens)."""
+
+
+@dataclass
 class Parallelism:
     """How the world of ranks is split: data parallel (FSDP, HSDP) and tensor parallel."""
 
@@ -378,6 +398,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -577,6 +598,21 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
             "expected 'op', 'op_all_mm' or a positive integer"
+        )
+    v = cfg.validation
+    if v.enable and not v.dataset_path and not v.holdout_documents:
+        raise ConfigError(
+            "validation.enable needs held-out data: set validation.dataset_path or validation.holdout_documents"
+        )
+    if v.dataset_path and v.holdout_documents:
+        raise ConfigError(
+            "validation.holdout_documents and validation.dataset_path exclude each other: held-out training "
+            "documents would be read by nothing"
+        )
+    if v.holdout_documents and cfg.training.dataset_path.startswith("hf://"):
+        raise ConfigError(
+            "validation.holdout_documents needs local training data; for hf:// data set validation.dataset_path "
+            "to the dataset's own validation split (hf://name[:config]@validation)"
         )
     for component in cfg.compile.components:
         if component not in ("model", "loss"):

@@ -19,6 +19,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -116,6 +117,17 @@ def _measure_cpu_peak_tflops() -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
+class ValidationResult(Protocol):
+    """What `log_validation` reads of `titanlite.validation.ValidationResult` (that module sits above this one)."""
+
+    loss: float
+    seconds: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float: ...
+
+
 class MemoryMonitor:
     """Peak memory since the last `reset()`, in GiB."""
 
@@ -164,6 +176,8 @@ class Metric:
     unit: str
     description: str
     cuda_only: bool = False
+    validation: bool = False
+    """Written by a held-out evaluation (its own metrics.jsonl row), not by the step line."""
 
     @property
     def tag(self) -> str:
@@ -192,6 +206,15 @@ METRICS = (
     Metric("mem_pct", "memory", "Peak reserved", "% of GPU memory", "Peak reserved over the GPU's capacity.", True),
     Metric("data_pct", "time", "Data loading", "% of step time", "Time spent waiting for the next batch."),
     Metric("step_time_s", "time", "Step time", "s", "Wall time per optimizer step, averaged since the last log."),
+    Metric(
+        "val_loss",
+        "validation",
+        "Validation loss",
+        "nats/token",
+        "Mean cross-entropy of the held-out batches.",
+        validation=True,
+    ),
+    Metric("val_ppl", "validation", "Validation perplexity", "", "exp(validation loss).", validation=True),
 )
 """Every scalar the logger writes, in chart order; the TensorBoard custom layout is built from it."""
 
@@ -249,7 +272,8 @@ COLORS = dict(
 class MetricsLogger:
     """Rank 0's console step line, metrics.jsonl, TensorBoard events and (optionally) W&B run.
 
-    `run_config` (the whole config as a dict) is recorded with the W&B run."""
+    `run_config` (the whole config as a dict) is recorded with the W&B run; `validation` adds the
+    held-out metrics to the TensorBoard layout."""
 
     def __init__(
         self,
@@ -259,6 +283,7 @@ class MetricsLogger:
         flops_per_token: float,
         enabled: bool,
         run_config: dict | None = None,
+        validation: bool = False,
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
@@ -267,7 +292,8 @@ class MetricsLogger:
             self.peak, self.peak_source = (
                 (cfg.peak_tflops, "metrics.peak_tflops") if cfg.peak_tflops else peak_tflops(device)
             )
-        self.metrics = [m for m in METRICS if device.type == "cuda" or not m.cuda_only]
+        self.metrics = [m for m in METRICS if (device.type == "cuda" or not m.cuda_only) and not m.validation]
+        self.val_metrics = [m for m in METRICS if m.validation] if validation else []
         self.writer = None
         self.wandb_run = None
         self.jsonl = None
@@ -308,7 +334,7 @@ class MetricsLogger:
         """The TensorBoard custom-scalars layout: one category per group, one chart per logged metric,
         titled with its display name and unit."""
         groups: dict = {}
-        for m in self.metrics:
+        for m in self.metrics + self.val_metrics:
             groups.setdefault(m.group, {})[m.display_name] = ["Multiline", [m.tag]]
         return groups
 
@@ -382,6 +408,35 @@ class MetricsLogger:
 
         metadata = SummaryMetadata(display_name=m.display_name, summary_description=m.description)
         return Summary(value=[Summary.Value(tag=m.tag, simple_value=float(value), metadata=metadata)])
+
+    def log_validation(self, step: int, result: ValidationResult) -> dict:
+        """A held-out evaluation: its own console line, `metrics.jsonl` row (`step`, `val_loss`, `val_ppl`,
+        `val_tokens`, `val_time_s`; no `loss` key) and `validation/` TensorBoard scalars."""
+        record = dict(
+            step=step,
+            val_loss=result.loss,
+            val_ppl=result.perplexity,
+            val_tokens=result.tokens,
+            val_time_s=result.seconds,
+        )
+        if not self.enabled:
+            return record
+        c = self.c
+        logger.info(
+            f"{c['red']}step: {step:5d}  {c['green']}val_loss: {result.loss:8.4f}  val_ppl: {result.perplexity:,.2f}  "
+            f"{c['magenta']}({result.tokens:,} held-out tokens in {result.seconds:.2f}s){c['reset']}"
+        )
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        scalars = {m.tag: record[m.name] for m in self.val_metrics}
+        if self.writer is not None:
+            writer = self.writer._get_file_writer()
+            for m in self.val_metrics:
+                writer.add_summary(self._summary(m, record[m.name]), step)
+            self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+        return record
 
     def close(self) -> None:
         if self.writer is not None:

@@ -17,6 +17,24 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+def loss_context(use_loss_parallel: bool) -> contextlib.AbstractContextManager:
+    """Where the loss (and its backward) must run: inside `loss_parallel` when the logits are vocab-sharded."""
+    return loss_parallel() if use_loss_parallel else contextlib.nullcontext()
+
+
+def forward_loss(model, inputs, labels, loss_fn, device: torch.device) -> torch.Tensor:
+    """The loss of one microbatch, the one model call of training and validation (inside `loss_context`);
+    a pipeline schedule would replace this call for both."""
+    # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
+    inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    return loss_fn(model(inputs), labels)
+
+
+def replicated(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: a vocab-parallel loss is a replicated DTensor, equal on the tp ranks."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def forward_backward(
     model, optimizer, batches, loss_fn, use_loss_parallel: bool, max_norm: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,12 +47,9 @@ def forward_backward(
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, labels in batches:
-        # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            pred = model(inputs)
-            loss = loss_fn(pred, labels) / len(batches)
+        with loss_context(use_loss_parallel):
+            loss = forward_loss(model, inputs, labels, loss_fn, device) / len(batches)
             loss.backward()
-        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        total += replicated(loss).detach()
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     return total, grad_norm

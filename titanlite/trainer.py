@@ -37,6 +37,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, StepVerdict, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
+from titanlite.validation import Validator
 
 logger = logging.getLogger("titanlite")
 
@@ -80,9 +81,9 @@ class Trainer:
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
-        self.dataloader = (
-            None if self.seed_only else build_loader(self.plan, self.dims.dp_rank_of(self.rank), self.device.type)
-        )
+        dp_rank = self.dims.dp_rank_of(self.rank)
+        self.dataloader = None if self.seed_only else build_loader(self.plan, dp_rank, self.device.type)
+        self.validator = None if self.seed_only else Validator.create(self.plan, dp_rank)
 
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)
@@ -127,6 +128,7 @@ class Trainer:
             flops_per_token=self.model_args.flops_per_token(t.seq_len),
             enabled=self.rank == 0,
             run_config=cfg.to_dict(),
+            validation=self.validator is not None,
         )
 
     def _describe_plan(self) -> str:
@@ -242,6 +244,10 @@ class Trainer:
                         window_steps,
                     )
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
+                if self.validator is not None and self.validator.due(self.step):
+                    result = self.validator.run(self.model, self.loss_fn, self.device)
+                    self.metrics.log_validation(self.step, result)
+                    window_start += result.seconds  # not training time: kept out of tokens/s
                 if self.preempted:
                     self._save_and_stop()
                     return

@@ -33,10 +33,15 @@ def _edges(path: Path, size: int) -> bytes:
         return head + f.read(_EDGE)
 
 
-def dataset_fingerprint(dataset_path: str, text_field: str) -> dict:
-    """{"name", "text_field", "files", "bytes", "digest"} of the dataset a run reads (module docstring)."""
+def dataset_fingerprint(dataset_path: str, text_field: str, holdout_documents: int = 0) -> dict:
+    """{"name", "text_field", "files", "bytes", "digest"} of the dataset a run reads (module docstring).
+
+    Documents held out for validation are not trained on, so their count is part of the digest (when
+    non-zero, so fingerprints of runs without a hold-out stay what they were)."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(f"text_field={text_field}\n".encode())
+    if holdout_documents:
+        digest.update(f"holdout_documents={holdout_documents}\n".encode())
     if dataset_path.startswith("hf://"):
         digest.update(dataset_path.encode())
         return {"name": dataset_path, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}

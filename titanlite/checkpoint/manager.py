@@ -206,7 +206,9 @@ class CheckpointManager:
         self._dataset = self._tokenizer = None
         if rank == 0 and dataloader is not None:
             t = cfg.training
-            self._dataset = dataset_fingerprint(t.dataset_path, t.dataset_text_field)
+            self._dataset = dataset_fingerprint(
+                t.dataset_path, t.dataset_text_field, holdout_documents=cfg.validation.holdout_documents
+            )
             self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
         self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
         self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None

@@ -130,11 +130,21 @@ class Layout:
 
 @dataclass
 class ShardCursor:
-    """Where a shard stream is: token `offset` of its `doc`-th document (within the shard) in `epoch`."""
+    """Where a shard stream is: token `offset` of its `doc`-th document (within the shard) in `epoch`;
+    for a streamed source also `source`, the stream's position before that document (see sources.py)."""
 
     epoch: int = 0
     doc: int = 0
     offset: int = 0
+    source: dict | None = None
+
+
+def _cursor_state(cursor: ShardCursor) -> dict:
+    """A cursor's fields; `source` only for streams (local data's states stay plain ints)."""
+    state = asdict(cursor)
+    if state["source"] is None:
+        del state["source"]
+    return state
 
 
 class ShardStream:
@@ -156,7 +166,7 @@ class ShardStream:
         if self._tokens is None:
             c = self.cursor
             if self._docs is None:
-                self._docs = self.source.shard_documents(self.shard, self.num_shards, c.doc)
+                self._docs = self.source.shard_documents(self.shard, self.num_shards, c.doc, c.source)
             text = next(self._docs, None)
             if text is None:  # end of this pass: start over
                 if c.doc == 0:
@@ -165,7 +175,7 @@ class ShardStream:
                         f"documents than the {self.num_shards} virtual shards (set training.dataset_virtual_shards)"
                     )
                 self.pass_documents = c.doc
-                c.epoch, c.doc, c.offset = c.epoch + 1, 0, 0
+                c.epoch, c.doc, c.offset, c.source = c.epoch + 1, 0, 0, None
                 self._docs = None
                 return self._current()
             self._tokens = self.tokenizer.encode(text, bos=True, eos=True)
@@ -187,6 +197,9 @@ class ShardStream:
             if c.offset >= len(tokens):
                 c.doc, c.offset = c.doc + 1, 0
                 self._tokens = None
+                position = getattr(self._docs, "position", None)
+                if position is not None:  # a stream: where the next document begins
+                    c.source = position()
         return out
 
 
@@ -195,7 +208,7 @@ class PackedShards(IterableDataset):
 
     `state_dict()` = {"version", "V", "dp_rank", "dp_degree", "global_batch_size", "local_batch_size",
     "round_pos": samples already produced in the current step, "step": completed steps (None if a state
-    saved without it was loaded), "shards": {str(v): ShardCursor fields}}.
+    saved without it was loaded), "shards": {str(v): ShardCursor fields ("source" for streams only)}}.
     `load_state_dict` takes the shards this rank owns from a state that may hold more (all ranks'
     merged), so the dp degree can change between runs at a step boundary.
     """
@@ -259,7 +272,7 @@ class PackedShards(IterableDataset):
             "local_batch_size": layout.local_batch_size,
             "round_pos": self._round_pos,
             "step": self._step,
-            "shards": {str(v): asdict(self._streams[v].cursor) for v in self._round},
+            "shards": {str(v): _cursor_state(self._streams[v].cursor) for v in self._round},
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -11,9 +11,10 @@ wrapper, which is specific to one worker count):
      "global_batch_size": ..., "local_batch_size": ...,
      "round_pos": samples this rank already produced in the current optimizer step,
      "step": optimizer steps completed (None when resumed from a state saved without it),
-     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token}}}
+     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token,
+                        "source": for hf:// streams only, `datasets`' stream position before that document}}}
 
-Only plain ints and strings: it can be pickled or JSON-encoded. Loading it into a loader with the
+Only plain ints, strings and dicts of them: it can be pickled or JSON-encoded. Loading it into a loader with the
 same configuration continues with exactly the next batch (any batch boundary).
 
 Resharding rule. A shard's cursor means the same thing on any rank, so a checkpoint taken at a step
@@ -127,11 +128,14 @@ def build_dataloader(
     virtual_shards: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    holdout_documents: int = 0,
+    heldout: bool = False,
 ) -> TokenLoader:
     """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
 
     `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
-    without blocking the host."""
+    without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
+    the loader reads the documents before them, or with `heldout` only them (validation)."""
     layout = Layout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
@@ -141,16 +145,31 @@ def build_dataloader(
         num_workers=num_workers,
     )
     source = open_source(dataset_path, text_field)
+    what = "held-out documents" if heldout else "documents"
+    if holdout_documents:
+        if not isinstance(source, LocalSource):
+            raise DataError(f"dataset_path {source.name}: documents can be held out of local data only")
+        n = source.num_documents
+        if holdout_documents >= n:
+            raise DataError(
+                f"dataset_path {source.name}: validation.holdout_documents {holdout_documents} leaves none of its "
+                f"{n} documents to train on"
+            )
+        source = source.part(n - holdout_documents, n) if heldout else source.part(0, n - holdout_documents)
     if isinstance(source, LocalSource):
         n = source.num_documents
         if n == 0:
             raise DataError(f"dataset_path {source.name}: no usable documents in {len(source.files)} files")
         if n < layout.num_shards:
-            raise DataError(
-                f"dataset_path {source.name}: {n} documents, fewer than the {layout.num_shards} virtual shards "
-                "(set training.dataset_virtual_shards lower)"
+            hint = (
+                "validation.local_batch_size x dp (each sample of a batch is one stream); hold out more or lower it"
+                if heldout
+                else "set training.dataset_virtual_shards lower"
             )
-        logger.info(f"data: {n:,} documents in {len(source.files)} files from {source.name}")
+            raise DataError(
+                f"dataset_path {source.name}: {n} {what}, fewer than the {layout.num_shards} virtual shards ({hint})"
+            )
+        logger.info(f"data: {n:,} {what} in {len(source.files)} files from {source.name}")
     elif next(source.shard_documents(0, 1, 0), None) is None:
         raise DataError(f"dataset_path {source.name}: no usable documents")
     dataset = PackedShards(source, tokenizer, seq_len, layout)

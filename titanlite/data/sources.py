@@ -24,14 +24,26 @@ memory-mapped; compressed ones are decompressed line by line to index them, and 
 decompresses forward through them to its own documents (their offsets only grow within a pass), so
 memory stays flat whatever the file size, at the cost of one decompression per owned shard and pass.
 
-Hugging Face (`HFSource`, `hf://name[:config][@split]`): streamed with `datasets` (imported lazily);
-each shard stream iterates the dataset and keeps every V-th usable record. Streams have no index,
-so every owned shard reads the whole stream: prefer few virtual shards per rank there.
+Hugging Face (`HFSource`, `hf://name[:config][@split]`): streamed with `datasets` (imported lazily).
+Virtual shard v is `split_dataset_by_node(stream, rank=v, world_size=V)`: records, not usable
+documents, are split, and a shard's documents are its usable records in stream order. The split does
+not involve the data-parallel layout, so batches stay independent of it, as for local data (the
+document-to-shard map differs from a local copy of the same records only where records are unusable).
+What a rank reads depends on the dataset's data files (`n_shards`):
+- a multiple of V (C4's 1024 train files with V = 256, say): shard v gets whole files (every V-th),
+  so a data-parallel rank reads only its share of the files, 1/dp of the data;
+- otherwise `datasets` keeps every V-th record of the whole stream, so each of a rank's shard streams
+  reads all of it (logged once; choose V to divide the file count).
+A shard's position is its stream's `state_dict()` before its current document (`ShardCursor.source`);
+a resume loads it, so `datasets` continues in the file it was in (skipping that file's records read
+before, not the files before it). Without it (a state saved before this was recorded), the stream
+restarts and skips the documents before the cursor.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import glob
 import gzip
 import io
@@ -42,7 +54,6 @@ import os
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
@@ -80,8 +91,11 @@ class DocumentSource(Protocol):
     num_documents: int | None
     """Documents in one pass, or None when unknown before the end (streams)."""
 
-    def shard_documents(self, shard: int, num_shards: int, start: int) -> Iterator[str]:
-        """Documents `shard + i * num_shards` for i = start, start + 1, ... until the end of the pass."""
+    def shard_documents(self, shard: int, num_shards: int, start: int, position: dict | None = None) -> Iterator[str]:
+        """Documents `shard + i * num_shards` for i = start, start + 1, ... until the end of the pass.
+
+        Streams also take the `position()` their iterator reported before document `start` (the resume
+        point, then `start` is not skipped again); an iterator with a `position()` method reports it."""
         ...
 
 
@@ -274,6 +288,16 @@ class LocalSource:
             self._starts.append(len(self._offsets))
             self._index(i, path)
         self.num_documents: int = len(self._offsets)
+        self._first = 0  # global index of this source's document 0 (`part`)
+
+    def part(self, begin: int, end: int) -> LocalSource:
+        """Documents [begin, end) as a source of their own, numbered from 0, sharing this one's index (a
+        held-out tail for validation: the rest keeps its document numbers, hence its virtual shards)."""
+        if not 0 <= begin <= end <= self.num_documents:
+            raise ValueError(f"documents [{begin}, {end}) of {self.num_documents}")
+        part = copy.copy(self)
+        part._first, part.num_documents, part._cache = self._first + begin, end - begin, OrderedDict()
+        return part
 
     def _index(self, i: int, path: Path) -> None:
         kind, compression = self.formats[i]
@@ -350,10 +374,11 @@ class LocalSource:
             return raw.decode("utf-8")
         return json.loads(raw)[self.text_field]
 
-    def shard_documents(self, shard: int, num_shards: int, start: int) -> Iterator[str]:
+    def shard_documents(self, shard: int, num_shards: int, start: int, position: dict | None = None) -> Iterator[str]:
         readers: dict[int, ForwardReader] = {}  # this stream's compressed files: one open at a time
         try:
-            for d in range(shard + start * num_shards, self.num_documents, num_shards):
+            first = self._first
+            for d in range(first + shard + start * num_shards, first + self.num_documents, num_shards):
                 i = bisect.bisect_right(self._starts, d) - 1
                 for other in [f for f in readers if f != i]:
                     readers.pop(other).close()
@@ -440,6 +465,8 @@ class HFSource:
         self.config = config or None
         self.split = split or "train"
         self.text_field = text_field
+        self._stream = None  # the opened dataset, shared by this process's shard streams
+        self._warned = False
         if not self.dataset:
             raise DataError(f"dataset_path {spec!r}: expected hf://name[:config][@split]")
         try:
@@ -447,20 +474,66 @@ class HFSource:
         except ImportError:
             raise DataError(f"dataset_path {spec}: streaming from Hugging Face needs `pip install datasets`") from None
 
-    def _texts(self) -> Iterator[str]:
-        import datasets
+    def _open(self):
+        if self._stream is None:
+            import datasets
 
-        try:
-            rows = datasets.load_dataset(self.dataset, self.config, split=self.split, streaming=True)
-        except Exception as e:  # unknown dataset, config or split; no network: report in one line
-            raise DataError(f"dataset_path {self.name}: {type(e).__name__}: {e}") from None
-        for row in rows:
-            text, _ = record_text(row, self.text_field)
+            try:
+                self._stream = datasets.load_dataset(self.dataset, self.config, split=self.split, streaming=True)
+            except Exception as e:  # unknown dataset, config or split; no network: report in one line
+                raise DataError(f"dataset_path {self.name}: {type(e).__name__}: {e}") from None
+        return self._stream
+
+    def shard_documents(
+        self, shard: int, num_shards: int, start: int, position: dict | None = None
+    ) -> HFShardDocuments:
+        from datasets.distributed import split_dataset_by_node
+
+        stream = self._open()
+        n_files = stream.n_shards
+        if n_files % num_shards and num_shards > 1 and not self._warned:
+            self._warned = True
+            logger.warning(
+                f"data: {self.name} has {n_files} data files, not a multiple of the {num_shards} virtual shards: "
+                "each virtual shard stream reads the whole stream and keeps every "
+                f"{num_shards}th record (set training.dataset_virtual_shards to a divisor of {n_files})"
+            )
+        part = split_dataset_by_node(stream, rank=shard, world_size=num_shards)
+        return HFShardDocuments(part, self.text_field, start, position, self.name)
+
+    def __getstate__(self) -> dict:
+        """Picklable for spawned dataloader workers: each process opens the stream itself."""
+        return {**self.__dict__, "_stream": None}
+
+
+class HFShardDocuments:
+    """One virtual shard's usable documents, with the stream position before the next one."""
+
+    def __init__(self, part, text_field: str, start: int, position: dict | None, name: str) -> None:
+        self._part, self._field = part, text_field
+        if position is not None:
+            try:
+                part.load_state_dict(position)
+            except Exception as e:  # a position from another dataset or datasets version
+                raise DataError(f"dataset_path {name}: cannot resume the stream at {position}: {e}") from None
+        self._rows = iter(part)
+        for _ in range(0 if position is not None else start):  # no saved position: skip, as before
+            if next(self, None) is None:
+                break
+
+    def __iter__(self) -> HFShardDocuments:
+        return self
+
+    def __next__(self) -> str:
+        for row in self._rows:
+            text, _ = record_text(row, self._field)
             if text is not None:
-                yield text
+                return text
+        raise StopIteration
 
-    def shard_documents(self, shard: int, num_shards: int, start: int) -> Iterator[str]:
-        return islice(self._texts(), shard + start * num_shards, None, num_shards)
+    def position(self) -> dict:
+        """Where the next document begins: `datasets`' state of this shard's stream (JSON-able)."""
+        return self._part.state_dict()
 
 
 def open_source(dataset_path: str, text_field: str) -> DocumentSource:

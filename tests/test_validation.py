@@ -1,0 +1,138 @@
+"""Validation: the held-out split, the value of an evaluation, and that training does not notice it.
+
+In-process on the tiny model; the launched runs (validation under dp2 and dp2 x tp2, exact resume with
+validation, training bitwise unchanged by it) are in test_checkpoint_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import tiny_args
+from titanlite.build import RunPlan, build_model
+from titanlite.config import load_config
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import ConfigError
+from titanlite.step import cross_entropy_loss
+from titanlite.validation import Validator, build_validation_loader
+
+TOK = build_tokenizer(None)
+DOCS = [f"Document {i}: " + " ".join(["held", "out", "text", str(i)] * (i % 7 + 1)) for i in range(40)]
+
+
+class SpyTokenizer:
+    """The bundled tokenizer, recording which documents it was given."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        self.seen.add(DOCS.index(text))
+        return TOK.encode(text, bos=bos, eos=eos)
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    return path
+
+
+def _read_all(data: Path, *, heldout: bool, holdout: int) -> set[int]:
+    spy = SpyTokenizer()
+    dl = build_dataloader(
+        tokenizer=spy,
+        dataset_path=str(data),
+        text_field="text",
+        seq_len=16,
+        local_batch_size=4,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_degree=1,
+        holdout_documents=holdout,
+        heldout=heldout,
+    )
+    batches = iter(dl)
+    for _ in range(60):  # several passes over either part
+        next(batches)
+    return spy.seen
+
+
+def test_held_out_documents_are_never_trained_on(data):
+    assert _read_all(data, heldout=False, holdout=10) == set(range(30))
+    assert _read_all(data, heldout=True, holdout=10) == set(range(30, 40))
+    assert _read_all(data, heldout=False, holdout=0) == set(range(40))  # negative control: no hold-out
+
+
+def _plan(data: Path, tmp_path: Path) -> RunPlan:
+    cfg = load_config(
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.dataset_path",
+            str(data),
+            "--training.seq_len",
+            "16",
+            "--validation.enable",
+            "--validation.holdout_documents",
+            "12",
+            "--validation.steps",
+            "3",
+            "--validation.local_batch_size",
+            "2",
+        ]
+    )
+    return RunPlan.build(cfg, 1, args=tiny_args(vocab_size=TOK.n_words))
+
+
+def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched(process_group, data, tmp_path):
+    plan = _plan(data, tmp_path)
+    model = build_model(plan, torch.device("cpu"))
+    validator = Validator.create(plan, dp_rank=0)
+    rng = torch.get_rng_state()
+    first = validator.run(model, cross_entropy_loss, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+    # The reference: the same held-out batches, through the model by hand.
+    batches = iter(build_validation_loader(plan, dp_rank=0))
+    with torch.no_grad():
+        losses = [
+            F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) for x, y in (next(batches) for _ in range(3))
+        ]
+    expected = torch.stack(losses).mean().item()
+    assert first.loss == pytest.approx(expected, rel=1e-6)
+    assert first.perplexity == pytest.approx(math.exp(expected), rel=1e-6)
+    assert first.tokens == 3 * 2 * 16
+    assert validator.run(model, cross_entropy_loss, torch.device("cpu")).loss == first.loss  # same batches each time
+
+    with torch.no_grad():  # negative control: another model gives another loss
+        dict(model.named_parameters())["output.weight"].mul_(2.0)
+    assert validator.run(model, cross_entropy_loss, torch.device("cpu")).loss != first.loss
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--validation.enable"], "needs held-out data"),
+        (
+            ["--validation.dataset_path", "v.jsonl", "--validation.holdout_documents", "5"],
+            "exclude each other",
+        ),
+        (
+            ["--training.dataset_path", "hf://c4:en", "--validation.holdout_documents", "5"],
+            "hf://name\\[:config\\]@validation",
+        ),
+        (["--validation.freq", "0"], "validation.freq' must be positive"),
+    ],
+)
+def test_bad_validation_settings_are_config_errors(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
