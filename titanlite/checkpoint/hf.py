@@ -183,8 +183,8 @@ def import_hf(model: nn.Module, path: str | Path, *, adapter: Any, what: str = "
     """Load HF weights into `model` (any layout) after checking its `config.json`; each rank reads only
     its own blocks. Returns the checkpoint's config."""
     args = model.args
-    config = check_hf_config(path, args, adapter, what)
     reader = _HFReader(path)
+    config = check_hf_config(path, args, adapter, what)
     for fqn, param in adapter.params(model):
         name = adapter.import_name(fqn, args, config)
         sl = reader.slice(name)
