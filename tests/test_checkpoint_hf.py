@@ -211,6 +211,17 @@ def test_cli_export(tmp_path, capsys):
     dst = model(args, seed=4)
     import_hf(dst, tmp_path / "hf")
     assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    # An explicit checkpoint folder, whatever the run's dump folder.
+    step0 = str(tmp_path / "run" / "checkpoint" / "step-0")
+    elsewhere = [*overrides[:2], "--job.dump_folder", str(tmp_path / "other"), *overrides[4:]]
+    assert run_cli(hf_tool.main, ["export", *elsewhere, "--checkpoint", step0, "--out", str(tmp_path / "hf3")]) == 0
+    capsys.readouterr()
+    dst = model(args, seed=5)
+    import_hf(dst, tmp_path / "hf3")
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
     # Errors are one line and exit code 2.
     assert run_cli(hf_tool.main, ["export", *overrides, "--step", "5", "--out", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
