@@ -5,10 +5,16 @@
 # multi-GB CUDA build.
 TITANLITE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TORCH_VERSION=2.13.0
+# Extras to install besides the core: `dev` always (pytest, ruff, import-linter); run_tests.sh adds `hf`
+# (transformers, tokenizers, datasets), which the tests of the Hugging Face export use as a real client.
+TITANLITE_EXTRAS=${TITANLITE_EXTRAS:-dev}
 _have_deps() {
-  "$1" - <<'PY' >/dev/null 2>&1
-import importlib.util as u, sys
-sys.exit(0 if all(u.find_spec(m) for m in ("torch", "torchdata", "tiktoken", "tensorboard", "safetensors", "pytest", "ruff", "importlinter")) else 1)
+  TITANLITE_EXTRAS="$TITANLITE_EXTRAS" "$1" - <<'PY' >/dev/null 2>&1
+import importlib.util as u, os, sys
+mods = ["torch", "torchdata", "tiktoken", "tensorboard", "safetensors", "pytest", "ruff", "importlinter"]
+if "hf" in os.environ["TITANLITE_EXTRAS"].split(","):
+    mods += ["transformers", "tokenizers", "datasets"]
+sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)
 PY
 }
 if [ -n "${PYTHON:-}" ] && _have_deps "$PYTHON"; then
@@ -46,7 +52,7 @@ else
                --extra-index-url https://pypi.org/simple
       fi
     fi
-    "${PIP[@]}" -e "$TITANLITE_ROOT[dev]"
+    "${PIP[@]}" -e "$TITANLITE_ROOT[$TITANLITE_EXTRAS]"
     echo "$WANT" > "$STAMP"
   fi
   exec 9>&-

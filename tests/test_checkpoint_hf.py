@@ -127,9 +127,8 @@ def test_export_dtype_and_config(tmp_path):
 def test_import_of_another_shape_is_refused(tmp_path):
     export_hf(model(), tmp_path / "hf", bos_id=1, eos_id=2)
     other = model(ModelArgs(**{**ARGS.__dict__, "vocab_size": 300}))
-    with pytest.raises(
-        CheckpointError, match=r"'model.embed_tokens.weight' has shape \(257, 64\), this model \(300, 64\)"
-    ):
+    # config.json is compared first, before any tensor is read.
+    with pytest.raises(CheckpointError, match=r"vocab_size = 257 in its config.json, 300 in this model"):
         import_hf(other, tmp_path / "hf")
 
 
@@ -211,6 +210,17 @@ def test_cli_export(tmp_path, capsys):
     assert "exported" in cli.stdout
     dst = model(args, seed=4)
     import_hf(dst, tmp_path / "hf")
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    # An explicit checkpoint folder, whatever the run's dump folder.
+    step0 = str(tmp_path / "run" / "checkpoint" / "step-0")
+    elsewhere = [*overrides[:2], "--job.dump_folder", str(tmp_path / "other"), *overrides[4:]]
+    assert run_cli(hf_tool.main, ["export", *elsewhere, "--checkpoint", step0, "--out", str(tmp_path / "hf3")]) == 0
+    capsys.readouterr()
+    dst = model(args, seed=5)
+    import_hf(dst, tmp_path / "hf3")
     assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
     # Errors are one line and exit code 2.
     assert run_cli(hf_tool.main, ["export", *overrides, "--step", "5", "--out", str(tmp_path / "hf2")]) == 2

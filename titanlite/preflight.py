@@ -15,6 +15,7 @@ from pathlib import Path
 
 from titanlite.build import RunPlan, build_loader
 from titanlite.checkpoint import folders, lock
+from titanlite.checkpoint.hf import check_hf_config
 from titanlite.checkpoint.manager import check_seed_world
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
@@ -53,6 +54,21 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
         raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
 
 
+def check_initial_hf(plan: RunPlan) -> None:
+    """A Hugging Face `initial_load_path` that would be loaded (no checkpoint to resume from) has a
+    `config.json` matching the configured model: a mismatch is one line here, before any rank starts."""
+    cfg = plan.cfg.checkpoint
+    if not (cfg.initial_load_in_hf and cfg.initial_load_path) or cfg.create_seed_checkpoint:
+        return
+    if cfg.enable and folders.scan(Path(plan.cfg.job.dump_folder) / cfg.folder)[0]:
+        return
+    if plan.spec.hf_adapter is None:
+        raise CheckpointError(f"model {plan.cfg.model.name!r} has no Hugging Face adapter")
+    check_hf_config(
+        cfg.initial_load_path, plan.model_args, plan.spec.hf_adapter, f"model.flavor {plan.cfg.model.flavor!r}"
+    )
+
+
 def preflight(argv: list[str], world_size: int) -> int:
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     check_seed_world(cfg.checkpoint, world_size)
@@ -64,6 +80,7 @@ def preflight(argv: list[str], world_size: int) -> int:
     check_dump_folder(cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
+    check_initial_hf(plan)
     return cfg.comm.max_restarts
 
 

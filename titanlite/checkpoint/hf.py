@@ -2,13 +2,19 @@
 
 Model-agnostic: the names, conversions and `config.json` come from the model family's adapter
 (`ModelSpec.hf_adapter`, e.g. `models/llama3/hf_adapter.py`), which provides `params(model)`,
-`hf_name(fqn, args)`, `to_hf(fqn, full, args)`, `row_group(fqn, args)`, `from_hf(fqn, rows, args)` and
-`config(args, dtype, bos_id, eos_id)`.
+`hf_name(fqn, args)`, `to_hf(fqn, full, args)`, `row_group(fqn, args)`, `from_hf(fqn, rows, args)`,
+`config(args, dtype, bos_id, eos_id)`, `config_mismatches(config, args)` and
+`import_name(fqn, args, config)`.
+
+An export is a folder `transformers` loads whole: the weights, `config.json`, `generation_config.json`
+and whatever `write_extra` adds (the tokenizer, `data/hf_tokenizer.py`); files get the mode any file
+the user creates gets (0644 under the usual umask), not safetensors' private 0600.
 
 Export streams: parameters are gathered one at a time (`full_tensor()`, a collective on every rank),
 rank 0 converts each into its buffer and writes a shard whenever the next tensor would take the buffer
 past `max_shard_bytes`; no rank ever holds more than one gathered parameter plus one shard.
-Import: each rank reads only the rows and columns of its own block of every parameter (a DTensor
+Import: `config.json` is checked against the model first (`check_hf_config`: one line naming the
+field and both values), then each rank reads only the rows and columns of its own block of every parameter (a DTensor
 shard under FSDP/TP), with safetensors' lazy slices; rows the adapter permutes within groups (RoPE
 heads) are read as whole groups.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,21 @@ from titanlite.models.init import local_block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CONFIG = "config.json"
+
+
+def generation_config(bos_id: int, eos_id: int) -> dict:
+    """`generation_config.json`: greedy by default (what `titanlite.generate` does at temperature 0),
+    stopping at EOS; the pad id is EOS so `generate()` does not warn about a missing one."""
+    return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}
+
+
+def _user_file_modes(folder: Path) -> None:
+    """Give every file in `folder` the mode a new file of the user's gets (0666 minus the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def export_hf(
@@ -46,8 +68,10 @@ def export_hf(
     bos_id: int,
     eos_id: int,
     max_shard_bytes: int = 2 << 30,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> None:
-    """Write `model` (any layout) to `out` as HF safetensors shards + index + config; collective.
+    """Write `model` (any layout) to `out` as HF safetensors shards + index + config + generation config;
+    collective. `write_extra(folder)` (rank 0) adds files such as the tokenizer.
 
     The folder is written as `<out>.partial` and renamed when complete; `out` must not exist yet.
     """
@@ -98,7 +122,11 @@ def export_hf(
             os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
             weight_map.update({k: name for k in names})
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        (tmp / "config.json").write_text(json.dumps(adapter.config(args, dtype, bos_id, eos_id), indent=2))
+        (tmp / CONFIG).write_text(json.dumps(adapter.config(args, dtype, bos_id, eos_id), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(bos_id, eos_id), indent=2))
+        if write_extra is not None:
+            write_extra(tmp)
+        _user_file_modes(tmp)
         os.rename(tmp, out)
     if dist.is_initialized():
         dist.barrier()
@@ -130,13 +158,35 @@ class _HFReader:
         return self._files[file].get_slice(name)
 
 
+def check_hf_config(path: str | Path, args: Any, adapter: Any, what: str = "this model") -> dict:
+    """The checkpoint's `config.json`, checked against the model `args` (`what` names them in the error):
+    one line naming every field that differs with both values, before any tensor is read."""
+    file = Path(path) / CONFIG
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"Hugging Face checkpoint {path}: no {CONFIG}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"Hugging Face checkpoint {path}: cannot read {CONFIG} ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"Hugging Face checkpoint {path}: {CONFIG} is not a JSON object")
+    if wrong := adapter.config_mismatches(config, args):
+        fields = "; ".join(f"{name} = {theirs!r} in its {CONFIG}, {ours!r} in {what}" for name, theirs, ours in wrong)
+        if any(name == "vocab_size" for name, _, _ in wrong):
+            fields += " (the vocabulary size comes from model.tokenizer_path)"
+        raise CheckpointError(f"Hugging Face checkpoint {path} does not match {what}: {fields}")
+    return config
+
+
 @torch.no_grad()
-def import_hf(model: nn.Module, path: str | Path, *, adapter: Any) -> None:
-    """Load HF weights into `model` (any layout); each rank reads only its own blocks."""
+def import_hf(model: nn.Module, path: str | Path, *, adapter: Any, what: str = "this model") -> dict:
+    """Load HF weights into `model` (any layout) after checking its `config.json`; each rank reads only
+    its own blocks. Returns the checkpoint's config."""
     args = model.args
     reader = _HFReader(path)
+    config = check_hf_config(path, args, adapter, what)
     for fqn, param in adapter.params(model):
-        name = adapter.hf_name(fqn, args)
+        name = adapter.import_name(fqn, args, config)
         sl = reader.slice(name)
         shape = tuple(sl.get_shape())
         if shape != tuple(param.shape):
@@ -157,3 +207,4 @@ def import_hf(model: nn.Module, path: str | Path, *, adapter: Any) -> None:
         else:
             block = sl[rows, cols] if cols is not None else sl[rows]
         local.copy_(block)
+    return config

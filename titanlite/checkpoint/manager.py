@@ -130,6 +130,28 @@ def load_model_weights(model: torch.nn.Module, path: str) -> None:
     _sharded(set_model_state_dict, model, state)
 
 
+def load_tool_weights(model: torch.nn.Module, cfg: JobConfig, checkpoint: str = "", step: int = -1) -> Path:
+    """Load the model weights a tool (HF export, generation) asks for: the explicit `checkpoint` folder, else
+    step `step` (newest if < 0) of the run's `<dump_folder>/<checkpoint.folder>`. The folder is verified
+    (sizes and checksums); a damaged one is refused in one line, never replaced by an older one behind the
+    user's back. Returns the folder."""
+    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    if checkpoint:
+        path: Path | None = Path(checkpoint)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} is not a folder")
+    else:
+        path = folders.newest(root) if step < 0 else folders.step_dir(root, step)
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {root} (job.dump_folder = {cfg.job.dump_folder!r})")
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist")
+    if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
+        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    load_model_weights(model, str(path))
+    return path
+
+
 def verify_checksums(path: str, marker: dict) -> str | None:
     """Collective over the default process group, if there is one: every rank verifies the checksums of its
     share of the files of checkpoint `path` (`folders.checksum_problem`); the first problem found, or None."""
@@ -494,7 +516,10 @@ class CheckpointManager:
             if adapter is None:
                 raise CheckpointError(f"model {self.job.model.name!r} has no Hugging Face adapter")
             self._log(f"checkpoint: loading Hugging Face weights from {path}")
-            import_hf(self.model, path, adapter=adapter)
+            what = f"model.flavor {self.job.model.flavor!r}"
+            config = import_hf(self.model, path, adapter=adapter, what=what)
+            if config.get("tie_word_embeddings") and not getattr(self.model.args, "tie_embeddings", True):
+                self._log("checkpoint: the checkpoint ties its embeddings: copied into the untied output layer")
             return
         if not Path(path).is_dir():
             raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")

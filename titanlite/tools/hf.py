@@ -1,12 +1,28 @@
-"""Export a training checkpoint to Hugging Face safetensors:
+"""Export a training checkpoint as a Hugging Face model folder that `transformers` loads whole.
 
-    python -m titanlite.tools.hf export --config FILE [--step N] --out DIR [--max-shard-mb M] [--section.key value ...]
+usage: python -m titanlite.tools.hf export [--config FILE] --out DIR [--checkpoint DIR | --step N]
+                                           [--max-shard-mb M] [--section.key value ...]
+
+  --config FILE       the run's config (default train_configs/debug_model.toml), with the same
+                      --section.key overrides as training: they locate the run (job.dump_folder,
+                      checkpoint.folder) and give the model and tokenizer
+  --out DIR           the folder to create (must not exist)
+  --checkpoint DIR    export this checkpoint folder (a `step-N` folder of any run of this model)
+  --step N            export step N of the run (default: its newest complete checkpoint)
+  --max-shard-mb M    largest safetensors file (default 2048)
+  -h, --help          this text
+
+The folder holds `model-0000K-of-0000N.safetensors` + index, `config.json`, `generation_config.json`
+(greedy, stops at EOS) and the tokenizer (`tokenizer.json`, `tokenizer_config.json`: BOS prepended, no
+chat template) of `model.tokenizer_path` or the bundled vocabulary; the tokenizer needs the `hf` extra
+(`pip install -e '.[hf]'`), without it the weights are exported and a warning says so. Weights are
+written in `checkpoint.export_dtype`. Run it through the project's Python, e.g.
+
+    scripts/python.sh -m titanlite.tools.hf export --config train_configs/debug_model.toml --out hf_out
 
 The model is built as the trainer builds it (`titanlite.build`), in one process or under torchrun with
-the training layout; the newest complete checkpoint (or `--step N`) of the run's dump folder is verified
-(file sizes and checksums, each rank its share), loaded and written by `titanlite.checkpoint.hf.export_hf`
-in `checkpoint.export_dtype`. A damaged checkpoint is refused in one line (exit code 2), never replaced
-by an older one behind the user's back: `--step` names an intact one.
+the training layout; the checkpoint is verified (file sizes and checksums, each rank its share) and a
+damaged one is refused in one line (exit code 2), never replaced by an older one behind the user's back.
 """
 
 from __future__ import annotations
@@ -17,49 +33,52 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanlite.build import RunPlan, build_model, init_device, init_distributed, world_from_env
-from titanlite.checkpoint import folders
 from titanlite.checkpoint.hf import export_hf
-from titanlite.checkpoint.manager import load_model_weights, verify_checksums
+from titanlite.checkpoint.manager import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, DTYPES, load_config
-from titanlite.errors import CheckpointError, run_cli
+from titanlite.errors import CheckpointError, ConfigError, UserError, run_cli
+from titanlite.tools.options import number, split_options
 
-USAGE = "usage: python -m titanlite.tools.hf export --config FILE [--step N] --out DIR [--max-shard-mb M]"
+USAGE = (
+    "usage: python -m titanlite.tools.hf export [--config FILE] --out DIR [--checkpoint DIR | --step N] "
+    "[--max-shard-mb M] [--section.key value ...]"
+)
 
 
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
     if not argv or argv[0] != "export":
         print(USAGE, file=sys.stderr)
         return 2
-    opts = {"--step": "-1", "--out": "", "--max-shard-mb": "2048"}
-    rest, i = [], 1
-    while i < len(argv):
-        if argv[i] in opts and i + 1 < len(argv):
-            opts[argv[i]] = argv[i + 1]
-            i += 2
-        else:
-            rest.append(argv[i])
-            i += 1
+    opts, rest = split_options(argv[1:], {"--step": "-1", "--out": "", "--checkpoint": "", "--max-shard-mb": "2048"})
     if not opts["--out"]:
-        raise CheckpointError(f"--out is required ({USAGE})")
+        raise ConfigError(f"--out is required ({USAGE})")
+    if opts["--checkpoint"] and opts["--step"] != "-1":
+        raise ConfigError("--checkpoint and --step exclude each other")
+    step = number(opts, "--step")
+    shard_bytes = int(number(opts, "--max-shard-mb", float) * 2**20)
     cfg = load_config(rest, default_config=DEFAULT_CONFIG)
     rank, world_size = world_from_env()
     plan = RunPlan.build(cfg, world_size)
     if plan.spec.hf_adapter is None:
         raise CheckpointError(f"model {cfg.model.name!r} has no Hugging Face adapter")
+    if Path(opts["--out"]).exists():
+        raise CheckpointError(f"export folder {opts['--out']} already exists")
+    tokenizer_files: dict[str, str] = {}
+    if rank == 0:
+        from titanlite.data.hf_tokenizer import hf_tokenizer_files
+
+        try:
+            tokenizer_files = hf_tokenizer_files(plan.tokenizer, plan.model_args.max_seq_len)
+        except UserError as e:
+            print(f"titanlite: warning: tokenizer not exported: {e}", file=sys.stderr, flush=True)
     device = init_device()
     init_distributed(cfg, device)
     try:
         model = build_model(plan, device)
-        root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-        step = int(opts["--step"])
-        path = folders.newest(root) if step < 0 else folders.step_dir(root, step)
-        if path is None or not path.is_dir():
-            raise CheckpointError(
-                f"no complete checkpoint in {root}" if path is None else f"checkpoint {path} does not exist"
-            )
-        if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
-            raise CheckpointError(f"checkpoint {path} is unusable: {why}; not exported")
-        load_model_weights(model, str(path))
+        path = load_tool_weights(model, cfg, opts["--checkpoint"], step)
         export_hf(
             model,
             opts["--out"],
@@ -67,7 +86,8 @@ def main(argv: list[str]) -> int:
             dtype=DTYPES[cfg.checkpoint.export_dtype],
             bos_id=plan.tokenizer.bos_id,
             eos_id=plan.tokenizer.eos_id,
-            max_shard_bytes=int(float(opts["--max-shard-mb"]) * 2**20),
+            max_shard_bytes=shard_bytes,
+            write_extra=lambda folder: [(folder / name).write_text(text) for name, text in tokenizer_files.items()],
         )
         if rank == 0:
             print(f"exported {path} to {opts['--out']}", flush=True)

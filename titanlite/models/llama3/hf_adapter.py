@@ -5,6 +5,12 @@ Names (titanlite -> HF): `tok_embeddings` -> `model.embed_tokens`, `layers.{i}.a
 `attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `norm` -> `model.norm`,
 `output` -> `lm_head` (absent with tied embeddings).
 
+Import checks the checkpoint's `config.json` against the model args first (`config_mismatches`): every
+field that changes what the weights compute (shapes, vocabulary, RoPE theta and scaling, norm epsilon,
+activation, biases, tying). A tied checkpoint (`tie_word_embeddings`, as Llama 3.2 ships) loads into an
+untied model by copying `model.embed_tokens` into `output` as well; an untied one cannot load into a
+tied model.
+
 RoPE: titanlite rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's convention); HF's
 `rotate_half` pairs x[i] with x[i + head_dim/2]. The rows of each head of wq and wk are permuted on
 export (and back on import) so that both compute the same attention. The permutation stays within a
@@ -12,6 +18,9 @@ head, so an importing rank reads whole heads around its rows (`row_group`).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,17 +74,74 @@ def from_hf_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.view(-1, 2, head_dim // 2, w.shape[-1]).transpose(1, 2).reshape(w.shape)
 
 
+def rope_scaling(args: ModelArgs) -> dict | None:
+    """HF's `rope_scaling` for these args (None: unscaled)."""
+    if not args.use_scaled_rope:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": float(args.rope_scaling_factor),
+        "low_freq_factor": float(args.rope_low_freq_factor),
+        "high_freq_factor": float(args.rope_high_freq_factor),
+        "original_max_position_embeddings": args.rope_original_max_seq_len,
+    }
+
+
+def _hf_rope(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling or None) of an HF config: `rope_theta` + `rope_scaling` (transformers 4) or
+    `rope_parameters` (transformers 5); HF's default theta is 10000."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = config.get("rope_theta", params.pop("rope_theta", 10000.0))
+    params.pop("rope_theta", None)
+    scaling = config.get("rope_scaling") or params or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def _differ(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return not math.isclose(a, b, rel_tol=1e-9)
+    return a != b
+
+
+def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
+    """(HF field, checkpoint value, model value) for every field of `config` that disagrees with `args`.
+
+    A tied checkpoint is no mismatch for an untied model (the embedding is copied into the output)."""
+    heads = config.get("num_attention_heads")
+    theta, scaling = _hf_rope(config)
+    ours_scaling = rope_scaling(args)
+    fields: list[tuple[str, Any, Any]] = [
+        ("model_type", config.get("model_type", "llama"), "llama"),
+        ("hidden_size", config.get("hidden_size"), args.dim),
+        ("num_hidden_layers", config.get("num_hidden_layers"), args.n_layers),
+        ("num_attention_heads", heads, args.n_heads),
+        ("num_key_value_heads", config.get("num_key_value_heads") or heads, args.kv_heads),
+        ("intermediate_size", config.get("intermediate_size"), args.ffn_hidden_dim),
+        ("vocab_size", config.get("vocab_size"), args.vocab_size),
+        ("rope_theta", theta, float(args.rope_theta)),
+        ("rms_norm_eps", config.get("rms_norm_eps", 1e-6), args.norm_eps),
+        ("hidden_act", config.get("hidden_act", "silu"), "silu"),
+        ("attention_bias", config.get("attention_bias", False), False),
+        ("mlp_bias", config.get("mlp_bias", False), False),
+    ]
+    if config.get("head_dim") is not None and heads:
+        fields.append(("head_dim", config["head_dim"], args.head_dim))
+    if scaling is None or ours_scaling is None:
+        fields.append(("rope_scaling", scaling, ours_scaling))
+    else:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        fields.append(("rope_scaling.rope_type", kind, "llama3"))
+        if kind == "llama3":
+            fields += [(f"rope_scaling.{k}", scaling.get(k), v) for k, v in ours_scaling.items() if k != "rope_type"]
+    if args.tie_embeddings:
+        fields.append(("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), True))
+    return [(name, theirs, ours) for name, theirs, ours in fields if _differ(theirs, ours)]
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
     """A `config.json` that `transformers.LlamaForCausalLM` accepts for this model."""
-    rope_scaling = None
-    if args.use_scaled_rope:  # the constants of titanlite.models.llama3.model._scale_freqs
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -89,7 +155,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> 
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
+        "rope_scaling": rope_scaling(args),
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_embeddings,
         "bos_token_id": bos_id,
@@ -114,6 +180,16 @@ class LlamaHFAdapter:
     @staticmethod
     def hf_name(fqn: str, args: ModelArgs) -> str:
         return hf_name(fqn, args.tie_embeddings)
+
+    @staticmethod
+    def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
+        """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
+        embedding."""
+        return hf_name(fqn, args.tie_embeddings or bool(config.get("tie_word_embeddings", False)))
+
+    @staticmethod
+    def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
+        return config_mismatches(config, args)
 
     @staticmethod
     def to_hf(fqn: str, full: torch.Tensor, args: ModelArgs) -> torch.Tensor:

@@ -36,6 +36,12 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False
+    """Llama 3.1's long-context RoPE frequency scaling, with the four constants below (Hugging Face's
+    `rope_scaling` of type "llama3"): 3.1 uses factor 8, 3.2 (1B, 3B) factor 32."""
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 8192
     """The longest sequence the flavor supports; RoPE tables are built for the training seq_len."""
     tie_embeddings: bool = False
@@ -76,7 +82,13 @@ def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = Non
     hd = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
     if args.use_scaled_rope:
-        freqs = _scale_freqs(freqs)
+        freqs = _scale_freqs(
+            freqs,
+            factor=args.rope_scaling_factor,
+            low=args.rope_low_freq_factor,
+            high=args.rope_high_freq_factor,
+            old_ctx=args.rope_original_max_seq_len,
+        )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), freqs)
     return angles.cos().float(), angles.sin().float()
 

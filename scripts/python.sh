@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The project's Python (set up on first use, as run_train.sh does) with titanlite importable from this
+# checkout, for the tools: scripts/python.sh -m titanlite.tools.hf export ..., -m titanlite.generate ...
+set -euo pipefail
+# The tools write and read Hugging Face folders (the tokenizer conversion): the `hf` extra too.
+TITANLITE_EXTRAS=${TITANLITE_EXTRAS:-dev,hf}
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+exec "$PYTHON" "$@"
