@@ -2,8 +2,9 @@
 graph passes and a report of the collectives each step issues.
 
 Scope `block` (the default): each transformer block is compiled on its own with `fullgraph=True`. The
-graphs stay small as depth grows, identical blocks share one inductor FX-graph-cache entry (graphs and
-passes are the same), and a fully checkpointed block keeps its eager checkpoint around its compiled body
+graphs stay small as depth grows, identical blocks share one Dynamo + AOTAutograd trace (one shared
+SimpleFSDP class, one backend per kind of block; see `apply_compile`), and a fully checkpointed block
+keeps its eager checkpoint around its compiled body
 (`CheckpointedBlock.body`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
 output stay eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and
 bucketing cannot cross a block boundary: block i+1's gather is not prefetched during block i.
