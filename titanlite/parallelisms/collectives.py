@@ -85,6 +85,8 @@ class Unit:
     recompute_forward: bool
     graphs: dict[str, tuple[list[Collective], list[Collective]]] = field(default_factory=dict)
     """phase ("forward"/"backward") -> collectives (before passes, after passes)."""
+    copies: int = 1
+    """How many blocks run this unit's graphs (identical blocks share one compiled unit)."""
 
 
 class CompileReport:
@@ -134,9 +136,9 @@ class CompileReport:
         out = []
         for unit in self.units:
             for phase, graphs in unit.graphs.items():
-                out += [(phase, c) for c in graphs[which]]
+                out += [(phase, c) for c in graphs[which]] * unit.copies
             if unit.recompute_forward and "forward" in unit.graphs:
-                out += [("backward", c) for c in unit.graphs["forward"][which]]
+                out += [("backward", c) for c in unit.graphs["forward"][which]] * unit.copies
         return out
 
     def counts(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -166,7 +168,8 @@ class CompileReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.settings,
-            "units": len(self.units),
+            "units": sum(u.copies for u in self.units),
+            "traces": len(self.units),
             "eager_params": self.eager_params,
             **self.counts(),
             "bucket_sizes_mb": self.bucket_sizes_mb(),
@@ -181,7 +184,8 @@ class CompileReport:
             for name, c in sorted(table.items())
         ]
         return (
-            f"compile report ({self.settings.get('bucketing')} bucketing, {len(self.units)} compiled units): "
+            f"compile report ({self.settings.get('bucketing')} bucketing, "
+            f"{sum(u.copies for u in self.units)} compiled units, {len(self.units)} traced): "
             f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s"
         )
 

@@ -2,8 +2,9 @@
 graph passes and a report of the collectives each step issues.
 
 Scope `block` (the default): each transformer block is compiled on its own with `fullgraph=True`. The
-graphs stay small as depth grows, identical blocks share one inductor FX-graph-cache entry (graphs and
-passes are the same), and a fully checkpointed block keeps its eager checkpoint around its compiled body
+graphs stay small as depth grows, identical blocks share one Dynamo + AOTAutograd trace (one shared
+SimpleFSDP class, one backend per kind of block; see `apply_compile`), and a fully checkpointed block
+keeps its eager checkpoint around its compiled body
 (`CheckpointedBlock.body`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
 output stay eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and
 bucketing cannot cross a block boundary: block i+1's gather is not prefetched during block i.
@@ -96,14 +97,23 @@ def apply_compile(
         cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
     )
 
+    shared: dict[tuple, _Backend] = {}
+
     def backend(name: str, index: int) -> _Backend:
         if c.scope == "model":
             saved, recompute_forward = reshard.kept(units), False
         else:
             recompute_forward = name in ac and ac[name].mode == "full"
             saved = () if reshard.blocks[index] and not recompute_forward else ("",)
+        # Blocks that compile alike (same checkpointing, same reshard tags) share one backend object: Dynamo
+        # reuses a cache entry only for the backend that made it, so this is what lets them share one trace.
+        key = (recompute_forward, saved, ac[name].mode if name in ac else "none")
+        if key in shared:
+            shared[key].unit.copies += 1
+            return shared[key]
         unit = report.add_unit(name, recompute_forward)
-        return _Backend(c.backend, ReshardTagPass(saved), bucketing, report, unit)
+        shared[key] = _Backend(c.backend, ReshardTagPass(saved), bucketing, report, unit)
+        return shared[key]
 
     _compile_units(model, units, ac, c.scope, backend)
     return report
@@ -115,12 +125,13 @@ def _compile_units(
     if scope == "model":
         model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True)
         return
-    # Every block is its own Dynamo cache entry of the shared `forward` code (SimpleFSDP gives each module
-    # instance its own parametrized class, so type guards differ per block), twice with eval/no-grad:
-    # Dynamo's default limit of 8 entries would fail a fullgraph compile of any deeper model. The room is
-    # added per compiled model, as one process may build several (benchmarks, tests).
-    torch._dynamo.config.recompile_limit += 2 * len(units.blocks)
-    torch._dynamo.config.accumulated_recompile_limit += 2 * len(units.blocks)
+    # Identical blocks share one Dynamo cache entry of the shared `forward` code (SimpleFSDP's parametrized
+    # class is shared, `backend` hands them one backend object), so a model compiles each distinct block
+    # once (twice at most: under reshard "default" the last block keeps its gathered weights). Room for a
+    # few more entries (eval/no-grad variants, other backends) is added per compiled model, as one process
+    # may build several (benchmarks, tests); a per-block recompile would still exceed it and fail loudly.
+    torch._dynamo.config.recompile_limit += 4
+    torch._dynamo.config.accumulated_recompile_limit += 4
     for i, (fqn, block) in enumerate(units.blocks.items()):
         checkpointed = ac.get(fqn)
         if checkpointed is not None and checkpointed.mode == "full":
@@ -167,6 +178,27 @@ def _cost_model(c: Any, dims: ParallelDims) -> CostModel | None:
     return CostModel.measure(dims.dp_mesh.get_group(), fallback=configured)
 
 
+# Inductor settings for a unit whose collectives our bucketing pass placed, decided from torch 2.13's code
+# (scoped to the unit through `compile_fx(config_patches=...)`, never set globally):
+# - `reorder_for_compute_comm_overlap=False` (torch's default, pinned): inductor's scheduler-level comm
+#   reordering (raise all-gathers, sink waits) would move the collectives the pass already placed, and
+#   with rank-aligned estimates it syncs over the world per graph. One scheduler owns the order: ours.
+# - `reorder_for_peak_memory` stays on: with `insert_overlap_deps` (our inductor path) each collective's
+#   overlap is pinned by `control_deps` data dependencies, which the peak-memory reordering respects, so
+#   it cannot undo the overlap but still frees activations earlier; without reordering there is no order
+#   of ours to undo.
+# - `allow_buffer_reuse` stays on: torch 2.13 models collective safety in its IR ([Out-of-Place Collective
+#   Safety] and [In-Place Collective Safety] in torch/_inductor/ir.py): a wait reads the collective's input
+#   (so the input is not freed or reused while in flight), an in-place (bucketed `_out`) collective is a
+#   two-step mutation of its buffer, and comm buffers are reused only by comm buffers. Turning reuse off
+#   (what older SimpleFSDP recipes did against earlier inductors) would only raise peak memory.
+BUCKETING_INDUCTOR_CONFIG: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": False,
+    "reorder_for_peak_memory": True,
+    "allow_buffer_reuse": True,
+}
+
+
 class _Backend:
     """The torch.compile backend of one compile unit.
 
@@ -201,6 +233,7 @@ class _Backend:
             patches: dict[str, Any] = {"joint_custom_post_pass": self.tagging}
             if self.bucketing is not None:
                 patches["post_grad_custom_post_pass"] = self.bucketing
+                patches.update(BUCKETING_INDUCTOR_CONFIG)
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_fx(gm, example_inputs, inner_compile=self._inductor_compile, config_patches=patches)
 

@@ -133,10 +133,10 @@ def sharded_view():
 def _register_parametrization(module: nn.Module, parametrizations: dict[str, ReplicateComputation]) -> None:
     """Make `module.<name>` return `parametrization(module._parameters[name])`.
 
-    A subclass of the module's class is created with one property per parameter, so attribute access
-    goes through the gather while `_parameters`, `named_parameters()` and `state_dict()` keep the shards.
-    The parameters must already be registered before the class swap (`register_parameter` refuses a
-    name that is already a property).
+    A subclass of the module's class (shared by every module of that class with the same parameter
+    names) has one property per parameter, so attribute access goes through the gather while
+    `_parameters`, `named_parameters()` and `state_dict()` keep the shards. The parameters must already
+    be registered before the class swap (`register_parameter` refuses a name that is already a property).
     """
     module._simple_fsdp = nn.ModuleDict(parametrizations)  # type: ignore[assignment]
 
@@ -154,9 +154,17 @@ def _register_parametrization(module: nn.Module, parametrizations: dict[str, Rep
 
         return setter
 
-    props = {name: property(make_getter(name), make_setter(name)) for name in parametrizations}
-    cls = module.__class__
-    module.__class__ = type(f"SimpleFSDP{cls.__name__}", (cls,), props)
+    key = (module.__class__, tuple(parametrizations))
+    if key not in _SUBCLASSES:
+        props = {name: property(make_getter(name), make_setter(name)) for name in parametrizations}
+        _SUBCLASSES[key] = type(f"SimpleFSDP{key[0].__name__}", (key[0],), props)
+    module.__class__ = _SUBCLASSES[key]
+
+
+# (class, parameter names) -> its parametrized subclass. One class for all modules of the same class and
+# parameters, so identical transformer blocks have the same type: Dynamo's type guards then match every
+# block and one trace serves them all (a class per instance would cost one Dynamo + AOT trace per block).
+_SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _leading_submesh(mesh: DeviceMesh, ndim: int) -> DeviceMesh:
