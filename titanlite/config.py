@@ -171,6 +171,19 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default` (all blocks but the last), `always` or `never`."""
     disable_loss_parallel: bool = False
+    pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
+    """Pipeline stages' rank groups: the outermost mesh dim (pp, dp_replicate, dp_shard, tp). 1 = no PP."""
+    pipeline_parallel_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"
+    """torch.distributed.pipelining's schedule; the interleaved ones hold several stages per rank."""
+    pipeline_parallel_microbatch_size: int = field(default=1, metadata=POSITIVE)
+    """Samples per pipeline microbatch; the local batch must be a multiple of it."""
+    pipeline_parallel_stages_per_rank: int = field(
+        default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="by schedule")
+    )
+    """-1 = 1 for GPipe and 1F1B, 2 for the interleaved schedules."""
+    pipeline_parallel_split_points: list[int] = field(default_factory=list)
+    """Block indices at which stages 1, 2, ... begin (stages-1 ascending values); empty = balanced, counting
+    the embedding and the output as one block each (the first and last stage take one block fewer)."""
 
 
 @dataclass
@@ -468,6 +481,14 @@ def validate(cfg: JobConfig) -> None:
     if option != "op" and not (option.isdigit() and int(option) > 0):
         raise ConfigError(
             f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: expected 'op' or a positive integer"
+        )
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1 and (
+        p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1
+    ):
+        raise ConfigError(
+            "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
+            "pipeline_parallel_degree > 1"
         )
     for component in cfg.compile.components:
         if component not in ("model", "loss"):
