@@ -36,6 +36,7 @@ CASES_2 = [
     {"pp": 2, "mb": 2},
     {"pp": 2, "mb": 2, "schedule": "GPipe"},
     {"pp": 2, "mb": 2, "schedule": "Interleaved1F1B", "layers": 4},
+    {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "mb": 2, "ac": "selective"},
 ]
 CASES_4 = [
