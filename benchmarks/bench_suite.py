@@ -8,10 +8,12 @@ launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.build`, the
 plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
 
     SimpleFSDP eager / compiled / compiled + per-block bucketing, FSDP2 eager / compiled,
-    replicate (SimpleFSDP's DDP mode), and tp=2 (the dp x tp variant at 2 ranks: dp is 1).
+    replicate (SimpleFSDP's DDP mode), tp=2 (the dp x tp variant at 2 ranks: dp is 1), and pp=2 (two
+    pipeline stages, 1F1B over microbatches of `parallelism.pipeline_parallel_microbatch_size`; dp is 1).
 
 Every variant processes the same global batch (local batch x 2 tokens per step; the tp variant's
-single dp rank takes all of it in the trainer's microbatches: two local batches, accumulated). After
+single dp rank takes all of it in the trainer's microbatches: two local batches, accumulated; so does
+the pp variant's). Rank 0's figures: under pp that is the first stage (embedding and the first blocks). After
 `--warmup` steps per variant (compilation happens there), the variants run `--steps` steps each in
 `--rounds` interleaved rounds, so drift in machine load hits all of them alike; tokens/s is the global
 batch over the median step time.
@@ -74,6 +76,7 @@ VARIANTS: dict[str, list[str]] = {
         "1",
     ],
     "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp=2 (1F1B)": ["--parallelism.pipeline_parallel_degree", "2"],
 }
 BASELINE = "FSDP2 eager"
 KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))

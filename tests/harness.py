@@ -157,9 +157,12 @@ def check_parity(records: list[dict]) -> None:
         r
         for r in records
         if not (r["loss_rel"] <= LOSS_REL and r["grad_abs"] <= GRAD_ABS and r["param_abs"] <= PARAM_ABS)
+        or r.get("missing")
     ]
     assert not bad, "\n".join(
-        f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} param={r['param_abs']:.2e}" for r in bad
+        f"{r['case']}: loss_rel={r['loss_rel']:.2e} grad={r['grad_abs']:.2e} param={r['param_abs']:.2e}"
+        f"{' missing ' + ', '.join(r['missing']) if r.get('missing') else ''}"
+        for r in bad
     )
 
 

@@ -13,6 +13,8 @@ from titanlite.errors import run_cli
 
 BASE = str(ROOT / "train_configs/debug_model.toml")
 
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
 # (file text or None for the debug config, overrides, world size, fragments the message must contain)
 CASES = [
     (None, ["--trainingg.steps", "3"], 2, ["section 'trainingg'", "did you mean 'training'"]),
@@ -68,6 +70,42 @@ CASES = [
     (None, ["--checkpoint.enable", "--checkpoint.load_step", "3"], 2, ["load_step 3", "step-3 does not exist"]),
     (None, ["--checkpoint.initial_load_path", "/nonexistent"], 2, ["initial_load_path /nonexistent is not a folder"]),
     (None, ["--model.tokenizer_path", "{tmp}/no_bytes.tiktoken"], 2, ["no_bytes.tiktoken", "256 of the 256"]),
+    (None, [*PP2, "--parallelism.data_parallel_shard_degree", "2"], 2, ["pp=2 x", "dp_shard=2", "world size 2"]),
+    (None, ["--parallelism.pipeline_parallel_degree", "4"], 2, ["world size 2", "pipeline_parallel_degree 4"]),
+    (
+        None,
+        [
+            *PP2,
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "4",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+        ],
+        2,
+        ["8 pipeline stages", "6 blocks"],
+    ),
+    (None, [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "8"], 2, ["1F1B", "1 microbatches", "degree 2"]),
+    (
+        None,
+        [*PP2, "--parallelism.pipeline_parallel_microbatch_size", "3"],
+        2,
+        ["local_batch_size 8", "microbatch_size 3"],
+    ),
+    (
+        None,
+        [
+            *PP2,
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "2",
+        ],
+        2,
+        ["GPipe runs one stage per rank"],
+    ),
+    (None, [*PP2, "--parallelism.pipeline_parallel_split_points", "6"], 2, ["split_points [6]", "1..5"]),
+    (None, ["--parallelism.pipeline_parallel_split_points", "3"], 2, ["pipeline_parallel_degree > 1"]),
+    (None, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 4, ["seq_len 127", "2"]),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.

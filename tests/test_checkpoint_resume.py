@@ -14,7 +14,7 @@ validation losses bitwise.
 
 Tolerances: resuming on the same layout (after a kill between saves, during an async save, or from a
 dp2 x tp2 checkpoint) must reproduce the uninterrupted losses of every resumed step bitwise. Resuming
-on another layout (other dp degree, tp, FSDP2, one process) changes only the order of floating-point
+on another layout (other dp degree, tp, FSDP2, pipeline stages, one process) changes only the order of floating-point
 reductions, so losses must agree within a relative 1e-5 (observed: ~1e-7).
 """
 
@@ -39,6 +39,7 @@ LAYOUTS = {
     "dp2xtp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     "dp4_fsdp2": (4, ["--parallelism.dp_impl", "fsdp2"]),
     "single": (1, []),
+    "pp2xdp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
 }
 
 
@@ -207,4 +208,31 @@ def test_reshard_fsdp2_dp4_to_one_process(reference, fsdp2_run, tmp_path):
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL + 1)
     assert "resharded from world 4, dp 4, tp 1" in proc.stderr
+    _assert_close(losses(run), losses(reference), INTERVAL + 2)
+
+
+@pytest.fixture(scope="module")
+def pp_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
+    """The reference's step-2 resumed on pipeline 2 x dp_shard 2 (1F1B, 2 microbatches, 2 accumulation
+    batches), saving every step: each stage loads only its blocks' FQNs from the one-stage checkpoint."""
+    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("pp2xdp2"))
+    return run, train(run, "pp2xdp2", "--checkpoint.interval", "1")
+
+
+def test_reshard_dp2_to_pp2_dp2(reference, pp_run):
+    run, proc = pp_run
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL)
+    _assert_close(losses(run), losses(reference), INTERVAL + 1)
+
+
+def test_reshard_pp2_dp2_to_one_process(reference, pp_run, tmp_path):
+    """Every stage's parameters, optimizer state and the loader state land on one process."""
+    src, proc = pp_run
+    assert_ok(proc)
+    run = resume_from(src, INTERVAL + 1, tmp_path)
+    proc = train(run, "single")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL + 1)
+    assert "resharded from world 4, dp 2, tp 1" in proc.stderr
     _assert_close(losses(run), losses(reference), INTERVAL + 2)

@@ -1,4 +1,4 @@
-"""Every data/tensor-parallel layout trains like one process: losses, gradients and updated parameters.
+"""Every data/tensor/pipeline-parallel layout trains like one process: losses, gradients and updated parameters.
 
 All cases of one world size run in one torchrun launch (`harness.parity`), each through the shipped
 `Trainer.train_step`, against one shared one-process reference; each case is then its own test id.
@@ -33,6 +33,12 @@ CASES_2 = [
     {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
     # Negative control: every rank trains on the same slice (different data from the reference).
     {"shard": 2, "corrupt": True},
+    # Pipeline stages: 4 microbatches of 2; interleaved with 2 stages per rank on a 4-block model.
+    {"pp": 2, "mb": 2},
+    {"pp": 2, "mb": 2, "schedule": "GPipe"},
+    {"pp": 2, "mb": 2, "schedule": "Interleaved1F1B", "layers": 4},
+    {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
+    {"pp": 2, "mb": 2, "ac": "selective"},
 ]
 CASES_4 = [
     {"shard": 4},
@@ -47,9 +53,16 @@ CASES_4 = [
     {"shard": 2, "tp": 2, "ac": "selective", "ac_option": "2"},
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
+    {"pp": 2, "shard": 2},
+    {"pp": 2, "tp": 2, "mb": 2},
+    {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
-CASES_8 = [{"rep": 2, "shard": 2, "tp": 2}, {"rep": 2, "shard": 2, "tp": 2, "ac": "full"}]
+CASES_8 = [
+    {"rep": 2, "shard": 2, "tp": 2},
+    {"rep": 2, "shard": 2, "tp": 2, "ac": "full"},
+    {"pp": 2, "shard": 2, "tp": 2, "mb": 2},
+]
 
 
 def case_id(case: dict) -> str:

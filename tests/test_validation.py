@@ -131,6 +131,16 @@ def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched
             "hf://name\\[:config\\]@validation",
         ),
         (["--validation.freq", "0"], "validation.freq' must be positive"),
+        (
+            [
+                "--validation.enable",
+                "--validation.holdout_documents",
+                "5",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+            "not supported with pipeline_parallel_degree > 1",
+        ),
     ],
 )
 def test_bad_validation_settings_are_config_errors(args, message):

@@ -5,6 +5,7 @@
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
     model = build_model(plan, device)         meta -> the model's parallelize plan -> materialise -> init
+    pipeline = build_pipeline(plan, device)   with PP: this rank's stages (each as build_model) + schedule
 
 A single process is a world of one: it gets a one-rank process group and the same plan as any world
 (mixed precision, AC, compile and its passes, reshard policy), so one GPU trains as it would on many.
@@ -28,6 +29,7 @@ from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.pipeline import Pipeline, StagePlan, keep_stage
 
 SHAPE_OVERRIDES = (
     "n_layers",
@@ -94,6 +96,8 @@ class RunPlan:
     dims: ParallelDims
     global_batch: int
     grad_accum: int
+    pipeline: StagePlan | None = None
+    """The stages and microbatches when pipeline_parallel_degree > 1."""
 
     @classmethod
     def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:
@@ -109,7 +113,18 @@ class RunPlan:
                 f"training.global_batch_size {global_batch} is not a multiple of "
                 f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
             )
-        return cls(cfg, spec, tokenizer, args, dims, global_batch, global_batch // (t.local_batch_size * dims.dp))
+        pipeline = None
+        if dims.pp_enabled:
+            pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
+            if getattr(args, "tie_embeddings", False):
+                raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
+            if dims.tp_enabled and t.seq_len % dims.tp:
+                raise ConfigError(
+                    f"training.seq_len {t.seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
+                    "(pipeline stages pass sequence-sharded hidden states)"
+                )
+        accum = global_batch // (t.local_batch_size * dims.dp)
+        return cls(cfg, spec, tokenizer, args, dims, global_batch, accum, pipeline)
 
     @property
     def tokens_per_gpu_step(self) -> float:
@@ -242,19 +257,35 @@ def apply_train_timeout(cfg: JobConfig, dims: ParallelDims) -> dict[str, timedel
     return {name: timeout for name in groups}
 
 
-def build_model(plan: RunPlan, device: torch.device, mesh_device_type: str | None = None) -> nn.Module:
+def build_model(
+    plan: RunPlan, device: torch.device, mesh_device_type: str | None = None, stage: int | None = None
+) -> nn.Module:
     """The model as every run builds it: on the meta device, parallelized by its family's plan (TP, AC,
     compile, data parallelism), then materialised on `device` and initialised from the seed.
 
     A process group must exist. The mesh is built here unless it already is (`mesh_device_type`
     defaults to `device`'s type). On `device` "meta" the model stays unmaterialised (the dry run).
+    `stage`: build only that pipeline stage (`plan.pipeline`), cut on the meta device before the plan.
     """
     if not plan.dims.mesh_built:
         plan.dims.build_mesh(mesh_device_type or device.type)
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args, seq_len=plan.cfg.training.seq_len)
+    if stage is not None:
+        assert plan.pipeline is not None
+        keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
     model = plan.spec.parallelize(model, plan.dims, plan.cfg)
     if device.type != "meta":
         model.to_empty(device=device)
         model.init_weights(seed=plan.cfg.training.seed, buffer_device=device)
     return model
+
+
+def build_pipeline(plan: RunPlan, device: torch.device) -> Pipeline:
+    """This rank's pipeline stages, each built as `build_model` builds a model, and the schedule over them."""
+    assert plan.pipeline is not None
+    if not plan.dims.mesh_built:
+        plan.dims.build_mesh(device.type)
+    pp_rank = plan.dims.pp_rank_of(dist.get_rank())
+    parts = {s: build_model(plan, device, stage=s) for s in plan.pipeline.stages_of(pp_rank)}
+    return Pipeline(plan.pipeline, parts, plan.dims, device)

@@ -251,6 +251,19 @@ class Parallelism:
     """`default` (all blocks but the last), `always` or `never`."""
     disable_loss_parallel: bool = False
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
+    pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
+    """Pipeline stages' rank groups: the outermost mesh dim (pp, dp_replicate, dp_shard, tp). 1 = no PP."""
+    pipeline_parallel_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"
+    """torch.distributed.pipelining's schedule; the interleaved ones hold several stages per rank."""
+    pipeline_parallel_microbatch_size: int = field(default=1, metadata=POSITIVE)
+    """Samples per pipeline microbatch; the local batch must be a multiple of it."""
+    pipeline_parallel_stages_per_rank: int = field(
+        default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="by schedule")
+    )
+    """-1 = 1 for GPipe and 1F1B, 2 for the interleaved schedules."""
+    pipeline_parallel_split_points: list[int] = field(default_factory=list)
+    """Block indices at which stages 1, 2, ... begin (stages-1 ascending values); empty = balanced, counting
+    the embedding and the output as one block each (the first and last stage take one block fewer)."""
 
 
 @dataclass
@@ -613,6 +626,19 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "validation.holdout_documents needs local training data; for hf:// data set validation.dataset_path "
             "to the dataset's own validation split (hf://name[:config]@validation)"
+        )
+    p = cfg.parallelism
+    if v.enable and p.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "validation.enable is not supported with pipeline_parallel_degree > 1 yet (held-out batches would "
+            "have to run through the pipeline schedule); turn one of them off"
+        )
+    if p.pipeline_parallel_degree == 1 and (
+        p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1
+    ):
+        raise ConfigError(
+            "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
+            "pipeline_parallel_degree > 1"
         )
     for component in cfg.compile.components:
         if component not in ("model", "loss"):

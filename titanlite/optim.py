@@ -6,6 +6,7 @@ import math
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -64,16 +65,23 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip by the total L2 norm over every rank's shards; returns the (global) norm before clipping.
 
     The norm of DTensor gradients is computed per mesh (a Partial result) and reduced to the full value,
-    so it is the same number on every rank and equals the single-process norm.
+    so it is the same number on every rank and equals the single-process norm. `group`: ranks holding
+    other parameters (pipeline stages), whose squared norms are added.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if group is not None:
+        squared = total.pow(2)
+        dist.all_reduce(squared, group=group)
+        total = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total

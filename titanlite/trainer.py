@@ -23,6 +23,7 @@ from titanlite.build import (
     apply_train_timeout,
     build_loader,
     build_model,
+    build_pipeline,
     describe_shape,
     init_device,
     init_distributed,
@@ -87,17 +88,21 @@ class Trainer:
 
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)
-        self.model = build_model(self.plan, self.device)
+        # With pipeline parallelism the model is this rank's stages (one module with the model's names).
+        self.pipeline = build_pipeline(self.plan, self.device) if self.dims.pp_enabled else None
+        self.model = self.pipeline.model if self.pipeline else build_model(self.plan, self.device)
         self.model.train()
         n_params = self.model_args.num_params()
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({describe_shape(self.model_args)}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
-            f"mesh {dict(zip(self.dims.dim_names, [getattr(self.dims, n) for n in self.dims.dim_names]))} "
+            f"mesh {dict(zip(self.dims.mesh_dim_names, [getattr(self.dims, n) for n in self.dims.mesh_dim_names]))} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
         logger.info(f"plan: {self._describe_plan()}")
+        if self.plan.pipeline is not None:
+            logger.info(self.plan.pipeline.describe())
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -170,15 +175,20 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        loss, grad_norm = forward_backward(
-            self.model,
-            self.optimizer,
-            batches,
-            loss_fn,
-            self.dims.loss_parallel,
-            self.cfg.training.max_norm,
-            self.device,
-        )
+        if self.pipeline is not None:
+            loss, grad_norm = self.pipeline.forward_backward(
+                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm
+            )
+        else:
+            loss, grad_norm = forward_backward(
+                self.model,
+                self.optimizer,
+                batches,
+                loss_fn,
+                self.dims.loss_parallel,
+                self.cfg.training.max_norm,
+                self.device,
+            )
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted
         if self.verdict.finite:

@@ -4,9 +4,10 @@ Run by tests through torchrun (`harness.parity`). Each case builds the trainer a
 (`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
 tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
 one-process reference itself (the plain module, the whole global batch, the same `forward_backward`,
-AdamW and LR schedule), once, shared by all cases. Rank 0 writes one JSON record per case: max
-relative loss difference over the steps, and max abs difference of gradients and updated parameters
-after step 1.
+AdamW and LR schedule), once per model depth, shared by all cases. Rank 0 writes one JSON record per
+case: max relative loss difference over the steps, and max abs difference of gradients and updated
+parameters after step 1 over every rank's parameters (a pipeline stage holds only some; `missing`
+lists reference parameters no rank held).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import TINY  # noqa: E402
+from harness import TINY, tiny_args  # noqa: E402
 from titanlite.build import RunPlan, apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
@@ -63,10 +65,10 @@ def snapshot(model: torch.nn.Module) -> tuple[dict, dict]:
     return grads, params
 
 
-def reference(batches):
+def reference(batches, args):
     """One process, plain module, whole global batch: the same step functions the trainer calls."""
     cfg = base_config()
-    model = Transformer(TINY, seq_len=SEQ)
+    model = Transformer(args, seq_len=SEQ)
     model.init_weights(seed=SEED)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
@@ -91,6 +93,9 @@ def case_config(case: dict, dump: str) -> JobConfig:
     p.tensor_parallel_degree = case.get("tp", 1)
     p.dp_impl = case.get("dp_impl", "simple_fsdp")
     p.fsdp_reshard_after_forward = case.get("reshard", "default")
+    p.pipeline_parallel_degree = case.get("pp", 1)
+    p.pipeline_parallel_schedule = case.get("schedule", "1F1B")
+    p.pipeline_parallel_microbatch_size = case.get("mb", 1)
     cfg.training.mixed_precision_param = case.get("param_dtype", "float32")
     cfg.training.mixed_precision_reduce = case.get("reduce_dtype", "float32")
     cfg.activation_checkpoint.mode = case.get("ac", "none")
@@ -100,7 +105,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.bucketing = case.get("bucketing", "none")
     cfg.compile.scope = case.get("scope", "block")
     cfg.compile.components = ["model"]
-    dp = dist.get_world_size() // (p.tensor_parallel_degree)
+    dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
     accum = case.get("accum", 1)
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.local_batch_size = GLOBAL_BATCH // dp // accum
@@ -110,7 +115,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
 def run(case: dict, dump: str, batches):
     cfg = case_config(case, dump)
     torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
-    trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=TINY))
+    trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=case_args(case)))
     dims = trainer.dims
     per = GLOBAL_BATCH // dims.dp
     r = dims.dp_rank_of(dist.get_rank())
@@ -129,6 +134,15 @@ def run(case: dict, dump: str, batches):
     return losses, *first, timeouts
 
 
+def case_args(case: dict):
+    return tiny_args(n_layers=case["layers"]) if "layers" in case else TINY
+
+
+def max_diffs(mine: dict, ref: dict) -> tuple[float, set[str]]:
+    """Max abs difference over this rank's parameters, and their names."""
+    return max((mine[n] - ref[n]).abs().max().item() for n in mine), set(mine)
+
+
 def group_timeouts(dims) -> dict[str, float]:
     """The timeout of every process group a step uses, read back from the gloo backends."""
     groups = {"world": dist.group.WORLD, **dims.process_groups()}
@@ -140,19 +154,30 @@ def main() -> None:
     out_path = sys.argv[2]
     dist.init_process_group("gloo")
     batches = make_batches()
-    r_losses, r_grads, r_params = reference(batches)
+    refs: dict[int, tuple] = {}
     records = []
     for case in cases:
+        args = case_args(case)
+        if args.n_layers not in refs:
+            refs[args.n_layers] = reference(batches, args)
+        r_losses, r_grads, r_params = refs[args.n_layers]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
+        start = time.perf_counter()
         losses, grads, params, timeouts = run(case, dump, batches)
+        seconds = time.perf_counter() - start
+        (grad_abs, names), (param_abs, _) = max_diffs(grads, r_grads), max_diffs(params, r_params)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (grad_abs, param_abs, names))
         rec = dict(
             case=case,
             losses=losses,
             ref_losses=r_losses,
             timeouts=timeouts,
+            seconds=seconds,
             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
-            grad_abs=max((grads[n] - r_grads[n]).abs().max().item() for n in r_grads),
-            param_abs=max((params[n] - r_params[n]).abs().max().item() for n in r_params),
+            grad_abs=max(g for g, _, _ in every),
+            param_abs=max(p for _, p, _ in every),
+            missing=sorted(set(r_grads) - set().union(*(n for _, _, n in every))),
         )
         report = os.path.join(dump, "compile_report.json")
         if dist.get_rank() == 0 and os.path.exists(report):

@@ -7,7 +7,10 @@ The model it builds follows a small protocol:
     model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
-    args.max_seq_len, args.num_params(), args.flops_per_token(seq_len)
+    args.max_seq_len, args.n_layers, args.num_params(), args.flops_per_token(seq_len)
+
+Pipeline stages (`titanlite/parallelisms/pipeline.py`) delete the blocks a stage does not hold and set
+the root modules it does not hold to None: the model's forward then takes (and returns) hidden states.
 
 Built-in families are imported on first use (`BUILTIN`); tests and users add theirs with `register_model`.
 """

@@ -109,10 +109,14 @@ def _checkpoint_block(block: nn.Module, mode: Literal["full", "op", "op_all_mm"]
 
 
 def apply_ac(blocks: dict[str, nn.Module], cfg: ActivationCheckpoint) -> dict[str, CheckpointedBlock]:
-    """Checkpoint `blocks` (FQN -> block, in order) as `cfg` says; returns the checkpointed ones by FQN."""
+    """Checkpoint `blocks` (FQN -> block, in order) as `cfg` says; returns the checkpointed ones by FQN.
+
+    "Every k-th block" counts blocks by their key in the model (`layers.12` is block 12), so a pipeline
+    stage holding blocks 12.. checkpoints the blocks the whole model would."""
     out = {}
     for i, (fqn, block) in enumerate(blocks.items()):
-        mode = block_ac(cfg, i)
+        key = fqn.rsplit(".", 1)[-1]
+        mode = block_ac(cfg, int(key) if key.isdigit() else i)
         if mode != "none":
             out[fqn] = _checkpoint_block(block, mode)
     return out

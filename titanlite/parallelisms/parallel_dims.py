@@ -1,11 +1,13 @@
 """Parallel degrees -> one validated DeviceMesh with named dims.
 
-The mesh holds only the dims whose degree is > 1, in the order (dp_replicate, dp_shard, tp), so that tp
-ranks are neighbours (NVLink within a node) and data parallelism spans nodes. A single process is a
+The mesh holds only the dims whose degree is > 1, in the order (pp, dp_replicate, dp_shard, tp), so that tp
+ranks are neighbours (NVLink within a node), data parallelism spans nodes, and pipeline stages (whose
+traffic is one activation per microbatch) are the farthest apart. A single process is a
 mesh of one `dp_shard` rank: it gets the same plan as any world (SimpleFSDP's mixed precision and
 reshard policy, compile with its passes; the collectives of a one-rank dim are no-ops). Flattened views:
 `dp` (every data-parallel dim: the ranks that see different data, the dataloader's and the loss's mesh)
-and `dp_shard_tp`-style submeshes are taken with torch's own slicing.
+and `dp_shard_tp`-style submeshes are taken with torch's own slicing. A pipeline stage's plan (TP, SimpleFSDP,
+FSDP2) runs on the mesh without `pp` (`dim_names`); `pp_mesh` carries the stages' point-to-point traffic.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
     tp_divisible: dict[str, int] = field(default_factory=dict)
     """Model sizes the tp degree must divide (e.g. {"n_heads": 32}), named in the error."""
     dp_impl: str = "simple_fsdp"
@@ -33,18 +36,20 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        pp_text = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.pp * self.dp_replicate * self.tp
             if self.world_size % rest:
                 raise ConfigError(
-                    f"parallelism: world size {self.world_size} is not divisible by "
+                    f"parallelism: world size {self.world_size} is not divisible by {pp_text}"
                     f"data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree {self.tp}"
                 )
             self.dp_shard = self.world_size // rest
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
+            pp_dim = f"pp={self.pp} x " if self.pp > 1 else ""
             raise ConfigError(
-                f"parallelism: mesh dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"parallelism: mesh {pp_dim}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
                 f"= {product} does not equal the world size {self.world_size}"
             )
         for name, size in self.tp_divisible.items():
@@ -66,6 +71,7 @@ class ParallelDims:
             dp_shard=p.data_parallel_shard_degree,
             tp=p.tensor_parallel_degree,
             world_size=world_size,
+            pp=p.pipeline_parallel_degree,
             tp_divisible=dict(tp_divisible or {}),
             dp_impl=p.dp_impl,
             disable_loss_parallel=p.disable_loss_parallel,
@@ -90,6 +96,10 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def dp_mode(self) -> str:
         """SimpleFSDP mode implied by the degrees."""
         if self.dp_replicate > 1 and self.dp_shard > 1:
@@ -105,11 +115,17 @@ class ParallelDims:
 
     @property
     def dim_names(self) -> tuple[str, ...]:
+        """The dims of one pipeline stage's mesh (every dim but `pp`): what TP and data parallelism use."""
         return self.dp_dim_names + (("tp",) if self.tp > 1 else ())
 
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Every dim of the world mesh, outermost first."""
+        return (("pp",) if self.pp > 1 else ()) + self.dim_names
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
-        names = self.dim_names or ("dp_shard",)
+        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        names = self.mesh_dim_names or ("dp_shard",)
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         if len(self.dp_dim_names) > 1:
             mesh[self.dp_dim_names]._flatten("dp")
@@ -140,6 +156,10 @@ class ParallelDims:
     def tp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh["tp"] if self.tp_enabled else None
 
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self.world_mesh["pp"] if self.pp_enabled else None
+
     def process_groups(self) -> dict[str, dist.ProcessGroup]:
         """Every process group of the mesh by dim name (and the flattened `dp`): what a collective can run on."""
         mesh = self.world_mesh
@@ -149,6 +169,10 @@ class ParallelDims:
         return {name: mesh[name].get_group() for name in names}
 
     def dp_rank_of(self, rank: int) -> int:
-        """Global `rank`'s index on the flattened dp mesh (ranks are laid out dp_replicate, dp_shard, tp);
-        arithmetic only, so it is known before any process group exists."""
-        return rank // self.tp
+        """Global `rank`'s index on the flattened dp mesh (ranks are laid out pp, dp_replicate, dp_shard,
+        tp); arithmetic only, so it is known before any process group exists."""
+        return (rank // self.tp) % self.dp
+
+    def pp_rank_of(self, rank: int) -> int:
+        """Global `rank`'s pipeline rank (0 holds the first stage)."""
+        return rank // (self.dp * self.tp)

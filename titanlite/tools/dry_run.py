@@ -84,6 +84,8 @@ def world_size_of(cfg: JobConfig) -> int:
 
 def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]:
     """RunPlan.build, except that a missing tokenizer file only costs the exact vocabulary size."""
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("the dry run does not plan pipeline parallelism (parallelism.pipeline_parallel_degree > 1)")
     path = cfg.model.tokenizer_path
     if not path or Path(path).is_file():
         return RunPlan.build(cfg, world_size), []

@@ -184,10 +184,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """tokens [b, s] -> logits [b, s, vocab]. A pipeline stage holds some blocks only, the embedding
+        on the first stage (later ones take the previous stage's hidden states) and the norm and output
+        on the last (earlier ones return hidden states)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised (TorchTitan's scheme)."""

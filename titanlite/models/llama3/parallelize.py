@@ -62,20 +62,20 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> n
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallelism on norms, the residual stream and the embedding
     output; with loss parallel the logits stay sharded on the vocab dim (the loss runs under
-    `loss_parallel()` without gathering them)."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    `loss_parallel()` without gathering them). A pipeline stage plans only the root modules it holds;
+    between stages the hidden states travel sequence-sharded, as local tensors."""
+    roots = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    held = {name: style for name, style in roots.items() if getattr(model, name) is not None}
+    if held:
+        parallelize_module(model, tp_mesh, held)
     for block in model.layers.values():
         parallelize_module(
             block,

@@ -1,0 +1,96 @@
+"""Pipeline stage plans and the meta-device split, in process (the schedules' parity is in
+test_parallel_parity, through the trainer's own step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import tiny_args
+from titanlite.config import JobConfig, Parallelism
+from titanlite.errors import ConfigError
+from titanlite.models.llama3 import Transformer
+from titanlite.models.llama3.parallelize import llama_units
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.pipeline import StagePlan, StageUnion, balanced_starts, keep_stage
+from titanlite.tools.dry_run import build_run_plan
+
+
+def plan(n_blocks: int = 6, local_batch: int = 8, **p) -> StagePlan:
+    return StagePlan.of(Parallelism(**{f"pipeline_parallel_{k}": v for k, v in p.items()}), n_blocks, local_batch)
+
+
+def test_balanced_split_counts_embedding_and_output_as_blocks():
+    assert balanced_starts(6, 2) == (0, 3)
+    # 8, 8, 9, 7 blocks: with the embedding and the output each stage costs 8 or 9 blocks.
+    assert balanced_starts(32, 4) == (0, 8, 16, 25)
+    assert balanced_starts(4, 4) == (0, 1, 2, 3)  # at least one block per stage
+    assert balanced_starts(126, 16)[1] == 7
+
+
+def test_stage_plan_ranks_stages_and_bubble():
+    p = plan(degree=2, schedule="Interleaved1F1B", microbatch_size=2)
+    assert (p.n_stages, p.microbatches) == (4, 4)
+    assert p.stages_of(0) == (0, 2) and p.stages_of(1) == (1, 3)
+    assert [list(p.blocks(s)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert p.bubble_fraction == pytest.approx(1 / 9)
+    g = plan(degree=2, schedule="GPipe", split_points=[4])
+    assert list(g.blocks(0)) == [0, 1, 2, 3] and g.in_flight(0) == 8
+    assert plan(degree=4, n_blocks=8).in_flight(1) == 3  # 1F1B warm-up: p - rank
+
+
+@pytest.mark.parametrize(
+    "kw,fragment",
+    [
+        (dict(degree=4, stages_per_rank=2, schedule="Interleaved1F1B"), "8 pipeline stages"),
+        (dict(degree=2, microbatch_size=8), "1 microbatches"),
+        (dict(degree=2, microbatch_size=3), "not a multiple"),
+        (dict(degree=4, schedule="Interleaved1F1B", microbatch_size=1, n_blocks=8, local_batch=9), "multiple of 2"),
+        (dict(degree=2, split_points=[3, 4]), "expected 1 increasing"),
+        (dict(degree=2, schedule="1F1B", stages_per_rank=2), "one stage per rank"),
+    ],
+)
+def test_stage_plan_rejects_what_torch_cannot_run(kw, fragment):
+    n_blocks, local = kw.pop("n_blocks", 6), kw.pop("local_batch", 8)
+    with pytest.raises(ConfigError, match=fragment):
+        plan(n_blocks, local, **kw)
+
+
+def test_stages_keep_names_and_cover_the_model_once():
+    """Each stage built on the meta device keeps its blocks' FQNs; the stages together hold every
+    parameter exactly once; a rank's several stages form one module with the same names."""
+    args = tiny_args(n_layers=4)
+    with torch.device("meta"):
+        whole = Transformer(args, seq_len=16)
+    names = {n for n, _ in whole.named_parameters()}
+    p = plan(n_blocks=4, degree=2, schedule="Interleaved1F1B")
+    stages = []
+    for s in range(p.n_stages):
+        with torch.device("meta"):
+            model = Transformer(args, seq_len=16)
+        keep_stage(model, llama_units(model), p, s)
+        stages.append(model)
+    held = [{n for n, _ in m.named_parameters()} for m in stages]
+    assert set().union(*held) == names and sum(map(len, held)) == len(names)
+    assert "tok_embeddings.weight" in held[0] and "output.weight" in held[-1]
+    assert all(n.startswith("layers.2.") for n in held[2])
+    union = StageUnion([stages[1], stages[3]])  # pipeline rank 1's stages
+    assert {n for n, _ in union.named_parameters()} == held[1] | held[3]
+    x = torch.randn(2, 16, args.dim, device="meta")
+    assert stages[1](x).shape == x.shape  # a middle stage maps hidden states to hidden states
+
+
+def test_mesh_layout_puts_pp_outermost():
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=2, world_size=8, pp=2)
+    assert dims.dp_shard == 2 and dims.mesh_dim_names == ("pp", "dp_shard", "tp")
+    assert dims.dim_names == ("dp_shard", "tp")
+    assert [dims.pp_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.dp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_dry_run_says_it_does_not_plan_pipelines():
+    """No memory plan rather than a wrong one (the whole model counted on every stage)."""
+    cfg = JobConfig()
+    cfg.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ConfigError, match="does not plan pipeline parallelism"):
+        build_run_plan(cfg, 4)

@@ -1,0 +1,279 @@
+"""Pipeline parallelism: the model cut into stages along its blocks, run by torch.distributed.pipelining.
+
+    StagePlan.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
+    keep_stage(model, units, plan, stage)                   on the meta device: delete what a stage lacks
+    Pipeline(plan, parts, dims, device)                     PipelineStages + torch's schedule + the step
+
+Stage boundaries fall between transformer blocks. The first stage also holds the embedding and the last
+the final norm and output, so by default each of those counts as one block when the blocks are balanced
+(`pipeline_parallel_split_points` chooses the boundaries instead). A rank holds `stages_per_rank` stages,
+looped: pipeline rank r holds stages r, r + pp, r + 2 pp, ... (what torch's interleaved schedules expect).
+
+A stage is the whole model built on the meta device with the other stages' blocks deleted and the root
+modules it does not hold set to None. Parameter names do not change (`layers.12` stays `layers.12` on
+whichever stage holds it), so initialisation (seeded by name), checkpoints (DCP by FQN) and the compile,
+AC, TP and SimpleFSDP/FSDP2 plans, applied per stage by the model family's own parallelize function,
+work as on one process.
+
+Data: every rank of a data-parallel replica reads that replica's batch (the loader is per dp rank, as
+without PP); the first stage feeds the tokens and the last stage the labels, the others read and drop it.
+
+The step runs the schedule once per gradient-accumulation batch. Each microbatch's loss is the mean
+cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
+mean over the rank's batch, as `step.forward_backward` computes it without PP (torch's own division of
+the gradients, `scale_grads`, is off). The last stage's loss is summed over the pipeline group so every
+rank reports it, and the gradient norm for clipping sums every stage's squared norm over the pipeline
+group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.config import Parallelism
+from titanlite.errors import ConfigError
+from titanlite.optim import clip_grad_norm_
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.units import Units
+
+SINGLE_STAGE = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+"""Schedules of one stage per rank."""
+MULTI_STAGE = {"Interleaved1F1B": ScheduleInterleaved1F1B, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+"""Schedules of several (looped) stages per rank."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which blocks each stage holds, which stages each pipeline rank runs, and the microbatches."""
+
+    degree: int
+    """Pipeline ranks (`parallelism.pipeline_parallel_degree`)."""
+    schedule: str
+    stages_per_rank: int
+    starts: tuple[int, ...]
+    """The first block of each stage, in stage order (starts[0] == 0)."""
+    n_blocks: int
+    microbatches: int
+    """Microbatches per schedule step: the local batch over the microbatch size."""
+
+    @classmethod
+    def of(cls, p: Parallelism, n_blocks: int, local_batch: int) -> StagePlan:
+        """The plan of config section `parallelism` (`p`) for a model of `n_blocks` blocks; a plan torch's
+        schedule cannot run is a `ConfigError`."""
+        pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
+        per_rank = p.pipeline_parallel_stages_per_rank
+        if per_rank == -1:
+            per_rank = 1 if name in SINGLE_STAGE else 2
+        if name in SINGLE_STAGE and per_rank != 1:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_schedule {name} runs one stage per rank, "
+                f"got pipeline_parallel_stages_per_rank {per_rank} (use Interleaved1F1B)"
+            )
+        n_stages = pp * per_rank
+        if n_stages > n_blocks:
+            raise ConfigError(
+                f"parallelism: {n_stages} pipeline stages (degree {pp} x {per_rank} per rank) "
+                f"but the model has {n_blocks} blocks; each stage needs at least one"
+            )
+        mb = p.pipeline_parallel_microbatch_size
+        if local_batch % mb:
+            raise ConfigError(
+                f"training.local_batch_size {local_batch} is not a multiple of "
+                f"parallelism.pipeline_parallel_microbatch_size {mb}"
+            )
+        n_micro = local_batch // mb
+        check_microbatches(name, n_micro, pp)
+        points = list(p.pipeline_parallel_split_points)
+        if points:
+            if (
+                len(points) != n_stages - 1
+                or points != sorted(set(points))
+                or not 0 < points[0] <= points[-1] < n_blocks
+            ):
+                raise ConfigError(
+                    f"parallelism.pipeline_parallel_split_points {points}: expected {n_stages - 1} increasing "
+                    f"block indices in 1..{n_blocks - 1} (where stages 1..{n_stages - 1} begin)"
+                )
+            starts = (0, *points)
+        else:
+            starts = balanced_starts(n_blocks, n_stages)
+        return cls(pp, name, per_rank, starts, n_blocks, n_micro)
+
+    @property
+    def n_stages(self) -> int:
+        return self.degree * self.stages_per_rank
+
+    def blocks(self, stage: int) -> range:
+        """The block indices stage `stage` holds."""
+        end = self.starts[stage + 1] if stage + 1 < self.n_stages else self.n_blocks
+        return range(self.starts[stage], end)
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank `pp_rank` runs, looped (r, r + pp, ...)."""
+        return tuple(pp_rank + k * self.degree for k in range(self.stages_per_rank))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle fraction of a schedule step with equal stage times: (p - 1) / (v m + p - 1) for p ranks,
+        v stages per rank and m microbatches (GPipe, 1F1B: v = 1; interleaving divides the bubble by v).
+        For the zero-bubble schedule this is the interleaved 1F1B bound it improves on (an upper bound)."""
+        p, v, m = self.degree, self.stages_per_rank, self.microbatches
+        return (p - 1) / (v * m + p - 1)
+
+    def in_flight(self, pp_rank: int) -> int:
+        """Microbatches whose activations a rank holds at once at its peak, per stage it runs: all of them
+        for GPipe; for 1F1B the warm-up depth (p - rank); for the interleaved schedules the warm-up of
+        torch's implementation, about (v - 1) p + 2 (p - rank - 1) + 1 over v stages, rounded up."""
+        p, v, m = self.degree, self.stages_per_rank, self.microbatches
+        if self.schedule == "GPipe":
+            return m
+        if self.schedule == "1F1B":
+            return min(m, p - pp_rank)
+        warmup = (v - 1) * p + 2 * (p - pp_rank - 1) + 1
+        return min(m, -(-warmup // v))
+
+    def describe(self) -> str:
+        spans = ", ".join(f"{b.start}-{b.stop - 1}" for b in map(self.blocks, range(self.n_stages)))
+        return (
+            f"pipeline {self.schedule}: {self.n_stages} stages ({self.stages_per_rank} per rank; blocks {spans}), "
+            f"{self.microbatches} microbatches per step, bubble {100 * self.bubble_fraction:.1f}%"
+        )
+
+
+def check_microbatches(schedule: str, n_micro: int, pp: int) -> None:
+    """torch's rules for the microbatch count, checked before any rank starts."""
+    if schedule == "1F1B" and n_micro < pp:
+        raise ConfigError(
+            f"pipeline schedule 1F1B needs at least as many microbatches as stages: {n_micro} microbatches "
+            f"(local batch / pipeline_parallel_microbatch_size) < pipeline_parallel_degree {pp}"
+        )
+    if schedule in MULTI_STAGE:
+        rounds = max(1, n_micro // pp)
+        if n_micro % rounds:
+            raise ConfigError(
+                f"pipeline schedule {schedule} needs a microbatch count that is a multiple of "
+                f"{rounds} (microbatches // pipeline_parallel_degree); got {n_micro}"
+            )
+
+
+def balanced_starts(n_blocks: int, n_stages: int) -> tuple[int, ...]:
+    """Stage boundaries that even out blocks + (embedding on the first, output on the last stage), each
+    stage keeping at least one block."""
+    starts = [0]
+    for s in range(1, n_stages):
+        ideal = int(s * (n_blocks + 2) / n_stages + 0.5) - 1
+        starts.append(min(max(ideal, starts[-1] + 1), n_blocks - (n_stages - s)))
+    return tuple(starts)
+
+
+def keep_stage(model: nn.Module, units: Units, plan: StagePlan, stage: int) -> None:
+    """Reduce `model` (on the meta device) to stage `stage`: the other blocks are deleted from their
+    container, the embedding (`units.before`) is kept on the first stage only and the norm and output
+    (`units.after`) on the last only. Names of what remains are unchanged."""
+    held = plan.blocks(stage)
+    for i, fqn in enumerate(units.blocks):
+        if i not in held:
+            container, key = fqn.rsplit(".", 1)
+            del model.get_submodule(container)[key]
+    if stage > 0:
+        for name in units.before:
+            setattr(model, name, None)
+    if stage < plan.n_stages - 1:
+        for name in units.after:
+            setattr(model, name, None)
+
+
+class StageUnion(nn.Module):
+    """This rank's stages as one module with the model's own parameter names, for the optimizer,
+    checkpoints (DCP by FQN) and tests. It shares the stages' modules and is never called."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        for part in parts:
+            for name, child in part.named_children():
+                if isinstance(child, nn.ModuleDict):
+                    if name not in self._modules:
+                        self._modules[name] = nn.ModuleDict()
+                    self._modules[name].update(child)
+                else:
+                    self._modules[name] = child
+
+
+class Pipeline:
+    """This rank's pipeline stages and the schedule that runs them; `forward_backward` is the step.
+
+    `parts` maps stage index -> the stage's module (built by `keep_stage` and parallelized); `model` is
+    the one module the rest of the trainer sees: the stage itself, or a `StageUnion` of several."""
+
+    def __init__(
+        self,
+        plan: StagePlan,
+        parts: dict[int, nn.Module],
+        dims: ParallelDims,
+        device: torch.device,
+    ):
+        self.plan, self.dims, self.device = plan, dims, device
+        assert dims.pp_mesh is not None
+        self.group = dims.pp_mesh.get_group()
+        self.parts = dict(sorted(parts.items()))
+        self.stages = [
+            PipelineStage(module, index, plan.n_stages, device, group=self.group)
+            for index, module in self.parts.items()
+        ]
+        self.has_first = 0 in self.parts
+        self.has_last = plan.n_stages - 1 in self.parts
+        kwargs: dict[str, Any] = dict(n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=False)
+        if plan.schedule in SINGLE_STAGE:
+            self.schedule = SINGLE_STAGE[plan.schedule](self.stages[0], **kwargs)
+        else:
+            self.schedule = MULTI_STAGE[plan.schedule](self.stages, **kwargs)
+        modules = list(self.parts.values())
+        self.model = modules[0] if len(modules) == 1 else StageUnion(modules)
+        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._loss_scale = 1
+
+    def _loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(pred, labels) / self._loss_scale
+
+    def forward_backward(
+        self,
+        optimizer: torch.optim.Optimizer,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        use_loss_parallel: bool,
+        max_norm: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
+        replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`."""
+        optimizer.zero_grad(set_to_none=True)
+        self._loss_fn, self._loss_scale = loss_fn, self.plan.microbatches * len(batches)
+        total = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            losses: list[torch.Tensor] = []
+            args = (inputs.to(self.device),) if self.has_first else ()
+            target = labels.to(self.device) if self.has_last else None
+            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+                self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+            for loss in losses:
+                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        dist.all_reduce(total, group=self.group)
+        params = [p for module in self.parts.values() for p in module.parameters()]
+        grad_norm = clip_grad_norm_(params, max_norm, group=self.group)
+        return total, grad_norm
