@@ -45,7 +45,7 @@ CASES = [
     Case("sigterm-to-group", [("group", signal.SIGTERM)], saved=True),
     Case("sigterm-to-launcher", [("launcher", signal.SIGTERM)], saved=True),
     Case("sigusr1-to-launcher", [("launcher", signal.SIGUSR1)], saved=True, nproc=1),
-    Case("ctrl-c", [("group", signal.SIGINT)], saved=True),
+    Case("ctrl-c", [("group", signal.SIGINT)], saved=True, nproc=1),
     Case(
         "ctrl-c-twice",
         [("group", signal.SIGINT), ("group", signal.SIGINT)],
@@ -53,7 +53,7 @@ CASES = [
         lines=["titanlite: interrupted twice: ranks killed without a new checkpoint"],
         nproc=1,
     ),
-    Case("sigkill-of-launcher", [("launcher", signal.SIGKILL)], code=-signal.SIGKILL),
+    Case("sigkill-of-launcher", [("launcher", signal.SIGKILL)], code=-signal.SIGKILL, nproc=1),
     Case(
         "user-error-in-rank-1",
         env={"TITANLITE_FAULT_USER_ERROR_AT": "2", "TITANLITE_FAULT_RANK": "1"},

@@ -4,6 +4,8 @@ checkpoint and resumes from it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import SMALL, assert_ok, torchrun
@@ -43,9 +45,5 @@ def test_a_second_model_family_trains_checkpoints_and_resumes(tmp_path):
     assert_ok(second)
     assert "resumed from" in second.stderr and "step-3 at step 3" in second.stderr
     assert folders.scan(tmp_path / "checkpoint") == ([3, 5], [])
-    steps = [
-        int(line.split("step:")[1].split()[0])
-        for line in second.stderr.splitlines()
-        if "rank0" in line and "step:" in line
-    ]
+    steps = [int(m.group(1)) for m in re.finditer(r"rank0\].* step +(\d+)/5 ", second.stderr)]
     assert steps == [4, 5]

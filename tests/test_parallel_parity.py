@@ -20,7 +20,6 @@ CASES_2 = [
     {"shard": 2, "ac": "selective"},
     {"shard": 2, "ac": "selective", "ac_option": "op_all_mm"},
     {"shard": 2, "ac": "selective", "ac_option": "2"},
-    {"rep": 2, "ac": "full"},
     {"tp": 2, "ac": "full"},
     {"tp": 2, "ac": "selective"},
     {"shard": 2, "reshard": "never"},
@@ -40,27 +39,27 @@ CASES_2 = [
     {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "mb": 2, "ac": "selective"},
 ]
+# Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
+COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
+                    "ac": "selective"}  # fmt: skip
 CASES_4 = [
     {"shard": 4},
     {"rep": 4},
     {"rep": 2, "shard": 2},
     {"shard": 2, "tp": 2},
     {"rep": 2, "shard": 1, "tp": 2},
-    {"shard": 4, "ac": "full"},
     {"rep": 2, "shard": 2, "ac": "selective"},
-    {"shard": 2, "tp": 2, "ac": "full"},
     {"shard": 2, "tp": 2, "ac": "selective"},
-    {"shard": 2, "tp": 2, "ac": "selective", "ac_option": "2"},
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
     {"pp": 2, "shard": 2},
     {"pp": 2, "tp": 2, "mb": 2},
     {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
+    COMPILED_DP_X_TP,
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
     {"rep": 2, "shard": 2, "tp": 2},
-    {"rep": 2, "shard": 2, "tp": 2, "ac": "full"},
     {"pp": 2, "shard": 2, "tp": 2, "mb": 2},
 ]
 
@@ -136,3 +135,18 @@ def test_train_timeout_reaches_every_mesh_group(records, nproc, cases):
     # Each case builds new mesh groups (the world keeps the timeout of the previous case): the subgroups
     # of the multi-dim meshes start at the backend default, so the check above can fail.
     assert any(s != 100.0 for rec in recs for n, s in rec["timeouts"]["before"].items() if n != "world")
+
+
+def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
+    """The compiled dp x tp case's parity above is that of bucketed graphs: fewer gathers and reductions."""
+    case = {
+        "shard": 2,
+        "tp": 2,
+        "compile": True,
+        "backend": "aot_eager",
+        "bucketing": "transformer_block",
+        "ac": "selective",
+    }
+    dp = records(4, CASES_4)[case_id(case)]["compile_report"]["dp"]
+    assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
+    assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]

@@ -27,9 +27,8 @@ LAYOUTS = {
     "dp2xtp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                 "--training.local_batch_size", "2"],
-    "fsdp2": ["--parallelism.dp_impl", "fsdp2", "--parallelism.data_parallel_shard_degree", "4",
-              "--training.local_batch_size", "2"],
 }  # fmt: skip
+"""FSDP2 through the CLI is compared with a SimpleFSDP run in tests/test_checkpoint_resume.py (its dp4 resume)."""
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,9 @@ SHAPE_OVERRIDES = (
 
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
-    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked
-    (heads divide the width, kv heads divide the heads, the training sequence fits) before any rank
-    starts; tensor-parallel divisibility is checked with the mesh (`ParallelDims`)."""
+    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked before
+    any rank starts (the family's `check_args`; the training sequence fits); tensor-parallel divisibility
+    is checked with the mesh (`ParallelDims`)."""
     m = cfg.model
     if m.flavor not in spec.flavors:
         raise ConfigError(f"config key 'model.flavor' = {m.flavor!r}: expected one of {', '.join(spec.flavors)}")
@@ -59,13 +59,8 @@ def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
             raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
     args = dataclasses.replace(args, **overrides, vocab_size=vocab_size)
     shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
-    if hasattr(args, "n_heads") and hasattr(args, "dim") and args.dim % args.n_heads:
-        raise ConfigError(f"model {shape}: dim {args.dim} is not a multiple of n_heads {args.n_heads}")
-    kv = getattr(args, "kv_heads", None)
-    if kv is not None and args.n_heads % kv:
-        raise ConfigError(f"model {shape}: n_heads {args.n_heads} is not a multiple of n_kv_heads {kv}")
-    if hasattr(args, "dim") and (args.dim // args.n_heads) % 2:
-        raise ConfigError(f"model {shape}: head dim {args.dim // args.n_heads} (dim / n_heads) must be even for RoPE")
+    if why := spec.check_args(args):
+        raise ConfigError(f"model {shape}: {why}")
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len {args.max_seq_len} ({shape})"

@@ -49,6 +49,8 @@ class ModelSpec:
     """Hugging Face names and conversions (`checkpoint/hf.py`); None: no HF import/export."""
     activation_bytes: Callable[..., dict[str, int]] | None = None
     """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes}`; None: no dry run."""
+    check_args: Callable[[Any], str | None] = field(default=lambda args: None)
+    """Why a shape (flavor + `model.*` overrides) cannot be built, or None: checked before any rank starts."""
 
 
 def register_model(spec: ModelSpec) -> None:

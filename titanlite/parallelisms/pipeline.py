@@ -36,13 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -52,9 +45,11 @@ from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
-SINGLE_STAGE = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-"""Schedules of one stage per rank."""
-MULTI_STAGE = {"Interleaved1F1B": ScheduleInterleaved1F1B, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+# torch.distributed.pipelining is imported when a pipeline is built: importing it pulls in Dynamo
+# (~0.4 s per process), which runs without pipeline parallelism should not pay.
+SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
+"""Schedules of one stage per rank (torch.distributed.pipelining class names)."""
+MULTI_STAGE = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
 """Schedules of several (looped) stages per rank."""
 
 
@@ -228,21 +223,23 @@ class Pipeline:
         dims: ParallelDims,
         device: torch.device,
     ):
+        from torch.distributed import pipelining
+
         self.plan, self.dims, self.device = plan, dims, device
         assert dims.pp_mesh is not None
         self.group = dims.pp_mesh.get_group()
         self.parts = dict(sorted(parts.items()))
         self.stages = [
-            PipelineStage(module, index, plan.n_stages, device, group=self.group)
+            pipelining.PipelineStage(module, index, plan.n_stages, device, group=self.group)
             for index, module in self.parts.items()
         ]
         self.has_first = 0 in self.parts
         self.has_last = plan.n_stages - 1 in self.parts
         kwargs: dict[str, Any] = dict(n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=False)
         if plan.schedule in SINGLE_STAGE:
-            self.schedule = SINGLE_STAGE[plan.schedule](self.stages[0], **kwargs)
+            self.schedule = getattr(pipelining, SINGLE_STAGE[plan.schedule])(self.stages[0], **kwargs)
         else:
-            self.schedule = MULTI_STAGE[plan.schedule](self.stages, **kwargs)
+            self.schedule = getattr(pipelining, MULTI_STAGE[plan.schedule])(self.stages, **kwargs)
         modules = list(self.parts.values())
         self.model = modules[0] if len(modules) == 1 else StageUnion(modules)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

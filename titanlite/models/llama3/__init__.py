@@ -7,6 +7,19 @@ from titanlite.models.llama3.model import ModelArgs, Transformer
 from titanlite.models.llama3.parallelize import llama_units, parallelize_llama
 from titanlite.models.registry import ModelSpec
 
+
+def check_args(args: ModelArgs) -> str | None:
+    """Attention shapes the model cannot build: heads that do not divide the width or each other, and an
+    odd head dim (RoPE rotates pairs of channels)."""
+    if args.dim % args.n_heads:
+        return f"dim {args.dim} is not a multiple of n_heads {args.n_heads}"
+    if args.n_heads % args.kv_heads:
+        return f"n_heads {args.n_heads} is not a multiple of n_kv_heads {args.kv_heads}"
+    if args.head_dim % 2:
+        return f"head dim {args.head_dim} (dim / n_heads) must be even for RoPE"
+    return None
+
+
 SPEC = ModelSpec(
     name="llama3",
     model_cls=Transformer,
@@ -16,6 +29,7 @@ SPEC = ModelSpec(
     tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
     hf_adapter=LlamaHFAdapter(),
     activation_bytes=activation_bytes,
+    check_args=check_args,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]
