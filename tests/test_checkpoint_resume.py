@@ -7,13 +7,13 @@ The kill -9 tests use the test hook TITANLITE_TEST_KILL_AT (manager.py) and rest
 folder, as a relaunch would.
 
 Validation: every run holds out the corpus's last documents (the same training stream for all); the
-reference and the dp2 x tp2 runs evaluate on them every 2 steps, and so does the restart after the kill
+reference and the dp2 x tp2 run evaluate on them every 2 steps, and so does the restart after the kill
 between saves, while the killed runs do not. The restarts matching the reference bitwise show that
-validation changes nothing in training (data, RNG, weights); the exact resumes also match its
-validation losses bitwise.
+validation changes nothing in training (data, RNG, weights); the restart after the kill also matches
+its validation loss bitwise.
 
 Tolerances: resuming on the same layout (after a kill between saves, during an async save, or from a
-dp2 x tp2 checkpoint) must reproduce the uninterrupted losses of every resumed step bitwise. Resuming
+pp2 x dp2 checkpoint) must reproduce the uninterrupted losses of every resumed step bitwise. Resuming
 on another layout (other dp degree, tp, FSDP2, pipeline stages, one process) changes only the order of floating-point
 reductions, so losses must agree within a relative 1e-5 (observed: ~1e-7).
 """
@@ -121,22 +121,9 @@ def _assert_resumed(proc: RunResult, step: int) -> None:
 
 @pytest.fixture(scope="module")
 def dp2xtp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
-    """The reference's step-2 resumed on dp2 x tp2 (same dp, new tp), async saves after every step."""
+    """The reference's step-2 resumed on dp2 x tp2 (same dp, new tp), async saves."""
     run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("dp2xtp2"))
-    return run, train(run, "dp2xtp2", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async", *VALIDATION)
-
-
-def test_exact_resume_dp2_tp2(dp2xtp2_run, tmp_path):
-    """A dp2 x tp2 checkpoint (step 3, async) resumed on dp2 x tp2 reproduces step 4 bitwise."""
-    src, proc = dp2xtp2_run
-    assert_ok(proc)
-    run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "dp2xtp2", "--checkpoint.async_mode", "async", *VALIDATION)
-    assert_ok(proc)
-    _assert_resumed(proc, INTERVAL + 1)
-    assert "resharded" not in proc.stderr
-    assert losses(run) == after(src, INTERVAL + 1)
-    assert val_losses(run) == {STEPS: val_losses(src)[STEPS]}
+    return run, train(run, "dp2xtp2", "--checkpoint.async_mode", "async", *VALIDATION)
 
 
 def test_kill_between_saves_resumes_from_last_checkpoint(reference, tmp_path):
@@ -173,15 +160,11 @@ def _assert_close(got: dict[int, float], expected: dict[int, float], first: int)
         assert abs(loss - expected[step]) <= LOSS_REL * abs(expected[step]), (step, loss, expected[step])
 
 
-@pytest.fixture(scope="module")
-def fsdp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
-    """The reference's step-2 resumed on 4 ranks with FSDP2 (dp 2 -> 4), saving every step."""
-    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("fsdp2_dp4"))
-    return run, train(run, "dp4_fsdp2", "--checkpoint.interval", "1")
-
-
-def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, fsdp2_run):
-    run, proc = fsdp2_run
+def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, tmp_path):
+    """The reference's step-2 resumed on 4 ranks with FSDP2 (dp 2 -> 4): torch's FSDP2 through the CLI,
+    against SimpleFSDP."""
+    run = resume_from(reference, INTERVAL, tmp_path)
+    proc = train(run, "dp4_fsdp2")
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     assert "resharded from world 2, dp 2, tp 1" in proc.stderr
@@ -200,17 +183,6 @@ def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
     assert abs(got - expected) <= LOSS_REL * expected, (got, expected)
 
 
-def test_reshard_fsdp2_dp4_to_one_process(reference, fsdp2_run, tmp_path):
-    src, proc = fsdp2_run
-    assert_ok(proc)
-    run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "single")
-    assert_ok(proc)
-    _assert_resumed(proc, INTERVAL + 1)
-    assert "resharded from world 4, dp 4, tp 1" in proc.stderr
-    _assert_close(losses(run), losses(reference), INTERVAL + 2)
-
-
 @pytest.fixture(scope="module")
 def pp_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
     """The reference's step-2 resumed on pipeline 2 x dp_shard 2 (1F1B, 2 microbatches, 2 accumulation
@@ -226,8 +198,33 @@ def test_reshard_dp2_to_pp2_dp2(reference, pp_run):
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
 
 
+def test_exact_resume_pp2_dp2(pp_run, tmp_path):
+    """A pipeline checkpoint (step 3) resumed on the same pipeline layout reproduces step 4 bitwise."""
+    src, proc = pp_run
+    assert_ok(proc)
+    run = resume_from(src, INTERVAL + 1, tmp_path)
+    proc = train(run, "pp2xdp2")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL + 1)
+    assert "resharded" not in proc.stderr
+    assert losses(run) == after(src, INTERVAL + 1)
+
+
+def test_reshard_pp2_dp2_to_dp2(reference, pp_run, tmp_path):
+    """Both stages' parameters and optimizer state join on each rank of a pipeline-free dp 2 (pp 1)."""
+    src, proc = pp_run
+    assert_ok(proc)
+    run = resume_from(src, INTERVAL + 1, tmp_path)
+    proc = train(run, "dp2")
+    assert_ok(proc)
+    _assert_resumed(proc, INTERVAL + 1)
+    assert "resharded from world 4, dp 2, tp 1" in proc.stderr
+    _assert_close(losses(run), losses(reference), INTERVAL + 2)
+
+
 def test_reshard_pp2_dp2_to_one_process(reference, pp_run, tmp_path):
-    """Every stage's parameters, optimizer state and the loader state land on one process."""
+    """Every stage's parameters, optimizer state and the loader state land on one process (as an FSDP2
+    dp 4 checkpoint would: the same world-4-to-1 resharding)."""
     src, proc = pp_run
     assert_ok(proc)
     run = resume_from(src, INTERVAL + 1, tmp_path)
