@@ -268,3 +268,54 @@ def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(t
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _worker(sys.argv[1])
+
+
+# --- pipeline parallelism -----------------------------------------------------------------------------
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--comm.fake_world_size", "4"]
+
+
+def test_pipeline_ranks_split_the_parameters_of_the_same_plan_without_pp():
+    """pp2 x dp_shard2: the two pipeline ranks' shards are exactly the dp_shard2 plan's, split between them."""
+    pp = dry_run(cfg_of(*PP2))
+    flat = dry_run(cfg_of("--comm.fake_world_size", "2"))
+    first, last = (m.local_numel for m in pp.pipeline_ranks)
+    assert first and last and not set(first) & set(last)
+    assert first | last == flat.memory.local_numel
+    assert "tok_embeddings.weight" in first and "output.weight" in last
+    assert pp.fits and pp.peak_total == max(m.total for m in pp.pipeline_ranks)
+
+
+def test_pipeline_activations_follow_the_microbatches_in_flight():
+    """Stage by stage the activation model adds up to the whole model's (validated against measurements
+    above), and the schedules differ by what they keep in flight: rank 0 holds all 8 microbatches under
+    GPipe and p - rank = 2 under 1F1B."""
+    runs = {
+        s: dry_run(cfg_of(*PP2, "--parallelism.pipeline_parallel_schedule", s, *ACT_BATCH)) for s in ("GPipe", "1F1B")
+    }
+    plan, layout = runs["1F1B"].plan, runs["1F1B"].layout
+    sp = plan.pipeline
+    assert sp.microbatches == BATCH and sp.in_flight(0) == 2 and runs["GPipe"].plan.pipeline.in_flight(0) == BATCH
+    held = [activation_bytes(plan.model_args, layout.stage(sp.blocks(s), s == 1, microbatch=1))["held"] for s in (0, 1)]
+    whole = activation_bytes(plan.model_args, dataclasses.replace(layout, local_batch=1))["held"]
+    assert abs(sum(held) - whole) <= 1e-6 * whole
+    gpipe, one_f_one_b = (runs[s].pipeline_ranks[0].activations for s in ("GPipe", "1F1B"))
+    assert gpipe - one_f_one_b == (BATCH - 2) * held[0]
+
+
+@pytest.mark.parametrize(
+    "config,world,ranks,bubble",
+    [
+        ("llama3_70b_pp", "pp 4 x dp_shard 2 x tp 8", 4, "8.6%"),
+        ("llama3_405b_pp", "pp 8 x dp_shard 8 x tp 8", 8, "17.9%"),
+    ],
+)
+def test_pipeline_configs_plan_every_pipeline_rank_and_fit(capsys, config, world, ranks, bubble):
+    assert main(["--config", str(ROOT / f"train_configs/{config}.toml")]) == 0
+    out = capsys.readouterr().out
+    assert world in out and f"bubble {bubble}" in out
+    table = out[out.index("pipeline rank  stages") :].splitlines()[1:-1]
+    assert [int(row.split()[0]) for row in table] == list(range(ranks))
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("fits:") and "on pipeline rank" in last
+    assert float(last.split("(")[-1].rstrip("%)")) < 60  # with margin on 80 GiB

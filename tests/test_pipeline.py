@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from harness import tiny_args
-from titanlite.config import JobConfig, Parallelism
+from titanlite.config import Parallelism
 from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import StagePlan, StageUnion, balanced_starts, keep_stage
-from titanlite.tools.dry_run import build_run_plan
 
 
 def plan(n_blocks: int = 6, local_batch: int = 8, **p) -> StagePlan:
@@ -86,11 +85,3 @@ def test_mesh_layout_puts_pp_outermost():
     assert dims.dim_names == ("dp_shard", "tp")
     assert [dims.pp_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.dp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-
-
-def test_dry_run_says_it_does_not_plan_pipelines():
-    """No memory plan rather than a wrong one (the whole model counted on every stage)."""
-    cfg = JobConfig()
-    cfg.parallelism.pipeline_parallel_degree = 2
-    with pytest.raises(ConfigError, match="does not plan pipeline parallelism"):
-        build_run_plan(cfg, 4)

@@ -18,6 +18,7 @@ Activations are the model family's own estimate (`ModelSpec.activation_bytes`; L
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -49,7 +50,12 @@ class Layout:
     ac_mode: str
     ac_option: str
     local_batch: int
+    """Samples per microbatch: the local batch, or the pipeline microbatch size under PP."""
     seq_len: int
+    blocks: tuple[int, ...] | None = None
+    """The blocks a pipeline stage holds (None: every block)."""
+    output: bool = True
+    """Whether the stage computes the output and the loss (the last pipeline stage, or no PP)."""
 
     @classmethod
     def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Layout:
@@ -70,6 +76,10 @@ class Layout:
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
         )
+
+    def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
+        """The layout of one pipeline stage, one microbatch at a time."""
+        return dataclasses.replace(self, blocks=tuple(blocks), output=output, local_batch=microbatch)
 
     def block_ac(self, layer: int) -> BlockAC:
         """`none`, `full` or `op` for one block, as activation_checkpoint.apply_ac wraps it."""
@@ -165,6 +175,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     held, in_flight, reduce = _collective_buffers(model, units, layout)
     acts = dict(activations)
     peak = acts.pop("peak")
+    acts.pop("held", None)
     return MemoryEstimate(
         local_numel=local,
         params=param_bytes,
@@ -175,4 +186,36 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
         reduce_buffer=reduce,
         activations=peak,
         activation_parts=acts,
+    )
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage of a rank: its estimate (one microbatch's activations) and what one microbatch
+    leaves saved for backward (`held`), which the schedule multiplies by the microbatches in flight."""
+
+    stage: int
+    blocks: range
+    estimate: MemoryEstimate
+    held: int
+
+
+def pipeline_estimate(stages: list[StageMemory], in_flight: int) -> MemoryEstimate:
+    """A pipeline rank's memory: its stages' model state and kept gathers add up; one gather and one
+    reduce-scatter are in flight at a time (the largest); each stage holds the activations of `in_flight`
+    microbatches waiting for backward, while one microbatch runs the largest backward peak above what it
+    had saved."""
+    es = [s.estimate for s in stages]
+    parts = {f"stage {s.stage} saved x {in_flight} microbatches": in_flight * s.held for s in stages}
+    parts["one microbatch's backward peak"] = max(s.estimate.activations - s.held for s in stages)
+    return MemoryEstimate(
+        local_numel={k: v for e in es for k, v in e.local_numel.items()},
+        params=sum(e.params for e in es),
+        grads=sum(e.grads for e in es),
+        optimizer=sum(e.optimizer for e in es),
+        gather_held=sum(e.gather_held for e in es),
+        gather_in_flight=max(e.gather_in_flight for e in es),
+        reduce_buffer=max(e.reduce_buffer for e in es),
+        activations=sum(parts.values()),
+        activation_parts=parts,
     )

@@ -48,7 +48,8 @@ class ModelSpec:
     hf_adapter: Any = None
     """Hugging Face names and conversions (`checkpoint/hf.py`); None: no HF import/export."""
     activation_bytes: Callable[..., dict[str, int]] | None = None
-    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes}`; None: no dry run."""
+    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes, "held": bytes}`
+    ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
     check_args: Callable[[Any], str | None] = field(default=lambda args: None)
     """Why a shape (flavor + `model.*` overrides) cannot be built, or None: checked before any rank starts."""
 

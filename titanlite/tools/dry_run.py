@@ -12,6 +12,11 @@ reports per GPU what
 activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. Nothing of model
 size is ever allocated: 405B on 512 ranks plans in seconds.
 
+With pipeline parallelism every pipeline rank is planned (one rank of each, as its own fake rank): its
+stages' model state, and activations of the microbatches the schedule keeps in flight on it; the report
+details the rank of `comm.fake_rank`, lists every pipeline rank, and fits only if all of them fit. It
+also prints the schedule's bubble fraction.
+
 The config is checked exactly as a launch checks it (RunPlan: flavor, mesh degrees, batch). Only the
 tokenizer file may be absent: planning needs just its vocabulary size, so the flavor's published
 vocabulary is assumed and the report says so.
@@ -47,10 +52,11 @@ from titanlite.build import RunPlan, build_model, model_args
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, run_cli
-from titanlite.memory_plan import GiB, Layout, MemoryEstimate, estimate
+from titanlite.memory_plan import GiB, Layout, MemoryEstimate, StageMemory, estimate, pipeline_estimate
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile import REPORT_NAME
+from titanlite.parallelisms.pipeline import StageUnion
 from titanlite.step import cross_entropy_loss
 
 # Above this share of the GPU the CUDA context, NCCL buffers and allocator fragmentation may not fit.
@@ -68,14 +74,21 @@ class DryRun:
     layout: Layout
     memory: MemoryEstimate
     notes: list[str]
+    pipeline_ranks: list[MemoryEstimate] = dataclasses.field(default_factory=list)
+    """Under PP, the estimate of every pipeline rank (index = pipeline rank); empty without PP."""
 
     @property
     def capacity(self) -> int:
         return int(self.cfg.comm.fake_gpu_memory_gib * GiB)
 
     @property
+    def peak_total(self) -> int:
+        """The largest total over the ranks planned (every pipeline rank under PP)."""
+        return max(m.total for m in self.pipeline_ranks or [self.memory])
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total <= self.capacity
+        return self.peak_total <= self.capacity
 
 
 def world_size_of(cfg: JobConfig) -> int:
@@ -84,8 +97,6 @@ def world_size_of(cfg: JobConfig) -> int:
 
 def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]:
     """RunPlan.build, except that a missing tokenizer file only costs the exact vocabulary size."""
-    if cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError("the dry run does not plan pipeline parallelism (parallelism.pipeline_parallel_degree > 1)")
     path = cfg.model.tokenizer_path
     if not path or Path(path).is_file():
         return RunPlan.build(cfg, world_size), []
@@ -117,12 +128,44 @@ def dry_run(cfg: JobConfig) -> DryRun:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
     if plan.spec.activation_bytes is None:
         raise ConfigError(f"model {plan.spec.name!r} has no activation model: the dry run cannot plan it")
-    with fake_process_group(rank, world_size):
-        model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
-        memory = estimate(model, plan.spec.units(model), plan.spec.activation_bytes(plan.model_args, layout), layout)
+    pipeline_ranks: list[MemoryEstimate] = []
+    if plan.pipeline is None:
+        with fake_process_group(rank, world_size):
+            model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
+            acts = plan.spec.activation_bytes(plan.model_args, layout)
+            memory = estimate(model, plan.spec.units(model), acts, layout)
+    else:
+        pp_rank, per_pp = plan.dims.pp_rank_of(rank), world_size // plan.pipeline.degree
+        for r in range(plan.pipeline.degree):
+            # Each pipeline rank is built as one of its own ranks (same dp/tp coordinates as `rank`).
+            r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
+            r_model, r_memory = plan_pipeline_rank(r_plan, layout, rank % per_pp + r * per_pp, world_size)
+            pipeline_ranks.append(r_memory)
+            if r == pp_rank:
+                model, memory = r_model, r_memory
     if layout.ac_mode == "selective" and layout.ac_option in OP_OPTIONS:
         notes.append(selective_op_note(plan, layout))
-    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes)
+    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes, pipeline_ranks)
+
+
+def plan_pipeline_rank(plan: RunPlan, layout: Layout, rank: int, world_size: int) -> tuple[nn.Module, MemoryEstimate]:
+    """The stages global `rank` runs, built on the meta device as `build.build_pipeline` builds them, and
+    its memory: each stage estimated for one microbatch, combined with the schedule's microbatches in
+    flight on this pipeline rank."""
+    sp = plan.pipeline
+    assert sp is not None and plan.spec.activation_bytes is not None
+    pp_rank = plan.dims.pp_rank_of(rank)
+    microbatch = plan.cfg.parallelism.pipeline_parallel_microbatch_size
+    parts, stages = {}, []
+    with fake_process_group(rank, world_size):
+        for s in sp.stages_of(pp_rank):
+            parts[s] = build_model(plan, torch.device("meta"), mesh_device_type="cpu", stage=s)
+            stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
+            acts = plan.spec.activation_bytes(plan.model_args, stage_layout)
+            one = estimate(parts[s], plan.spec.units(parts[s]), acts, stage_layout)
+            stages.append(StageMemory(s, sp.blocks(s), one, acts["held"]))
+    model = next(iter(parts.values())) if len(parts) == 1 else StageUnion(list(parts.values()))
+    return model, pipeline_estimate(stages, sp.in_flight(pp_rank))
 
 
 def selective_op_note(plan: RunPlan, layout: Layout) -> str:
@@ -179,7 +222,7 @@ def _dtype(d: torch.dtype) -> str:
 def format_report(r: DryRun) -> str:
     cfg, plan, lay, m = r.cfg, r.plan, r.layout, r.memory
     dims, t = plan.dims, cfg.training
-    degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.dim_names) or "single rank"
+    degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.mesh_dim_names) or "single rank"
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
     compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
@@ -187,7 +230,7 @@ def format_report(r: DryRun) -> str:
     root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
     held = {
         "never": "all but the embedding" if lay.dp_impl != "fsdp2" else "all",
-        "default": f"last block + {root}",
+        "default": f"each stage's last block (+ {root} on the last)" if plan.pipeline else f"last block + {root}",
         "always": "none",
     }
     rows = [
@@ -223,25 +266,51 @@ def format_report(r: DryRun) -> str:
         f"{per_gpu:,} tokens/GPU/step; "
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
         *(f"  note: {n}" for n in r.notes),
+    ]
+    sp = plan.pipeline
+    if sp is not None:
+        pp_rank = plan.dims.pp_rank_of(r.rank)
+        lines.append(
+            f"  {sp.describe()}; microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}, "
+            f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
+        )
+    who = f" (pipeline rank {plan.dims.pp_rank_of(r.rank)})" if sp is not None else ""
+    lines += [
         "",
-        f"  {'memory per GPU':<34}{'GiB':>8}",
+        f"  {'memory per GPU' + who:<34}{'GiB':>8}",
         *(f"  {label:<34}{_gib(v)}  {detail}".rstrip() for label, v, detail in rows),
     ]
     share = m.total / r.capacity
     lines.append(f"  {'total':<34}{_gib(m.total)}  of {cfg.comm.fake_gpu_memory_gib:g} GiB ({share:.0%})")
+    if sp is not None:
+        header = f"{'pipeline rank':<15}{'stages':<12}{'blocks':>7}{'model state':>13}{'activations':>13}{'total':>9}"
+        lines += ["", "  " + header]
+        for i, pm in enumerate(r.pipeline_ranks):
+            stages = sp.stages_of(i)
+            blocks = sum(len(sp.blocks(s)) for s in stages)
+            state = pm.params + pm.grads + pm.optimizer
+            lines.append(
+                f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}{_gib(pm.activations):>13}"
+                f"{_gib(pm.total):>9}"
+            )
+    peak = max(r.pipeline_ranks or [m], key=lambda e: e.total)
+    where = f" on pipeline rank {r.pipeline_ranks.index(peak)}" if r.pipeline_ranks else ""
+    share = peak.total / r.capacity
     if not r.fits:
         lines.append(
-            f"does not fit: {m.total / GiB:.1f} GiB per GPU > {cfg.comm.fake_gpu_memory_gib:g} GiB "
-            f"(params {m.params / GiB:.1f} + grads {m.grads / GiB:.1f} + optimizer {m.optimizer / GiB:.1f} "
-            f"+ buffers {m.collective_buffers / GiB:.1f} + activations {m.activations / GiB:.1f})"
+            f"does not fit: {peak.total / GiB:.1f} GiB per GPU{where} > {cfg.comm.fake_gpu_memory_gib:g} GiB "
+            f"(params {peak.params / GiB:.1f} + grads {peak.grads / GiB:.1f} + optimizer {peak.optimizer / GiB:.1f} "
+            f"+ buffers {peak.collective_buffers / GiB:.1f} + activations {peak.activations / GiB:.1f})"
         )
     elif share > TIGHT_FRACTION:
         lines.append(
-            f"fits, tight: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%}); "
-            "the CUDA context, NCCL buffers and fragmentation need some of the rest"
+            f"fits, tight: {peak.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU{where} "
+            f"({share:.0%}); the CUDA context, NCCL buffers and fragmentation need some of the rest"
         )
     else:
-        lines.append(f"fits: {m.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU ({share:.0%})")
+        lines.append(
+            f"fits: {peak.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU{where} ({share:.0%})"
+        )
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ from titanlite.models.llama3.model import ModelArgs
 
 
 def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
-    """Peak activation bytes of one microbatch and its parts (module docstring)."""
+    """Peak activation bytes of one microbatch and its parts (module docstring), and what it holds from
+    its forward to its backward ("held"); `layout.blocks` and `layout.output` restrict both to a stage."""
     d, h, kv, hd, f = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim
     t = layout.tp
     e = layout.compute_dtype.itemsize
@@ -41,24 +42,30 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     # Gradients of one block's activations while it runs backward.
     block_grads = (2 * f + d) * e / t + (d * e if t > 1 else 0)
     vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
-    saved = [per_block[layout.block_ac(i)] for i in range(args.n_layers)]
-    final_norm = norm
-    logits = vocab * e
+    blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
+    saved = [per_block[layout.block_ac(i)] for i in blocks]  # AC every k-th block counts global indices
+    # The last pipeline stage (or the whole model) also holds the final norm, the logits and the loss.
+    final_norm = norm if layout.output else 0
+    logits = vocab * e if layout.output else 0
     # fp32 log-softmax output and two fp32 gradients; loss parallel's sharded log-softmax keeps one more.
-    loss = vocab * (16 if layout.loss_parallel else 12)
+    loss = vocab * (16 if layout.loss_parallel else 12) if layout.output else 0
     start_of_backward = sum(saved) + final_norm + logits + loss
     last_block_backward = sum(saved[:-1]) + per_block["none"] + block_grads + logits
-    parts = {
-        f"saved by {args.n_layers} blocks": sum(saved),
-        "final norm + output input": final_norm,
-        "logits + fp32 loss": logits + loss,
-    }
+    parts = {f"saved by {len(saved)} blocks": sum(saved)}
+    if layout.output:
+        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
     if last_block_backward > start_of_backward:
         parts = {
-            f"saved by {args.n_layers - 1} blocks": sum(saved[:-1]),
+            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
             "last block in backward (recomputed + grads)": per_block["none"] + block_grads,
-            "logits": logits,
         }
+        if layout.output:
+            parts["logits"] = logits
     out = {name: round(v * tokens) for name, v in parts.items()}
     out["peak"] = round(max(start_of_backward, last_block_backward) * tokens)
+    # What a microbatch keeps until its backward while a pipeline schedule runs others (PP's in flight):
+    # the blocks' saved tensors and, on the last stage, the logits and the fp32 log-softmax (two under
+    # loss parallel); the loss gradients exist only during its backward.
+    held_loss = vocab * (8 if layout.loss_parallel else 4) if layout.output else 0
+    out["held"] = round((sum(saved) + final_norm + logits + held_loss) * tokens)
     return out
