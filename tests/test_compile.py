@@ -3,10 +3,10 @@
 Structure (one process, torch's fake process group, aot_eager): the report's per-step collective counts
 for a 3-block model under each bucketing mode and scope. Parity (torchrun, gloo): compiled runs under
 every bucketing mode, both backends, 1D and dp x tp and every AC mode match one process within the
-parity harness's tolerances (loss 1e-5 relative over 5 steps, gradients 1e-6, parameters 1e-4 after one
+parity harness's tolerances (loss 1e-5 relative over 4 steps, gradients 1e-6, parameters 1e-4 after one
 AdamW step; bucketing only concatenates buffers, so it is exact, and inductor's fused fp32 kernels stay
 within the same bounds). bf16 parameters with fp32 reduction, under each bucketing mode, match eager
-SimpleFSDP in bf16 within 1e-3 relative loss over the 5 steps.
+SimpleFSDP in bf16 within 1e-3 relative loss over the 4 steps.
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ def test_nan_stops_with_last_good_checkpoint(tmp_path):
         "--checkpoint.enable",
         "--checkpoint.interval",
         "2",
+        nproc=1,
         TITANLITE_FAULT_NAN_AT="5",
     )
     assert proc.returncode != 0

@@ -25,10 +25,10 @@ PARITY_STEPS = ["--training.steps", "6", "--training.global_batch_size", "8"]
 
 LAYOUTS = {
     "dp2xtp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-                "--training.local_batch_size", "2"],
 }  # fmt: skip
-"""FSDP2 through the CLI is compared with a SimpleFSDP run in tests/test_checkpoint_resume.py (its dp4 resume)."""
+"""Other layouts run through the trainer's step in tests/test_parallel_parity.py; through the CLI, FSDP2
+is compared with a SimpleFSDP run in tests/test_checkpoint_resume.py (its dp4 resume), as are pipeline
+stages (its pp2 x dp2 runs)."""
 
 
 @pytest.fixture(scope="module")
