@@ -14,6 +14,8 @@ bucketed and compiled ones hold one.
 
 Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
 `models/llama3/memory.py`). The total adds every part as if all peaked together, which is conservative.
+Under pipeline parallelism (`pipeline_estimate`) each stage is estimated for one microbatch, and the
+rank's activations scale what a microbatch saves by the microbatches its schedule keeps in flight.
 """
 
 from __future__ import annotations
@@ -195,7 +197,6 @@ class StageMemory:
     leaves saved for backward (`held`), which the schedule multiplies by the microbatches in flight."""
 
     stage: int
-    blocks: range
     estimate: MemoryEstimate
     held: int
 

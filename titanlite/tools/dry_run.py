@@ -82,9 +82,13 @@ class DryRun:
         return int(self.cfg.comm.fake_gpu_memory_gib * GiB)
 
     @property
+    def peak(self) -> MemoryEstimate:
+        """The estimate with the largest total over the ranks planned (every pipeline rank under PP)."""
+        return max(self.pipeline_ranks or [self.memory], key=lambda e: e.total)
+
+    @property
     def peak_total(self) -> int:
-        """The largest total over the ranks planned (every pipeline rank under PP)."""
-        return max(m.total for m in self.pipeline_ranks or [self.memory])
+        return self.peak.total
 
     @property
     def fits(self) -> bool:
@@ -163,7 +167,7 @@ def plan_pipeline_rank(plan: RunPlan, layout: Layout, rank: int, world_size: int
             stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
             acts = plan.spec.activation_bytes(plan.model_args, stage_layout)
             one = estimate(parts[s], plan.spec.units(parts[s]), acts, stage_layout)
-            stages.append(StageMemory(s, sp.blocks(s), one, acts["held"]))
+            stages.append(StageMemory(s, one, acts["held"]))
     model = next(iter(parts.values())) if len(parts) == 1 else StageUnion(list(parts.values()))
     return model, pipeline_estimate(stages, sp.in_flight(pp_rank))
 
@@ -267,14 +271,14 @@ def format_report(r: DryRun) -> str:
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
         *(f"  note: {n}" for n in r.notes),
     ]
-    sp = plan.pipeline
+    sp, who = plan.pipeline, ""
     if sp is not None:
         pp_rank = plan.dims.pp_rank_of(r.rank)
         lines.append(
             f"  {sp.describe()}; microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}, "
             f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
         )
-    who = f" (pipeline rank {plan.dims.pp_rank_of(r.rank)})" if sp is not None else ""
+        who = f" (pipeline rank {pp_rank})"
     lines += [
         "",
         f"  {'memory per GPU' + who:<34}{'GiB':>8}",
@@ -293,7 +297,7 @@ def format_report(r: DryRun) -> str:
                 f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}{_gib(pm.activations):>13}"
                 f"{_gib(pm.total):>9}"
             )
-    peak = max(r.pipeline_ranks or [m], key=lambda e: e.total)
+    peak = r.peak
     where = f" on pipeline rank {r.pipeline_ranks.index(peak)}" if r.pipeline_ranks else ""
     share = peak.total / r.capacity
     if not r.fits:
