@@ -137,6 +137,7 @@ def test_train_timeout_reaches_every_mesh_group(records, nproc, cases):
     assert any(s != 100.0 for rec in recs for n, s in rec["timeouts"]["before"].items() if n != "world")
 
 
+@pytest.mark.slow
 def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
     """The compiled dp x tp case's parity above is that of bucketed graphs: fewer gathers and reductions."""
     case = {
