@@ -1,6 +1,6 @@
 """Data-parallel variants side by side: throughput, peak memory, collectives per step and MFU, one launch.
 
-    python benchmarks/bench_suite.py [--rounds 3] [--steps 4] [--warmup 3] [--nproc 2]
+    python benchmarks/bench_suite.py [--rounds 3] [--steps 4] [--warmup 3] [--nproc 2] [--accum 1]
         [--only FRAGMENT,...] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
 
 Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds every variant in that one
@@ -11,7 +11,9 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     replicate (SimpleFSDP's DDP mode), tp=2 (the dp x tp variant at 2 ranks: dp is 1), and pp=2 (two
     pipeline stages, 1F1B over microbatches of `parallelism.pipeline_parallel_microbatch_size`; dp is 1).
 
-Every variant processes the same global batch (local batch x 2 tokens per step; the tp variant's
+Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
+`--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
+every microbatch's backward run beside those reducing once per step, the default; the tp variant's
 single dp rank takes all of it in the trainer's microbatches: two local batches, accumulated; so does
 the pp variant's). Rank 0's figures: under pp that is the first stage (embedding and the first blocks). After
 `--warmup` steps per variant (compilation happens there), the variants run `--steps` steps each in
@@ -78,6 +80,19 @@ VARIANTS: dict[str, list[str]] = {
     "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
     "pp=2 (1F1B)": ["--parallelism.pipeline_parallel_degree", "2"],
 }
+PER_MICROBATCH = ["--parallelism.gradient_reduction", "per_microbatch"]
+ACCUM_VARIANTS: dict[str, list[str]] = {
+    "SimpleFSDP eager, reduce per microbatch": PER_MICROBATCH,
+    "SimpleFSDP compiled + bucketing, reduce per microbatch": [
+        *COMPILE,
+        "--compile.bucketing",
+        "transformer_block",
+        *PER_MICROBATCH,
+    ],
+    "FSDP2 eager, reduce per microbatch": ["--parallelism.dp_impl", "fsdp2", *PER_MICROBATCH],
+}
+"""With `--accum` > 1: the data-parallel variants reducing in every microbatch's backward, beside the
+default (`gradient_reduction = per_step`: once per step)."""
 BASELINE = "FSDP2 eager"
 KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
 
@@ -195,10 +210,10 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Several models in one process: each block of each compiled variant is its own Dynamo cache entry.
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
-    global_batch = base_cfg.training.local_batch_size * world
+    global_batch = base_cfg.training.local_batch_size * world * args.accum
     results: dict[str, Result] = {}
     variants: dict[str, Variant] = {}
-    for name, extra in VARIANTS.items():
+    for name, extra in (VARIANTS | (ACCUM_VARIANTS if args.accum > 1 else {})).items():
         if args.only and not any(key.lower() in name.lower() for key in args.only.split(",")):
             continue
         result = results[name] = Result(name, extra)
@@ -298,6 +313,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the launch (the variants assume 2)")
+    parser.add_argument(
+        "--accum", type=int, default=1, help="gradient accumulation: microbatches of the local batch per step"
+    )
     parser.add_argument("--only", default="", help="comma-separated name fragments of the variants to run")
     parser.add_argument("--out", default="outputs/bench/suite.json")
     parser.add_argument("--config", default=str(ROOT / DEFAULT_CONFIG))

@@ -106,6 +106,12 @@ CASES = [
     (None, [*PP2, "--parallelism.pipeline_parallel_split_points", "6"], 2, ["split_points [6]", "1..5"]),
     (None, ["--parallelism.pipeline_parallel_split_points", "3"], 2, ["pipeline_parallel_degree > 1"]),
     (None, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 4, ["seq_len 127", "2"]),
+    (
+        None,
+        [*PP2, "--parallelism.dp_impl", "fsdp2", "--parallelism.gradient_reduction", "per_microbatch"],
+        2,
+        ["gradient_reduction per_microbatch", "fsdp2", "once per schedule step"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.

@@ -265,6 +265,23 @@ def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(t
     assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1].startswith("does not fit:")
 
 
+def test_gradients_reduced_once_per_step_are_held_unsharded():
+    """4 accumulated microbatches reduced once per step hold every gradient unsharded in the reduce dtype
+    until the reduction; reduced per microbatch, or in a step of one backward, only one unit's."""
+    from titanlite.memory_plan import gathered_numel
+
+    world = ["--comm.fake_world_size", "2"]
+    accum = [*world, "--training.global_batch_size", "64"]  # local 8 x dp 2 x accum 4
+    once = dry_run(cfg_of(*accum))
+    each = dry_run(cfg_of(*accum, "--parallelism.gradient_reduction", "per_microbatch"))
+    single = dry_run(cfg_of(*world))
+    assert once.layout.unreduced_grads and not each.layout.unreduced_grads and not single.layout.unreduced_grads
+    unsharded = sum(gathered_numel(p) for p in once.model.parameters()) * 4
+    assert once.memory.reduce_buffer == unsharded
+    assert each.memory.reduce_buffer == single.memory.reduce_buffer < unsharded / 4
+    assert once.memory.total - each.memory.total == unsharded - each.memory.reduce_buffer
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _worker(sys.argv[1])
@@ -318,4 +335,5 @@ def test_pipeline_configs_plan_every_pipeline_rank_and_fit(capsys, config, world
     assert [int(row.split()[0]) for row in table] == list(range(ranks))
     last = out.strip().splitlines()[-1]
     assert last.startswith("fits:") and "on pipeline rank" in last
-    assert float(last.split("(")[-1].rstrip("%)")) < 60  # with margin on 80 GiB
+    # With margin on 80 GiB: the 405B stages hold their unreduced fp32 gradients over the step (23 GiB).
+    assert float(last.split("(")[-1].rstrip("%)")) < 70

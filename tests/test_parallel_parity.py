@@ -24,12 +24,20 @@ CASES_2 = [
     {"tp": 2, "ac": "selective"},
     {"shard": 2, "reshard": "never"},
     {"shard": 2, "reshard": "always"},
+    # Gradient accumulation: reduced once per step (the default), or in each microbatch's backward.
     {"shard": 2, "accum": 2},
+    {"shard": 2, "accum": 2, "reduction": "per_microbatch"},
+    {"rep": 2, "accum": 2},
+    {"shard": 2, "accum": 2, "dp_impl": "fsdp2"},
+    {"shard": 2, "accum": 2, "reshard": "always"},
+    {"shard": 2, "accum": 2, "ac": "full"},
     {"shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
     {"shard": 2, "param_dtype": "bfloat16"},
     {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
+    {"shard": 2, "accum": 2, "param_dtype": "bfloat16"},
+    {"shard": 2, "accum": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
     # Negative control: every rank trains on the same slice (different data from the reference).
     {"shard": 2, "corrupt": True},
     # Pipeline stages: 4 microbatches of 2; interleaved with 2 stages per rank on a 4-block model.
@@ -47,6 +55,8 @@ CASES_4 = [
     {"rep": 4},
     {"rep": 2, "shard": 2},
     {"shard": 2, "tp": 2},
+    {"shard": 2, "tp": 2, "accum": 2},
+    {"rep": 2, "shard": 2, "accum": 2},
     {"rep": 2, "shard": 1, "tp": 2},
     {"rep": 2, "shard": 2, "ac": "selective"},
     {"shard": 2, "tp": 2, "ac": "selective"},
@@ -102,6 +112,19 @@ def test_parity(records, nproc, case):
 
 
 @pytest.mark.slow
+def test_accumulated_simple_fsdp_cases_reduced_once_per_step(records):
+    """The accumulation cases' parity above is that of the once-per-step reduction (the default), and
+    per_microbatch really reduced in every backward; without accumulation nothing is held unreduced."""
+    recs = records(2, CASES_2)
+    unreduced = {cid: r["unreduced"] for cid, r in recs.items()}
+    assert unreduced[case_id({"shard": 2, "accum": 2})] and unreduced[case_id({"rep": 2, "accum": 2})]
+    assert not unreduced[case_id({"shard": 2, "accum": 2, "reduction": "per_microbatch"})]
+    assert not unreduced[case_id({"shard": 2})]
+    # A pipeline's microbatches are accumulated too (pp 2 x dp_shard 2: 4 microbatches per step).
+    assert records(4, CASES_4)[case_id({"pp": 2, "shard": 2})]["unreduced"]
+
+
+@pytest.mark.slow
 def test_parity_detects_a_wrong_layout(records):
     """The harness can fail: a run on different data (one rank slice for all) must exceed the tolerance."""
     rec = records(2, CASES_2)[case_id({"shard": 2, "corrupt": True})]
@@ -111,11 +134,13 @@ def test_parity_detects_a_wrong_layout(records):
 
 
 @pytest.mark.slow
-def test_bf16_simple_fsdp_matches_fsdp2(records):
-    """bf16 params / fp32 reduce: SimpleFSDP and FSDP2 agree with each other (both differ from fp32)."""
+@pytest.mark.parametrize("accum", [{}, {"accum": 2}], ids=["", "accum2"])
+def test_bf16_simple_fsdp_matches_fsdp2(records, accum):
+    """bf16 params / fp32 reduce: SimpleFSDP and FSDP2 agree with each other (both differ from fp32), also
+    when 2 microbatches' gradients accumulate unreduced (in fp32) and are reduced once."""
     recs = records(2, CASES_2)
-    simple = recs[case_id({"shard": 2, "param_dtype": "bfloat16"})]
-    fsdp2 = recs[case_id({"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"})]
+    simple = recs[case_id({"shard": 2, **accum, "param_dtype": "bfloat16"})]
+    fsdp2 = recs[case_id({"shard": 2, **accum, "param_dtype": "bfloat16", "dp_impl": "fsdp2"})]
     diffs = [abs(a - b) / abs(b) for a, b in zip(simple["losses"], fsdp2["losses"])]
     assert max(diffs) <= 1e-3, diffs
     # bf16 really was used: the losses differ from the fp32 reference by more than fp32 rounding.

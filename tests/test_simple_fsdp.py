@@ -109,3 +109,73 @@ def test_state_dict_apis_do_not_gather_under_sharded_view(fake_world):
     assert plain.counts["all_gather_into_tensor"] > 0  # what the view avoids
     assert sum(viewed.counts.values()) == 0
     assert all(isinstance(v, DTensor) for v in sd.values())
+
+
+# --- gradient accumulation: reductions per step -------------------------------------------------------
+
+
+class CountAllCollectives(CountCollectives):
+    """Also FSDP2's: it calls the process group's ops (`c10d`) rather than functional collectives."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and not func.__name__.startswith(("barrier", "monitored")):
+            self.counts[func.__name__.split(".")[0].strip("_")] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def accumulated_step(model: torch.nn.Module, per_step: bool, microbatches: int = 4) -> Counter:
+    """Collectives of the trainer's `forward_backward` over `microbatches` accumulated microbatches."""
+    from titanlite.step import cross_entropy_loss, forward_backward
+
+    batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (microbatches, 1, 9))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with CountAllCollectives() as c:
+        forward_backward(model, opt, batches, cross_entropy_loss, False, 0.0, torch.device("cpu"), per_step)
+    return c.counts
+
+
+def reductions(counts: Counter, kind: str) -> int:
+    """Functional (`reduce_scatter_tensor`, `all_reduce`) and process-group (`reduce_scatter_base`,
+    `allreduce`) reductions of one kind."""
+    return sum(n for name, n in counts.items() if name.replace("_", "").startswith(kind.replace("_", "")))
+
+
+@pytest.mark.parametrize("rep,shard", [(1, 2), (2, 1)], ids=["fully_shard", "replicate"])
+@pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["one_bucket", "bucket_per_parameter"])
+def test_accumulation_reduces_once_per_step(fake_world, monkeypatch, rep, shard, bucket_bytes):
+    """4 microbatches: per_microbatch reduces every gradient in every backward (4 per parameter); per_step
+    reduces once, in buckets (the tiny model's gradients fill one; with 1-byte buckets, one per
+    parameter); the forward's gathers are the same."""
+    from titanlite.parallelisms import simple_fsdp
+
+    if bucket_bytes is not None:
+        monkeypatch.setattr(simple_fsdp, "REDUCE_BUCKET_BYTES", bucket_bytes)
+    counts = {}
+    for per_step in (False, True):
+        model = build("never", mode_shard=shard, rep=rep)
+        counts[per_step] = accumulated_step(model, per_step)
+        n = len(list(model.parameters()))
+        assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters())
+        assert all(p.grad.to_local().shape == p.to_local().shape for p in model.parameters())
+    kind = "reduce_scatter" if shard == 2 else "all_reduce"
+    assert reductions(counts[False], kind) == 4 * n
+    assert reductions(counts[True], kind) == (n if bucket_bytes else 1)
+    gathers = reductions(counts[False], "all_gather")
+    assert reductions(counts[True], "all_gather") == gathers == 4 * n * (shard == 2)
+
+
+def test_fsdp2_accumulation_reduces_once_per_step(fake_world):
+    """FSDP2 (one reduce-scatter per block and one for the root): the same 4 -> 1 under per_step."""
+    counts = {}
+    for per_step in (False, True):
+        cfg = JobConfig()
+        cfg.training.mixed_precision_param = "float32"
+        cfg.training.seq_len = 8
+        cfg.parallelism.dp_impl = "fsdp2"
+        cfg.parallelism.fsdp_reshard_after_forward = "never"
+        cfg.parallelism.data_parallel_shard_degree = 2
+        model = build_model(RunPlan.build(cfg, 2, args=ARGS), torch.device("cpu"))
+        counts[per_step] = accumulated_step(model, per_step)
+    groups = ARGS.n_layers + 1
+    assert reductions(counts[False], "reduce_scatter") == 4 * groups
+    assert reductions(counts[True], "reduce_scatter") == groups

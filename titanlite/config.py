@@ -249,6 +249,9 @@ class Parallelism:
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default` (all blocks but the last), `always` or `never`."""
+    gradient_reduction: Literal["per_step", "per_microbatch"] = "per_step"
+    """With several backwards per step (gradient accumulation, pipeline microbatches): reduce each gradient
+    once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only)."""
     disable_loss_parallel: bool = False
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
     pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
@@ -632,6 +635,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "validation.enable is not supported with pipeline_parallel_degree > 1 yet (held-out batches would "
             "have to run through the pipeline schedule); turn one of them off"
+        )
+    if p.pipeline_parallel_degree > 1 and p.dp_impl == "fsdp2" and p.gradient_reduction == "per_microbatch":
+        raise ConfigError(
+            "parallelism.gradient_reduction per_microbatch is not available for fsdp2 with pipeline parallelism: "
+            "torch's pipeline stage reduces FSDP2 gradients once per schedule step (use per_step or simple_fsdp)"
         )
     if p.pipeline_parallel_degree == 1 and (
         p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1

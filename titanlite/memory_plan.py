@@ -9,7 +9,8 @@ alive until backward (`reshard_after_forward`: `never` = all, except SimpleFSDP'
 whose backward needs only the token ids; `default` = the last block and the root's norm and output, or
 FSDP2's whole root group; `always` = none) plus one gather unit in flight (a transformer block, or a
 root weight if larger; FSDP2 prefetches the next unit, so two), plus one unit's unsharded gradients in
-the reduce dtype before the reduce-scatter. Eager per-parameter gathers hold less than a block;
+the reduce dtype before the reduce-scatter (all of them, when gradients are reduced once per step over
+several backwards: `Layout.unreduced_grads`). Eager per-parameter gathers hold less than a block;
 bucketed and compiled ones hold one.
 
 Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
@@ -58,6 +59,9 @@ class Layout:
     """The blocks a pipeline stage holds (None: every block)."""
     output: bool = True
     """Whether the stage computes the output and the loss (the last pipeline stage, or no PP)."""
+    unreduced_grads: bool = False
+    """Gradients accumulate unsharded over the step's backwards, reduced once at its end
+    (`parallelism.gradient_reduction` per_step with gradient accumulation or pipeline microbatches)."""
 
     @classmethod
     def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Layout:
@@ -65,6 +69,9 @@ class Layout:
         pure tensor parallelism)."""
         p, t = cfg.parallelism, cfg.training
         dp = dims.dp_enabled
+        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+        if p.pipeline_parallel_degree > 1:
+            accum *= t.local_batch_size // p.pipeline_parallel_microbatch_size
         return cls(
             tp=dims.tp,
             dp_mode=dims.dp_mode if dp else None,
@@ -77,6 +84,7 @@ class Layout:
             ac_option=cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
+            unreduced_grads=dp and accum > 1 and p.gradient_reduction == "per_step",
         )
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
@@ -134,7 +142,7 @@ def gather_unit(fqn: str, units: Units, dp_impl: str) -> str:
 
 
 def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int]:
-    """(gathered weights held from forward to backward, gathers in flight, reduce-scatter input) in bytes."""
+    """(gathered weights held from forward to backward, gathers in flight, unreduced gradients) in bytes."""
     if layout.dp_mode is None:
         return 0, 0, 0
     gathered_bytes = layout.compute_dtype.itemsize
@@ -156,7 +164,10 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
         held = {u for u in kept if _under(u, prefixes)}
     free = sorted((n for u, n in units.items() if u not in held), reverse=True)
     in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
-    reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
+    if layout.unreduced_grads:  # every gradient, unsharded, until the step's one reduction
+        reduce_elems = sum(units.values())
+    else:
+        reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
     return (
         sum(units[u] for u in held) * gathered_bytes,
         in_flight * gathered_bytes,
@@ -201,9 +212,10 @@ class StageMemory:
     held: int
 
 
-def pipeline_estimate(stages: list[StageMemory], in_flight: int) -> MemoryEstimate:
+def pipeline_estimate(stages: list[StageMemory], in_flight: int, unreduced_grads: bool) -> MemoryEstimate:
     """A pipeline rank's memory: its stages' model state and kept gathers add up; one gather and one
-    reduce-scatter are in flight at a time (the largest); each stage holds the activations of `in_flight`
+    reduce-scatter are in flight at a time (the largest), unless the gradients stay unreduced until the
+    step's end (`Layout.unreduced_grads`: every stage's add up); each stage holds the activations of `in_flight`
     microbatches waiting for backward, while one microbatch runs the largest backward peak above what it
     had saved."""
     es = [s.estimate for s in stages]
@@ -216,7 +228,7 @@ def pipeline_estimate(stages: list[StageMemory], in_flight: int) -> MemoryEstima
         optimizer=sum(e.optimizer for e in es),
         gather_held=sum(e.gather_held for e in es),
         gather_in_flight=max(e.gather_in_flight for e in es),
-        reduce_buffer=max(e.reduce_buffer for e in es),
+        reduce_buffer=(sum if unreduced_grads else max)(e.reduce_buffer for e in es),
         activations=sum(parts.values()),
         activation_parts=parts,
     )

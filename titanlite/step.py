@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.optim import clip_grad_norm_
+from titanlite.parallelisms.gradient_reduction import reduce_once
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -36,20 +37,30 @@ def replicated(loss: torch.Tensor) -> torch.Tensor:
 
 
 def forward_backward(
-    model, optimizer, batches, loss_fn, use_loss_parallel: bool, max_norm: float, device: torch.device
+    model,
+    optimizer,
+    batches,
+    loss_fn,
+    use_loss_parallel: bool,
+    max_norm: float,
+    device: torch.device,
+    per_step_reduction: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the rank's batch, clipped; returns (local mean loss, global grad norm).
 
     The loss of each microbatch is divided by their count, so the accumulated gradient is that of the
     mean over the rank's whole batch; SimpleFSDP/FSDP2 then average it over the data-parallel ranks.
+    With `per_step_reduction` they reduce once, after the last microbatch (`gradient_reduction`).
     The optimizer step is separate so the caller can skip it (non-finite loss, preemption).
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for inputs, labels in batches:
-        with loss_context(use_loss_parallel):
-            loss = forward_loss(model, inputs, labels, loss_fn, device) / len(batches)
-            loss.backward()
-        total += replicated(loss).detach()
+    with reduce_once(model, per_step_reduction and len(batches) > 1) as before_backward:
+        for i, (inputs, labels) in enumerate(batches):
+            with loss_context(use_loss_parallel):
+                loss = forward_loss(model, inputs, labels, loss_fn, device) / len(batches)
+                before_backward(i == len(batches) - 1)
+                loss.backward()
+            total += replicated(loss).detach()
     grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
     return total, grad_norm

@@ -175,9 +175,10 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
+        per_step = self.cfg.parallelism.gradient_reduction == "per_step"
         if self.pipeline is not None:
             loss, grad_norm = self.pipeline.forward_backward(
-                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm
+                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm, per_step
             )
         else:
             loss, grad_norm = forward_backward(
@@ -188,6 +189,7 @@ class Trainer:
                 self.dims.loss_parallel,
                 self.cfg.training.max_norm,
                 self.device,
+                per_step,
             )
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted

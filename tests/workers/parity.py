@@ -93,6 +93,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     p.tensor_parallel_degree = case.get("tp", 1)
     p.dp_impl = case.get("dp_impl", "simple_fsdp")
     p.fsdp_reshard_after_forward = case.get("reshard", "default")
+    p.gradient_reduction = case.get("reduction", "per_step")
     p.pipeline_parallel_degree = case.get("pp", 1)
     p.pipeline_parallel_schedule = case.get("schedule", "1F1B")
     p.pipeline_parallel_microbatch_size = case.get("mb", 1)
@@ -130,8 +131,10 @@ def run(case: dict, dump: str, batches):
     before = group_timeouts(dims)
     apply_train_timeout(cfg, dims)
     timeouts = {"before": before, "after": group_timeouts(dims)}
+    # Gradients went through SimpleFSDP's once-per-step path: its gathers made gradient sinks.
+    unreduced = any(getattr(m, "sink", None) is not None for m in trainer.model.modules())
     trainer.close()
-    return losses, *first, timeouts
+    return losses, *first, timeouts, unreduced
 
 
 def case_args(case: dict):
@@ -163,7 +166,7 @@ def main() -> None:
         r_losses, r_grads, r_params = refs[args.n_layers]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         start = time.perf_counter()
-        losses, grads, params, timeouts = run(case, dump, batches)
+        losses, grads, params, timeouts, unreduced = run(case, dump, batches)
         seconds = time.perf_counter() - start
         (grad_abs, names), (param_abs, _) = max_diffs(grads, r_grads), max_diffs(params, r_params)
         every: list = [None] * dist.get_world_size()
@@ -173,6 +176,7 @@ def main() -> None:
             losses=losses,
             ref_losses=r_losses,
             timeouts=timeouts,
+            unreduced=unreduced,
             seconds=seconds,
             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
             grad_abs=max(g for g, _, _ in every),

@@ -27,6 +27,8 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_leaves
 
+from titanlite.parallelisms.simple_fsdp import is_unreduced
+
 logger = logging.getLogger("titanlite")
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
@@ -112,6 +114,10 @@ class CompileReport:
         self.units: list[Unit] = []
         self.compile_seconds = 0.0
         self.written = False
+        self.reduced_outside = False
+        """Traced inside `simple_fsdp.unreduced` (gradient_reduction per_step with several backwards per
+        step): the backward graphs hold no dp reductions; each gradient is reduced once per step after
+        them, one collective per parameter, which the counts here do not include."""
 
     def add_unit(self, name: str, recompute_forward: bool) -> Unit:
         unit = Unit(name, recompute_forward)
@@ -120,6 +126,7 @@ class CompileReport:
 
     def record(self, unit: Unit, phase: str, before: list[Collective], after: list[Collective]) -> None:
         unit.graphs[phase] = (before, after)
+        self.reduced_outside |= is_unreduced()
 
     def compiled(self, seconds: float) -> None:
         """Account one finished compile; once every unit has its forward and backward, log and write."""
@@ -171,6 +178,7 @@ class CompileReport:
             "units": sum(u.copies for u in self.units),
             "traces": len(self.units),
             "eager_params": self.eager_params,
+            "gradients_reduced_outside_graphs": self.reduced_outside,
             **self.counts(),
             "bucket_sizes_mb": self.bucket_sizes_mb(),
             "cost_model": self.cost_model,
@@ -187,6 +195,7 @@ class CompileReport:
             f"compile report ({self.settings.get('bucketing')} bucketing, "
             f"{sum(u.copies for u in self.units)} compiled units, {len(self.units)} traced): "
             f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s"
+            + ("; gradients reduced once per step after the backwards" if self.reduced_outside else "")
         )
 
     def write(self, path: str) -> None:

@@ -21,7 +21,9 @@ without PP); the first stage feeds the tokens and the last stage the labels, the
 The step runs the schedule once per gradient-accumulation batch. Each microbatch's loss is the mean
 cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
 mean over the rank's batch, as `step.forward_backward` computes it without PP (torch's own division of
-the gradients, `scale_grads`, is off). The last stage's loss is summed over the pipeline group so every
+the gradients, `scale_grads`, is off). With `parallelism.gradient_reduction = per_step` the gradients
+are reduced once per step, after every schedule step's backwards (`gradient_reduction`; for FSDP2,
+torch's stage reduces once per schedule step itself). The last stage's loss is summed over the pipeline group so every
 rank reports it, and the gradient norm for clipping sums every stage's squared norm over the pipeline
 group.
 """
@@ -42,6 +44,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titanlite.config import Parallelism
 from titanlite.errors import ConfigError
 from titanlite.optim import clip_grad_norm_
+from titanlite.parallelisms.gradient_reduction import reduce_once
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
@@ -256,20 +259,25 @@ class Pipeline:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         use_loss_parallel: bool,
         max_norm: float,
+        per_step_reduction: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
         replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`."""
         optimizer.zero_grad(set_to_none=True)
-        self._loss_fn, self._loss_scale = loss_fn, self.plan.microbatches * len(batches)
+        backwards = self.plan.microbatches * len(batches)
+        self._loss_fn, self._loss_scale = loss_fn, backwards
         total = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            losses: list[torch.Tensor] = []
-            args = (inputs.to(self.device),) if self.has_first else ()
-            target = labels.to(self.device) if self.has_last else None
-            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-                self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
-            for loss in losses:
-                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        with reduce_once(self.model, per_step_reduction and backwards > 1, pipelined=True):
+            for inputs, labels in batches:
+                losses: list[torch.Tensor] = []
+                args = (inputs.to(self.device),) if self.has_first else ()
+                target = labels.to(self.device) if self.has_last else None
+                with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+                    self.schedule.step(
+                        *args, target=target, losses=losses if self.has_last else None, return_outputs=False
+                    )
+                for loss in losses:
+                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dist.all_reduce(total, group=self.group)
         params = [p for module in self.parts.values() for p in module.parameters()]
         grad_norm = clip_grad_norm_(params, max_norm, group=self.group)

@@ -15,6 +15,10 @@ ever see shards: nothing is gathered on save. Under tensor parallelism the param
 
 Mixed precision casts to `param_dtype` before the all-gather and reduces gradients in `reduce_dtype`.
 
+Gradient accumulation: by default every backward reduces. Inside `unreduced(model)` the gathered
+weights' gradients accumulate unreduced in a per-parameter leaf instead, and leaving the context reduces
+each once: k microbatches cost one reduction per parameter instead of k.
+
 Reshard-after-forward (eager): gathered weights that autograd would save for backward are replaced by a
 recipe to gather them again (saved-tensor hooks), so only shards stay resident between forward and
 backward. Under torch.compile the same effect comes from tagging the gathers must-recompute in the graph.
@@ -23,11 +27,14 @@ backward. Under torch.compile the same effect comes from tagging the gathers mus
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -65,8 +72,11 @@ class ReplicateComputation(nn.Module):
         self.replicated = tuple(Replicate() for _ in self.dp_placements)
         self.grad_placements = tuple(Partial("avg") for _ in self.dp_placements)
         self.reshard_after_forward = False
+        self.sink: torch.Tensor | None = None
+        """Gradient accumulation leaf of `unreduced()` mode (zero strides: one element of storage)."""
 
-    def replicate_compute(self, x: DTensor) -> torch.Tensor:
+    def _gather_local(self, x: DTensor) -> torch.Tensor:
+        """The dp all-gather of `x` as a plain tensor (under TP: this tp rank's full shard)."""
         if self.tp_mesh is None:
             dp_x = x
         else:
@@ -79,22 +89,58 @@ class ReplicateComputation(nn.Module):
                 shape=self.tp_local_shape,
                 stride=_contiguous_stride(self.tp_local_shape),
             )
-        full = dp_x.redistribute(
+        return dp_x.redistribute(
             placements=self.replicated, forward_dtype=self.mp.param_dtype, backward_dtype=self.mp.reduce_dtype
         ).to_local(grad_placements=self.grad_placements)
+
+    def _as_tp(self, full: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is None:
             return full
         return DTensor.from_local(
             full, self.tp_mesh, self.tp_placements, run_check=False, shape=self.global_shape, stride=self.global_stride
         )
 
+    def replicate_compute(self, x: DTensor) -> torch.Tensor:
+        return self._as_tp(self._gather_local(x))
+
+    def gather_unreduced(self, x: DTensor) -> torch.Tensor:
+        """The same gather, whose gradient accumulates in `self.sink` instead of being reduced."""
+        assert self.sink is not None, "unreduced() sets up the sinks before the forward"
+        with torch.no_grad():
+            full = self._gather_local(x)
+        return self._as_tp(_RouteGradient.apply(full, self.sink))
+
+    def make_sink(self, x: DTensor) -> None:
+        """A leaf of the gathered (tp-local) shape in the reduce dtype: the unsharded gradient accumulates
+        in its `.grad`. Its zero strides keep the leaf itself at one element."""
+        shape = x.shape if self.tp_mesh is None else self.tp_local_shape
+        dtype = self.mp.reduce_dtype or x.dtype
+        sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=x.to_local().device)
+        self.sink = sink.zero_().requires_grad_()
+
     def forward(self, x: DTensor) -> torch.Tensor:
-        out = self.replicate_compute(x)
+        if _UNREDUCED and x.requires_grad and torch.is_grad_enabled():
+            out = self.gather_unreduced(x)
+        else:
+            out = self.replicate_compute(x)
         if self.reshard_after_forward and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             root = out._base if out._is_view() else out
             _GATHERED[id(root)] = root
             _RECIPES[id(root)] = (self, x, out.shape, out.stride())
         return out
+
+
+class _RouteGradient(torch.autograd.Function):
+    """Identity on a gathered weight whose gradient goes to `sink` (autograd casts it to the sink's dtype
+    and accumulates it there across backwards) rather than back through the gather's reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
 
 
 def dp_placements(mode: str) -> tuple[Placement, ...]:
@@ -128,6 +174,125 @@ def sharded_view():
         yield
     finally:
         _SHARDED_VIEW = previous
+
+
+_UNREDUCED = False
+
+
+def _parametrized(model: nn.Module) -> list[tuple[ReplicateComputation, DTensor]]:
+    """Every (gather, its sharded parameter) under `model` that takes gradients."""
+    out = []
+    for module in model.modules():
+        gathers = module._modules.get("_simple_fsdp")
+        for name, gather in gathers.items() if gathers is not None else ():
+            param = module._parameters[name]
+            if param is not None and param.requires_grad:
+                out.append((gather, param))
+    return out
+
+
+def is_unreduced() -> bool:
+    """Whether gathers now route gradients to their sinks (inside `unreduced`): graphs traced now hold
+    no gradient reductions."""
+    return _UNREDUCED
+
+
+@contextlib.contextmanager
+def unreduced(model: nn.Module):
+    """Backwards inside accumulate each parameter's gradient unreduced and unsharded; leaving reduces each
+    once into `param.grad`: one reduce-scatter (all-reduce for replicate) per bucket of gradients.
+
+    For gradient accumulation: k backwards in this mode cost one reduction per parameter instead of k, at
+    the price of holding the rank's gradients unsharded, in the reduce dtype, until the reduction. The
+    forward's all-gathers are unchanged. Leaving on an exception drops what accumulated.
+    """
+    global _UNREDUCED
+    pairs = _parametrized(model)
+    for gather, param in pairs:
+        if gather.sink is None:
+            gather.make_sink(param)
+    previous, _UNREDUCED = _UNREDUCED, True
+    try:
+        yield
+    except BaseException:
+        for gather, _ in pairs:
+            gather.sink.grad = None  # type: ignore[union-attr]
+        raise
+    finally:
+        _UNREDUCED = previous
+    _reduce_sinks(pairs)
+
+
+REDUCE_BUCKET_BYTES = 64 * 2**20
+"""Unreduced gradients are reduced in buckets of about this many bytes: one collective per bucket."""
+
+
+def _reduce_sinks(pairs: list[tuple[ReplicateComputation, DTensor]]) -> None:
+    """Reduce every sink's gradient into its parameter's `.grad`, in buckets of the same dp mesh, mode and
+    dtype; a bucket's unsharded gradients are freed once it is reduced."""
+    groups: dict[tuple, list[list[tuple[DTensor, torch.Tensor]]]] = {}
+    for gather, param in pairs:
+        assert gather.sink is not None
+        full, gather.sink.grad = gather.sink.grad, None
+        if full is None:
+            continue
+        group = groups.setdefault((gather.dp_mesh, gather.mode, full.dtype), [[]])
+        if group[-1] and sum(f.nbytes for _, f in group[-1]) + full.nbytes > REDUCE_BUCKET_BYTES:
+            group.append([])
+        group[-1].append((param, full))
+    for (mesh, mode, _), buckets in groups.items():
+        while buckets:
+            bucket = buckets.pop(0)
+            for param, local in zip([p for p, _ in bucket], _reduce_bucket(mesh, mode, bucket)):
+                grad = DTensor.from_local(
+                    local.to(param.dtype),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                param.grad = grad if param.grad is None else param.grad + grad
+
+
+def _reduce_bucket(mesh: DeviceMesh, mode: str, bucket: list[tuple[DTensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """One reduction for a bucket of (parameter, full gradient); each parameter's averaged local shard.
+    Empties `bucket`, so the full gradients die with the flat buffer.
+
+    Each gradient is padded along dim 0 to a multiple of the shard group's size and viewed as (ranks,
+    rows); the bucket is those views side by side, so a reduce-scatter of its dim 0 gives every rank its
+    dim-0 chunk of each gradient, the chunks DTensor's `Shard(0)` assigns (chunk size ceil(n / ranks),
+    trimmed to the parameter's local rows). hybrid_shard then all-reduces over the replicas; replicate
+    only all-reduces. Gradients are divided by the dp size first (an average, as `Partial("avg")`).
+    """
+    shapes = [full.shape for _, full in bucket]
+    local_rows = [param.to_local().shape[0] for param, _ in bucket]
+    if mode == "replicate":
+        flat = torch.cat([full.reshape(-1) for _, full in bucket]).div_(mesh.size())
+        bucket.clear()
+        dist.all_reduce(flat, group=mesh.get_group())
+        return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+    shard_dim = mesh.ndim - 1  # (replicate, shard) for hybrid_shard
+    ranks = mesh.size(shard_dim)
+    chunks = [-(-shape[0] // ranks) for shape in shapes]
+    flat = torch.cat(
+        [
+            F.pad(full.reshape(shape[0], -1), (0, 0, 0, chunk * ranks - shape[0])).view(ranks, -1)
+            for (_, full), shape, chunk in zip(bucket, shapes, chunks)
+        ],
+        dim=1,
+    ).div_(mesh.size())
+    bucket.clear()
+    out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_single(out, flat.view(-1), group=mesh.get_group(shard_dim))
+    del flat
+    if mode == "hybrid_shard":
+        dist.all_reduce(out, group=mesh.get_group(0))
+    widths = [chunk * math.prod(shape[1:]) for shape, chunk in zip(shapes, chunks)]
+    return [
+        piece.view(chunk, *shape[1:])[:rows]
+        for piece, shape, chunk, rows in zip(out.split(widths), shapes, chunks, local_rows)
+    ]
 
 
 def _register_parametrization(module: nn.Module, parametrizations: dict[str, ReplicateComputation]) -> None:

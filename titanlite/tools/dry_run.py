@@ -13,7 +13,8 @@ activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per 
 size is ever allocated: 405B on 512 ranks plans in seconds.
 
 With pipeline parallelism every pipeline rank is planned (one rank of each, as its own fake rank): its
-stages' model state, and activations of the microbatches the schedule keeps in flight on it; the report
+stages' model state, collective buffers (all its unreduced gradients when they are reduced once per
+step), and activations of the microbatches the schedule keeps in flight on it; the report
 details the rank of `comm.fake_rank`, lists every pipeline rank, and fits only if all of them fit. It
 also prints the schedule's bubble fraction.
 
@@ -169,7 +170,7 @@ def plan_pipeline_rank(plan: RunPlan, layout: Layout, rank: int, world_size: int
             one = estimate(parts[s], plan.spec.units(parts[s]), acts, stage_layout)
             stages.append(StageMemory(s, one, acts["held"]))
     model = next(iter(parts.values())) if len(parts) == 1 else StageUnion(list(parts.values()))
-    return model, pipeline_estimate(stages, sp.in_flight(pp_rank))
+    return model, pipeline_estimate(stages, sp.in_flight(pp_rank), layout.unreduced_grads)
 
 
 def selective_op_note(plan: RunPlan, layout: Layout) -> str:
@@ -254,7 +255,12 @@ def format_report(r: DryRun) -> str:
                 m.gather_in_flight,
                 "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)",
             ),
-            ("reduce-scatter input", m.reduce_buffer, f"largest unit, {_dtype(lay.reduce_dtype)}"),
+            (
+                "unreduced gradients" if lay.unreduced_grads else "reduce-scatter input",
+                m.reduce_buffer,
+                ("all, reduced once per step" if lay.unreduced_grads else "largest unit")
+                + f", {_dtype(lay.reduce_dtype)}",
+            ),
         ]
     rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
     rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
@@ -287,15 +293,18 @@ def format_report(r: DryRun) -> str:
     share = m.total / r.capacity
     lines.append(f"  {'total':<34}{_gib(m.total)}  of {cfg.comm.fake_gpu_memory_gib:g} GiB ({share:.0%})")
     if sp is not None:
-        header = f"{'pipeline rank':<15}{'stages':<12}{'blocks':>7}{'model state':>13}{'activations':>13}{'total':>9}"
+        header = (
+            f"{'pipeline rank':<15}{'stages':<12}{'blocks':>7}{'model state':>13}{'buffers':>9}{'activations':>13}"
+            f"{'total':>9}"
+        )
         lines += ["", "  " + header]
         for i, pm in enumerate(r.pipeline_ranks):
             stages = sp.stages_of(i)
             blocks = sum(len(sp.blocks(s)) for s in stages)
             state = pm.params + pm.grads + pm.optimizer
             lines.append(
-                f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}{_gib(pm.activations):>13}"
-                f"{_gib(pm.total):>9}"
+                f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}"
+                f"{_gib(pm.collective_buffers):>9}{_gib(pm.activations):>13}{_gib(pm.total):>9}"
             )
     peak = r.peak
     where = f" on pipeline rank {r.pipeline_ranks.index(peak)}" if r.pipeline_ranks else ""
