@@ -147,6 +147,10 @@ class Trainer:
             if self.dims.dp_enabled
             else "float32 (no data-parallel plan)"
         )
+        backwards = self.grad_accum * (self.pipeline.plan.microbatches if self.pipeline is not None else 1)
+        if self.dims.dp_enabled and backwards > 1:
+            when = "once per step" if self.cfg.parallelism.gradient_reduction == "per_step" else "in every backward"
+            precision += f"; gradients reduced {when} ({backwards} backwards)"
         return f"AC {ac_text}; {compiled}; {precision}"
 
     # --- set-up helpers ---------------------------------------------------------------------------------
