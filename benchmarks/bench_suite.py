@@ -92,7 +92,7 @@ ACCUM_VARIANTS: dict[str, list[str]] = {
     "FSDP2 eager, reduce per microbatch": ["--parallelism.dp_impl", "fsdp2", *PER_MICROBATCH],
 }
 """With `--accum` > 1: the data-parallel variants reducing in every microbatch's backward, beside the
-default (`gradient_reduction = per_step`: once per step)."""
+default (`gradient_reduction = auto`: once per step)."""
 BASELINE = "FSDP2 eager"
 KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
 

@@ -112,6 +112,18 @@ CASES = [
         2,
         ["gradient_reduction per_microbatch", "fsdp2", "once per schedule step"],
     ),
+    (
+        None,
+        [
+            *PP2,
+            "--parallelism.pipeline_parallel_schedule",
+            "InterleavedZeroBubble",
+            "--parallelism.gradient_reduction",
+            "per_step",
+        ],
+        2,
+        ["gradient_reduction per_step", "InterleavedZeroBubble", "use auto or per_microbatch"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.

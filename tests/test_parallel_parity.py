@@ -63,6 +63,8 @@ CASES_4 = [
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
     {"pp": 2, "shard": 2},
+    # Zero bubble differentiates the parameters in its weight backward: SimpleFSDP reduces per microbatch.
+    {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "tp": 2, "mb": 2},
     {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
     COMPILED_DP_X_TP,
@@ -121,7 +123,10 @@ def test_accumulated_simple_fsdp_cases_reduced_once_per_step(records):
     assert not unreduced[case_id({"shard": 2, "accum": 2, "reduction": "per_microbatch"})]
     assert not unreduced[case_id({"shard": 2})]
     # A pipeline's microbatches are accumulated too (pp 2 x dp_shard 2: 4 microbatches per step).
-    assert records(4, CASES_4)[case_id({"pp": 2, "shard": 2})]["unreduced"]
+    recs4 = records(4, CASES_4)
+    assert recs4[case_id({"pp": 2, "shard": 2})]["unreduced"]
+    zero_bubble = {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4}
+    assert not recs4[case_id(zero_bubble)]["unreduced"]
 
 
 @pytest.mark.slow

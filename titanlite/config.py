@@ -233,6 +233,10 @@ class Validation:
     """Sequences per batch and data-parallel rank (of `training.seq_len` tokens)."""
 
 
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble",)
+"""Pipeline schedules that run each backward as an input half and a weight half (zero bubble)."""
+
+
 @dataclass
 class Parallelism:
     """How the world of ranks is split: data parallel (FSDP, HSDP) and tensor parallel."""
@@ -249,9 +253,11 @@ class Parallelism:
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default` (all blocks but the last), `always` or `never`."""
-    gradient_reduction: Literal["per_step", "per_microbatch"] = "per_step"
+    gradient_reduction: Literal["auto", "per_step", "per_microbatch"] = "auto"
     """With several backwards per step (gradient accumulation, pipeline microbatches): reduce each gradient
-    once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only)."""
+    once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only).
+    `auto` = per_step, except per_microbatch for SimpleFSDP under a zero-bubble schedule (its split weight
+    backward needs the parameters in the autograd graph)."""
     disable_loss_parallel: bool = False
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
     pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
@@ -640,6 +646,17 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "parallelism.gradient_reduction per_microbatch is not available for fsdp2 with pipeline parallelism: "
             "torch's pipeline stage reduces FSDP2 gradients once per schedule step (use per_step or simple_fsdp)"
+        )
+    if (
+        p.pipeline_parallel_degree > 1
+        and p.dp_impl == "simple_fsdp"
+        and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+        and p.gradient_reduction == "per_step"
+    ):
+        raise ConfigError(
+            f"parallelism.gradient_reduction per_step is not available for simple_fsdp with the "
+            f"{p.pipeline_parallel_schedule} schedule: its weight backward differentiates the parameters, which "
+            "the once-per-step path takes out of the autograd graph (use auto or per_microbatch)"
         )
     if p.pipeline_parallel_degree == 1 and (
         p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1

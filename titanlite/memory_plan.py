@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import DTYPES, ActivationCheckpoint, JobConfig
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
+from titanlite.parallelisms.gradient_reduction import reduces_once
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
@@ -84,7 +85,7 @@ class Layout:
             ac_option=cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
-            unreduced_grads=dp and accum > 1 and p.gradient_reduction == "per_step",
+            unreduced_grads=dp and accum > 1 and reduces_once(p),
         )
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:

@@ -35,6 +35,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.gradient_reduction import reduces_once
 from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, StepVerdict, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
@@ -149,7 +150,10 @@ class Trainer:
         )
         backwards = self.grad_accum * (self.pipeline.plan.microbatches if self.pipeline is not None else 1)
         if self.dims.dp_enabled and backwards > 1:
-            when = "once per step" if self.cfg.parallelism.gradient_reduction == "per_step" else "in every backward"
+            p = self.cfg.parallelism
+            when = "once per step" if reduces_once(p) else "in every backward"
+            if reduces_once(p) and self.pipeline is not None and p.dp_impl == "fsdp2" and self.grad_accum > 1:
+                when = "once per schedule step (torch's pipeline stage)"
             precision += f"; gradients reduced {when} ({backwards} backwards)"
         return f"AC {ac_text}; {compiled}; {precision}"
 
@@ -179,7 +183,7 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        per_step = self.cfg.parallelism.gradient_reduction == "per_step"
+        per_step = reduces_once(self.cfg.parallelism)
         if self.pipeline is not None:
             loss, grad_norm = self.pipeline.forward_backward(
                 self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm, per_step

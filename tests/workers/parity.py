@@ -93,7 +93,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     p.tensor_parallel_degree = case.get("tp", 1)
     p.dp_impl = case.get("dp_impl", "simple_fsdp")
     p.fsdp_reshard_after_forward = case.get("reshard", "default")
-    p.gradient_reduction = case.get("reduction", "per_step")
+    p.gradient_reduction = case.get("reduction", "auto")
     p.pipeline_parallel_degree = case.get("pp", 1)
     p.pipeline_parallel_schedule = case.get("schedule", "1F1B")
     p.pipeline_parallel_microbatch_size = case.get("mb", 1)

@@ -116,8 +116,8 @@ class CompileReport:
         self.written = False
         self.reduced_outside = False
         """Traced inside `simple_fsdp.unreduced` (gradient_reduction per_step with several backwards per
-        step): the backward graphs hold no dp reductions; each gradient is reduced once per step after
-        them, one collective per parameter, which the counts here do not include."""
+        step): the backward graphs hold no dp reductions; the gradients are reduced once per step after
+        them, one collective per ~64 MiB bucket, which the counts here do not include."""
 
     def add_unit(self, name: str, recompute_forward: bool) -> Unit:
         unit = Unit(name, recompute_forward)

@@ -11,8 +11,10 @@ microbatches. `parallelism.gradient_reduction` says what each data-parallel impl
                     reduce dtype for the step; saves (k - 1) reductions of every gradient
 
 Under pipeline parallelism torch's pipeline stage already does `per_step` for FSDP2 itself, once per
-schedule step (its microbatches), so there only SimpleFSDP is handled here; config validation refuses
-`per_microbatch` for FSDP2 with PP rather than ignore it.
+schedule step (its microbatches; with several accumulation batches per step, once per batch), so there
+only SimpleFSDP is handled here; config validation refuses `per_microbatch` for FSDP2 with PP rather than
+ignore it. A zero-bubble schedule differentiates the parameters themselves in its weight backward, so
+SimpleFSDP reduces per microbatch there (`auto`; `per_step` is refused).
 """
 
 from __future__ import annotations
@@ -23,7 +25,18 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from titanlite.config import SPLIT_BACKWARD_SCHEDULES, Parallelism
 from titanlite.parallelisms.simple_fsdp import unreduced
+
+
+def reduces_once(p: Parallelism) -> bool:
+    """Whether `parallelism.gradient_reduction` (`auto` resolved) reduces once per step. SimpleFSDP's
+    once-per-step path routes gradients around the parameters, which a zero-bubble schedule's weight
+    backward (`autograd.grad` of the parameters) would then not find: `auto` reduces per microbatch there."""
+    if p.gradient_reduction != "auto":
+        return p.gradient_reduction == "per_step"
+    split = p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+    return not (split and p.dp_impl == "simple_fsdp")
 
 
 def _noop(last: bool) -> None:

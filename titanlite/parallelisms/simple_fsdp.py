@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -229,21 +228,27 @@ REDUCE_BUCKET_BYTES = 64 * 2**20
 
 def _reduce_sinks(pairs: list[tuple[ReplicateComputation, DTensor]]) -> None:
     """Reduce every sink's gradient into its parameter's `.grad`, in buckets of the same dp mesh, mode and
-    dtype; a bucket's unsharded gradients are freed once it is reduced."""
+    dtype; a bucket's unsharded gradients are freed as it is packed for its reduction."""
     groups: dict[tuple, list[list[tuple[DTensor, torch.Tensor]]]] = {}
+    sizes: dict[tuple, int] = {}
     for gather, param in pairs:
         assert gather.sink is not None
         full, gather.sink.grad = gather.sink.grad, None
         if full is None:
             continue
-        group = groups.setdefault((gather.dp_mesh, gather.mode, full.dtype), [[]])
-        if group[-1] and sum(f.nbytes for _, f in group[-1]) + full.nbytes > REDUCE_BUCKET_BYTES:
+        key = (gather.dp_mesh, gather.mode, full.dtype)
+        group = groups.setdefault(key, [[]])
+        if group[-1] and sizes[key] + full.nbytes > REDUCE_BUCKET_BYTES:
             group.append([])
+            sizes[key] = 0
         group[-1].append((param, full))
+        sizes[key] = sizes.get(key, 0) + full.nbytes
+        del full  # the bucket holds the only reference
     for (mesh, mode, _), buckets in groups.items():
         while buckets:
             bucket = buckets.pop(0)
-            for param, local in zip([p for p, _ in bucket], _reduce_bucket(mesh, mode, bucket)):
+            params = [p for p, _ in bucket]
+            for param, local in zip(params, _reduce_bucket(mesh, mode, bucket)):
                 grad = DTensor.from_local(
                     local.to(param.dtype),
                     param.device_mesh,
@@ -257,38 +262,46 @@ def _reduce_sinks(pairs: list[tuple[ReplicateComputation, DTensor]]) -> None:
 
 def _reduce_bucket(mesh: DeviceMesh, mode: str, bucket: list[tuple[DTensor, torch.Tensor]]) -> list[torch.Tensor]:
     """One reduction for a bucket of (parameter, full gradient); each parameter's averaged local shard.
-    Empties `bucket`, so the full gradients die with the flat buffer.
+    Empties `bucket`: each full gradient is freed once copied into the flat buffer, so packing needs about
+    the bucket's size once more (a gradient larger than a bucket is its own bucket: twice its size).
 
-    Each gradient is padded along dim 0 to a multiple of the shard group's size and viewed as (ranks,
-    rows); the bucket is those views side by side, so a reduce-scatter of its dim 0 gives every rank its
-    dim-0 chunk of each gradient, the chunks DTensor's `Shard(0)` assigns (chunk size ceil(n / ranks),
-    trimmed to the parameter's local rows). hybrid_shard then all-reduces over the replicas; replicate
-    only all-reduces. Gradients are divided by the dp size first (an average, as `Partial("avg")`).
+    Each gradient is cut along dim 0 into one chunk per rank of the shard group, zero-padded to equal
+    size; a flat (ranks, width) buffer holds the chunks side by side, so a reduce-scatter of its dim 0
+    gives every rank its dim-0 chunk of each gradient, the chunks DTensor's `Shard(0)` assigns (chunk
+    size ceil(n / ranks), trimmed to the parameter's local rows). hybrid_shard then all-reduces over the
+    replicas; replicate only all-reduces. Gradients are divided by the dp size first (an average, as `Partial("avg")`).
     """
     shapes = [full.shape for _, full in bucket]
     local_rows = [param.to_local().shape[0] for param, _ in bucket]
-    if mode == "replicate":
-        flat = torch.cat([full.reshape(-1) for _, full in bucket]).div_(mesh.size())
-        bucket.clear()
-        dist.all_reduce(flat, group=mesh.get_group())
-        return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+    replicate = mode == "replicate"
     shard_dim = mesh.ndim - 1  # (replicate, shard) for hybrid_shard
-    ranks = mesh.size(shard_dim)
+    ranks = 1 if replicate else mesh.size(shard_dim)
     chunks = [-(-shape[0] // ranks) for shape in shapes]
-    flat = torch.cat(
-        [
-            F.pad(full.reshape(shape[0], -1), (0, 0, 0, chunk * ranks - shape[0])).view(ranks, -1)
-            for (_, full), shape, chunk in zip(bucket, shapes, chunks)
-        ],
-        dim=1,
-    ).div_(mesh.size())
-    bucket.clear()
-    out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_single(out, flat.view(-1), group=mesh.get_group(shard_dim))
-    del flat
-    if mode == "hybrid_shard":
-        dist.all_reduce(out, group=mesh.get_group(0))
     widths = [chunk * math.prod(shape[1:]) for shape, chunk in zip(shapes, chunks)]
+    first = bucket[0][1]
+    flat = torch.zeros(ranks, sum(widths), dtype=first.dtype, device=first.device)
+    del first
+    offset = 0
+    for shape, chunk, width in zip(shapes, chunks, widths):
+        _, full = bucket.pop(0)  # the bucket's reference goes; `full` dies at the next iteration
+        rows = full.reshape(shape[0], -1)
+        for r in range(ranks):  # rank r's chunk; rows past the gradient stay zero (uneven last shards)
+            lo, hi = r * chunk, min((r + 1) * chunk, shape[0])
+            if lo < hi:
+                flat[r, offset : offset + (hi - lo) * rows.shape[1]] = rows[lo:hi].reshape(-1)
+        offset += width
+    del full, rows
+    bucket.clear()
+    flat.div_(mesh.size())
+    if replicate:
+        out = flat.view(-1)
+        dist.all_reduce(out, group=mesh.get_group())
+    else:
+        out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_single(out, flat.view(-1), group=mesh.get_group(shard_dim))
+        del flat
+        if mode == "hybrid_shard":
+            dist.all_reduce(out, group=mesh.get_group(0))
     return [
         piece.view(chunk, *shape[1:])[:rows]
         for piece, shape, chunk, rows in zip(out.split(widths), shapes, chunks, local_rows)
