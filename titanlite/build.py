@@ -122,6 +122,11 @@ class RunPlan:
         return cls(cfg, spec, tokenizer, args, dims, global_batch, accum, pipeline)
 
     @property
+    def backwards_per_step(self) -> int:
+        """Backwards of one step: the accumulation batches, times the schedule's microbatches under PP."""
+        return self.grad_accum * (self.pipeline.microbatches if self.pipeline is not None else 1)
+
+    @property
     def tokens_per_gpu_step(self) -> float:
         """Tokens of one optimizer step per GPU: the global batch's tokens over the world size. Tokens/s
         and MFU use it, so tensor-parallel ranks, which share one data-parallel replica's tokens, do not

@@ -65,14 +65,11 @@ class Layout:
     (`parallelism.gradient_reduction` per_step with gradient accumulation or pipeline microbatches)."""
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, dims: ParallelDims) -> Layout:
+    def from_config(cls, cfg: JobConfig, dims: ParallelDims, backwards_per_step: int) -> Layout:
         """The layout the trainer builds: mixed precision comes with the data-parallel plan (every run but
         pure tensor parallelism)."""
         p, t = cfg.parallelism, cfg.training
         dp = dims.dp_enabled
-        accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-        if p.pipeline_parallel_degree > 1:
-            accum *= t.local_batch_size // p.pipeline_parallel_microbatch_size
         return cls(
             tp=dims.tp,
             dp_mode=dims.dp_mode if dp else None,
@@ -85,7 +82,7 @@ class Layout:
             ac_option=cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
-            unreduced_grads=dp and accum > 1 and reduces_once(p),
+            unreduced_grads=dp and backwards_per_step > 1 and reduces_once(p),
         )
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:

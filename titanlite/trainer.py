@@ -81,6 +81,8 @@ class Trainer:
         self.plan = plan or RunPlan.build(cfg, self.world_size)
         self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
+        self.reduce_once = reduces_once(cfg.parallelism)
+        """Whether a step of several backwards reduces each gradient once (`gradient_reduction`, resolved)."""
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         dp_rank = self.dims.dp_rank_of(self.rank)
@@ -148,11 +150,11 @@ class Trainer:
             if self.dims.dp_enabled
             else "float32 (no data-parallel plan)"
         )
-        backwards = self.grad_accum * (self.pipeline.plan.microbatches if self.pipeline is not None else 1)
+        backwards = self.plan.backwards_per_step
         if self.dims.dp_enabled and backwards > 1:
-            p = self.cfg.parallelism
-            when = "once per step" if reduces_once(p) else "in every backward"
-            if reduces_once(p) and self.pipeline is not None and p.dp_impl == "fsdp2" and self.grad_accum > 1:
+            when = "once per step" if self.reduce_once else "in every backward"
+            fsdp2_pp = self.pipeline is not None and self.cfg.parallelism.dp_impl == "fsdp2"
+            if self.reduce_once and fsdp2_pp and self.grad_accum > 1:
                 when = "once per schedule step (torch's pipeline stage)"
             precision += f"; gradients reduced {when} ({backwards} backwards)"
         return f"AC {ac_text}; {compiled}; {precision}"
@@ -183,10 +185,9 @@ class Trainer:
         loss_fn = self.loss_fn
         if nan_injection(self.step):
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        per_step = reduces_once(self.cfg.parallelism)
         if self.pipeline is not None:
             loss, grad_norm = self.pipeline.forward_backward(
-                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm, per_step
+                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm, self.reduce_once
             )
         else:
             loss, grad_norm = forward_backward(
@@ -197,7 +198,7 @@ class Trainer:
                 self.dims.loss_parallel,
                 self.cfg.training.max_norm,
                 self.device,
-                per_step,
+                self.reduce_once,
             )
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted

@@ -291,7 +291,6 @@ def _reduce_bucket(mesh: DeviceMesh, mode: str, bucket: list[tuple[DTensor, torc
                 flat[r, offset : offset + (hi - lo) * rows.shape[1]] = rows[lo:hi].reshape(-1)
         offset += width
     del full, rows
-    bucket.clear()
     flat.div_(mesh.size())
     if replicate:
         out = flat.view(-1)

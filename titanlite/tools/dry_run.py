@@ -128,7 +128,7 @@ def dry_run(cfg: JobConfig) -> DryRun:
     if cfg.comm.fake_gpu_memory_gib <= 0:
         raise ConfigError(f"config key 'comm.fake_gpu_memory_gib' must be positive, got {cfg.comm.fake_gpu_memory_gib}")
     plan, notes = build_run_plan(cfg, world_size)
-    layout = Layout.from_config(cfg, plan.dims)
+    layout = Layout.from_config(cfg, plan.dims, plan.backwards_per_step)
     if not plan.dims.dp_enabled:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
     if plan.spec.activation_bytes is None:
