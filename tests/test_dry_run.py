@@ -139,7 +139,7 @@ def _worker(out_path: str) -> None:
                 fqn: (p.to_local() if hasattr(p, "to_local") else p).numel() for fqn, p in model.named_parameters()
             }
         else:
-            lp = Layout.from_config(cfg, plan.dims).loss_parallel
+            lp = Layout.from_config(cfg, plan.dims, plan.backwards_per_step).loss_parallel
             record["activation"][name] = measure_activation_peak(model, plan.model_args.vocab_size, BATCH, SEQ, lp)
     records = [None] * world
     dist.all_gather_object(records, record)
