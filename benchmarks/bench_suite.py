@@ -9,7 +9,9 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
 
     SimpleFSDP eager / compiled / compiled + per-block bucketing, FSDP2 eager / compiled,
     replicate (SimpleFSDP's DDP mode), tp=2 (the dp x tp variant at 2 ranks: dp is 1), and pp=2 (two
-    pipeline stages, 1F1B over microbatches of `parallelism.pipeline_parallel_microbatch_size`; dp is 1).
+    pipeline stages, 1F1B over microbatches of `parallelism.pipeline_parallel_microbatch_size`; dp is 1);
+    with `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
+    again per microbatch, SimpleFSDP and FSDP2 (`PP_VARIANTS`).
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
 `--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
@@ -93,6 +95,17 @@ ACCUM_VARIANTS: dict[str, list[str]] = {
 }
 """With `--accum` > 1: the data-parallel variants reducing in every microbatch's backward, beside the
 default (`gradient_reduction = auto`: once per step)."""
+PP_MICROBATCHES = 4
+REGATHER = ["--parallelism.fsdp_reshard_after_forward", "default"]
+PP_VARIANTS: dict[str, list[str]] = {
+    "pp=2 x dp, 4 microbatches, SimpleFSDP, kept for the step": [],
+    "pp=2 x dp, 4 microbatches, SimpleFSDP, gathered per microbatch": REGATHER,
+    "pp=2 x dp, 4 microbatches, FSDP2, kept for the step": ["--parallelism.dp_impl", "fsdp2"],
+    "pp=2 x dp, 4 microbatches, FSDP2, gathered per microbatch": ["--parallelism.dp_impl", "fsdp2", *REGATHER],
+}
+"""With 4 or more ranks: 2 pipeline stages x data parallelism, the global batch in one schedule step of 4
+microbatches, the weights kept for the step (`fsdp_reshard_after_forward = auto`, which keeps them when
+the memory plan fits) beside gathered again in every microbatch (`default`, the per-block policy)."""
 BASELINE = "FSDP2 eager"
 KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
 
@@ -213,7 +226,9 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     global_batch = base_cfg.training.local_batch_size * world * args.accum
     results: dict[str, Result] = {}
     variants: dict[str, Variant] = {}
-    for name, extra in (VARIANTS | (ACCUM_VARIANTS if args.accum > 1 else {})).items():
+    for name, extra in (
+        VARIANTS | (ACCUM_VARIANTS if args.accum > 1 else {}) | pp_variants(global_batch, world)
+    ).items():
         if args.only and not any(key.lower() in name.lower() for key in args.only.split(",")):
             continue
         result = results[name] = Result(name, extra)
@@ -264,6 +279,18 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     for variant in variants.values():
         variant.trainer.close()
     dist.destroy_process_group()
+
+
+def pp_variants(global_batch: int, world: int) -> dict[str, list[str]]:
+    """`PP_VARIANTS` with the local batch and microbatch size that put a data-parallel rank's share of the
+    global batch in one schedule step of `PP_MICROBATCHES` microbatches; none below 4 ranks (pp 2 would
+    leave no data parallelism, hence nothing to gather)."""
+    if world < 4:
+        return {}
+    local = global_batch // (world // 2)
+    batch = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", str(local)]
+    batch += ["--parallelism.pipeline_parallel_microbatch_size", str(local // PP_MICROBATCHES)]
+    return {name: [*batch, *extra] for name, extra in PP_VARIANTS.items()}
 
 
 def result_row(r: Result, world: int, peak: float | None) -> dict:

@@ -124,6 +124,12 @@ CASES = [
         2,
         ["gradient_reduction per_step", "InterleavedZeroBubble", "use auto or per_microbatch"],
     ),
+    (
+        None,
+        [*PP2, "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble", "--compile.enable"],
+        2,
+        ["InterleavedZeroBubble cannot run compiled blocks", "compile.components = loss"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.

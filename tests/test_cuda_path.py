@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import titanlite.trainer as trainer_module
 from harness import ROOT, child_env, tiny_args
-from titanlite.build import CUDA_ALLOC_CONF, RunPlan, build_loader, init_device, loader_workers
+from titanlite.build import CUDA_ALLOC_CONF, RunPlan, build_loader, init_device, loader_workers, prepare_flight_recorder
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.init import InitSpec, init_parameter_, init_parameters_
@@ -250,3 +250,27 @@ def test_dry_run_on_a_gpu_node_plans_for_the_configs_world_size(tmp_path):
     config_file.write_text((ROOT / "train_configs/debug_model.toml").read_text() + "\n[comm]\nfake_world_size = 4\n")
     proc = run_train(tmp_path, "--config", str(config_file), "--dry-run", fake_torch=True, CUDA_VISIBLE_DEVICES="0,1")
     assert "world 4 (fake process group, rank 0)" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_flight_recorders_folder_exists_before_nccl_could_write_to_it(tmp_path):
+    """NCCL dumps its traces on a timeout to `<prefix><rank>` and does not create the folder: every rank
+    creates it before its process group exists, also for a user's own prefix (which wins)."""
+    env: dict[str, str] = {}
+    prepare_flight_recorder(str(tmp_path / "dump"), env)
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "dump" / "comm_traces" / "rank_")
+    assert (tmp_path / "dump" / "comm_traces").is_dir()
+    env = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "mine" / "trace_")}
+    prepare_flight_recorder(str(tmp_path / "other"), env)
+    assert (tmp_path / "mine").is_dir() and not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("resumed_at", [0, 3], ids=["fresh", "resumed"])
+def test_the_train_timeout_is_set_after_the_first_step_this_process_runs(tmp_path, monkeypatch, resumed_at):
+    """Step 1 of a fresh run, and the first step after a resume (or an elastic restart, which resumes)."""
+    trainer = trainer_of(config(tmp_path, steps=5))
+    monkeypatch.setattr(trainer.checkpointer, "load", lambda: resumed_at)
+    applied = []
+    monkeypatch.setattr(trainer_module, "apply_train_timeout", lambda cfg, dims: applied.append(trainer.step))
+    trainer.train()
+    trainer.close()
+    assert applied == [resumed_at + 1]

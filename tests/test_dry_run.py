@@ -35,7 +35,7 @@ from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.step import cross_entropy_loss
 from titanlite.tools import dry_run as dry_run_tool
-from titanlite.tools.dry_run import dry_run
+from titanlite.tools.dry_run import dry_run, format_report
 
 
 def main(argv: list[str]) -> int:
@@ -265,21 +265,53 @@ def test_run_train_turns_a_fake_backend_config_into_a_dry_run_of_ngpu_x_nnodes(t
     assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1].startswith("does not fit:")
 
 
-def test_gradients_reduced_once_per_step_are_held_unsharded():
-    """4 accumulated microbatches reduced once per step hold every gradient unsharded in the reduce dtype
-    until the reduction; reduced per microbatch, or in a step of one backward, only one unit's."""
+def test_gradients_reduced_once_per_step_are_held_unsharded_in_fp32():
+    """4 accumulated microbatches reduced once per step hold every gradient unsharded in fp32 (whatever the
+    reduce dtype) until the reduction, which packs one bucket (here: all of the debug model's gradients) and
+    its shard at a time; reduced per microbatch, or in a step of one backward, only one unit's."""
     from titanlite.memory_plan import gathered_numel
 
-    world = ["--comm.fake_world_size", "2"]
+    world = ["--comm.fake_world_size", "2", "--training.mixed_precision_reduce", "bfloat16"]
     accum = [*world, "--training.global_batch_size", "64"]  # local 8 x dp 2 x accum 4
-    once = dry_run(cfg_of(*accum))
+    once = dry_run(cfg_of(*accum, "--parallelism.gradient_reduction", "per_step"))
     each = dry_run(cfg_of(*accum, "--parallelism.gradient_reduction", "per_microbatch"))
     single = dry_run(cfg_of(*world))
     assert once.layout.unreduced_grads and not each.layout.unreduced_grads and not single.layout.unreduced_grads
     unsharded = sum(gathered_numel(p) for p in once.model.parameters()) * 4
     assert once.memory.reduce_buffer == unsharded
+    assert once.memory.reduce_transient == unsharded + unsharded // 2 and not each.memory.reduce_transient
     assert each.memory.reduce_buffer == single.memory.reduce_buffer < unsharded / 4
-    assert once.memory.total - each.memory.total == unsharded - each.memory.reduce_buffer
+    assert once.memory.total - each.memory.total == unsharded + once.memory.reduce_transient - each.memory.reduce_buffer
+
+
+def test_weights_kept_for_the_step_are_counted_whole():
+    """Kept for a step of 4 backwards (auto, it fits): every gathered weight, the embedding's too, and no
+    gather in flight; regathered (reshard `default`), the last block and the norm and output only."""
+    from titanlite.memory_plan import gathered_numel
+
+    accum = ["--comm.fake_world_size", "2", "--training.global_batch_size", "64"]
+    kept = dry_run(cfg_of(*accum))
+    again = dry_run(cfg_of(*accum, "--parallelism.fsdp_reshard_after_forward", "default"))
+    assert kept.layout.keep_gathers and not again.layout.keep_gathers
+    gathered = {n: gathered_numel(p) * 4 for n, p in kept.model.named_parameters()}  # fp32 compute (debug config)
+    assert kept.memory.gather_held == sum(gathered.values()) and kept.memory.gather_in_flight == 0
+    held = ("layers.5.", "norm.", "output.")
+    assert again.memory.gather_held == sum(v for n, v in gathered.items() if n.startswith(held))
+    assert "weights kept for the step (auto, by the memory plan" in format_report(kept)
+
+
+def test_70b_accumulating_1024_sequences_reduces_per_microbatch_and_fits_with_margin(capsys):
+    """16 accumulated microbatches: per_step's fp32 gradients (32.9 GiB) would take the 70B config to 99% of
+    80 GiB; auto takes per_microbatch, which fits with the margin, and says so."""
+    args = ["--config", str(ROOT / "train_configs/llama3_70b.toml"), "--training.global_batch_size", "1024"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    step = next(line for line in out.splitlines() if "step of 16 backwards" in line)
+    assert "gradient reduction per_microbatch" in step and "over 90%: per_step 79." in step, step
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("fits:") and float(last.split("(")[-1].rstrip("%)")) < 90, last
+    assert main([*args, "--parallelism.gradient_reduction", "per_step"]) == 0  # honoured, and tight
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits, tight:")
 
 
 if __name__ == "__main__":
@@ -337,3 +369,22 @@ def test_pipeline_configs_plan_every_pipeline_rank_and_fit(capsys, config, world
     assert last.startswith("fits:") and "on pipeline rank" in last
     # With margin on 80 GiB: the 405B stages hold their unreduced fp32 gradients over the step (23 GiB).
     assert float(last.split("(")[-1].rstrip("%)")) < 70
+
+
+def test_pipeline_gathers_are_held_per_microbatch_in_flight_unless_kept():
+    """pp 2, 1F1B, 8 microbatches: regathered, pipeline rank 0 (blocks 0-2) holds a copy of its last block's
+    gathered weights for each of the 2 microbatches in flight; kept for the step, one copy of everything;
+    FSDP2 under torch's pipeline stage holds every unit's unsharded weights whatever the policy."""
+    from titanlite.memory_plan import gathered_numel
+
+    again = dry_run(cfg_of(*PP2, "--parallelism.fsdp_reshard_after_forward", "default"))
+    kept = dry_run(cfg_of(*PP2))
+    fsdp2 = dry_run(
+        cfg_of(*PP2, "--parallelism.dp_impl", "fsdp2", "--parallelism.fsdp_reshard_after_forward", "always")
+    )
+    assert kept.layout.keep_gathers and again.plan.pipeline.in_flight(0) == 2
+    gathered = {n: gathered_numel(p) * 4 for n, p in kept.model.named_parameters()}
+    block = sum(v for n, v in gathered.items() if n.startswith("layers.2."))
+    assert again.pipeline_ranks[0].gather_held == 2 * block
+    assert kept.pipeline_ranks[0].gather_held == sum(gathered.values())
+    assert fsdp2.pipeline_ranks[0].gather_held == sum(gathered.values())

@@ -9,8 +9,9 @@ FFN 160, so shards are uneven.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from harness import LOSS_REL, check_parity, parity
+from harness import LOSS_REL, TINY, check_parity, parity
 
 CASES_2 = [
     {"shard": 2},
@@ -62,7 +63,14 @@ CASES_4 = [
     {"shard": 2, "tp": 2, "ac": "selective"},
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
+    # Pipeline x dp, 4 microbatches: weights kept for the step (auto) or gathered again per microbatch.
     {"pp": 2, "shard": 2},
+    {"pp": 2, "shard": 2, "reshard": "default"},
+    {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
+    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
+    # Kept weights reduced in every backward, over dp x tp and HSDP.
+    {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
+    {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
     # Zero bubble differentiates the parameters in its weight backward: SimpleFSDP reduces per microbatch.
     {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "tp": 2, "mb": 2},
@@ -127,6 +135,41 @@ def test_accumulated_simple_fsdp_cases_reduced_once_per_step(records):
     assert recs4[case_id({"pp": 2, "shard": 2})]["unreduced"]
     zero_bubble = {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4}
     assert not recs4[case_id(zero_bubble)]["unreduced"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_impl", ["simple_fsdp", "fsdp2"])
+def test_pipeline_gathers_each_weight_once_per_step_when_kept(records, dp_impl):
+    """pp 2 x dp_shard 2, 4 microbatches per step (their parity is above): with the weights kept for the
+    step (auto) each rank all-gathers its stage's weights once per step, SimpleFSDP one gather per parameter
+    and FSDP2 one per block and one for the root. Gathered again per microbatch (reshard `default`, the
+    negative control), SimpleFSDP's first stage gathers everything in each of the 4 forwards, and its
+    resharded first block again in each backward; FSDP2's (whose unsharded weights torch's stage keeps
+    after each backward) gathers the resharded block once per microbatch."""
+    from titanlite.config import Parallelism
+    from titanlite.models.llama3 import Transformer
+    from titanlite.models.llama3.parallelize import llama_units
+    from titanlite.parallelisms.pipeline import StagePlan, keep_stage
+
+    impl = {} if dp_impl == "simple_fsdp" else {"dp_impl": "fsdp2"}
+    kept = records(4, CASES_4)[case_id({"pp": 2, "shard": 2, **impl})]
+    again = records(4, CASES_4)[case_id({"pp": 2, "shard": 2, **impl, "reshard": "default"})]
+    assert kept["step"]["policy"]["keep_gathers"] and not again["step"]["policy"]["keep_gathers"]
+    stages = StagePlan.of(Parallelism(pipeline_parallel_degree=2), TINY.n_layers, local_batch=4)
+    assert stages.microbatches == 4
+    gathers = []
+    for s in range(2):  # ranks 0, 1 run stage 0; ranks 2, 3 stage 1
+        with torch.device("meta"):
+            model = Transformer(TINY, seq_len=16)
+        keep_stage(model, llama_units(model), stages, s)
+        units = llama_units(model)
+        gathers += 2 * [len(list(model.parameters())) if not impl else len(units.blocks) + 1]
+    assert kept["all_gathers"] == gathers
+    # Stage 0's first block is resharded after forward, its last is not.
+    if impl:
+        assert again["all_gathers"][0] == gathers[0] + 4 * 1
+    else:
+        assert again["all_gathers"][0] == 4 * (gathers[0] + 9)
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
     model = build_model(plan, device)         meta -> the model's parallelize plan -> materialise -> init
-    pipeline = build_pipeline(plan, device)   with PP: this rank's stages (each as build_model) + schedule
+    training = build_training(plan, device)   the trainer's: this rank's model or pipeline stages, with the
+                                              step policy chosen from their memory plan before materialising
 
 A single process is a world of one: it gets a one-rank process group and the same plan as any world
 (mixed precision, AC, compile and its passes, reshard policy), so one GPU trains as it would on many.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,7 +29,18 @@ from titanlite.config import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.memory_plan import (
+    Layout,
+    MemoryEstimate,
+    StageMemory,
+    StepChoice,
+    choose_step,
+    estimate,
+    pipeline_estimate,
+)
 from titanlite.models.registry import ModelSpec, get_model_spec
+from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import Pipeline, StagePlan, keep_stage
 
@@ -218,8 +231,7 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     # device_id makes NCCL initialise eagerly and lets mesh subgroups split from the world communicator.
     device_id = device if device.type == "cuda" else None
     if device.type == "cuda":
-        for key, value in nccl_env_defaults(cfg.job.dump_folder, world_from_env()[0]).items():
-            os.environ.setdefault(key, value)
+        prepare_flight_recorder(cfg.job.dump_folder, os.environ)
     if "MASTER_ADDR" not in os.environ and world_from_env()[1] == 1:
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
@@ -242,6 +254,17 @@ def nccl_env_defaults(dump_folder: str, rank: int) -> dict[str, str]:
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(dump_folder), "comm_traces", "rank_"),
     }
+
+
+def prepare_flight_recorder(dump_folder: str, environ: dict[str, str] | os._Environ) -> None:
+    """Set NCCL's flight-recorder defaults where the user has not (`nccl_env_defaults`) and create the
+    folder its dumps go to: NCCL writes `<prefix><rank>` there on a timeout and does not create it, so
+    without this the traces of a hang would be lost. Every rank, before its process group exists."""
+    for key, value in nccl_env_defaults(dump_folder, world_from_env()[0]).items():
+        environ.setdefault(key, value)
+    folder = os.path.dirname(environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+    if folder:
+        os.makedirs(folder, exist_ok=True)
 
 
 def apply_train_timeout(cfg: JobConfig, dims: ParallelDims) -> dict[str, timedelta]:
@@ -267,25 +290,111 @@ def build_model(
     defaults to `device`'s type). On `device` "meta" the model stays unmaterialised (the dry run).
     `stage`: build only that pipeline stage (`plan.pipeline`), cut on the meta device before the plan.
     """
+    model = _parallelized_on_meta(plan, mesh_device_type or device.type, stage)
+    if device.type != "meta":
+        _materialise(plan, model, device)
+    return model
+
+
+def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | None) -> nn.Module:
     if not plan.dims.mesh_built:
-        plan.dims.build_mesh(mesh_device_type or device.type)
+        plan.dims.build_mesh(mesh_device_type)
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args, seq_len=plan.cfg.training.seq_len)
     if stage is not None:
         assert plan.pipeline is not None
         keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
-    model = plan.spec.parallelize(model, plan.dims, plan.cfg)
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_weights(seed=plan.cfg.training.seed, buffer_device=device)
-    return model
+    return plan.spec.parallelize(model, plan.dims, plan.cfg)
 
 
-def build_pipeline(plan: RunPlan, device: torch.device) -> Pipeline:
-    """This rank's pipeline stages, each built as `build_model` builds a model, and the schedule over them."""
-    assert plan.pipeline is not None
+def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:
+    model.to_empty(device=device)
+    model.init_weights(seed=plan.cfg.training.seed, buffer_device=device)
+
+
+def rank_estimate(plan: RunPlan, parts: dict[int | None, nn.Module], layout: Layout, pp_rank: int) -> MemoryEstimate:
+    """One rank's memory under `layout` (`memory_plan`): its whole model (`parts` = {None: model}) or its
+    pipeline stages ({stage: module}), each stage for one microbatch, combined with the microbatches its
+    schedule keeps in flight on pipeline rank `pp_rank`."""
+    spec, args = plan.spec, plan.model_args
+    assert spec.activation_bytes is not None
+    if plan.pipeline is None:
+        (model,) = parts.values()
+        return estimate(model, spec.units(model), spec.activation_bytes(args, layout), layout)
+    sp, microbatch = plan.pipeline, plan.cfg.parallelism.pipeline_parallel_microbatch_size
+    stages = []
+    for s, part in parts.items():
+        assert s is not None
+        stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
+        acts = spec.activation_bytes(args, stage_layout)
+        stages.append(StageMemory(s, estimate(part, spec.units(part), acts, stage_layout), acts["held"]))
+    return pipeline_estimate(stages, sp.in_flight(pp_rank), layout)
+
+
+def step_layout(plan: RunPlan, policy: StepPolicy) -> Layout:
+    return Layout.from_config(plan.cfg, plan.dims, plan.backwards_per_step, policy)
+
+
+def choose_step_policy(
+    plan: RunPlan,
+    ranks: dict[int, dict[int | None, nn.Module]],
+    capacity: int,
+    agree: Callable[[list[int]], list[int]] | None = None,
+) -> StepChoice:
+    """The step policy of the run (`memory_plan.choose_step`), the one decision the trainer and the dry
+    run share: every candidate the config allows (`step_candidates`) is estimated on each planned rank
+    (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included), `agree`
+    (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
+    first candidate that fits comfortably in `capacity` bytes wins."""
+    dims = plan.dims
+    candidates, fixed = step_candidates(plan.cfg, dims.dp_mode if dims.dp_enabled else None, plan.backwards_per_step)
+    if len(candidates) == 1 or plan.spec.activation_bytes is None:
+        return choose_step(candidates, [0] * len(candidates), capacity, fixed)
+    totals = [
+        max(rank_estimate(plan, parts, step_layout(plan, c), r).total for r, parts in ranks.items()) for c in candidates
+    ]
+    return choose_step(candidates, agree(totals) if agree else totals, capacity, fixed)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes one rank may plan with: its GPU's memory, or on CPU the host's memory over the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+@dataclass
+class TrainingModel:
+    """What the trainer trains: `model` (this rank's module, its stages as one under PP) and the step."""
+
+    model: nn.Module
+    pipeline: Pipeline | None
+    step: StepChoice
+
+
+def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
+    """This rank's model, or its pipeline stages and their schedule, each built as `build_model` builds
+    one, with the step policy decided between the parallelize plan and materialisation (one build): the
+    memory plan of the meta-device modules, agreed over every rank; kept gathers turn reshard-after-forward
+    off before anything is allocated."""
     if not plan.dims.mesh_built:
         plan.dims.build_mesh(device.type)
     pp_rank = plan.dims.pp_rank_of(dist.get_rank())
-    parts = {s: build_model(plan, device, stage=s) for s in plan.pipeline.stages_of(pp_rank)}
-    return Pipeline(plan.pipeline, parts, plan.dims, device)
+    stages: tuple[int | None, ...] = plan.pipeline.stages_of(pp_rank) if plan.pipeline is not None else (None,)
+    parts = {s: _parallelized_on_meta(plan, device.type, s) for s in stages}
+
+    def agree(totals: list[int]) -> list[int]:
+        worst = torch.tensor(totals, dtype=torch.int64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return worst.tolist()
+
+    step = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), agree)
+    for part in parts.values():
+        if step.policy.keep_gathers:
+            keep_for_step(part)
+        _materialise(plan, part, device)
+    if plan.pipeline is None:
+        return TrainingModel(parts[None], None, step)
+    pipeline = Pipeline(plan.pipeline, {s: m for s, m in parts.items() if s is not None}, plan.dims, device)
+    return TrainingModel(pipeline.model, pipeline, step)

@@ -251,13 +251,17 @@ class Parallelism:
     """Ranks splitting each layer's matmuls (Megatron-style tensor parallelism)."""
     dp_impl: Literal["simple_fsdp", "fsdp2"] = "simple_fsdp"
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """`default` (all blocks but the last), `always` or `never`."""
+    fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = "auto"
+    """Free gathered weights after forward and gather them again in backward: `default` (all blocks but the
+    last), `always` or `never`. `auto` = `default`, but with several backwards per step the weights gathered
+    by its first forward are kept for the whole step (one all-gather per parameter per step) when the memory
+    plan fits comfortably (see titanlite/parallelisms/gradient_reduction.py); `never` keeps them too."""
     gradient_reduction: Literal["auto", "per_step", "per_microbatch"] = "auto"
     """With several backwards per step (gradient accumulation, pipeline microbatches): reduce each gradient
     once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only).
-    `auto` = per_step, except per_microbatch for SimpleFSDP under a zero-bubble schedule (its split weight
-    backward needs the parameters in the autograd graph)."""
+    `auto` = per_step when the memory plan fits comfortably (90% of the GPU), else per_microbatch; always
+    per_microbatch for SimpleFSDP under a zero-bubble schedule (its split weight backward needs the
+    parameters in the autograd graph)."""
     disable_loss_parallel: bool = False
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
     pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
@@ -657,6 +661,16 @@ def validate(cfg: JobConfig) -> None:
             f"parallelism.gradient_reduction per_step is not available for simple_fsdp with the "
             f"{p.pipeline_parallel_schedule} schedule: its weight backward differentiates the parameters, which "
             "the once-per-step path takes out of the autograd graph (use auto or per_microbatch)"
+        )
+    if (
+        p.pipeline_parallel_degree > 1
+        and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+        and (cfg.compile.enable and "model" in cfg.compile.components)
+    ):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} cannot run compiled blocks: "
+            "its split input/weight backward would run each compiled block's one backward node twice "
+            "(use Interleaved1F1B, or compile.components = loss)"
         )
     if p.pipeline_parallel_degree == 1 and (
         p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1

@@ -6,23 +6,37 @@ exact. Gradients have the parameter's dtype (fp32 master weights); AdamW keeps e
 
 Collective buffers (compute dtype, TP-local full shapes): the weights gathered for forward that stay
 alive until backward (`reshard_after_forward`: `never` = all, except SimpleFSDP's embedding weight,
-whose backward needs only the token ids; `default` = the last block and the root's norm and output, or
-FSDP2's whole root group; `always` = none) plus one gather unit in flight (a transformer block, or a
-root weight if larger; FSDP2 prefetches the next unit, so two), plus one unit's unsharded gradients in
-the reduce dtype before the reduce-scatter (all of them, when gradients are reduced once per step over
-several backwards: `Layout.unreduced_grads`). Eager per-parameter gathers hold less than a block;
-bucketed and compiled ones hold one.
+whose backward needs only the token ids, and SimpleFSDP's fully checkpointed blocks, whose backward
+gathers again in its recompute; `default`/`auto` = the last block and the root's norm and output, or
+FSDP2's whole root group; `always` = none; weights kept for a step of several backwards,
+`StepPolicy.keep_gathers` = all, the embedding's too) plus one gather unit in flight (a transformer block,
+or a root weight if larger; FSDP2 prefetches the next unit, so two; none when all are kept), plus one
+unit's unsharded gradients in the reduce dtype before the reduce-scatter. Gradients reduced once per
+step over several backwards (`StepPolicy.reduce_once`) are all held unsharded until then (SimpleFSDP's
+sinks in fp32, FSDP2's in the reduce dtype), and their reduction packs them into flat buffers: one
+bucket (or the largest gradient) and its reduced shard at a time, the packing transient. Eager
+per-parameter gathers hold less than a block; bucketed and compiled ones hold one.
+
+Under pipeline parallelism (`pipeline_estimate`) each stage is estimated for one microbatch, and the
+rank's activations scale what a microbatch saves by the microbatches its schedule keeps in flight.
+Gathered weights follow the same rule unless they are kept for the step: each SimpleFSDP forward
+gathers its own copy, so every microbatch in flight holds the copies its backward needs. FSDP2 under
+torch's pipeline stage holds every unit's unsharded weights from their first backward to the step's
+last (resharding after backward is off until then), whatever the reshard policy.
 
 Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
 `models/llama3/memory.py`). The total adds every part as if all peaked together, which is conservative.
-Under pipeline parallelism (`pipeline_estimate`) each stage is estimated for one microbatch, and the
-rank's activations scale what a microbatch saves by the microbatches its schedule keeps in flight.
+
+`choose_step` picks the step policy from these estimates: the first of `step_candidates` (most
+collectives saved first) whose total fits comfortably (`COMFORT_FRACTION` of the GPU); the trainer and
+the dry run both reach it through `build.choose_step_policy`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,12 +45,18 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import DTYPES, ActivationCheckpoint, JobConfig
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
-from titanlite.parallelisms.gradient_reduction import reduces_once
+from titanlite.parallelisms.gradient_reduction import StepPolicy
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.simple_fsdp import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30
+
+COMFORT_FRACTION = 0.9
+"""A plan fits comfortably when its total is at most this share of the GPU's memory: the rest is for the
+CUDA context, NCCL's buffers and allocator fragmentation. Above it the dry run calls a plan tight, and
+`choose_step` takes a policy that holds less."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +82,23 @@ class Layout:
     """Whether the stage computes the output and the loss (the last pipeline stage, or no PP)."""
     unreduced_grads: bool = False
     """Gradients accumulate unsharded over the step's backwards, reduced once at its end
-    (`parallelism.gradient_reduction` per_step with gradient accumulation or pipeline microbatches)."""
+    (`StepPolicy.reduce_once` with gradient accumulation or pipeline microbatches)."""
+    keep_gathers: bool = False
+    """Gathered weights are kept from the step's first forward to its last backward (`StepPolicy.keep_gathers`)."""
+    shard_ranks: int = 1
+    """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, dims: ParallelDims, backwards_per_step: int) -> Layout:
+    def from_config(
+        cls, cfg: JobConfig, dims: ParallelDims, backwards_per_step: int, policy: StepPolicy | None = None
+    ) -> Layout:
         """The layout the trainer builds: mixed precision comes with the data-parallel plan (every run but
-        pure tensor parallelism)."""
+        pure tensor parallelism); `policy` is the step's (`choose_step`), which matters only with several
+        backwards per step."""
         p, t = cfg.parallelism, cfg.training
         dp = dims.dp_enabled
+        several = dp and backwards_per_step > 1
+        policy = policy or StepPolicy()
         return cls(
             tp=dims.tp,
             dp_mode=dims.dp_mode if dp else None,
@@ -82,7 +111,9 @@ class Layout:
             ac_option=cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
-            unreduced_grads=dp and backwards_per_step > 1 and reduces_once(p),
+            unreduced_grads=several and policy.reduce_once,
+            keep_gathers=several and policy.keep_gathers,
+            shard_ranks=dims.dp_shard,
         )
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
@@ -107,10 +138,12 @@ class MemoryEstimate:
     reduce_buffer: int
     activations: int
     activation_parts: dict[str, int] = field(default_factory=dict)
+    reduce_transient: int = 0
+    """The once-per-step reduction's packing: one bucket (or the largest gradient) and its reduced shard."""
 
     @property
     def collective_buffers(self) -> int:
-        return self.gather_held + self.gather_in_flight + self.reduce_buffer
+        return self.gather_held + self.gather_in_flight + self.reduce_buffer + self.reduce_transient
 
     @property
     def total(self) -> int:
@@ -139,38 +172,53 @@ def gather_unit(fqn: str, units: Units, dp_impl: str) -> str:
     return units.unit_of(fqn) or ("root" if dp_impl == "fsdp2" else fqn)
 
 
-def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int]:
-    """(gathered weights held from forward to backward, gathers in flight, unreduced gradients) in bytes."""
+def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int, int]:
+    """(gathered weights held from forward to backward, gathers in flight, unreduced gradients, the
+    reduction's packing transient) in bytes."""
     if layout.dp_mode is None:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     gathered_bytes = layout.compute_dtype.itemsize
     model_units, units = units, {}
+    largest = 0
     for fqn, p in model.named_parameters():
         unit = gather_unit(fqn, model_units, layout.dp_impl)
         units[unit] = units.get(unit, 0) + gathered_numel(p)
+        largest = max(largest, gathered_numel(p))
     # The embedding's (the modules before the blocks) backward needs only the token ids: SimpleFSDP frees
     # its gathered weight after forward.
     kept = [u for u in units if not _under(u, model_units.before)]
-    if layout.dp_mode == "replicate":
+    replicate = layout.dp_mode == "replicate"
+    if replicate:
         # No gather: at most a cast of each full weight, kept for backward like an unresharded gather.
         if layout.compute_dtype == next(model.parameters()).dtype:
-            return 0, 0, 0
+            return 0, 0, 0, 0
         held = set(kept)
+    elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
+        held = set(units)  # kept for the step; FSDP2 under torch's pipeline stage: from the first backward on
     else:
         plan = ReshardPlan.of(layout.reshard, len(model_units.blocks))
         prefixes = plan.kept(model_units) + (() if plan.root else ("root",))
         held = {u for u in kept if _under(u, prefixes)}
+        if layout.dp_impl == "simple_fsdp":
+            # A fully checkpointed block saves only its input: its backward recomputes the gathers too.
+            indices = layout.blocks if layout.blocks is not None else range(len(model_units.blocks))
+            held -= {fqn for fqn, i in zip(model_units.blocks, indices) if layout.block_ac(i) == "full"}
     free = sorted((n for u, n in units.items() if u not in held), reverse=True)
     in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
+    transient = 0
     if layout.unreduced_grads:  # every gradient, unsharded, until the step's one reduction
-        reduce_elems = sum(units.values())
+        total = sum(units.values())
+        if layout.dp_impl == "fsdp2":  # accumulated in the reduce dtype; reduced unit by unit
+            sink_bytes = layout.reduce_dtype.itemsize
+            transient = max(units.values()) * sink_bytes
+        else:  # SimpleFSDP's sinks are fp32; one bucket (or one larger gradient) is packed at a time
+            sink_bytes = 4
+            bucket = max(min(REDUCE_BUCKET_BYTES, total * sink_bytes), largest * sink_bytes)
+            transient = bucket + (0 if replicate else bucket // layout.shard_ranks)
+        reduce_bytes = total * sink_bytes
     else:
-        reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
-    return (
-        sum(units[u] for u in held) * gathered_bytes,
-        in_flight * gathered_bytes,
-        reduce_elems * layout.reduce_dtype.itemsize,
-    )
+        reduce_bytes = 0 if replicate else max(units.values()) * layout.reduce_dtype.itemsize
+    return sum(units[u] for u in held) * gathered_bytes, in_flight * gathered_bytes, reduce_bytes, transient
 
 
 def _under(fqn: str, prefixes: tuple[str, ...]) -> bool:
@@ -183,7 +231,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     local = {fqn: local_tensor(p).numel() for fqn, p in model.named_parameters()}
     param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
     trainable = sum(local_tensor(p).nbytes for p in model.parameters() if p.requires_grad)
-    held, in_flight, reduce = _collective_buffers(model, units, layout)
+    held, in_flight, reduce, transient = _collective_buffers(model, units, layout)
     acts = dict(activations)
     peak = acts.pop("peak")
     acts.pop("held", None)
@@ -197,6 +245,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
         reduce_buffer=reduce,
         activations=peak,
         activation_parts=acts,
+        reduce_transient=transient,
     )
 
 
@@ -210,23 +259,76 @@ class StageMemory:
     held: int
 
 
-def pipeline_estimate(stages: list[StageMemory], in_flight: int, unreduced_grads: bool) -> MemoryEstimate:
-    """A pipeline rank's memory: its stages' model state and kept gathers add up; one gather and one
-    reduce-scatter are in flight at a time (the largest), unless the gradients stay unreduced until the
+def pipeline_estimate(stages: list[StageMemory], in_flight: int, layout: Layout) -> MemoryEstimate:
+    """A pipeline rank's memory: its stages' model state adds up; one gather, one reduce-scatter and one
+    packing transient are in flight at a time (the largest), unless the gradients stay unreduced until the
     step's end (`Layout.unreduced_grads`: every stage's add up); each stage holds the activations of `in_flight`
     microbatches waiting for backward, while one microbatch runs the largest backward peak above what it
-    had saved."""
+    had saved. Gathered weights held to backward are per microbatch in flight too (SimpleFSDP gathers a
+    copy per forward), unless they are kept for the step (one copy) or FSDP2's (one unsharded copy)."""
     es = [s.estimate for s in stages]
     parts = {f"stage {s.stage} saved x {in_flight} microbatches": in_flight * s.held for s in stages}
     parts["one microbatch's backward peak"] = max(s.estimate.activations - s.held for s in stages)
+    copies = 1 if layout.keep_gathers or layout.dp_impl == "fsdp2" else in_flight
     return MemoryEstimate(
         local_numel={k: v for e in es for k, v in e.local_numel.items()},
         params=sum(e.params for e in es),
         grads=sum(e.grads for e in es),
         optimizer=sum(e.optimizer for e in es),
-        gather_held=sum(e.gather_held for e in es),
+        gather_held=copies * sum(e.gather_held for e in es),
         gather_in_flight=max(e.gather_in_flight for e in es),
-        reduce_buffer=(sum if unreduced_grads else max)(e.reduce_buffer for e in es),
+        reduce_buffer=(sum if layout.unreduced_grads else max)(e.reduce_buffer for e in es),
         activations=sum(parts.values()),
         activation_parts=parts,
+        reduce_transient=max(e.reduce_transient for e in es),
     )
+
+
+_SHORT = {(True, True): "per_step + kept", (False, True): "per_microbatch + kept", (True, False): "per_step",
+          (False, False): "per_microbatch"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """The step policy chosen by `choose_step`, with the totals it was chosen from."""
+
+    policy: StepPolicy
+    candidates: tuple[StepPolicy, ...]
+    totals: tuple[int, ...]
+    """Per candidate: the largest estimated total over the ranks planned, in bytes (0: not estimated)."""
+    capacity: int
+    """Bytes of one GPU (or of one rank's share of the host's memory on CPU)."""
+    fixed: tuple[str, ...] = ()
+    """Why some choices were not the memory plan's (`step_candidates`)."""
+
+    def describe(self) -> str:
+        """The policy and why, for the trainer's `plan:` line and the dry run."""
+        why = list(self.fixed)
+        if len(self.candidates) > 1 and not any(self.totals):
+            why.append("no memory model for this model family: the policy that holds least")
+        elif len(self.candidates) > 1:
+            chosen = self.candidates.index(self.policy)
+            cap, margin = f"{self.capacity / GiB:.4g}", f"{COMFORT_FRACTION:.0%}"
+            fits = self.totals[chosen] <= COMFORT_FRACTION * self.capacity
+            memory = f"{self.totals[chosen] / GiB:.1f} of {cap} GiB" + ("" if fits else f", none fits in {margin}")
+            if chosen and fits:
+                over = zip(self.candidates[:chosen], self.totals[:chosen])
+                memory += f"; over {margin}: " + ", ".join(
+                    f"{_SHORT[c.reduce_once, c.keep_gathers]} {t / GiB:.1f} GiB" for c, t in over
+                )
+            why.append(f"auto, by the memory plan: {memory}")
+        return f"{self.policy.describe()} ({'; '.join(why)})" if why else self.policy.describe()
+
+
+def choose_step(
+    candidates: list[StepPolicy], totals: list[int], capacity: int, fixed: Sequence[str] = ()
+) -> StepChoice:
+    """The first candidate (`step_candidates` order: most collectives saved first) whose total is at most
+    `COMFORT_FRACTION` of `capacity`; if none is, the one that holds least. `totals` are per candidate,
+    the largest over the ranks (0 for all: no memory model, so the one listed last, which holds least)."""
+    if not any(totals):
+        pick = candidates[-1]
+    else:
+        least = candidates[totals.index(min(totals))]
+        pick = next((c for c, t in zip(candidates, totals) if t <= COMFORT_FRACTION * capacity), least)
+    return StepChoice(pick, tuple(candidates), tuple(totals), capacity, tuple(fixed))

@@ -45,17 +45,20 @@ def forward_backward(
     max_norm: float,
     device: torch.device,
     per_step_reduction: bool = True,
+    keep_gathers: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the rank's batch, clipped; returns (local mean loss, global grad norm).
 
     The loss of each microbatch is divided by their count, so the accumulated gradient is that of the
     mean over the rank's whole batch; SimpleFSDP/FSDP2 then average it over the data-parallel ranks.
-    With `per_step_reduction` they reduce once, after the last microbatch (`gradient_reduction`).
+    With `per_step_reduction` they reduce once, after the last microbatch; with `keep_gathers` the
+    weights are gathered once for all microbatches (`gradient_reduction.StepPolicy`).
     The optimizer step is separate so the caller can skip it (non-finite loss, preemption).
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    with reduce_once(model, per_step_reduction and len(batches) > 1) as before_backward:
+    several = len(batches) > 1
+    with reduce_once(model, per_step_reduction and several, keep=keep_gathers and several) as before_backward:
         for i, (inputs, labels) in enumerate(batches):
             with loss_context(use_loss_parallel):
                 loss = forward_loss(model, inputs, labels, loss_fn, device) / len(batches)

@@ -22,8 +22,7 @@ from titanlite.build import (
     RunPlan,
     apply_train_timeout,
     build_loader,
-    build_model,
-    build_pipeline,
+    build_training,
     describe_shape,
     init_device,
     init_distributed,
@@ -35,7 +34,6 @@ from titanlite.config import JobConfig
 from titanlite.errors import TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.gradient_reduction import reduces_once
 from titanlite.profiling import Profiler
 from titanlite.resilience import Preemption, StepVerdict, agree, inject_before_step, nan_injection
 from titanlite.step import cross_entropy_loss, forward_backward
@@ -81,8 +79,6 @@ class Trainer:
         self.plan = plan or RunPlan.build(cfg, self.world_size)
         self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
-        self.reduce_once = reduces_once(cfg.parallelism)
-        """Whether a step of several backwards reduces each gradient once (`gradient_reduction`, resolved)."""
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         dp_rank = self.dims.dp_rank_of(self.rank)
@@ -92,8 +88,13 @@ class Trainer:
         self._owns_process_group = not dist.is_initialized()
         init_distributed(cfg, self.device)
         # With pipeline parallelism the model is this rank's stages (one module with the model's names).
-        self.pipeline = build_pipeline(self.plan, self.device) if self.dims.pp_enabled else None
-        self.model = self.pipeline.model if self.pipeline else build_model(self.plan, self.device)
+        training = build_training(self.plan, self.device)
+        self.pipeline, self.model = training.pipeline, training.model
+        self.step_choice = training.step
+        """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
+        several = self.dims.dp_enabled and self.plan.backwards_per_step > 1
+        self.reduce_once = several and self.step_choice.policy.reduce_once
+        self.keep_gathers = several and self.step_choice.policy.keep_gathers
         self.model.train()
         n_params = self.model_args.num_params()
         logger.info(
@@ -151,19 +152,20 @@ class Trainer:
             else "float32 (no data-parallel plan)"
         )
         backwards = self.plan.backwards_per_step
+        step = ""
         if self.dims.dp_enabled and backwards > 1:
-            when = "once per step" if self.reduce_once else "in every backward"
             fsdp2_pp = self.pipeline is not None and self.cfg.parallelism.dp_impl == "fsdp2"
             if self.reduce_once and fsdp2_pp and self.grad_accum > 1:
-                when = "once per schedule step (torch's pipeline stage)"
-            precision += f"; gradients reduced {when} ({backwards} backwards)"
-        return f"AC {ac_text}; {compiled}; {precision}"
+                step = "; reduced once per schedule step (torch's pipeline stage)"
+            step = f"; step of {backwards} backwards: {self.step_choice.describe()}{step}"
+        return f"AC {ac_text}; {compiled}; {precision}{step}"
 
     # --- set-up helpers ---------------------------------------------------------------------------------
 
     def _set_train_timeout(self) -> None:
-        """After the first step (which includes compilation), a dead peer must surface within the train
-        timeout, on every process group the step uses."""
+        """After the first step this process runs (which includes compilation; step 1, or the first after
+        a resume or an elastic restart), a dead peer must surface within the train timeout, on every
+        process group the step uses."""
         apply_train_timeout(self.cfg, self.dims)
 
     @staticmethod
@@ -187,7 +189,13 @@ class Trainer:
             loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
         if self.pipeline is not None:
             loss, grad_norm = self.pipeline.forward_backward(
-                self.optimizer, batches, loss_fn, self.dims.loss_parallel, self.cfg.training.max_norm, self.reduce_once
+                self.optimizer,
+                batches,
+                loss_fn,
+                self.dims.loss_parallel,
+                self.cfg.training.max_norm,
+                self.reduce_once,
+                self.keep_gathers,
             )
         else:
             loss, grad_norm = forward_backward(
@@ -199,6 +207,7 @@ class Trainer:
                 self.cfg.training.max_norm,
                 self.device,
                 self.reduce_once,
+                self.keep_gathers,
             )
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted
@@ -237,6 +246,7 @@ class Trainer:
         tokens_per_step = self.plan.tokens_per_gpu_step
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         self.metrics.begin(self.step, cfg.steps)
+        first_step = self.step + 1  # of this process: after a resume or a restart too
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1
@@ -247,7 +257,7 @@ class Trainer:
                 self.train_step(batches)
                 profiler.step()
                 window_steps += 1
-                if self.step == 1:
+                if self.step == first_step:
                     self._set_train_timeout()
                 log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
                 if log_now or self.preempted:

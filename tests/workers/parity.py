@@ -12,6 +12,8 @@ lists reference parameters no rank held).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -20,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,7 +95,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     p.data_parallel_shard_degree = case.get("shard", -1)
     p.tensor_parallel_degree = case.get("tp", 1)
     p.dp_impl = case.get("dp_impl", "simple_fsdp")
-    p.fsdp_reshard_after_forward = case.get("reshard", "default")
+    p.fsdp_reshard_after_forward = case.get("reshard", "auto")
     p.gradient_reduction = case.get("reduction", "auto")
     p.pipeline_parallel_degree = case.get("pp", 1)
     p.pipeline_parallel_schedule = case.get("schedule", "1F1B")
@@ -122,10 +125,13 @@ def run(case: dict, dump: str, batches):
     r = dims.dp_rank_of(dist.get_rank())
     rank_slice = slice(0, per) if case.get("corrupt") else slice(r * per, (r + 1) * per)
     losses, first = [], None
-    for x, y in batches:
+    gathers = CountGathers()
+    for i, (x, y) in enumerate(batches):
         x, y = x[rank_slice], y[rank_slice]
         micro = list(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)))
-        loss, _ = trainer.train_step(micro)
+        # The last step's all-gathers are counted (eager only: no dispatch mode inside compiled code).
+        with gathers if i == len(batches) - 1 and not cfg.compile.enable else contextlib.nullcontext():
+            loss, _ = trainer.train_step(micro)
         losses.append(trainer.verdict.loss)
         first = first or snapshot(trainer.model)
     before = group_timeouts(dims)
@@ -133,8 +139,22 @@ def run(case: dict, dump: str, batches):
     timeouts = {"before": before, "after": group_timeouts(dims)}
     # Gradients went through SimpleFSDP's once-per-step path: its gathers made gradient sinks.
     unreduced = any(getattr(m, "sink", None) is not None for m in trainer.model.modules())
+    step = dict(policy=dataclasses.asdict(trainer.step_choice.policy), all_gathers=gathers.count)
     trainer.close()
-    return losses, *first, timeouts, unreduced
+    return losses, *first, timeouts, unreduced, step
+
+
+class CountGathers(TorchDispatchMode):
+    """All-gathers issued while active: SimpleFSDP's functional ones and FSDP2's process-group ones."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "c10d") and "all_gather" in func.__name__.replace(
+            "allgather", "all_gather"
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def case_args(case: dict):
@@ -166,22 +186,24 @@ def main() -> None:
         r_losses, r_grads, r_params = refs[args.n_layers]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         start = time.perf_counter()
-        losses, grads, params, timeouts, unreduced = run(case, dump, batches)
+        losses, grads, params, timeouts, unreduced, step = run(case, dump, batches)
         seconds = time.perf_counter() - start
         (grad_abs, names), (param_abs, _) = max_diffs(grads, r_grads), max_diffs(params, r_params)
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (grad_abs, param_abs, names))
+        dist.all_gather_object(every, (grad_abs, param_abs, names, step["all_gathers"]))
         rec = dict(
             case=case,
             losses=losses,
             ref_losses=r_losses,
             timeouts=timeouts,
             unreduced=unreduced,
+            step=step,
             seconds=seconds,
             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
-            grad_abs=max(g for g, _, _ in every),
-            param_abs=max(p for _, p, _ in every),
-            missing=sorted(set(r_grads) - set().union(*(n for _, _, n in every))),
+            grad_abs=max(g for g, _, _, _ in every),
+            param_abs=max(p for _, p, _, _ in every),
+            missing=sorted(set(r_grads) - set().union(*(n for _, _, n, _ in every))),
+            all_gathers=[n for _, _, _, n in every],
         )
         report = os.path.join(dump, "compile_report.json")
         if dist.get_rank() == 0 and os.path.exists(report):

@@ -1,42 +1,99 @@
-"""When gradients are reduced in a step of several backwards: in each of them, or once at the end.
+"""What a step of several backwards does with gradients and gathered weights, across its backwards.
 
 A step runs one backward per microbatch: the gradient-accumulation batches, or a pipeline schedule's
-microbatches. `parallelism.gradient_reduction` says what each data-parallel implementation does then:
+microbatches. Two choices (`StepPolicy`), each trading memory held for the step against collectives:
 
-    per_microbatch  every backward reduces every gradient (reduce-scatter; all-reduce for replicate):
-                    k reductions per step, and only sharded gradients are ever held
-    per_step        backwards accumulate each gradient unsharded on the rank; one reduction per parameter
-                    after the last backward (SimpleFSDP: `simple_fsdp.unreduced`; FSDP2: gradient sync
-                    off for all but the last backward). Costs the rank's unsharded gradients in the
-                    reduce dtype for the step; saves (k - 1) reductions of every gradient
+    gradients (`parallelism.gradient_reduction`)
+      per_microbatch  every backward reduces every gradient (reduce-scatter; all-reduce for replicate):
+                      k reductions per step, and only sharded gradients are ever held
+      per_step        backwards accumulate each gradient unsharded on the rank; one reduction per parameter
+                      after the last backward (SimpleFSDP: `simple_fsdp.unreduced`, fp32 sinks; FSDP2:
+                      gradient sync off for all but the last backward, in the reduce dtype). Saves
+                      (k - 1) reductions of every gradient
+    gathered weights (`parallelism.fsdp_reshard_after_forward`)
+      kept            the first forward's all-gathers serve every microbatch until the last backward
+                      (`kept_gathers`): one all-gather per parameter per step, the rank's gathered
+                      weights held for the step
+      regathered      every forward gathers again (and backward too, for the blocks resharded after forward)
 
-Under pipeline parallelism torch's pipeline stage already does `per_step` for FSDP2 itself, once per
-schedule step (its microbatches; with several accumulation batches per step, once per batch), so there
-only SimpleFSDP is handled here; config validation refuses `per_microbatch` for FSDP2 with PP rather than
-ignore it. A zero-bubble schedule differentiates the parameters themselves in its weight backward, so
-SimpleFSDP reduces per microbatch there (`auto`; `per_step` is refused).
+`step_candidates` lists what the config allows, most collectives saved first; `auto` settings leave
+the choice to the memory plan (`memory_plan.choose_step`), which takes the first that fits comfortably.
+
+Under pipeline parallelism torch's pipeline stage already handles FSDP2 itself (gradient sync and
+resharding after backward off for all but the schedule step's last backward: per_step, once per
+schedule step), so there only SimpleFSDP is handled here; config validation refuses `per_microbatch`
+for FSDP2 with PP rather than ignore it. A zero-bubble schedule differentiates the parameters
+themselves in its weight backward, so SimpleFSDP reduces per microbatch there (`auto`; `per_step` is
+refused). Compiled SimpleFSDP blocks gather inside their graphs: their weights are not kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from titanlite.config import SPLIT_BACKWARD_SCHEDULES, Parallelism
+from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
+from titanlite.parallelisms.kept_gathers import kept_gathers
 from titanlite.parallelisms.simple_fsdp import unreduced
 
 
-def reduces_once(p: Parallelism) -> bool:
-    """Whether `parallelism.gradient_reduction` (`auto` resolved) reduces once per step. SimpleFSDP's
-    once-per-step path routes gradients around the parameters, which a zero-bubble schedule's weight
-    backward (`autograd.grad` of the parameters) would then not find: `auto` reduces per microbatch there."""
+@dataclass(frozen=True)
+class StepPolicy:
+    """What a step of several backwards holds across them; one per run (`memory_plan.choose_step`)."""
+
+    reduce_once: bool = False
+    """Gradients accumulate unsharded and are reduced once, after the step's last backward (per_step)."""
+    keep_gathers: bool = False
+    """Weights gathered by the step's first forward are kept until its last backward."""
+
+    def describe(self) -> str:
+        reduce = "per_step" if self.reduce_once else "per_microbatch"
+        gathers = "kept for the step" if self.keep_gathers else "gathered again per microbatch"
+        return f"gradient reduction {reduce}, weights {gathers}"
+
+
+def step_candidates(cfg: JobConfig, dp_mode: str | None, backwards: int) -> tuple[list[StepPolicy], list[str]]:
+    """The policies `cfg` allows for a step of `backwards` backwards under data-parallel mode `dp_mode`
+    (None: no data parallelism), most collectives saved first: kept weights before regathered ones
+    (they cost the compute dtype, unreduced gradients fp32), then per_step before per_microbatch; and
+    why a choice is fixed, in words.
+
+    Explicit settings are honoured: `gradient_reduction` per_step / per_microbatch fixes the reduction;
+    `fsdp_reshard_after_forward` `default` / `always` regathers, `never` keeps (it holds every gathered
+    weight from forward to backward already; keeping them between microbatches adds no peak)."""
+    if dp_mode is None or backwards <= 1:
+        return [StepPolicy()], []
+    p = cfg.parallelism
+    simple = p.dp_impl == "simple_fsdp"
+    pipelined = p.pipeline_parallel_degree > 1
+    why = []
     if p.gradient_reduction != "auto":
-        return p.gradient_reduction == "per_step"
-    split = p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
-    return not (split and p.dp_impl == "simple_fsdp")
+        reduce = [p.gradient_reduction == "per_step"]
+        why.append(f"gradient_reduction = {p.gradient_reduction}")
+    elif pipelined and simple and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        reduce = [False]
+        why.append(f"the {p.pipeline_parallel_schedule} weight backward needs the parameters in the graph")
+    elif pipelined and not simple:
+        reduce = [True]
+        why.append("torch's pipeline stage reduces FSDP2 once per schedule step")
+    else:
+        reduce = [True, False]
+    compiled_gathers = simple and cfg.compile.enable and "model" in cfg.compile.components
+    if dp_mode == "replicate":
+        keep = [False]
+    elif compiled_gathers:
+        keep = [False]
+        why.append("compiled SimpleFSDP blocks gather inside their graphs")
+    elif p.fsdp_reshard_after_forward == "auto":
+        keep = [True, False]
+    else:
+        keep = [p.fsdp_reshard_after_forward == "never"]
+        why.append(f"fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward}")
+    return [StepPolicy(r, k) for k in keep for r in reduce], why
 
 
 def _noop(last: bool) -> None:
@@ -44,26 +101,35 @@ def _noop(last: bool) -> None:
 
 
 @contextlib.contextmanager
-def reduce_once(model: nn.Module, enabled: bool, pipelined: bool = False) -> Iterator[Callable[[bool], None]]:
+def reduce_once(
+    model: nn.Module, enabled: bool, pipelined: bool = False, keep: bool = False
+) -> Iterator[Callable[[bool], None]]:
     """The backwards of one step run inside; call the yielded `before_backward(last)` before each.
 
     With `enabled` (per_step and more than one backward), gradients are reduced once per parameter:
-    by the last backward (FSDP2) or on leaving (SimpleFSDP). `pipelined`: the backwards are a pipeline
-    schedule's, where torch's stage handles FSDP2 itself.
+    by the last backward (FSDP2) or on leaving (SimpleFSDP). With `keep` (kept gathers and more than one
+    backward; the model was built with `kept_gathers.keep_for_step`), weights are gathered once: FSDP2
+    reshards after the last backward only, SimpleFSDP gathers through the step's cache, freed on leaving
+    before the reduction. `pipelined`: the backwards are a pipeline schedule's, where torch's stage
+    handles FSDP2 itself.
     """
     fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not enabled or (fsdp2 and pipelined):
+    if fsdp2 and (pipelined or not (enabled or keep)):
         yield _noop
     elif fsdp2:
-        root = fsdp2[0]  # model.modules() starts at the root; its setter recurses into every block
+        root = fsdp2[0]  # model.modules() starts at the root; its setters recurse into every block
 
         def before_backward(last: bool) -> None:
-            root.set_requires_gradient_sync(last)
+            if enabled:
+                root.set_requires_gradient_sync(last)
+            if keep:
+                root.set_reshard_after_backward(last)
 
         try:
             yield before_backward
         finally:
             root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
     else:
-        with unreduced(model):
+        with unreduced(model) if enabled else contextlib.nullcontext(), kept_gathers(model, keep):
             yield _noop

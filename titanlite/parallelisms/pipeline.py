@@ -21,11 +21,12 @@ without PP); the first stage feeds the tokens and the last stage the labels, the
 The step runs the schedule once per gradient-accumulation batch. Each microbatch's loss is the mean
 cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
 mean over the rank's batch, as `step.forward_backward` computes it without PP (torch's own division of
-the gradients, `scale_grads`, is off). With `parallelism.gradient_reduction = per_step` the gradients
-are reduced once per step, after every schedule step's backwards (`gradient_reduction`; for FSDP2,
-torch's stage reduces once per schedule step itself). The last stage's loss is summed over the pipeline group so every
-rank reports it, and the gradient norm for clipping sums every stage's squared norm over the pipeline
-group.
+the gradients, `scale_grads`, is off). The step's policy (`gradient_reduction.StepPolicy`, chosen from
+the memory plan) spans all of its microbatches: gradients reduced once per step, after every schedule
+step's backwards (for FSDP2, torch's stage reduces once per schedule step itself), and the weights the
+first microbatch gathered kept for the others (`kept_gathers`). The last stage's loss is summed over the
+pipeline group so every rank reports it, and the gradient norm for clipping sums every stage's squared
+norm over the pipeline group.
 """
 
 from __future__ import annotations
@@ -260,18 +261,22 @@ class Pipeline:
         use_loss_parallel: bool,
         max_norm: float,
         per_step_reduction: bool = True,
+        keep_gathers: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
-        replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`."""
+        replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`.
+        `per_step_reduction` and `keep_gathers` are the step's policy (`gradient_reduction.StepPolicy`)."""
         optimizer.zero_grad(set_to_none=True)
         backwards = self.plan.microbatches * len(batches)
         self._loss_fn, self._loss_scale = loss_fn, backwards
         total = torch.zeros((), device=self.device)
-        with reduce_once(self.model, per_step_reduction and backwards > 1, pipelined=True):
+        several = backwards > 1
+        with reduce_once(self.model, per_step_reduction and several, pipelined=True, keep=keep_gathers and several):
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
-                args = (inputs.to(self.device),) if self.has_first else ()
-                target = labels.to(self.device) if self.has_last else None
+                # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
+                args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+                target = labels.to(self.device, non_blocking=True) if self.has_last else None
                 with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
                     self.schedule.step(
                         *args, target=target, losses=losses if self.has_last else None, return_outputs=False

@@ -6,6 +6,8 @@ One policy (`parallelism.fsdp_reshard_after_forward`) for every implementation:
               freeing its weights would only buy an immediate re-gather); the root modules keep theirs
     always    every block and every root module
     never     nothing: gathered weights live from forward to backward (more memory, fewer gathers)
+    auto      as default here; with several backwards per step the step policy may instead keep every
+              gathered weight for the whole step (`gradient_reduction.StepPolicy`, `kept_gathers`)
 
 Pure replication gathers nothing, so nothing is resharded. The plan is read by SimpleFSDP eager
 (saved-tensor hooks, `simple_fsdp.apply_reshard`), SimpleFSDP compiled (recompute tags,

@@ -73,6 +73,8 @@ class ReplicateComputation(nn.Module):
         self.reshard_after_forward = False
         self.sink: torch.Tensor | None = None
         """Gradient accumulation leaf of `unreduced()` mode (zero strides: one element of storage)."""
+        self.step_cache: Any = None
+        """Set inside `kept_gathers.kept_gathers`: makes this gather once per step and hands it out."""
 
     def _gather_local(self, x: DTensor) -> torch.Tensor:
         """The dp all-gather of `x` as a plain tensor (under TP: this tp rank's full shard)."""
@@ -118,6 +120,8 @@ class ReplicateComputation(nn.Module):
         self.sink = sink.zero_().requires_grad_()
 
     def forward(self, x: DTensor) -> torch.Tensor:
+        if self.step_cache is not None:
+            return self.step_cache(self, x)
         if _UNREDUCED and x.requires_grad and torch.is_grad_enabled():
             out = self.gather_unreduced(x)
         else:

@@ -9,8 +9,11 @@ model as the trainer does (`build.build_model`) on the meta device, with the mod
 plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
 reports per GPU what
 `titanlite.memory_plan` estimates from the sharded parameters: model state, collective buffers,
-activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. Nothing of model
-size is ever allocated: 405B on 512 ranks plans in seconds.
+activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. With several
+backwards per step it chooses the step's policy as the trainer does (`build.choose_step_policy`: gradients
+reduced per step or per microbatch, gathered weights kept for the step or not), reports it with the
+totals it was chosen from, and plans that policy's memory. Nothing of model size is ever allocated: 405B
+on 512 ranks plans in seconds.
 
 With pipeline parallelism every pipeline rank is planned (one rank of each, as its own fake rank): its
 stages' model state, collective buffers (all its unreduced gradients when they are reduced once per
@@ -49,19 +52,16 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite.build import RunPlan, build_model, model_args
+from titanlite.build import RunPlan, build_model, choose_step_policy, model_args, rank_estimate, step_layout
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, run_cli
-from titanlite.memory_plan import GiB, Layout, MemoryEstimate, StageMemory, estimate, pipeline_estimate
+from titanlite.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile import REPORT_NAME
 from titanlite.parallelisms.pipeline import StageUnion
 from titanlite.step import cross_entropy_loss
-
-# Above this share of the GPU the CUDA context, NCCL buffers and allocator fragmentation may not fit.
-TIGHT_FRACTION = 0.9
 
 
 @dataclass
@@ -77,6 +77,8 @@ class DryRun:
     notes: list[str]
     pipeline_ranks: list[MemoryEstimate] = dataclasses.field(default_factory=list)
     """Under PP, the estimate of every pipeline rank (index = pipeline rank); empty without PP."""
+    step: StepChoice | None = None
+    """The step policy, chosen as the trainer chooses it (`build.choose_step_policy`)."""
 
     @property
     def capacity(self) -> int:
@@ -128,49 +130,36 @@ def dry_run(cfg: JobConfig) -> DryRun:
     if cfg.comm.fake_gpu_memory_gib <= 0:
         raise ConfigError(f"config key 'comm.fake_gpu_memory_gib' must be positive, got {cfg.comm.fake_gpu_memory_gib}")
     plan, notes = build_run_plan(cfg, world_size)
-    layout = Layout.from_config(cfg, plan.dims, plan.backwards_per_step)
     if not plan.dims.dp_enabled:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
     if plan.spec.activation_bytes is None:
         raise ConfigError(f"model {plan.spec.name!r} has no activation model: the dry run cannot plan it")
-    pipeline_ranks: list[MemoryEstimate] = []
-    if plan.pipeline is None:
-        with fake_process_group(rank, world_size):
-            model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
-            acts = plan.spec.activation_bytes(plan.model_args, layout)
-            memory = estimate(model, plan.spec.units(model), acts, layout)
-    else:
-        pp_rank, per_pp = plan.dims.pp_rank_of(rank), world_size // plan.pipeline.degree
-        for r in range(plan.pipeline.degree):
-            # Each pipeline rank is built as one of its own ranks (same dp/tp coordinates as `rank`).
-            r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
-            r_model, r_memory = plan_pipeline_rank(r_plan, layout, rank % per_pp + r * per_pp, world_size)
-            pipeline_ranks.append(r_memory)
-            if r == pp_rank:
-                model, memory = r_model, r_memory
+    # Every pipeline rank (one without PP) built on the meta device as one of its own ranks, with the same
+    # dp/tp coordinates as `rank`; its parallelized modules, by pipeline rank.
+    per_pp = world_size // plan.pipeline.degree if plan.pipeline is not None else world_size
+    pp_rank, ranks = plan.dims.pp_rank_of(rank), {}
+    for r in range(plan.pipeline.degree if plan.pipeline is not None else 1):
+        r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
+        ranks[r] = build_rank(r_plan, rank % per_pp + r * per_pp, world_size)
+    step = choose_step_policy(plan, ranks, int(cfg.comm.fake_gpu_memory_gib * GiB))
+    layout = step_layout(plan, step.policy)
+    estimates = {r: rank_estimate(plan, parts, layout, r) for r, parts in ranks.items()}
+    parts = list(ranks[pp_rank].values())
+    model = parts[0] if len(parts) == 1 else StageUnion(parts)
     if layout.ac_mode == "selective" and layout.ac_option in OP_OPTIONS:
         notes.append(selective_op_note(plan, layout))
-    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes, pipeline_ranks)
+    pipeline_ranks = list(estimates.values()) if plan.pipeline is not None else []
+    return DryRun(cfg, plan, world_size, rank, model, layout, estimates[pp_rank], notes, pipeline_ranks, step)
 
 
-def plan_pipeline_rank(plan: RunPlan, layout: Layout, rank: int, world_size: int) -> tuple[nn.Module, MemoryEstimate]:
-    """The stages global `rank` runs, built on the meta device as `build.build_pipeline` builds them, and
-    its memory: each stage estimated for one microbatch, combined with the schedule's microbatches in
-    flight on this pipeline rank."""
-    sp = plan.pipeline
-    assert sp is not None and plan.spec.activation_bytes is not None
-    pp_rank = plan.dims.pp_rank_of(rank)
-    microbatch = plan.cfg.parallelism.pipeline_parallel_microbatch_size
-    parts, stages = {}, []
+def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn.Module]:
+    """What global `rank` runs, built on the meta device on a fake process group as the trainer builds it
+    (`build.build_training`): its model ({None: model}) or its pipeline stages ({stage: module})."""
     with fake_process_group(rank, world_size):
-        for s in sp.stages_of(pp_rank):
-            parts[s] = build_model(plan, torch.device("meta"), mesh_device_type="cpu", stage=s)
-            stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
-            acts = plan.spec.activation_bytes(plan.model_args, stage_layout)
-            one = estimate(parts[s], plan.spec.units(parts[s]), acts, stage_layout)
-            stages.append(StageMemory(s, one, acts["held"]))
-    model = next(iter(parts.values())) if len(parts) == 1 else StageUnion(list(parts.values()))
-    return model, pipeline_estimate(stages, sp.in_flight(pp_rank), layout.unreduced_grads)
+        if plan.pipeline is None:
+            return {None: build_model(plan, torch.device("meta"), mesh_device_type="cpu")}
+        stages = plan.pipeline.stages_of(plan.dims.pp_rank_of(rank))
+        return {s: build_model(plan, torch.device("meta"), mesh_device_type="cpu", stage=s) for s in stages}
 
 
 def selective_op_note(plan: RunPlan, layout: Layout) -> str:
@@ -233,11 +222,26 @@ def format_report(r: DryRun) -> str:
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
     per_gpu = t.local_batch_size * t.seq_len * plan.grad_accum
     root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
+    # SimpleFSDP's fully checkpointed blocks hold nothing: their recompute gathers again.
+    blocks_held = lay.dp_impl == "fsdp2" or lay.ac_mode != "full"
+    if plan.pipeline is not None:
+        default = f"each stage's last block (+ {root} on the last)" if blocks_held else f"{root} on the last stage"
+    else:
+        default = f"last block + {root}" if blocks_held else root
     held = {
-        "never": "all but the embedding" if lay.dp_impl != "fsdp2" else "all",
-        "default": f"each stage's last block (+ {root} on the last)" if plan.pipeline else f"last block + {root}",
+        "never": "all" if lay.dp_impl == "fsdp2" else "all but the embedding" if blocks_held else root,
+        "default": default,
+        "auto": default,
         "always": "none",
     }
+    held_text = held[lay.reshard]
+    if lay.keep_gathers:
+        held_text = "all, kept for the step"
+    elif plan.pipeline is not None and lay.dp_impl == "fsdp2":
+        held_text = "all from their first backward (torch's pipeline stage)"
+    elif plan.pipeline is not None and held_text not in ("none",):
+        held_text += f", a copy per microbatch in flight ({plan.pipeline.in_flight(plan.dims.pp_rank_of(r.rank))})"
+    sink_dtype = lay.reduce_dtype if lay.dp_impl == "fsdp2" else torch.float32
     rows = [
         ("parameters", m.params, f"fp32, {sum(m.local_numel.values()):,} local elements"),
         ("gradients", m.grads, "fp32"),
@@ -246,22 +250,30 @@ def format_report(r: DryRun) -> str:
     if lay.dp_mode:
         rows += [
             (
-                "gathered weights held fwd->bwd",
+                "gathered weights kept for the step" if lay.keep_gathers else "gathered weights held fwd->bwd",
                 m.gather_held,
-                f"{held.get(lay.reshard, lay.reshard)}, {_dtype(lay.compute_dtype)}",
+                f"{held_text}, {_dtype(lay.compute_dtype)}",
             ),
             (
                 "gathers in flight",
                 m.gather_in_flight,
-                "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)",
+                "none: all kept"
+                if lay.keep_gathers
+                else "two units (FSDP2 prefetch)"
+                if lay.dp_impl == "fsdp2"
+                else "largest unit (a block or the output)",
             ),
             (
                 "unreduced gradients" if lay.unreduced_grads else "reduce-scatter input",
                 m.reduce_buffer,
-                ("all, reduced once per step" if lay.unreduced_grads else "largest unit")
-                + f", {_dtype(lay.reduce_dtype)}",
+                f"all, reduced once per step, {_dtype(sink_dtype)}"
+                if lay.unreduced_grads
+                else f"largest unit, {_dtype(lay.reduce_dtype)}",
             ),
         ]
+        if m.reduce_transient:
+            packing = "largest unit" if lay.dp_impl == "fsdp2" else "one bucket (or the largest gradient) + its shard"
+            rows.append(("reduction packing", m.reduce_transient, packing))
     rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
     rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
     lines = [
@@ -277,6 +289,8 @@ def format_report(r: DryRun) -> str:
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
         *(f"  note: {n}" for n in r.notes),
     ]
+    if r.step is not None and plan.dims.dp_enabled and plan.backwards_per_step > 1:
+        lines.append(f"  step of {plan.backwards_per_step} backwards: {r.step.describe()}")
     sp, who = plan.pipeline, ""
     if sp is not None:
         pp_rank = plan.dims.pp_rank_of(r.rank)
@@ -315,7 +329,7 @@ def format_report(r: DryRun) -> str:
             f"(params {peak.params / GiB:.1f} + grads {peak.grads / GiB:.1f} + optimizer {peak.optimizer / GiB:.1f} "
             f"+ buffers {peak.collective_buffers / GiB:.1f} + activations {peak.activations / GiB:.1f})"
         )
-    elif share > TIGHT_FRACTION:
+    elif share > COMFORT_FRACTION:
         lines.append(
             f"fits, tight: {peak.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU{where} "
             f"({share:.0%}); the CUDA context, NCCL buffers and fragmentation need some of the rest"
