@@ -349,6 +349,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` without `--nproc N` / `--nproc=N` (the launcher's setting, not the workers')."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str]) -> int:
     args, overrides = parse(argv)
     if "LOCAL_RANK" in os.environ:
@@ -367,7 +380,7 @@ def main(argv: list[str]) -> int:
         "--local-ranks-filter",
         "0",
         __file__,
-        *argv,
+        *without_nproc(argv),  # torchrun's parser would take `--nproc` for its own (ambiguous) option
     ]
     return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
