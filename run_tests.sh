@@ -2,12 +2,13 @@
 # Runs the style and architecture checks (ruff, import-linter), then the test suite (set-up included on
 # a fresh machine). Extra arguments go to pytest, e.g. ./run_tests.sh -m "not slow" for the fast tier.
 set -euo pipefail
-# The tests also drive transformers as a real client of the Hugging Face export: the `hf` extra.
+# The dev tools, and transformers as a real client of the Hugging Face export (`hf`), W&B's client (`wandb`).
 TITANLITE_EXTRAS=dev,hf,wandb
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 cd "$TITANLITE_ROOT"
-BIN=$(dirname "$PYTHON")
-"$BIN/ruff" check --quiet .
-"$BIN/ruff" format --check --quiet .
-"$BIN/lint-imports" --no-cache >/dev/null || "$BIN/lint-imports" --no-cache
+# As modules: in an existing environment the tools may live in .deps/, whose scripts are not on PATH.
+"$PYTHON" -m ruff check --quiet .
+"$PYTHON" -m ruff format --check --quiet .
+LINT=(-c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())' --no-cache)
+"$PYTHON" "${LINT[@]}" >/dev/null || "$PYTHON" "${LINT[@]}"
 exec "$PYTHON" -m pytest "$@"

@@ -15,7 +15,10 @@
 #
 # Environment:
 #   NGPU         processes per node (default: the CUDA GPUs torch sees, honouring CUDA_VISIBLE_DEVICES;
-#                without any, 2 CPU processes)
+#                without any, 2 CPU processes). Where the node has GPUs (nvidia-smi, SLURM) that torch
+#                cannot use, nothing starts: one line, exit code 2
+#   TITANLITE_DEVICE=cpu   train on CPU on purpose, also on a GPU node (the GPUs are hidden from the ranks)
+#   NUMA_BINDING torch's --numa-binding for the ranks (node, socket, exclusive, core-complex; default none)
 #   NNODES       number of nodes (default 1); NODE_RANK is implied by torchrun's c10d rendezvous
 #   RDZV_ENDPOINT / MASTER_ADDR:MASTER_PORT   rendezvous host:port for multi-node (default localhost:29500)
 #   RDZV_ID      job id shared by all nodes (default titanlite)
@@ -28,34 +31,28 @@ source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
 ARGS=()
 DRY_RUN=0
+# The environment and the command line are input too: one line and exit code 2 before anything starts.
+bad_env() { echo "titanlite: error: $1" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --config) CONFIG="$2"; shift 2 ;;
-    --config=*) CONFIG="${1#--config=}"; shift ;;
+    --config) [ $# -ge 2 ] && [ -n "$2" ] && [[ "$2" != --* ]] || bad_env "--config needs a TOML file"
+              CONFIG="$2"; shift 2 ;;
+    --config=*) CONFIG="${1#--config=}"; [ -n "$CONFIG" ] || bad_env "--config needs a TOML file"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) exec "$PYTHON" -m titanlite.config --help ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
 
+# A folder is not a config (the loader reports a missing file itself, in one line).
+[ -d "$CONFIG" ] && bad_env "--config $CONFIG is a folder; give a TOML file such as train_configs/debug_model.toml"
+
 # NGPU given by the user; a dry run plans for it (x NNODES) instead of the config's comm.fake_world_size.
 GIVEN_NGPU=${NGPU:-}
-if [ -z "${NGPU:-}" ]; then
-  # What torch sees (CUDA_VISIBLE_DEVICES, MIG), not nvidia-smi's lines: titanlite/tools/visible_gpus.py.
-  NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus)
-  if [ "$NGPU" = 0 ]; then
-    if [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-      echo "titanlite: warning: nvidia-smi lists GPUs but torch sees none (a torch without CUDA?): starting 2 CPU processes" >&2
-    fi
-    NGPU=2
-  fi
-fi
+[ -z "$GIVEN_NGPU" ] || [[ "$GIVEN_NGPU" =~ ^[1-9][0-9]*$ ]] \
+  || bad_env "NGPU must be a positive integer (processes per node), got '$GIVEN_NGPU'"
 NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
-
-# The environment is input too: one line and exit code 2 before anything starts.
-bad_env() { echo "titanlite: error: $1" >&2; exit 2; }
-[[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || bad_env "NGPU must be a positive integer (processes per node), got '$NGPU'"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || bad_env "NNODES must be a positive integer, got '$NNODES'"
 [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || bad_env "LOG_RANK must be comma-separated local ranks such as 0,1, got '$LOG_RANK'"
 [[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || bad_env "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
@@ -67,6 +64,14 @@ if [ "$DRY_RUN" = 0 ] && { grep -qs fake_backend "$CONFIG" || [[ "${ARGS[*]-}" =
            --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" 2>/dev/null || true)
   [ "$MODE" = fake_backend ] && DRY_RUN=1
 fi
+# Ranks per node: NGPU, else the CUDA GPUs torch sees (CUDA_VISIBLE_DEVICES, MIG; not nvidia-smi's lines),
+# else 2 CPU processes. A launch refuses a node whose GPUs torch cannot use (a CPU build of torch) unless
+# TITANLITE_DEVICE=cpu says CPU on purpose, which also hides the GPUs from the ranks:
+# titanlite/tools/visible_gpus.py. A dry run plans on any machine.
+CHECK=()
+[ "$DRY_RUN" = 1 ] && CHECK=(--no-check)
+NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}")
+[ "${TITANLITE_DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
 if [ "$DRY_RUN" = 1 ]; then
   # NGPU x NNODES when the user set NGPU; else the config's comm.fake_world_size, else WORLD_SIZE.
   FAKE_WORLD=()
@@ -94,7 +99,10 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+NUMA=()
+[ -n "${NUMA_BINDING:-}" ] && NUMA=(--numa-binding "$NUMA_BINDING")
 LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
+        "${NUMA[@]+"${NUMA[@]}"}"
         --local-ranks-filter "$LOG_RANK" --role rank --tee 3
         -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then

@@ -4,7 +4,8 @@ says whether it all worked.
 
     scripts/gpu_smoke.sh [--steps 20] [--json FILE] [--dump DIR] [--config FILE] [--section.key value ...]
 
-What runs, in order (about 4-6 minutes on one H200 is the expectation, not a measurement):
+What runs, in order, within `--time-limit` (7.5 minutes: each launch's timeout shrinks to what is left;
+how long it takes on a GPU is still to be measured):
 
 1. The environment: torch, CUDA, the device and whether it supports bf16; the dry run of the same config
    for a world of one (`titanlite.tools.dry_run.dry_run`, what `./run_train.sh --dry-run` runs), which
@@ -90,7 +91,12 @@ MEMORY_SLACK = 0.10
 """The measured peak may exceed the dry run's estimate by this fraction."""
 FLASH_ATOL = 5e-2
 """bf16 flash attention against a float32 reference on N(0, 1) inputs: bf16 rounding alone gives ~1e-2."""
-STOP_GRACE_S = 60
+STOP_GRACE_S = 30
+"""After a launch's timeout: SIGTERM (its rank saves and stops at the next step), SIGKILL this much later."""
+TIME_LIMIT_S = 450
+"""The whole smoke test, launches and their stops included: 7.5 minutes (`--time-limit`)."""
+RUN_SHARE = 0.6
+"""Of the time left after the dry run, what the uninterrupted run may take at most (the resume gets the rest)."""
 
 
 @dataclass
@@ -121,7 +127,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dump", help="folder for the runs and the report (default ./outputs/gpu_smoke)")
     parser.add_argument("--json", help="write the verdict here (default <dump>/gpu_smoke.json)")
     parser.add_argument("--resume-rtol", type=float, help="relative loss tolerance of the resumed steps")
-    parser.add_argument("--run-timeout", type=float, default=270, help="seconds per run_train.sh launch")
+    parser.add_argument("--run-timeout", type=float, default=240, help="seconds per run_train.sh launch at most")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=TIME_LIMIT_S,
+        help=f"seconds for the whole test (default {TIME_LIMIT_S}): the launches' timeouts shrink to fit",
+    )
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints after a pass")
     parser.add_argument("--quiet", action="store_true", help="runs' output only to <dump>/<run>.log")
     args, overrides = parser.parse_known_args(argv)
@@ -517,13 +529,17 @@ def smoke(argv: list[str]) -> dict[str, Any]:
 
     run = Run("run", str(dump / "run"), command("run"))
     say(f"uninterrupted run, steps 1-{steps}: NGPU=1 {' '.join(run.command)}")
-    launch(run, args.run_timeout, dump / "run.log", not args.quiet)
+
+    def left() -> float:
+        return args.time_limit - (time.perf_counter() - started) - STOP_GRACE_S
+
+    launch(run, max(1.0, min(args.run_timeout, RUN_SHARE * left())), dump / "run.log", not args.quiet)
     resumed = Run("resume", str(dump / "resume"), command("resume", "--checkpoint.load_step", str(resume_step)))
     middle = dump / "run" / "checkpoint" / f"step-{resume_step}"
     if run.returncode == 0 and middle.is_dir():
         link_checkpoint(middle, dump / "resume" / "checkpoint" / middle.name)
         say(f"resumed run from {middle.name}, steps {resume_step + 1}-{steps}: NGPU=1 {' '.join(resumed.command)}")
-        launch(resumed, args.run_timeout, dump / "resume.log", not args.quiet)
+        launch(resumed, max(1.0, min(args.run_timeout, left())), dump / "resume.log", not args.quiet)
         resume = compare_resume(run.rows, resumed.rows, resume_step, steps, rtol)
         if resumed.returncode != 0 or resumed.timed_out:
             stopped = "was stopped at --run-timeout" if resumed.timed_out else f"exited with code {resumed.returncode}"

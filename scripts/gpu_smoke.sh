@@ -8,6 +8,9 @@
 #
 # Uses GPU 0 (set CUDA_VISIBLE_DEVICES to choose). Without CUDA it runs the same steps on CPU in seconds
 # (debug flavor, 4 steps, resume from step 2) so that the script keeps working. See benchmarks/gpu_smoke.py.
+# All of it ends within --time-limit (7.5 minutes). It needs the runtime requirements only: on a GPU
+# machine without internet, `PYTHON=python3 scripts/gpu_smoke.sh` uses the preinstalled torch as it is and
+# installs what is missing (torchdata) from .wheelhouse/ in the checkout (docs/gpu.md: set-up).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 # No cd: --json, --dump and --config are relative to the current folder (the default config to the checkout).

@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,18 +130,38 @@ def test_flash_check_runs_the_model_attention_and_reports_a_backend_that_cannot(
     assert not ok and detail.startswith("failed (cudnn_attention")
 
 
+DEV_TOOLS = ("pytest", "_pytest", "ruff", "importlinter")
+
+
+def without_dev_tools(folder: Path, mark: Path) -> str:
+    """A PYTHONPATH entry under which the dev tools cannot be imported, as where they are not installed: each
+    import attempt is recorded in `mark` and fails."""
+    for name in DEV_TOOLS:
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(
+            f"with open({str(mark)!r}, 'a') as f:\n    f.write({name!r} + '\\n')\n"
+            f"raise ImportError('no module named {name} (a dev tool; training must not need it)')\n"
+        )
+    return str(folder)
+
+
 @pytest.mark.slow
 def test_gpu_smoke_cpu_form_trains_resumes_and_passes(tmp_path):
     out, dump = tmp_path / "smoke.json", tmp_path / "dump"
+    # The GPU image has no pytest, ruff or import-linter: neither the script, nor set-up, nor the ranks need them.
+    mark = tmp_path / "dev_tool_imports.txt"
+    env = child_env(PYTHON=sys.executable)
+    env["PYTHONPATH"] = without_dev_tools(tmp_path / "nodev", mark) + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.run(
         ["scripts/gpu_smoke.sh", "--json", str(out), "--dump", str(dump), "--quiet"],
         cwd=ROOT,
-        env=child_env(PYTHON=sys.executable),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not mark.exists(), mark.read_text()
     r = json.loads(out.read_text())
     assert r["passed"] and r["form"] == "cpu" and r["steps"] == 4 and r["resume_step"] == 2
     assert r["checks"] == {

@@ -73,7 +73,9 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
         SLURM_JOB_NUM_NODES="2",
         SLURM_JOB_ID="1234",
         SLURM_GPUS_ON_NODE="2",
+        SLURM_CPUS_ON_NODE="16",
         SLURM_SUBMIT_DIR=str(ROOT),
+        TITANLITE_DEVICE="cpu",  # this CPU machine stands in for the GPU nodes SLURM_GPUS_ON_NODE names
     )
     for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID"):
         env.pop(key, None)
@@ -87,7 +89,14 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
             timeout=300,
         )
     )
-    assert (tmp_path / "srun.log").read_text().split() == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert (tmp_path / "srun.log").read_text().split() == [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=16",
+        "--cpu-bind=none",
+        "--kill-on-bad-exit=1",
+    ]
+    assert option(argv, "--comm.stop_grace_seconds") == "270"
     assert (option(argv, "--nnodes"), option(argv, "--rdzv_endpoint"), option(argv, "--rdzv_id")) == (
         "2",
         "node001:29500",

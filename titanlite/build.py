@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite import torch_support
 from titanlite.config import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
@@ -110,6 +111,7 @@ class RunPlan:
     @classmethod
     def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:
         """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
+        torch_support.check(cfg, torch.__version__)
         spec = get_model_spec(cfg.model.name)
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)

@@ -301,7 +301,7 @@ def _reduce_bucket(mesh: DeviceMesh, mode: str, bucket: list[tuple[DTensor, torc
         dist.all_reduce(out, group=mesh.get_group())
     else:
         out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(out, flat.view(-1), group=mesh.get_group(shard_dim))
+        dist.reduce_scatter_tensor(out, flat.view(-1), group=mesh.get_group(shard_dim))
         del flat
         if mode == "hybrid_shard":
             dist.all_reduce(out, group=mesh.get_group(0))

@@ -1,29 +1,129 @@
-"""How many GPUs the ranks of this node can use: `python -m titanlite.tools.visible_gpus` prints the number.
+"""How many processes a launch starts on this node, and the refusal to train on CPU where GPUs are.
 
-`run_train.sh` starts one rank per GPU when `NGPU` is unset, and counts them here rather than with
-`nvidia-smi -L`, whose lines ignore `CUDA_VISIBLE_DEVICES` (a scheduler's or the user's choice of GPUs)
-and list a MIG-partitioned GPU once plus once per instance. torch's own count is what each rank will
-see: `torch.cuda.device_count()` honours `CUDA_VISIBLE_DEVICES` (indices, GPU and MIG UUIDs, an empty
-value) without initialising CUDA. A torch without CUDA (the CPU wheel) or without a working driver
-sees 0, and run_train.sh then starts CPU processes.
+`python -m titanlite.tools.visible_gpus [--ngpu N]` prints the number of ranks for this node: N where
+given (the user's NGPU), else the CUDA GPUs torch sees, else 2 CPU processes. `run_train.sh` runs it
+before anything starts.
+
+GPUs are counted with torch rather than `nvidia-smi -L`, whose lines ignore `CUDA_VISIBLE_DEVICES` (a
+scheduler's or the user's choice of GPUs) and list a MIG-partitioned GPU once plus once per instance.
+`torch.cuda.device_count()` honours `CUDA_VISIBLE_DEVICES` (indices, GPU and MIG UUIDs, an empty value)
+without initialising CUDA.
+
+A node with GPUs (nvidia-smi lists some, or SLURM allocated some to the job) where torch cannot use them
+(a CPU build of torch, or a CUDA build that sees none: a driver older than its CUDA) would train every
+rank on CPU with gloo, hundreds of times slower, without a word: that is one line and exit code 2, before
+any rank starts. `TITANLITE_DEVICE=cpu` says CPU on purpose: run_train.sh then hides the GPUs from the
+ranks. Whether torch is a CUDA build is read from torch/version.py, without importing torch (which takes
+seconds), so a launch with NGPU set pays nothing for the check.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
+import runpy
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
-import torch
+from titanlite.errors import UserError, run_cli
+
+CPU_PROCESSES = 2
+"""Ranks started where there is no GPU (or CPU on purpose) and NGPU is unset."""
+CPU_SWITCH = "TITANLITE_DEVICE=cpu"
+
+
+def torch_build() -> tuple[str, str | None]:
+    """(torch's version, its CUDA or ROCm version or None for a CPU build), from torch/version.py unless torch
+    is imported already."""
+    if (torch := sys.modules.get("torch")) is not None:
+        return torch.__version__, torch.version.cuda or torch.version.hip
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.submodule_search_locations, "run_train.sh runs this with a Python that has torch"
+    v = runpy.run_path(str(Path(list(spec.submodule_search_locations)[0]) / "version.py"))
+    return v.get("__version__", "unknown"), v.get("cuda") or v.get("hip")
+
+
+def slurm_gpus() -> int:
+    """GPUs SLURM allocated to this node's part of the job (0 outside a job or without GPUs)."""
+    count = os.environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if count.isdigit():
+        return int(count)
+    ids = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS") or ""
+    return len([i for i in ids.split(",") if i.strip()])
+
+
+def listed_gpus() -> int:
+    """GPUs that `nvidia-smi -L` lists (0 without nvidia-smi or where it fails)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+def node_gpus() -> tuple[int, str]:
+    """GPUs this node has, and who says so."""
+    if n := listed_gpus():
+        return n, "nvidia-smi lists"
+    if n := slurm_gpus():
+        return n, "SLURM allocated"
+    return 0, ""
 
 
 def visible_gpus() -> int:
     """CUDA devices a process started with this environment can use; 0 where CUDA is unusable."""
+    import torch  # seconds: only when the count is needed
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def main() -> int:
-    print(visible_gpus())
+def ranks_per_node(ngpu: str | None, cpu_on_purpose: bool) -> str:
+    """The processes to start here (`ngpu` as given, checked by run_train.sh), or a UserError where the node's
+    GPUs would go unused."""
+    if cpu_on_purpose:
+        return ngpu or str(CPU_PROCESSES)
+    version, accel = torch_build()
+    gpus, source = node_gpus()
+    if gpus and accel is None:
+        raise UserError(
+            f"{source} {gpus} GPU(s) but torch {version} is a CPU build: every rank would train on CPU. Install "
+            f"a CUDA build of torch (titanlite's .venv: `TITANLITE_TORCH=cuda bash scripts/env.sh`), or set "
+            f"{CPU_SWITCH} to train on CPU on purpose"
+        )
+    if ngpu:
+        return ngpu
+    if visible := visible_gpus():
+        return str(visible)
+    if gpus:
+        raise UserError(
+            f"{source} {gpus} GPU(s) but torch {version} (CUDA {accel}) sees none (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; a driver older than this CUDA?): set "
+            f"{CPU_SWITCH} to train on CPU on purpose"
+        )
+    return str(CPU_PROCESSES)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.tools.visible_gpus", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--ngpu", help="processes per node given by the user (NGPU); printed back once checked")
+    parser.add_argument("--no-check", action="store_true", help="count only (a dry run plans on any machine)")
+    args = parser.parse_args(argv)
+    device = os.environ.get("TITANLITE_DEVICE", "")
+    if device not in ("", "auto", "cpu"):
+        raise UserError(f"TITANLITE_DEVICE must be cpu or auto, got '{device}'")
+    if args.no_check:
+        print(args.ngpu or visible_gpus() or CPU_PROCESSES)
+    else:
+        print(ranks_per_node(args.ngpu, device == "cpu"))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))
