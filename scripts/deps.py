@@ -329,8 +329,18 @@ def ensure(extras: list[str], own_venv: bool, check_only: bool = False) -> str:
             raise SetupError(f"cannot install {names} into {where}: {pip_error(proc)}")
     stamp = Path(sys.prefix if own_venv else overlay) / STAMP
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    record = {"python": sys.version.split()[0], "torch": build["torch"], "torch_cuda": build["cuda"]}
-    stamp.write_text(json.dumps({**record, "extras": sorted(extras), "installed": dict(pins)}, indent=1) + "\n")
+    try:  # what earlier set-ups installed stays on record
+        before = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        before = {}
+    record = {
+        "python": sys.version.split()[0],
+        "torch": build["torch"],
+        "torch_cuda": build["cuda"],
+        "extras": sorted(set(before.get("extras", [])) | set(extras)),
+        "installed": {**before.get("installed", {}), **dict(pins)},
+    }
+    stamp.write_text(json.dumps(record, indent=1) + "\n")
     return "" if own_venv else str(overlay)
 
 

@@ -225,12 +225,14 @@ def build_launch(argv: list[str]) -> Launch:
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    # torch 2.11's agent has no shutdown_timeout (torchrun's --shutdown-timeout came in 2.12): its own default.
+    shutdown = {"shutdown_timeout": config.shutdown_timeout} if hasattr(config, "shutdown_timeout") else {}
     agent = Agent(
         spec=spec,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        **shutdown,
     )
     return Launch(agent, grace, config.logs_specs.root_log_dir)
 

@@ -78,6 +78,11 @@ def warning(version: str) -> str | None:
     return None
 
 
+def supports(setting: str, version: str) -> bool:
+    """Whether torch `version` has what the feature named `setting` needs (tests skip what it lacks)."""
+    return all(release(version) >= f.minimum for f in FEATURES if f.setting == setting)
+
+
 def check(cfg: Any, version: str) -> None:
     """Refuse a config that asks for a feature torch `version` lacks: a ConfigError naming the release."""
     have = release(version)

@@ -274,8 +274,9 @@ class Pipeline:
         with reduce_once(self.model, per_step_reduction and several, pipelined=True, keep=keep_gathers and several):
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
-                # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
-                args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+                # Pinned host batches (the loader pins them on CUDA) copy without blocking the host. Contiguous:
+                # torch 2.11's stage checks strides against its contiguous example input.
+                args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.has_first else ()
                 target = labels.to(self.device, non_blocking=True) if self.has_last else None
                 with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
                     self.schedule.step(
