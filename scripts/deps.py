@@ -146,14 +146,16 @@ def overlay_dir() -> Path:
     return ROOT / ".deps" / f"py{v.major}.{v.minor}-{platform.machine()}-{key:08x}"
 
 
-def wheelhouse() -> Path | None:
+def sources() -> list[Path | None]:
+    """Where packages come from, in order: a wheel folder (no index is asked), None for pip's own index.
+    TITANLITE_WHEELHOUSE is the only source; a .wheelhouse/ folder in the checkout comes before the index."""
     given = os.environ.get("TITANLITE_WHEELHOUSE")
     if given:
         if not Path(given).is_dir():
             raise SetupError(f"TITANLITE_WHEELHOUSE={given} is not a folder")
-        return Path(given).resolve()
+        return [Path(given).resolve()]
     default = ROOT / ".wheelhouse"
-    return default if default.is_dir() else None
+    return [default, None] if default.is_dir() else [None]
 
 
 # --- pip -----------------------------------------------------------------------------------------------------
@@ -176,13 +178,10 @@ def source_options(wheels: Path | None) -> list[str]:
     return ["--no-index", "--find-links", str(wheels)] if wheels else []
 
 
-def how_to_bring(wheels: Path | None) -> str:
-    if wheels:
-        return f"the wheel folder {wheels} lacks them: make it with scripts/wheelhouse.sh on a connected machine"
-    return (
-        "without internet, run `scripts/wheelhouse.sh .wheelhouse` on a machine with it (--python-version, "
-        "--have: see the script), copy .wheelhouse/ into this checkout or set TITANLITE_WHEELHOUSE=DIR"
-    )
+HOW_TO_BRING = (
+    "without internet, run `scripts/wheelhouse.sh .wheelhouse` on a machine with it (--python-version, --have: "
+    "see the script), copy .wheelhouse/ into this checkout or set TITANLITE_WHEELHOUSE=DIR"
+)
 
 
 def resolve(roots: list[str], source: list[str], target: list[str], quick: bool) -> list[dict]:
@@ -264,7 +263,7 @@ def check_torch(own_venv: bool) -> dict[str, str | None] | None:
     return build
 
 
-def install_torch(source: list[str], wheels: Path | None) -> None:
+def install_torch(source: list[str]) -> None:
     """torch for titanlite's own .venv: the CUDA build where GPUs are (or TITANLITE_TORCH=cuda: a cluster's
     login node), else the CPU build, which is a tenth of the size."""
     choice = os.environ.get("TITANLITE_TORCH", "auto")
@@ -278,7 +277,7 @@ def install_torch(source: list[str], wheels: Path | None) -> None:
     install = ["install", "--quiet"]
     if cuda:
         attempts = [[f"torch=={v}"]]
-    elif wheels:
+    elif source:  # a wheel folder
         attempts = [[f"torch=={v}+cpu"]]
     else:  # from a local wheel cache if pip is configured with one, else PyTorch's CPU index
         attempts = [[f"torch=={v}+cpu"], [f"torch=={v}+cpu", *CPU_TORCH_INDEX]]
@@ -293,7 +292,7 @@ def install_torch(source: list[str], wheels: Path | None) -> None:
         if proc.returncode == 0:
             return
         why = pip_error(proc)
-    raise SetupError(f"cannot install torch {v}: {why}; {how_to_bring(wheels)}")
+    raise SetupError(f"torch {v}: {why}")
 
 
 def ensure(extras: list[str], own_venv: bool, check_only: bool = False) -> str:
@@ -311,15 +310,19 @@ def ensure(extras: list[str], own_venv: bool, check_only: bool = False) -> str:
         raise NeedsInstall(names)
     if importlib.util.find_spec("pip") is None:
         raise SetupError(f"{sys.executable} lacks {names} and has no pip to install them: install them into it")
-    wheels = wheelhouse()
-    source = source_options(wheels)
-    if build is None:
-        install_torch(source, wheels)
-        build = torch_build()
-    try:
-        pins = plan(lacking, source, [], default_environment())
-    except SetupError as e:
-        raise SetupError(f"cannot install {names} for {sys.executable}: {e}; {how_to_bring(wheels)}") from None
+    failures = []
+    for wheels in sources():
+        source = source_options(wheels)
+        try:
+            if build is None:
+                install_torch(source)
+                build = torch_build()
+            pins = plan(lacking, source, [], default_environment())
+            break
+        except SetupError as e:
+            failures.append(f"{f'the wheel folder {wheels}' if wheels else 'the package index'}: {e}")
+    else:
+        raise SetupError(f"cannot install {names} for {sys.executable}: {'; '.join(failures)}; {HOW_TO_BRING}")
     where = sys.prefix if own_venv else str(overlay)
     if pins:
         say(f"installing into {where}: {', '.join(f'{n} {v}' for n, v in pins)}")

@@ -88,9 +88,10 @@ def run_env_sh(root: Path, timeout: float = 120, **env: str) -> tuple[subprocess
 def test_an_environment_lacking_a_package_gets_it_from_the_wheel_folder_into_the_checkout_alone(tmp_path):
     # torch counts as there (this Python's); probe-a needs probe-b, and torch, which is never installed.
     root = checkout(tmp_path, ["torch>=2.11,<2.16", "titanlite-probe-a>=1.0"])
-    wheel(tmp_path / "wheels", "titanlite-probe-a", "1.0", ("titanlite-probe-b", "torch>=2"))
-    wheel(tmp_path / "wheels", "titanlite-probe-b", "2.0")
-    proc, _ = run_env_sh(root, TITANLITE_WHEELHOUSE=str(tmp_path / "wheels"), **OFFLINE)
+    # The wheel folder beside the checkout's files, as copied onto a GPU machine without internet.
+    wheel(root / ".wheelhouse", "titanlite-probe-a", "1.0", ("titanlite-probe-b", "torch>=2"))
+    wheel(root / ".wheelhouse", "titanlite-probe-b", "2.0")
+    proc, _ = run_env_sh(root, **OFFLINE)
     assert proc.returncode == 0, proc.stderr
     overlay = next((root / ".deps").iterdir())
     assert proc.stderr.splitlines() == [
@@ -104,6 +105,7 @@ def test_an_environment_lacking_a_package_gets_it_from_the_wheel_folder_into_the
     ]
     assert not (root / ".venv").exists()
     # The next launch finds everything at once (nothing to install, no pip), and without the wheel folder.
+    shutil.rmtree(root / ".wheelhouse")
     proc, seconds = run_env_sh(root, **OFFLINE)
     assert proc.returncode == 0 and proc.stderr == "" and f"(with {overlay})" in proc.stdout
     assert seconds < 5
@@ -112,15 +114,20 @@ def test_an_environment_lacking_a_package_gets_it_from_the_wheel_folder_into_the
 def test_a_missing_package_offline_is_one_line_within_seconds(tmp_path):
     root = checkout(tmp_path, ["torch>=2.11,<2.16", "titanlite-probe-a>=1.0"])
     (tmp_path / "empty").mkdir()
-    for env, hint in (
-        ({"TITANLITE_WHEELHOUSE": str(tmp_path / "empty")}, f"the wheel folder {tmp_path / 'empty'} lacks them"),
-        ({}, "run `scripts/wheelhouse.sh .wheelhouse` on a machine with it"),
+    given, beside = f"the wheel folder {tmp_path / 'empty'}: ", f"the wheel folder {root / '.wheelhouse'}: "
+    for env, tried in (
+        ({"TITANLITE_WHEELHOUSE": str(tmp_path / "empty")}, [given]),  # the only source
+        ({}, ["the package index: "]),
+        ({"MAKE_BESIDE": "1"}, [beside, "the package index: "]),  # the checkout's folder first, then the index
     ):
+        if env.pop("MAKE_BESIDE", None):
+            (root / ".wheelhouse").mkdir()
         proc, seconds = run_env_sh(root, **OFFLINE, **env)
         assert proc.returncode == 2 and proc.stdout == ""
         assert len(proc.stderr.splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith(f"titanlite: error: cannot install titanlite-probe-a for {sys.executable}: ")
-        assert hint in proc.stderr
+        assert [t in proc.stderr for t in (given, beside, "the package index: ")].count(True) == len(tried)
+        assert all(t in proc.stderr for t in tried) and "run `scripts/wheelhouse.sh .wheelhouse`" in proc.stderr
         assert seconds < 20
     assert not (root / ".venv").exists() and not list((root / ".deps").glob("*/titanlite_probe_a"))
 
