@@ -210,13 +210,19 @@ class CostModel:
         """
         import torch.utils._runtime_estimation as estimation
 
-        saved = estimation.get_device_tflops, estimation.get_gpu_dram_gbps
-        estimation.get_device_tflops = lambda dtype: self.flops / 1.5 / 1e12
-        estimation.get_gpu_dram_gbps = lambda: self.mem_bandwidth / 1e9
+        figures = {
+            "get_device_tflops": lambda dtype, device=None: self.flops / 1.5 / 1e12,
+            "get_gpu_dram_gbps": lambda: self.mem_bandwidth / 1e9,  # torch 2.11-2.14
+            "get_device_dram_gbps": lambda device=None: self.mem_bandwidth / 1e9,  # torch 2.15
+        }
+        saved = {name: getattr(estimation, name) for name in figures if hasattr(estimation, name)}
+        for name in saved:
+            setattr(estimation, name, figures[name])
         try:
             yield
         finally:
-            estimation.get_device_tflops, estimation.get_gpu_dram_gbps = saved
+            for name, fn in saved.items():
+                setattr(estimation, name, fn)
 
     def as_dict(self) -> dict[str, float]:
         return {
