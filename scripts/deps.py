@@ -272,8 +272,6 @@ def install_torch(source: list[str]) -> None:
     cuda = choice == "cuda" or (choice == "auto" and gpus_listed() > 0)
     v = torch_support.SETUP_VERSION
     say(f"installing torch {v} ({'CUDA' if cuda else 'CPU'} build) into {sys.prefix}")
-    if torch_build() is not None:  # the other build or an unsupported release: pip takes 2.13.0+cpu for 2.13.0
-        pip(["uninstall", "--quiet", "--yes", "torch"], [])
     install = ["install", "--quiet"]
     if cuda:
         attempts = [[f"torch=={v}"]]
@@ -288,6 +286,8 @@ def install_torch(source: list[str]) -> None:
         except SetupError as e:
             why = str(e)
             continue
+        if torch_build() is not None:  # the other build, or an unsupported release (pip takes 2.13.0+cpu for 2.13.0)
+            pip(["uninstall", "--quiet", "--yes", "torch"], [])
         proc = pip([*install, *args], source)
         if proc.returncode == 0:
             return
