@@ -11,8 +11,9 @@ import typing
 import pytest
 
 from harness import ROOT, child_env
-from titanlite import launch, train
+from titanlite import agent, launch, train, trainer
 from titanlite.config import JobConfig, field_docs, first_sentence, help_text
+from titanlite.signals import Preemption
 
 
 def schema_keys() -> list[tuple[str, dataclasses.Field]]:
@@ -74,13 +75,13 @@ def test_print_config_prints_the_merged_config_and_exits(entry, monkeypatch, cap
     def no_launch(*args):
         raise AssertionError("nothing may be built or launched")
 
-    monkeypatch.setattr(launch, "build_launch", no_launch)
-    monkeypatch.setattr(train, "Trainer", no_launch)
+    monkeypatch.setattr(agent, "launch", no_launch)
+    monkeypatch.setattr(trainer, "Trainer", no_launch)
     overrides = ["--job.print_config", "--training.steps", "11", "--job.dump_folder", str(tmp_path)]
     if entry == "launcher":
         rc = launch.main(["--standalone", "--nproc_per_node=2", "-m", "titanlite.train", *overrides])
     else:
-        rc = train.main(overrides)
+        rc = train.main(overrides, Preemption())
     assert rc == 0
     config = json.loads(capsys.readouterr().out)
     assert config["training"]["steps"] == 11 and config["model"]["flavor"] == "debugmodel"

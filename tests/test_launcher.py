@@ -22,7 +22,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness import ROOT, SMALL, child_env
-from titanlite.launch import root_cause
+from titanlite.agent import root_cause
 from titanlite.resilience import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.

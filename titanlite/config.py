@@ -24,14 +24,15 @@ import textwrap
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from titanlite.errors import ConfigError, run_cli
 
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
 """The config of a run started without `--config` (relative to the working directory, the checkout)."""
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -453,8 +454,22 @@ def _choice_fields() -> dict[str, tuple[str, ...]]:
 # Allowed values of the choice fields, derived from their `Literal` types.
 CHOICES: dict[str, tuple[str, ...]] = _choice_fields()
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The one map from the config's dtype names to torch dtypes."""
+DTYPES: dict[str, torch.dtype]
+"""The one map from the config's dtype names to torch dtypes (built on first use: reading and checking a
+config imports no torch, so the launcher reports a mistyped key before spending seconds on that import)."""
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _sections() -> dict[str, type]:

@@ -1,7 +1,8 @@
 """User-facing errors and the one mapping from errors to exit codes, shared by every command-line tool.
 
 A `UserError` is bad input (config, data paths, checkpoints) rather than a bug: the tool prints its
-message as one line and exits with code 2, without a traceback. `TrainingDiverged` exits with 3.
+message as one line and exits with code 2, without a traceback. `TrainingDiverged` exits with 3,
+`RunNotSaved` (a run that ended or stopped without saving what it trained) with 4.
 Anything else is a bug or an environment failure: its traceback is printed and the exit code is 1.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_NOT_SAVED = 4
 
 
 class UserError(Exception):
@@ -38,8 +40,16 @@ class TrainingDiverged(UserError):
     """The loss or gradient norm stopped being finite; reported in one line, exit code 3."""
 
 
+class RunNotSaved(CheckpointError):
+    """The run ended (its last step, a stop signal, `checkpoint.stop_on_save_error`) but what it trained
+    since the last good checkpoint could not be saved, or was not (checkpointing off): one line naming the
+    last good checkpoint, exit code 4, so a scheduler never reads the lost work as success."""
+
+
 def exit_code(error: UserError) -> int:
-    return EXIT_DIVERGED if isinstance(error, TrainingDiverged) else EXIT_USER_ERROR
+    if isinstance(error, TrainingDiverged):
+        return EXIT_DIVERGED
+    return EXIT_NOT_SAVED if isinstance(error, RunNotSaved) else EXIT_USER_ERROR
 
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Preemption, non-finite steps, what a rank owes its launcher, and fault injection.
 
-Preemption: SIGTERM and SIGUSR1 (and in a command-line run the first Ctrl-C) only set a flag. Once per
-step every rank contributes its flag (and whether its loss is finite) to one small all-reduce, so all
-ranks agree on the same step to save a checkpoint and stop, whichever rank the signal reached.
+Preemption (`signals.Preemption`): SIGTERM and SIGUSR1 (and in a command-line run the first Ctrl-C) only
+set a flag. Once per step every rank contributes its flag (and whether its loss is finite) to one small
+all-reduce, so all ranks agree on the same step to save a checkpoint and stop, whichever rank the signal
+reached; one more such all-reduce before the first step (`stop_agreed`) stops a run that was signalled
+while it started, before it trains anything.
 
 Under the launcher (`titanlite.launch`, which sets `LAUNCHER_PID_ENV`) a rank dies with the launcher
 (Linux parent-death signal) and reports its failure into the error file torch elastic gives it
@@ -30,33 +32,9 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import UserError, exit_code, run_cli
+from titanlite.signals import Preemption
 
 logger = logging.getLogger("titanlite")
-
-
-class Preemption:
-    """Records SIGTERM/SIGUSR1 instead of dying, so the trainer can checkpoint at a step boundary.
-
-    With `interrupt` (a command-line run) the first SIGINT is a stop signal too and a second one raises
-    `KeyboardInterrupt`: Ctrl-C saves and stops, Ctrl-C twice stops at once. SIGINT is left alone when
-    the process was started with it ignored (a background job).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, interrupt: bool = False) -> None:
-        self.received: int | None = None
-        signals = list(self.SIGNALS)
-        if interrupt and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signals.append(signal.SIGINT)
-        for sig in signals:
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signum
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
 
 
 @dataclass
@@ -97,6 +75,15 @@ def agree(preemption: Preemption, loss: torch.Tensor, grad_norm: torch.Tensor, d
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
     preempted, nonfinite, mean_loss, norm = torch.cat([flags, grad_norm.reshape(1)]).tolist()
     return StepVerdict(preempted=preempted > 0, finite=nonfinite == 0, loss=mean_loss, grad_norm=norm)
+
+
+def stop_agreed(preemption: Preemption, device: torch.device) -> bool:
+    """Whether any rank has received a stop signal (collective over the world): asked once before the
+    first step, so a run signalled while it started stops without training."""
+    flag = torch.full((1,), float(preemption.received is not None), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 # --- under the launcher ---------------------------------------------------------------------------------

@@ -4,26 +4,31 @@ Under `titanlite.launch` (`run_train.sh`), under torchrun or alone: a single pro
 and gets the same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and
 process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader ->
 `train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
-exit code 3; Ctrl-C saves and stops, twice stops at once with exit code 130 (`resilience.run_rank`).
-Under `titanlite.launch` a failing rank's message goes to the launcher, which prints it once. Nothing
-imports this module: the Trainer is `titanlite.trainer`, tools build runs through `titanlite.build`.
+exit code 3, work that could not be saved exit code 4; Ctrl-C saves and stops, twice stops at once with
+exit code 130 (`resilience.run_rank`). Under `titanlite.launch` a failing rank's message goes to the
+launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.trainer`, tools
+build runs through `titanlite.build`.
+
+The stop-signal recorder is the first thing a rank does, before the seconds of `import torch` that the
+trainer needs: a signal that arrives while the rank starts is honoured, never lost (`signals.py`).
 """
 
 from __future__ import annotations
 
 import sys
 
-from titanlite.build import world_from_env
-from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
-from titanlite.resilience import Preemption, note_failure, run_rank
-from titanlite.trainer import Trainer
+from titanlite.signals import Preemption
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], preemption: Preemption) -> int:
+    from titanlite.build import world_from_env
+    from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
+    from titanlite.resilience import note_failure
+    from titanlite.trainer import Trainer
+
     if help_requested(argv):
         print(help_text())
         return 0
-    preemption = Preemption(interrupt=True)
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     if cfg.job.print_config:  # the merged config, without training
         if world_from_env()[0] == 0:
@@ -41,4 +46,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank(main))
+    stop = Preemption(interrupt=True)
+    from titanlite.resilience import run_rank  # torch: after the recorder
+
+    sys.exit(run_rank(lambda argv: main(argv, stop)))
