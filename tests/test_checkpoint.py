@@ -441,7 +441,8 @@ def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_writ
     run = Run(tmp_path, async_mode=async_mode, stop_on_save_error=True)
     with pytest.raises(
         CheckpointError,
-        match=r"checkpoint step 2 could not be saved .*No space left on device \([\d,]+ MiB free on its file system\)$",
+        match=r"checkpoint step 2 could not be saved .*No space left on device \([\d,]+ MiB free on its file system\); "
+        r"the last good checkpoint is .*step-1$",
     ):
         run.train(1, 3)
         run.ckpt.close()

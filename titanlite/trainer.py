@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import random
-import signal
 import time
 
 import torch
@@ -31,11 +30,19 @@ from titanlite.build import (
 from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
-from titanlite.errors import TrainingDiverged
+from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.profiling import Profiler
-from titanlite.resilience import Preemption, StepVerdict, agree, inject_before_step, nan_injection
+from titanlite.resilience import (
+    LAUNCHER_PID_ENV,
+    StepVerdict,
+    agree,
+    inject_before_step,
+    nan_injection,
+    stop_agreed,
+)
+from titanlite.signals import Preemption
 from titanlite.step import cross_entropy_loss, forward_backward
 from titanlite.validation import Validator
 
@@ -44,13 +51,13 @@ logger = logging.getLogger("titanlite")
 
 def init_logging(rank: int) -> None:
     """One stderr handler on the `titanlite` logger (replaced, not added, when a process builds several
-    trainers); records still propagate, so handlers on the root logger see them too."""
+    trainers); records still propagate, so handlers on the root logger see them too. Under the launcher,
+    which starts each line with `[rank<r>]: `, the lines do not name the rank a second time."""
     for handler in [h for h in logger.handlers if getattr(h, "titanlite", False)]:
         logger.removeHandler(handler)
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter(f"[titanlite rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    )
+    prefix = "" if os.environ.get(LAUNCHER_PID_ENV) else f"[titanlite rank{rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     handler.titanlite = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -82,7 +89,9 @@ class Trainer:
         t, dp = cfg.training, self.dims.dp
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         dp_rank = self.dims.dp_rank_of(self.rank)
-        self.dataloader = None if self.seed_only else build_loader(self.plan, dp_rank, self.device.type)
+        # Under the launcher its preflight has reported on the data already.
+        report = not os.environ.get(LAUNCHER_PID_ENV)
+        self.dataloader = None if self.seed_only else build_loader(self.plan, dp_rank, self.device.type, report)
         self.validator = None if self.seed_only else Validator.create(self.plan, dp_rank)
 
         self._owns_process_group = not dist.is_initialized()
@@ -238,9 +247,29 @@ class Trainer:
             self.checkpointer.close()
             logger.info("seed checkpoint written; exiting")
             return
-        self.step = self.checkpointer.load()
+        self.step = start = self.checkpointer.load()
+        if stop_agreed(self.preemption, self.device):  # signalled while starting: nothing trained
+            since = f" since the checkpoint of step {start}" if start else ""
+            logger.info(
+                f"stop signal ({self.preemption.name or 'a peer'}) before the first step: "
+                f"nothing trained{since}, nothing to save; exiting"
+            )
+            return
+        if self.step >= cfg.steps:
+            logger.info(
+                f"nothing to train: resumed at step {self.step}, training.steps is {cfg.steps} "
+                "(raise training.steps to train on)"
+            )
+            return
         data_iter = iter(self.dataloader)
         gc.disable()
+        try:
+            self._loop(data_iter, start)
+        finally:
+            gc.enable()
+
+    def _loop(self, data_iter, start: int) -> None:
+        cfg = self.cfg.training
         gc.collect(1)
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         tokens_per_step = self.plan.tokens_per_gpu_step
@@ -280,23 +309,26 @@ class Trainer:
                     self.metrics.log_validation(self.step, result)
                     window_start += result.seconds  # not training time: kept out of tokens/s
                 if self.preempted:
-                    self._save_and_stop()
+                    self._save_and_stop(start)
                     return
                 self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
                 if cfg.gc_freq and self.step % cfg.gc_freq == 0:
                     gc.collect(1)
-        gc.enable()
+        if self.cfg.checkpoint.enable:
+            self.checkpointer.confirm(self.step, f"training finished at step {self.step}")
         logger.info("training finished")
 
-    def _save_and_stop(self) -> None:
-        """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly."""
+    def _save_and_stop(self, start: int) -> None:
+        """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly;
+        `RunNotSaved` (exit code 4) when the save failed or checkpointing is off."""
+        what = f"stop signal ({self.preemption.name or 'a peer'}) at step {self.step}"
+        if not self.cfg.checkpoint.enable:
+            raise RunNotSaved(
+                f"{what}: nothing saved (checkpoint.enable = false): the {self.step - start} steps this run "
+                "trained are lost (--checkpoint.enable saves them at a stop signal, and the next launch resumes)"
+            )
         self.checkpointer.save(self.step, force=True)
-        self.checkpointer.close()
-        signame = signal.Signals(self.preemption.received).name if self.preemption.received else "a peer's"
-        logger.info(
-            f"stop signal ({signame}) at step {self.step}: checkpoint saved to "
-            f"{self.checkpointer.last_complete()}; exiting"
-        )
+        logger.info(f"{what}: checkpoint saved to {self.checkpointer.confirm(self.step, what)}; exiting")
 
     def close(self) -> None:
         self.checkpointer.close()

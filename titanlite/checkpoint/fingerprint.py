@@ -5,10 +5,15 @@ from the same one moved elsewhere: the data loader's saved positions are offsets
 documents, and token ids mean something only under one vocabulary.
 
 Dataset: the supported files that `training.dataset_path` names (the bundled corpus for ""), each
-identified by its path relative to the dataset's root, its size and a BLAKE2b hash of its first and
-last 64 KiB, plus the text field. Cheap (two small reads a file) and independent of where the files live
-or their modification times, which a copy or a fresh checkout changes. An `hf://` dataset is identified
-by its name, config and split. Tokenizer: a hash of the whole vocabulary file (a few MB at most).
+identified by its path relative to the dataset's root, its size and the digest of its whole content
+that indexing it computed (`data/index.py`: every byte is hashed during the scan that indexing does
+anyway, and kept with the index while the file's size and modification time are unchanged), plus the
+text field. Independent of where the files live or their modification times, which a copy or a fresh
+checkout changes. An `hf://` dataset is identified by its name, config and split. Tokenizer: a hash of
+the whole vocabulary file (a few MB at most).
+
+Checkpoints written before content digests (no `method` in their fingerprint) hashed each file's first
+and last 64 KiB: a resume from one compares the same way (`edge_fingerprint`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from titanlite.data.sources import BUNDLED_CORPUS, resolve_files
+from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
 from titanlite.data.tokenizer import BUNDLED_VOCAB
 
 _EDGE = 64 << 10
@@ -33,15 +38,43 @@ def _edges(path: Path, size: int) -> bytes:
         return head + f.read(_EDGE)
 
 
-def dataset_fingerprint(dataset_path: str, text_field: str, holdout_documents: int = 0) -> dict:
-    """{"name", "text_field", "files", "bytes", "digest"} of the dataset a run reads (module docstring).
-
-    Documents held out for validation are not trained on, so their count is part of the digest (when
-    non-zero, so fingerprints of runs without a hold-out stay what they were)."""
+def _start(text_field: str, holdout_documents: int):
     digest = hashlib.blake2b(digest_size=8)
     digest.update(f"text_field={text_field}\n".encode())
     if holdout_documents:
         digest.update(f"holdout_documents={holdout_documents}\n".encode())
+    return digest
+
+
+def dataset_fingerprint(source: DocumentSource, text_field: str, holdout_documents: int = 0) -> dict:
+    """{"name", "text_field", "files", "bytes", "digest", "method"} of the dataset a run reads (module
+    docstring), from its source's index.
+
+    Documents held out for validation are not trained on, so their count is part of the digest (when
+    non-zero, so fingerprints of runs without a hold-out stay what they were)."""
+    digest = _start(text_field, holdout_documents)
+    if not isinstance(source, LocalSource):
+        digest.update(source.name.encode())
+        return {"name": source.name, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
+    root = os.path.commonpath([str(f.parent) for f in source.files])
+    total = 0
+    for path, content in zip(source.files, source.digests):
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{os.path.relpath(path, root)}\0{size}\0{content}\0".encode())
+    return {
+        "name": source.name,
+        "text_field": text_field,
+        "files": len(source.files),
+        "bytes": total,
+        "digest": digest.hexdigest(),
+        "method": "content",
+    }
+
+
+def edge_fingerprint(dataset_path: str, text_field: str, holdout_documents: int = 0) -> dict:
+    """The fingerprint as checkpoints without `method` recorded it: each file's first and last 64 KiB."""
+    digest = _start(text_field, holdout_documents)
     if dataset_path.startswith("hf://"):
         digest.update(dataset_path.encode())
         return {"name": dataset_path, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}

@@ -16,6 +16,10 @@ rename the folder to `step-N` with a single `os.rename`. A folder named `step-N`
 when it appeared; the sizes in its marker catch files truncated or deleted later, the checksums catch
 files whose bytes changed (a bit flip on disk or in transfer).
 
+Every rank writes into the one folder that rank 0 completes, so the folder must be shared by all ranks
+(`shared_folder.py` checks it at start-up); rank 0 also completes a folder only when it holds every file
+the DCP metadata refers to and every rank's rank-state file, and a folder missing one is unusable.
+
 Checksums cost one read of the data: each rank checksums the files it wrote, from the page cache, in
 the DCP writer (`ChecksummingWriter`, so an async save does it in the background) and leaves the list in
 `checksums/`, which rank 0 merges into the marker. On load every rank verifies its share of the files
@@ -45,6 +49,13 @@ MARKER = "complete.json"
 FORMAT_VERSION = 2
 """1: file sizes only; 2: also a CRC-32 per file (`checksums` in the marker)."""
 CHECKSUMS = "checksums"
+
+
+def rank_state_file(rank: int) -> str:
+    """Where rank `rank`'s rank-state file goes in a checkpoint folder (`rank_state.py`)."""
+    return f"rank_state/rank-{rank:05d}.pt"
+
+
 _CHUNK = 4 << 20
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\.partial$")
@@ -103,13 +114,34 @@ def prepare(root: Path, step: int) -> Path:
     return path
 
 
+def referenced_files(path: Path) -> list[str]:
+    """The data files DCP's metadata in `path` refers to (one or more per rank that wrote tensors)."""
+    storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
+    return sorted({info.relative_path for info in storage.values()})
+
+
+def missing_files(path: Path, world_size: int, model_only: bool) -> list[str]:
+    """Files a complete checkpoint of `world_size` ranks needs that are not in `path`: DCP's data files
+    and, for the training state, every rank's rank-state file."""
+    needed = referenced_files(path)
+    if not model_only:
+        needed += [rank_state_file(r) for r in range(world_size)]
+    return [rel for rel in needed if not (path / rel).is_file()]
+
+
 def complete(root: Path, step: int, info: dict) -> Path:
     """Write the marker into `step-N.partial` and publish it as `step-N`; returns the final path.
 
-    An existing `step-N` (a run that resumed from an older step and reached N again) is moved aside
-    first and deleted only after the new folder is in place.
+    A folder without every rank's files (ranks writing into folders of their own) raises
+    FileNotFoundError and stays partial. An existing `step-N` (a run that resumed from an older step and
+    reached N again) is moved aside first and deleted only after the new folder is in place.
     """
     partial, final = partial_dir(root, step), step_dir(root, step)
+    if missing := missing_files(partial, info.get("world_size", 1), info.get("model_only", False)):
+        raise FileNotFoundError(
+            f"rank 0 does not see {len(missing)} of the ranks' files in it ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): every rank must write into the same folder"
+        )
     sums: dict[str, str] = {}
     lists = partial / CHECKSUMS
     if lists.is_dir():  # the ranks' checksums of their data files (ChecksummingWriter)
@@ -158,9 +190,11 @@ def problem(path: Path) -> str | None:
         if actual != size:
             return f"file {rel} has {actual} bytes, the marker says {size} (truncated or overwritten)"
     try:
-        FileSystemReader(str(path)).read_metadata()
+        absent = [rel for rel in referenced_files(path) if rel not in files]
     except Exception as e:  # any failure to read DCP's metadata makes the folder unusable
         return f"unreadable DCP metadata .metadata ({type(e).__name__}: {e})"
+    if absent:
+        return f"file {absent[0]} that DCP's metadata refers to is missing (written on another node?)"
     return None
 
 

@@ -17,10 +17,12 @@ second thread must not issue collectives on the training process group. The save
 rename, pruning) by rank 0 when it polls a finished save, at the next `save()` call or in `close()`.
 `async_with_pinned_mem` stages into reused pinned host memory on CUDA; on CPU it is plain `async`.
 
-A save that fails (full disk, permissions, an I/O error on any rank, sync or async) removes its
-`.partial` folder and logs one warning; training goes on with the previous checkpoint as the newest, or
-stops with `checkpoint.stop_on_save_error`. DCP reports a rank's failure to every rank as a
-`CheckpointException`, which is a `BaseException`: it is caught by name.
+A save that fails (full disk, permissions, a file size limit, an I/O error on any rank, sync or async)
+removes its `.partial` folder and logs one warning; training goes on with the previous checkpoint as the
+newest, or stops with `checkpoint.stop_on_save_error` (`RunNotSaved`, exit code 4). The last save of a
+run (its last step, or a stop signal's) is confirmed (`confirm`): if it failed, the run ends with
+`RunNotSaved` naming the last good checkpoint, never as a success. DCP reports a rank's failure to every
+rank as a `CheckpointException`, which is a `BaseException`: it is caught by name.
 
 Resuming checks, before anything is loaded, that the checkpoint's files match their checksums (each
 rank verifies its share; a mismatch is reported in one line and the previous checkpoint is tried) and
@@ -61,11 +63,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint import folders, rank_state
-from titanlite.checkpoint.fingerprint import dataset_fingerprint, tokenizer_fingerprint
+from titanlite.checkpoint.fingerprint import dataset_fingerprint, edge_fingerprint, tokenizer_fingerprint
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.resume_policy import ResumeCheck, compare_settings
+from titanlite.checkpoint.save_failure import save_failure
+from titanlite.checkpoint.shared_folder import check_shared
 from titanlite.config import DTYPES, Checkpoint, JobConfig
-from titanlite.errors import CheckpointError, ConfigError
+from titanlite.errors import CheckpointError, ConfigError, RunNotSaved
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.simple_fsdp import sharded_view
@@ -164,16 +168,6 @@ def verify_checksums(path: str, marker: dict) -> str | None:
     return next((w for w in found if w), None)
 
 
-def describe_error(error: BaseException) -> str:
-    """A save error in one line; DCP's CheckpointException holds the exception of every failed rank."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items())
-        text = f"{type(cause).__name__} on rank {rank}: {cause}"
-    else:
-        text = f"{type(error).__name__}: {error}"
-    return " ".join(text.split())
-
-
 def check_seed_world(cfg: Checkpoint, world_size: int) -> None:
     """A seed checkpoint is written by one process (the preflight checks it before any rank starts: on a
     GPU node NGPU defaults to every GPU)."""
@@ -223,15 +217,19 @@ class CheckpointManager:
         check_seed_world(self.cfg, world_size)
         self._pending: _Pending | None = None
         self._last_saved = -1
+        self._final = -1  # the step of a save whose failure ends the run (the last step's, a stop signal's)
+        self._failures: dict[int, str] = {}  # step -> why its save failed
         self._verify_seconds = 0.0
         # Fingerprints of the inputs, once per run on rank 0 (it writes the markers and compares on resume).
         self._dataset = self._tokenizer = None
         if rank == 0 and dataloader is not None:
             t = cfg.training
             self._dataset = dataset_fingerprint(
-                t.dataset_path, t.dataset_text_field, holdout_documents=cfg.validation.holdout_documents
+                dataloader.dataset.source, t.dataset_text_field, holdout_documents=cfg.validation.holdout_documents
             )
             self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
+        if self.cfg.enable:
+            check_shared(self.root, rank, world_size)
         self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
         self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
         self._stager: DefaultStager | None = None
@@ -313,9 +311,12 @@ class CheckpointManager:
     # --- save -------------------------------------------------------------------------------------------
 
     def save(self, step: int, *, force: bool = False, last_step: bool = False, model_only: bool = False) -> None:
-        """Save after `step` if due (enabled and on the interval or the last step) or if `force`."""
+        """Save after `step` if due (enabled and on the interval or the last step) or if `force`. A forced
+        or last-step save is the run's last: `confirm` tells whether it was written."""
         self._poll()
         due = self.cfg.enable and (last_step or step % self.cfg.interval == 0)
+        if force or (due and last_step):
+            self._final = step
         if (force or due) and step != self._last_saved:
             dtype = None
             if last_step and self.cfg.last_save_model_only:
@@ -404,17 +405,31 @@ class CheckpointManager:
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
         """Drop the partial folder; stop (checkpoint.stop_on_save_error, or a seed checkpoint, which is the
-        run's only product) or warn and keep training."""
-        message = f"checkpoint step {step} could not be saved to {path}: {describe_error(error)}"
-        try:  # torch's file writer reports a full disk as a short write: say how much space is left
-            message += f" ({shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system)"
-        except OSError:
-            pass
+        run's only product), or warn and keep training; the run's last save is reported by `confirm`."""
+        message = save_failure(step, path, error)
+        self._failures[step] = message
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         if self.cfg.stop_on_save_error or self.cfg.create_seed_checkpoint:
-            raise CheckpointError(message)
-        logger.warning(message + "; training continues (checkpoint.stop_on_save_error = false)")
+            raise RunNotSaved(f"{message}; {self._last_good()}")
+        if step != self._final:
+            logger.warning(message + "; training continues (checkpoint.stop_on_save_error = false)")
+
+    def _last_good(self) -> str:
+        done = folders.scan(self.root)[0]
+        return (
+            f"the last good checkpoint is {folders.step_dir(self.root, done[-1])}"
+            if done
+            else "no checkpoint was saved"
+        )
+
+    def confirm(self, step: int, what: str) -> str:
+        """Wait for the run's last save (of `step`, forced or the last step's) and return its folder; if it
+        failed, raise `RunNotSaved` with `what` happened, the cause and the last good checkpoint."""
+        self.close()
+        if step in self._failures:
+            raise RunNotSaved(f"{what}, but {self._failures[step]}; {self._last_good()}")
+        return str(folders.step_dir(self.root, step))
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -489,7 +504,15 @@ class CheckpointManager:
 
     def _compare(self, path: str, marker: dict) -> ResumeCheck:
         """This run's settings against the ones `marker` recorded (rank 0; `resume_policy.py`)."""
-        return compare_settings(path, marker, self._inputs(), self.job.training.allow_dataset_change)
+        t = self.job.training
+        holdout = self.job.validation.holdout_documents
+        return compare_settings(
+            path,
+            marker,
+            self._inputs(),
+            t.allow_dataset_change,
+            lambda: edge_fingerprint(t.dataset_path, t.dataset_text_field, holdout_documents=holdout),
+        )
 
     def _restore_schedule(self, saved: dict, fresh: list[dict]) -> None:
         """Load the LR schedule's position with this run's hyperparameters.

@@ -30,14 +30,13 @@ from pathlib import Path
 
 import torch
 
+from titanlite.checkpoint.folders import rank_state_file
 from titanlite.data.loader import merge_loader_states
 from titanlite.errors import CheckpointError
 
-SUBDIR = "rank_state"
-
 
 def path_of(folder: Path, rank: int) -> Path:
-    return folder / SUBDIR / f"rank-{rank:05d}.pt"
+    return folder / rank_state_file(rank)
 
 
 def capture(dataloader, *, rank: int, dp_rank: int, dp_degree: int, device: torch.device) -> dict:

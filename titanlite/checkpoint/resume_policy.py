@@ -21,10 +21,19 @@ virtual shards). `compare_settings` holds a resuming run against it:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanlite.checkpoint.fingerprint import describe_dataset
+from titanlite.errors import ConfigError
+from titanlite.models.registry import get_model_spec
+
+SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta")
+"""The `model.*` shape overrides a resume compares (by the shape they give, not by their raw 0 = default)."""
+_DERIVED = {"n_kv_heads": "kv_heads", "ffn_dim": "ffn_hidden_dim"}
+"""Overrides whose effective value is a derived property of the model args (None in the flavor = derived)."""
 
 # Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
 _NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
@@ -47,18 +56,34 @@ def _flat(config: dict) -> dict:
     return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
 
 
-def compare_settings(path: str, marker: dict, inputs: dict, allow_dataset_change: bool) -> ResumeCheck:
+def model_shape(flat: dict) -> list:
+    """The effective value of each of `SHAPE_KEYS` for a flat config: the override, else the flavor's (so
+    a resume names the real shape, e.g. 6 layers, never the 0 that means "the flavor's"). Overrides are
+    absent from older checkpoints; an unknown model or flavor leaves the raw values."""
+    raw = [flat.get(f"model.{k}", 0) for k in SHAPE_KEYS]
+    try:
+        args = get_model_spec(flat["model.name"]).flavors[flat["model.flavor"]]
+    except (ConfigError, KeyError):
+        return raw
+    fields = {f.name for f in dataclasses.fields(args)}
+    args = dataclasses.replace(args, **{k: v for k, v in zip(SHAPE_KEYS, raw) if v and k in fields})
+    return [getattr(args, _DERIVED.get(k, k), None) if k in fields else v for k, v in zip(SHAPE_KEYS, raw)]
+
+
+def compare_settings(
+    path: str, marker: dict, inputs: dict, allow_dataset_change: bool, legacy_dataset: Callable[[], dict] | None = None
+) -> ResumeCheck:
     """This run's `inputs` (as `CheckpointManager._inputs` records them) against checkpoint `path`'s
-    `marker` (module docstring)."""
+    `marker` (module docstring). `legacy_dataset` computes this run's dataset fingerprint the way a
+    checkpoint without a fingerprint `method` recorded it (`fingerprint.edge_fingerprint`)."""
     if "config" not in marker:
         return ResumeCheck([])  # written before checkpoints recorded their settings
     old, new = _flat(marker["config"]), _flat(inputs["config"])
     fixed = [
         ("model.name", old.get("model.name"), new["model.name"], ""),
         ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
-        *(  # shape overrides of the flavor (0 = the flavor's; absent from older checkpoints)
-            (f"model.{k}", old.get(f"model.{k}", 0), new.get(f"model.{k}", 0), "")
-            for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta")
+        *(  # the model's shape: the flavor's values with the overrides (0 = the flavor's) applied
+            (f"model.{k}", was, now, "") for k, was, now in zip(SHAPE_KEYS, model_shape(old), model_shape(new))
         ),
         ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
         ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),
@@ -87,6 +112,8 @@ def compare_settings(path: str, marker: dict, inputs: dict, allow_dataset_change
         if key in old and old[key] != value and key not in _NOT_SETTINGS
     ]
     was, now = marker.get("dataset"), inputs["dataset"]
+    if was and now and was.get("method") != now.get("method") and legacy_dataset is not None:
+        now = legacy_dataset()
     if not (was and now and was["digest"] != now["digest"]):
         return ResumeCheck(changed)
     what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
