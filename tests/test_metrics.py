@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import struct
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite import metrics, preflight
+from titanlite import metrics, mfu, preflight
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
 from titanlite.metrics import METRICS, MetricsLogger, StepStats, peak_tflops
@@ -47,7 +48,7 @@ def test_gpu_peak_table_matches_the_most_specific_name(monkeypatch, name, peak):
 def test_unknown_gpu_logs_no_mfu(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     logger = MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), torch.device("cpu"), 1e6, enabled=True)
-    logger.peak, logger.peak_source = peak_tflops(torch.device("cuda", 0))
+    logger.peak = mfu.Peak(0.0, torch.device("cuda", 0))
     with caplog.at_level(logging.INFO, logger="titanlite"):
         record = logger.log(
             StepStats(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=512, elapsed=1.0, data_time=0.0), 1
@@ -87,12 +88,25 @@ def log_rows(cfg: Metrics, dump: Path, **kw) -> tuple[list[dict], list[str]]:
     return records, [m for m in messages if m.lstrip("\x1b[0123456789m").startswith("step ")]
 
 
-def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(tmp_path):
-    """Read back as TensorBoard's server reads the event files: the custom layout holds exactly the logged
-    tags, each with its display name and description, and the values equal metrics.jsonl's under one name."""
+def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(tmp_path, caplog):
+    """Read back as TensorBoard's server reads the event files: every scalar is the scalars plugin's
+    (TensorBoard's loader warns of none "not associated with a plugin"), the custom layout holds exactly
+    the logged tags, each with its display name and description, and the values equal metrics.jsonl's
+    under one name."""
     rows, _ = log_rows(Metrics(peak_tflops=0.5), tmp_path, validation=True)
     [run] = (tmp_path / "tb").iterdir()
-    board = read_dashboard(str(run))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with caplog.at_level(logging.WARNING, logger="tensorboard"):
+        board = read_dashboard(str(run))  # the loader of TensorBoard's server
+        legacy = EventAccumulator(str(run))  # and its older loader, which warns of scalars without a plugin
+        legacy.Reload()
+    assert not [r for r in caplog.records if r.name.startswith("tensorboard")], caplog.text
+    for m in METRICS:
+        if not m.cuda_only:
+            meta = legacy.SummaryMetadata(m.tag)
+            assert (meta.plugin_data.plugin_name, meta.display_name) == ("scalars", m.display_name)
+            assert meta.summary_description == m.description
     logged = {m.tag: m for m in METRICS if not m.cuda_only}
     records = [r for r in rows if "loss" in r]
     val_records = [r for r in rows if "val_loss" in r]
@@ -112,6 +126,7 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
     assert "```\n" + describe(board) + "\n```" in page
     # The old metrics.jsonl keys still read the same values (for one release).
     assert all(r["mfu"] == r["mfu_pct"] and r["data_time_pct"] == r["data_pct"] for r in records)
+    assert {r["run"] for r in rows} == {1}
 
 
 def test_step_line_shows_progress_elapsed_and_eta_without_colour_off_a_terminal(tmp_path, monkeypatch):
@@ -139,26 +154,35 @@ def test_eta_is_the_mean_step_time_after_the_first_log(monkeypatch):
     assert metrics.clock(3725.4) == "1:02:05"
 
 
-def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
-    """MFU must not drift between runs: the second start reads the first one's measurement."""
-    measured = iter([0.07, 0.03])
-    monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", str(tmp_path / "peak.json"))
-    monkeypatch.setattr(metrics, "_measure_cpu_peak_tflops", lambda: next(measured))
-    metrics._cpu_peak_tflops.cache_clear()
+def test_cpu_peak_is_measured_once_per_machine_and_mfu_never_exceeds_100(tmp_path, monkeypatch, caplog):
+    """MFU must not drift between runs: the second start reads the first one's measurement. A measurement
+    taken on a busy machine is too low: a step faster than it raises the peak (and the cache)."""
+    measured, measure = iter([0.07, 0.03]), mfu._measure_cpu_peak_tflops
+    monkeypatch.setattr(mfu, "CPU_PEAK_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(mfu, "_measure_cpu_peak_tflops", lambda: next(measured))
+    mfu._cpu_peak_tflops.cache_clear()
     try:
         first = peak_tflops(torch.device("cpu"))[0]
-        metrics._cpu_peak_tflops.cache_clear()  # a new process
+        mfu._cpu_peak_tflops.cache_clear()  # a new process
         assert peak_tflops(torch.device("cpu"))[0] == first == 0.07
         (tmp_path / "peak.json").unlink()
-        metrics._cpu_peak_tflops.cache_clear()
+        mfu._cpu_peak_tflops.cache_clear()
         assert peak_tflops(torch.device("cpu"))[0] == 0.03  # deleting the cache measures again
+        peak = mfu.Peak(0.0, torch.device("cpu"))
+        assert peak.mfu(0.015) == pytest.approx(50.0)
+        with caplog.at_level(logging.INFO, logger="titanlite"):
+            assert peak.mfu(0.06) == 100.0 and peak.mfu(0.03) == pytest.approx(50.0)
+        assert "MFU peak raised from 0.03 to 0.06 TFLOP/s" in caplog.text
+        mfu._cpu_peak_tflops.cache_clear()
+        assert peak_tflops(torch.device("cpu"))[0] == 0.06  # the next start uses the raised peak
     finally:
-        metrics._cpu_peak_tflops.cache_clear()
+        mfu._cpu_peak_tflops.cache_clear()
     configured = MetricsLogger(
         Metrics(enable_tensorboard=False, peak_tflops=2.0), str(tmp_path), torch.device("cpu"), 1, True
     )
     configured.close()
-    assert (configured.peak, configured.peak_source) == (2.0, "metrics.peak_tflops")
+    assert (configured.peak.tflops, configured.peak.source) == (2.0, "metrics.peak_tflops")
+    assert measure() > 0  # the real measurement runs
 
 
 def wandb_records(run_dir: Path) -> list:
@@ -229,3 +253,57 @@ def test_wandb_enabled_but_missing_is_one_line_and_exit_code_2(monkeypatch, caps
         "(pip install 'titanlite[wandb]', or --no-metrics.enable_wandb)"
     ]
     assert run_cli(preflight.main, argv[:2] + argv[3:]) == 0  # the same run without W&B passes
+
+
+def test_rows_name_their_run_and_a_torn_last_row_is_cut(tmp_path):
+    """Each trainer start is a new `run` in metrics.jsonl: a resumed run's repeated steps are told apart."""
+    log_rows(Metrics(enable_tensorboard=False, peak_tflops=0.5), tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": 1.')  # a crash in the middle of a row
+    rows, _ = log_rows(Metrics(enable_tensorboard=False, peak_tflops=0.5), tmp_path)
+    assert [(r["run"], r["step"]) for r in rows] == [(1, 1), (1, 10), (1, 20), (2, 1), (2, 10), (2, 20)]
+
+
+class FailingWandb:
+    name = "fake"
+
+    def __init__(self):
+        self.calls = 0
+
+    def log(self, scalars, step):
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    def finish(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_an_output_that_fails_is_warned_about_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    """W&B fails at once, metrics.jsonl at its second row (a short write, then ENOSPC): one warning each,
+    no torn row, and TensorBoard goes on."""
+    logger = MetricsLogger(Metrics(peak_tflops=0.5), str(tmp_path), torch.device("cpu"), 1e6, enabled=True)
+    logger.wandb_run = wandb = FailingWandb()
+    write, writes = os.write, []
+
+    def full_after_one_row(fd, data):
+        if fd == logger.jsonl.fd and writes:
+            if len(writes) == 1:
+                writes.append(data)
+                return write(fd, bytes(data[:7]))  # a short write, as a disk filling up gives
+            raise OSError(28, "No space left on device")
+        writes.append(data)
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_after_one_row)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        for s in rows():
+            logger.log(s, 1)
+        logger.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned  # W&B (its first write) and metrics.jsonl (its second): TensorBoard had room
+    assert warned[1].startswith("metrics: cannot write metrics.jsonl (OSError: [Errno 28] No space left on device)")
+    assert warned[1].endswith("nothing more is written to it in this run, training continues")
+    assert "cannot write the W&B run" in warned[0] and wandb.calls == 1
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    [run] = (tmp_path / "tb").iterdir()
+    assert [step for step, _ in read_dashboard(str(run)).scalars["loss/loss"].values] == [1, 10, 20]

@@ -1,120 +1,42 @@
-"""Training metrics: console line, TensorBoard scalars and metrics.jsonl, written by rank 0.
+"""Training metrics: console line, metrics.jsonl, TensorBoard scalars and W&B, written by rank 0.
 
 Memory: on CUDA the caching allocator's peak allocated/reserved bytes since the last log; on CPU the
 process's peak resident set size (`VmHWM`, reset after every log through /proc/self/clear_refs).
-MFU: against `metrics.peak_tflops` when set, else the GPU's dense bf16 peak for known GPUs, else on CPU
-against a peak fp32 matmul rate measured once per machine and cached (the log says which).
+MFU: against the peak of `mfu.py` (the log says which), never above 100%.
 Every scalar is declared once in `METRICS` (name, group, display name, unit, description): the
-metrics.jsonl key, the TensorBoard tag and its custom layout, and the W&B key all come from it.
+metrics.jsonl key, the TensorBoard tag and its custom layout, and the W&B key all come from it; each
+TensorBoard scalar carries the scalars plugin's metadata with its display name and description.
+
+metrics.jsonl: rank 0 appends one row per log; every row carries `run`, the number of the trainer start
+that wrote it in this dump folder (1, 2, ... counted from the file's last row), so the rows of a resumed
+or restarted run, which repeat the steps since the last checkpoint, can be told apart. A row is written
+whole or not at all: a failed write is cut back off the file.
+
+Outputs that fail (a full disk, a file size limit, permissions): metrics.jsonl, TensorBoard and W&B each
+get one warning naming the output and the error, and are not written again in this run; training goes
+on. (Profiler traces follow the same rule; checkpoints have their own policy, `checkpoint/manager.py`.)
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
 import os
-import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from titanlite.errors import ConfigError
+from titanlite.mfu import Peak, mfu_pct, peak_tflops
+
+__all__ = ["METRICS", "MetricsLogger", "StepStats", "mfu_pct", "peak_tflops"]  # the MFU helpers, for benchmarks
 
 logger = logging.getLogger("titanlite")
-
-# Dense bf16 peak TFLOP/s (no sparsity) per GPU name fragment, most specific first: the first fragment
-# found in the device name wins, so "GB200" must precede "B200" and the H100 variants the plain "H100"
-# (SXM). Vendor data sheets.
-GPU_PEAK_TFLOPS = {
-    "GB200": 2500.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "MI325X": 1307.0,
-    "MI300X": 1307.0,
-}
-
-
-def mfu_pct(tflops: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation in percent; None where the device's peak is unknown."""
-    return 100.0 * tflops / peak if peak else None
-
-
-def peak_tflops(device: torch.device) -> tuple[float | None, str]:
-    """(peak TFLOP/s, where it comes from); None for a GPU the table does not know (MFU is then not
-    reported rather than computed against a guessed peak)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value, f"{name} bf16 dense peak"
-        return None, f"unknown GPU {name}: MFU not reported"
-    return _cpu_peak_tflops(), f"CPU fp32 matmul peak, measured once on this machine ({CPU_PEAK_CACHE})"
-
-
-# The measured CPU peak, per CPU model, core count, thread count and torch version: measured once per
-# machine, so MFU does not drift between runs with timing noise (re-measured after deleting the file).
-CPU_PEAK_CACHE = os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "titanlite", "cpu_peak_tflops.json"
-)
-
-
-def _cpu_key() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | torch {torch.__version__}"
-
-
-@functools.cache
-def _cpu_peak_tflops() -> float:
-    """The cached peak for this machine, else measured now and cached (best effort: a read-only home
-    only costs the measurement at each start)."""
-    key = _cpu_key()
-    try:
-        with open(CPU_PEAK_CACHE) as f:
-            cached = json.load(f)
-        if key in cached:
-            return float(cached[key])
-    except (OSError, ValueError):
-        cached = {}
-    peak = _measure_cpu_peak_tflops()
-    try:
-        os.makedirs(os.path.dirname(CPU_PEAK_CACHE), exist_ok=True)
-        tmp = f"{CPU_PEAK_CACHE}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({**cached, key: peak}, f, indent=1)
-        os.replace(tmp, CPU_PEAK_CACHE)
-    except OSError:
-        pass
-    return peak
-
-
-def _measure_cpu_peak_tflops() -> float:
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.25:
-        a @ b
-        reps += 1
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
 class ValidationResult(Protocol):
@@ -269,6 +191,70 @@ COLORS = dict(
 )
 
 
+class Output:
+    """One output of the logger: written until its first failure, which is warned about once; then it is
+    left alone for the rest of the run (the policy in the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.ok = name, True
+
+    def write(self, fn: Callable[[], object]) -> None:
+        if not self.ok:
+            return
+        try:
+            fn()
+        except Exception as e:  # OSError, or an output's own wrapper of it
+            self.ok = False
+            logger.warning(
+                f"metrics: cannot write {self.name} ({type(e).__name__}: {e}); nothing more is written "
+                "to it in this run, training continues"
+            )
+
+
+class JsonLines:
+    """metrics.jsonl: whole rows appended, each tagged with this trainer start's `run` number."""
+
+    NAME = "metrics.jsonl"
+
+    def __init__(self, dump_folder: str) -> None:
+        self.path = os.path.join(dump_folder, self.NAME)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.size = os.fstat(self.fd).st_size
+        last = self._last_row()
+        self.run = int(last.get("run", 1 if last else 0)) + 1
+
+    def _last_row(self) -> dict:
+        """The file's last complete row ({} when empty); a torn row at its end (a crash mid-write) is cut."""
+        with open(self.path, "rb") as f:
+            f.seek(max(0, self.size - (1 << 16)))
+            tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            cut = len(tail) - tail.rfind(b"\n") - 1
+            logger.info(f"metrics: {self.path}: dropped a torn last row ({cut} bytes)")
+            self.size -= cut
+            os.ftruncate(self.fd, self.size)
+            tail = tail[: len(tail) - cut]
+        for line in reversed(tail.splitlines()):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+        return {}
+
+    def append(self, row: dict) -> None:
+        data = memoryview((json.dumps({**row, "run": self.run}) + "\n").encode())
+        try:
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError:
+            os.ftruncate(self.fd, self.size)  # no torn row
+            raise
+        self.size = os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class MetricsLogger:
     """Rank 0's console step line, metrics.jsonl, TensorBoard events and (optionally) W&B run.
 
@@ -287,16 +273,14 @@ class MetricsLogger:
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
-        self.peak, self.peak_source = (None, "")
-        if enabled:
-            self.peak, self.peak_source = (
-                (cfg.peak_tflops, "metrics.peak_tflops") if cfg.peak_tflops else peak_tflops(device)
-            )
+        self.peak = Peak(cfg.peak_tflops, device) if enabled else None
         self.metrics = [m for m in METRICS if (device.type == "cuda" or not m.cuda_only) and not m.validation]
         self.val_metrics = [m for m in METRICS if m.validation] if validation else []
         self.writer = None
         self.wandb_run = None
-        self.jsonl = None
+        self.jsonl: JsonLines | None = None
+        self.outputs = {name: Output(name) for name in (JsonLines.NAME, "TensorBoard events", "the W&B run")}
+        self._described: set[str] = set()  # tags whose TensorBoard metadata was written
         self.total_steps = 0
         self.start: tuple[float, int] | None = None  # (time, step) of the first log: the ETA's rate
         self.began = time.perf_counter()
@@ -306,29 +290,42 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
-        peak = f"{self.peak:.2f} TFLOP/s ({self.peak_source})" if self.peak else self.peak_source
+        self.jsonl = JsonLines(dump_folder)
+        logger.info(f"metrics: {os.path.abspath(self.jsonl.path)} (run {self.jsonl.run} in this file)")
+        peak = f"{self.peak.tflops:.2f} TFLOP/s ({self.peak.source})" if self.peak.tflops else self.peak.source
         logger.info(f"MFU peak: {peak}; memory: {self.memory.kind}")
-        if self.peak is None:
+        if self.peak.tflops is None:
             self.metrics = [m for m in self.metrics if m.name != "mfu_pct"]
         if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             log_dir = os.path.join(dump_folder, cfg.save_tb_folder, time.strftime("%Y%m%d-%H%M%S"))
-            self.writer = SummaryWriter(log_dir)
-            self.writer.add_custom_scalars(self.layout())
+
+            def open_tensorboard() -> None:
+                self.writer = SummaryWriter(log_dir)
+                self.writer.add_custom_scalars(self.layout())
+
             logger.info(f"TensorBoard events: {log_dir}")
+            self._tensorboard(open_tensorboard)
         if cfg.enable_wandb:
             check_wandb(cfg)
             import wandb
 
-            self.wandb_run = wandb.init(
-                project=cfg.wandb_project,
-                name=cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder)),
-                dir=None if os.environ.get("WANDB_DIR") else dump_folder,  # the user's WANDB_DIR wins
-                config=run_config,
-            )
-            logger.info(f"Weights & Biases run: {self.wandb_run.name} ({os.environ.get('WANDB_MODE', 'online')})")
+            def open_wandb() -> None:
+                self.wandb_run = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder)),
+                    dir=None if os.environ.get("WANDB_DIR") else dump_folder,  # the user's WANDB_DIR wins
+                    config=run_config,
+                )
+
+            self.outputs["the W&B run"].write(open_wandb)
+            if self.wandb_run is not None:
+                mode = os.environ.get("WANDB_MODE", "online")
+                logger.info(f"Weights & Biases run: {self.wandb_run.name} ({mode})")
+
+    def _tensorboard(self, fn: Callable[[], object]) -> None:
+        self.outputs["TensorBoard events"].write(fn)
 
     def layout(self) -> dict:
         """The TensorBoard custom-scalars layout: one category per group, one chart per logged metric,
@@ -363,7 +360,7 @@ class MetricsLogger:
             lr=s.lr,
             tps=tps,
             tflops=tflops,
-            mfu_pct=mfu_pct(tflops, self.peak),
+            mfu_pct=self.peak.mfu(tflops) if self.peak is not None else None,
             mem_peak_gib=mem,
             data_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
@@ -387,27 +384,43 @@ class MetricsLogger:
             f"data: {record['data_pct']:.1f}%{c['reset']}  elapsed {clock(elapsed)}  eta {clock(eta)}"
         )
         legacy = {old: record[new] for old, new in RENAMED.items()}
-        self.jsonl.write(json.dumps({**record, **legacy}) + "\n")
-        self.jsonl.flush()
-        scalars = {m.tag: record[m.name] for m in self.metrics if record.get(m.name) is not None}
-        if self.writer is not None:
-            writer = self.writer._get_file_writer()
-            for m in self.metrics:
-                if m.tag in scalars:
-                    writer.add_summary(self._summary(m, scalars[m.tag]), s.step)
-            self.writer.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(scalars, step=s.step)
+        self._write(s.step, {**record, **legacy}, self.metrics, record)
         return record
 
-    @staticmethod
-    def _summary(m: Metric, value: float):
-        """A scalar event carrying its display name and description (TensorBoard shows them; add_scalar
-        cannot set them)."""
-        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    def _write(self, step: int, row: dict, metrics: list[Metric], values: dict) -> None:
+        """One row to metrics.jsonl, and `metrics`' values to TensorBoard and W&B (each output by the
+        failure policy of the module docstring)."""
+        assert self.jsonl is not None
+        self.outputs[JsonLines.NAME].write(lambda: self.jsonl.append(row))
+        scalars = {m.tag: values[m.name] for m in metrics if values.get(m.name) is not None}
+        if self.writer is not None:
 
-        metadata = SummaryMetadata(display_name=m.display_name, summary_description=m.description)
-        return Summary(value=[Summary.Value(tag=m.tag, simple_value=float(value), metadata=metadata)])
+            def tensorboard() -> None:
+                writer = self.writer._get_file_writer()
+                for m in metrics:
+                    if m.tag in scalars:
+                        writer.add_summary(self._summary(m, scalars[m.tag]), step)
+                self.writer.flush()
+
+            self._tensorboard(tensorboard)
+        if self.wandb_run is not None:
+            self.outputs["the W&B run"].write(lambda: self.wandb_run.log(scalars, step=step))
+
+    def _summary(self, m: Metric, value: float):
+        """A scalar event as TensorBoard's own scalar summaries are: a float tensor whose first event per
+        tag carries the scalars plugin's metadata with the display name and description (add_scalar
+        cannot set them)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.types_pb2 import DT_FLOAT
+        from tensorboard.plugins.scalar.metadata import create_summary_metadata
+
+        tensor = TensorProto(dtype=DT_FLOAT, float_val=[float(value)])
+        if m.tag in self._described:
+            return Summary(value=[Summary.Value(tag=m.tag, tensor=tensor)])
+        self._described.add(m.tag)
+        metadata = create_summary_metadata(display_name=m.display_name, description=m.description)
+        return Summary(value=[Summary.Value(tag=m.tag, tensor=tensor, metadata=metadata)])
 
     def log_validation(self, step: int, result: ValidationResult) -> dict:
         """A held-out evaluation: its own console line, `metrics.jsonl` row (`step`, `val_loss`, `val_ppl`,
@@ -426,23 +439,16 @@ class MetricsLogger:
             f"{c['red']}step: {step:5d}  {c['green']}val_loss: {result.loss:8.4f}  val_ppl: {result.perplexity:,.2f}  "
             f"{c['magenta']}({result.tokens:,} held-out tokens in {result.seconds:.2f}s){c['reset']}"
         )
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        scalars = {m.tag: record[m.name] for m in self.val_metrics}
-        if self.writer is not None:
-            writer = self.writer._get_file_writer()
-            for m in self.val_metrics:
-                writer.add_summary(self._summary(m, record[m.name]), step)
-            self.writer.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(scalars, step=step)
+        self._write(step, record, self.val_metrics, record)
         return record
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            self._tensorboard(self.writer.close)
+            self.writer = None
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.outputs["the W&B run"].write(self.wandb_run.finish)
             self.wandb_run = None
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None

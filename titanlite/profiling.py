@@ -23,7 +23,8 @@ end of training is dropped.
   would go: the CPU bytes allocated (net) since the step began, at each operator's start
   (`times_us`, `allocated_bytes`), the peak, and the operators that allocated most.
 
-A profile that cannot be written is a warning, never the end of the run.
+A profile that cannot be written (a full disk, a file size limit) is one warning, and no profile is
+written after it in this run; training goes on (the policy of every output, `metrics.py`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Profiler:
         self._prof: profile | None = None
         self._steps = 0
         self._closing = False
+        self._failed = False  # a profile could not be written: no more are
         self.written: list[str] = []
 
     def _action(self, index: int) -> ProfilerAction:
@@ -111,7 +113,7 @@ class Profiler:
 
     def _on_trace_ready(self, prof: profile) -> None:
         step = self.start_step + prof.step_num
-        if self._closing or step % self.cfg.profile_freq:
+        if self._closing or self._failed or step % self.cfg.profile_freq:
             return  # the profiler flushes an unfinished cycle on exit: not a whole step
         folder = f"iteration_{step}"
         # An exception escaping this callback leaves torch's profiler half-stopped, and its exit then
@@ -124,14 +126,27 @@ class Profiler:
                 with open(self._path(self.memory_dir, folder, "memory_timeline.json"), "w") as f:
                     json.dump({"step": step, "rank": self.rank, **timeline}, f)
         except Exception as e:
-            logger.warning(f"profile of step {step} not written: {type(e).__name__}: {e}")
+            self._failed = True
+            logger.warning(
+                f"profiling: the profile of step {step} could not be written ({type(e).__name__}: {e}); no more "
+                "profiles are written in this run, training continues"
+            )
             return
         logger.info(
             f"profile of step {step} written to {self.trace_dir if self.cfg.enable_profiling else self.memory_dir}"
         )
 
     def _dump_cuda_snapshot(self, folder: str) -> None:
-        torch.cuda.memory._dump_snapshot(self._path(self.memory_dir, folder, "memory_snapshot.pickle"))
+        if self._failed:
+            return
+        try:
+            torch.cuda.memory._dump_snapshot(self._path(self.memory_dir, folder, "memory_snapshot.pickle"))
+        except OSError as e:
+            self._failed = True
+            logger.warning(
+                f"profiling: the memory snapshot {folder} could not be written ({e}); no more profiles are "
+                "written in this run, training continues"
+            )
 
 
 def cpu_memory_timeline(prof: profile) -> dict:
