@@ -168,9 +168,15 @@ def loader_workers(plan: RunPlan, device_type: str) -> int:
     return max(w for w in range(1, AUTO_CUDA_WORKERS + 1) if plan.grad_accum % w == 0)
 
 
-def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
+def data_index_dir(cfg: JobConfig) -> str:
+    """Where the local data files' indexes are kept for every process of a run (`data/index.py`)."""
+    return os.path.join(cfg.job.dump_folder, "data_index")
+
+
+def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True) -> Any:
     """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
-    for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes).
+    for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes);
+    `report`: print the data's warnings (the launcher's preflight does, its ranks need not repeat them).
 
     Built before the process group: a bad dataset path is reported before any rank starts work."""
     t = plan.cfg.training
@@ -187,6 +193,8 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu") -> Any:
         num_workers=loader_workers(plan, device_type),
         pin_memory=device_type == "cuda",
         holdout_documents=plan.cfg.validation.holdout_documents,
+        index_dir=data_index_dir(plan.cfg),
+        report=report,
     )
 
 

@@ -75,10 +75,10 @@ def preflight(argv: list[str], world_size: int) -> int:
     check_wandb(cfg.metrics)
     plan = RunPlan.build(cfg, world_size)
     t = cfg.training
-    if not t.dataset_path.startswith("hf://"):
-        build_loader(plan, dp_rank=0)
     check_dump_folder(cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
+    if not t.dataset_path.startswith("hf://"):
+        build_loader(plan, dp_rank=0)  # indexes the data once for the ranks (data/index.py)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
     return cfg.comm.max_restarts

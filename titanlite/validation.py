@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.build import RunPlan
+from titanlite.build import RunPlan, data_index_dir
 from titanlite.data.loader import TokenLoader, build_dataloader
 from titanlite.step import forward_loss, loss_context, replicated
 
@@ -66,6 +66,8 @@ def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
         dp_degree=plan.dims.dp,
         holdout_documents=0 if v.dataset_path else v.holdout_documents,
         heldout=not v.dataset_path,
+        index_dir=data_index_dir(plan.cfg),
+        report=bool(v.dataset_path),  # the training data's warnings are printed by its own loader
     )
 
 

@@ -130,12 +130,16 @@ def build_dataloader(
     pin_memory: bool = False,
     holdout_documents: int = 0,
     heldout: bool = False,
+    index_dir: str | None = None,
+    report: bool = True,
 ) -> TokenLoader:
     """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
 
     `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
     without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
-    the loader reads the documents before them, or with `heldout` only them (validation)."""
+    the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
+    keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
+    launch does)."""
     layout = Layout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
@@ -144,7 +148,7 @@ def build_dataloader(
         dp_degree=dp_degree,
         num_workers=num_workers,
     )
-    source = open_source(dataset_path, text_field)
+    source = open_source(dataset_path, text_field, index_dir=index_dir, report=report)
     what = "held-out documents" if heldout else "documents"
     if holdout_documents:
         if not isinstance(source, LocalSource):

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
+from titanlite.data import index
 from titanlite.errors import DataError
 
 logger = logging.getLogger("titanlite")
@@ -269,9 +270,15 @@ class ForwardReader:
 
 
 class LocalSource:
-    """Local files, indexed once: document d -> (file, byte offset, byte length)."""
+    """Local files, indexed once (`index.py`): document d -> (file, byte offset, byte length).
 
-    def __init__(self, files: list[Path], text_field: str, name: str) -> None:
+    `index_dir` keeps the files' indexes for the other processes of a launch and for later launches;
+    `report` prints what the scans found (skipped records, unreadable tails) as warnings: the launcher's
+    preflight reports, the ranks it starts do not repeat it."""
+
+    def __init__(
+        self, files: list[Path], text_field: str, name: str, index_dir: str | None = None, report: bool = True
+    ) -> None:
         self.name = name
         self.files = files
         self.text_field = text_field
@@ -279,14 +286,26 @@ class LocalSource:
         self._starts = array("q")  # index of each file's first document
         self._offsets = array("q")  # byte offset in the (decompressed) file; parquet: row number
         self._lengths = array("q")
+        self.digests: list[str] = []
+        """Each file's content digest (`index.FileIndex.digest`), in file order."""
         self._cache: OrderedDict[int, object] = OrderedDict()
         if any(kind == "parquet" for kind, _ in self.formats):
             _require_pyarrow()
         if any(compression == "zst" for _, compression in self.formats):
             _require_zstandard()
         for i, path in enumerate(files):
+            key = f"{self.formats[i][0]}:{self.formats[i][1]}:{text_field}"
+            found = index.load(index_dir, path, key)
+            if found is None:
+                found = self._index(i, path)
+                index.store(index_dir, path, key, found)
+            if report:
+                for note in found.notes:
+                    logger.warning(note)
             self._starts.append(len(self._offsets))
-            self._index(i, path)
+            self._offsets.extend(found.offsets)
+            self._lengths.extend(found.lengths)
+            self.digests.append(found.digest)
         self.num_documents: int = len(self._offsets)
         self._first = 0  # global index of this source's document 0 (`part`)
 
@@ -299,11 +318,21 @@ class LocalSource:
         part._first, part.num_documents, part._cache = self._first + begin, end - begin, OrderedDict()
         return part
 
-    def _index(self, i: int, path: Path) -> None:
+    def _index(self, i: int, path: Path) -> index.FileIndex:
+        """Scan one file: its documents, a digest of its content and what was wrong with it."""
         kind, compression = self.formats[i]
+        stat = path.stat()
+        found = index.FileIndex(stat.st_size, stat.st_mtime_ns)
+        digest = index.content_hash()
         issues: Counter[str] = Counter()
+        spans: list[tuple[int, int]] = []  # filled as the scan goes: a file that breaks keeps its first part
+        error = None
+        head = b""
         try:
             if kind == "parquet":
+                with open(path, "rb") as f:
+                    while chunk := f.read(_SKIP_CHUNK):
+                        digest.update(chunk)
                 column = _read_parquet_column(path, self.text_field)
                 spans = [(row, 0) for row, text in enumerate(column) if text is not None]
                 issues["rows without usable text"] = len(column) - len(spans)
@@ -311,26 +340,36 @@ class LocalSource:
                 with open_stream(path, compression) as f:
                     head = f.read(_BINARY_SNIFF)
                 if b"\0" in head:
-                    logger.warning(f"data: skipped {path}: binary file")
-                    return
+                    digest.update(head)
+                    found.digest = digest.hexdigest()
+                    found.notes.append(f"data: skipped {path}: binary file")
+                    return found
                 with open_stream(path, compression) as f:
                     pos = len(_BOM) if head.startswith(_BOM) else 0
-                    f.read(pos)
-                    if kind == "txt":
-                        spans = _scan_txt(f, pos, issues)
-                    else:
-                        spans = _scan_jsonl(f, pos, self.text_field, issues)
+                    digest.update(f.read(pos))
+                    scan = _scan_txt if kind == "txt" else _scan_jsonl
+                    scan(f, pos, self.text_field, issues, spans, digest)
         except _read_errors() as e:  # unreadable, corrupt or truncated gzip/zstd/parquet
-            logger.warning(f"data: skipped {path}: cannot read it ({e})")
-            return
-        self._offsets.extend(off for off, _ in spans)
-        self._lengths.extend(n for _, n in spans)
+            error = e
+        found.digest = digest.hexdigest()
+        found.offsets.extend(off for off, _ in spans)
+        found.lengths.extend(n for _, n in spans)
         issues = +issues  # drop zero counts
-        if not spans and not issues:
-            logger.warning(f"data: skipped {path}: empty file")
+        if error is not None:
+            what = f"kept the {len(spans)} documents before the damage" if spans else "nothing readable"
+            found.notes.append(f"data: {path}: cannot read all of it ({error}); {what}")
+        elif not spans and not issues:
+            found.notes.append(f"data: skipped {path}: empty file")
         elif issues:
             detail = ", ".join(f"{n} {why}" for why, n in sorted(issues.items()))
-            logger.warning(f"data: {path}: skipped {detail}; kept {len(spans)} documents")
+            hint = ""
+            if kind == "jsonl" and head.lstrip(_BOM + b" \t\r\n").startswith(b"["):
+                hint = (
+                    " (it looks like one JSON array: JSON Lines is expected, one object per line; "
+                    f"convert it with: jq -c '.[]' {path} > {path.with_suffix('.jsonl')})"
+                )
+            found.notes.append(f"data: {path}: skipped {detail}; kept {len(spans)} documents{hint}")
+        return found
 
     def _load(self, i: int) -> mmap.mmap | bytes | list[str | None]:
         """A plain file mapped, or a parquet text column, with a small LRU cache: shard streams read
@@ -392,10 +431,11 @@ class LocalSource:
         return {**self.__dict__, "_cache": OrderedDict()}
 
 
-def _scan_txt(lines: Iterable[bytes], pos: int, issues: Counter[str]) -> list[tuple[int, int]]:
-    """(offset, length) of each paragraph (lines up to a blank one) that is valid UTF-8, whitespace
-    trimmed; `pos` is the offset of the first line."""
-    spans = []
+def _scan_txt(
+    lines: Iterable[bytes], pos: int, field: str, issues: Counter[str], spans: list[tuple[int, int]], digest
+) -> None:
+    """Append (offset, length) of each paragraph (lines up to a blank one) that is valid UTF-8, whitespace
+    trimmed, to `spans`; `pos` is the offset of the first line; every line read goes into `digest`."""
     para: list[bytes] = []  # the current paragraph's lines
     start = 0
 
@@ -410,6 +450,7 @@ def _scan_txt(lines: Iterable[bytes], pos: int, issues: Counter[str]) -> list[tu
         para.clear()
 
     for line in lines:
+        digest.update(line)
         if line.strip():
             if not para:
                 start = pos
@@ -419,13 +460,15 @@ def _scan_txt(lines: Iterable[bytes], pos: int, issues: Counter[str]) -> list[tu
         pos += len(line)
     if para:
         close()
-    return spans
 
 
-def _scan_jsonl(lines: Iterable[bytes], pos: int, field: str, issues: Counter[str]) -> list[tuple[int, int]]:
-    """(offset, length) of each line that is a JSON object with a non-empty string `field`."""
-    spans = []
+def _scan_jsonl(
+    lines: Iterable[bytes], pos: int, field: str, issues: Counter[str], spans: list[tuple[int, int]], digest
+) -> None:
+    """Append (offset, length) of each line that is a JSON object with a non-empty string `field` to
+    `spans`; every line read goes into `digest`."""
     for line in lines:
+        digest.update(line)
         if line.strip():
             text, why = _jsonl_text(line, field)
             if text is None:
@@ -433,7 +476,6 @@ def _scan_jsonl(lines: Iterable[bytes], pos: int, field: str, issues: Counter[st
             else:
                 spans.append((pos, len(line.rstrip(b"\n"))))
         pos += len(line)
-    return spans
 
 
 def _require_pyarrow() -> None:
@@ -536,12 +578,15 @@ class HFShardDocuments:
         return self._part.state_dict()
 
 
-def open_source(dataset_path: str, text_field: str) -> DocumentSource:
-    """The source for a dataset path: "" is the bundled corpus, `hf://...` a Hugging Face dataset."""
+def open_source(
+    dataset_path: str, text_field: str, index_dir: str | None = None, report: bool = True
+) -> DocumentSource:
+    """The source for a dataset path: "" is the bundled corpus, `hf://...` a Hugging Face dataset.
+    `index_dir` and `report`: `LocalSource`'s."""
     if dataset_path.startswith("hf://"):
         return HFSource(dataset_path, text_field)
     path = dataset_path or str(BUNDLED_CORPUS)
     files = resolve_files(path)
-    if dataset_path:  # the bundled corpus's README is expected
+    if dataset_path and report:  # the bundled corpus's README is expected
         warn_skipped_files(path)
-    return LocalSource(files, text_field, name=path)
+    return LocalSource(files, text_field, name=path, index_dir=index_dir, report=report)
