@@ -1,7 +1,8 @@
 """Checkpoints under faults, as users meet them: through `run_train.sh` (NGPU=1: the preflight, the
-launcher and one rank; exit codes and error lines are what the launcher reports): a full disk during a
-sync and an async save, a second run on a locked dump folder, a bit flip in a shard (resume and HF
-export), and a resume with changed settings.
+launcher and one rank; exit codes and error lines are what the launcher reports): a full disk under the
+metrics and the checkpoints (the last save failing: exit code 4), a full disk during an async save, a
+stop signal whose save fails under a file size limit, a second run on a locked dump folder, a bit flip
+in a shard (resume and HF export), a resume with changed settings or nothing to train.
 
 The full disk is a real one where this process may mount a 4 MiB tmpfs (root); elsewhere a 4 MiB file
 size limit (RLIMIT_FSIZE, inherited by the trainer) makes the same DCP write fail (EFBIG). Either way
@@ -80,14 +81,48 @@ def _assert_nothing_left(folder: Path) -> None:
         assert disk.f_bfree == disk.f_blocks
 
 
-def test_disk_full_during_sync_saves_warns_and_trains_on(tmp_path, full_disk):
-    folder, cause = full_disk
-    proc = run(tmp_path / "run", "--checkpoint.folder", str(folder))
-    assert proc.returncode == 0, proc.log[-3000:]
-    warned = [line for line in proc.stderr.splitlines() if "could not be saved" in line]
-    assert len(warned) == 2 and all(cause in line and "training continues" in line for line in warned), warned
-    assert [r["step"] for r in proc.metrics] == [1, 2]
-    _assert_nothing_left(folder)
+@pytest.fixture
+def full_dump_disk(tmp_path) -> Iterator[tuple[Path, dict[str, str], str]]:
+    """(a dump folder on a disk with one free page, for the lock file: every output and checkpoint
+    write fails; the trainer's extra environment; what the save failure says about it). Where no disk
+    can be mounted, the metrics' full-disk hook and a 4 MiB file size limit stand in."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode == 0:
+        try:
+            disk = os.statvfs(mount)
+            (mount / "filler").write_bytes(b"\0" * ((disk.f_bavail - 1) * disk.f_frsize))
+            yield mount / "run", {}, "(0 MiB free on its file system)"
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (DISK, hard))
+    try:
+        yield mount / "run", {"TITANLITE_FAULT_METRICS_DISK_FULL": "1"}, "(the file size limit (ulimit -f) is 4 MiB"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_full_disk_warns_once_per_output_and_a_failed_final_save_exits_4(full_dump_disk):
+    """Metrics, TensorBoard events and checkpoints on a full disk: one warning per output, training goes
+    on, and the run's last save failing ends it with exit code 4 and one line, not a success."""
+    dump, env, cause = full_dump_disk
+    proc = train(dump, 1, *BASE, "--training.steps", "2", "--metrics.enable_tensorboard", launcher="run_train", env=env)
+    assert proc.returncode == 4, proc.log[-3000:]
+    warned = [line.split(" WARNING ", 1)[1] for line in proc.stderr.splitlines() if " WARNING " in line]
+    assert [w.split(" (")[0] for w in warned[:2]] == [  # TensorBoard's at its start, metrics.jsonl's at step 1
+        "metrics: cannot write TensorBoard events",
+        "metrics: cannot write metrics.jsonl",
+    ], warned
+    assert len(warned) == 3 and warned[2].startswith(f"checkpoint step 1 could not be saved to {dump}/checkpoint")
+    assert cause in warned[2] and all("training continues" in w for w in warned), warned
+    (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    assert line.startswith("titanlite: error: training finished at step 2, but checkpoint step 2 could not be saved")
+    assert line.endswith("; no checkpoint was saved") and cause in line, line
+    assert (dump / "metrics.jsonl").read_text() == ""  # no torn row
+    assert list((dump / "checkpoint").iterdir()) == []  # no partial folder
 
 
 def test_disk_full_during_an_async_save_stops_with_stop_on_save_error(tmp_path, full_disk):
@@ -100,10 +135,48 @@ def test_disk_full_during_an_async_save_stops_with_stop_on_save_error(tmp_path, 
         "async",
         "--checkpoint.stop_on_save_error",
     )
-    assert proc.returncode == 2, proc.log[-3000:]
+    assert proc.returncode == 4, proc.log[-3000:]
     (line,) = error_lines(proc)
     assert "checkpoint step 1 could not be saved" in line and cause in line, line
     _assert_nothing_left(folder)
+
+
+def test_a_stop_signal_whose_save_fails_exits_4_naming_the_file_size_limit(tmp_path):
+    """SIGTERM at step 1 under `ulimit -f` 4 MiB: the stop's save fails (torch reports a short write), the
+    line names the limit and the last good checkpoint, exit code 4. The data's warnings (a skipped .csv,
+    a JSON array) are printed once, by the launcher, not again by the rank."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "titanlite" / "data" / "corpus" / "pydocs_000.txt", data)
+    (data / "notes.csv").write_text("a,b\n")
+    (data / "array.json").write_text('[{"text": "one"},\n {"text": "two"}]\n')
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (DISK, hard))  # inherited by the run started next
+    try:
+        proc = train(
+            tmp_path / "run",
+            1,
+            *BASE,
+            *("--training.steps", "3", "--checkpoint.interval", "100", "--training.dataset_path", str(data)),
+            launcher="run_train",
+            env={"TITANLITE_FAULT_SIGTERM_AT": "1"},
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert proc.returncode == 4, proc.log[-3000:]
+    own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    assert len(own) == 3 and own[0].startswith("titanlite: warning: data: skipped 1 .csv file in"), own
+    assert own[1].startswith(f"titanlite: warning: data: {data}/array.json: skipped 2 lines with invalid JSON")
+    assert "JSON Lines is expected" in own[1] and "data:" not in proc.stdout + " ".join(
+        line for line in proc.stderr.splitlines() if line.startswith("[rank") and "WARNING" in line
+    )
+    line = own[2]
+    assert line.startswith(
+        "titanlite: error: stop signal (SIGTERM) at step 1, but checkpoint step 1 could not be saved"
+    )
+    assert "(the file size limit (ulimit -f) is 4 MiB: no file may grow past it" in line
+    assert line.endswith("; no checkpoint was saved"), line
+    assert "checkpoint saved" not in proc.log and "training continues" not in proc.log
 
 
 # --- a second run on the same dump folder -------------------------------------------------------------------
@@ -181,6 +254,14 @@ def test_a_new_lr_is_used_after_resume(two_checkpoints, tmp_path):
     factor = lr_factor(3, total_steps=3, warmup_steps=10, decay_ratio=1.0, decay_type="cosine", min_lr_factor=0.1)
     assert [r["step"] for r in proc.metrics] == [3]
     assert proc.metrics[0]["lr"] == pytest.approx(1e-3 * factor, rel=1e-6)
+
+
+def test_a_resume_with_nothing_to_train_says_so(two_checkpoints, tmp_path):
+    dump = copy_of(two_checkpoints, tmp_path / "run")
+    proc = run(dump, steps=2)
+    assert proc.returncode == 0, proc.log[-3000:]
+    assert "nothing to train: resumed at step 2, training.steps is 2 (raise training.steps to train on)" in proc.stderr
+    assert "training finished" not in proc.stderr and not (dump / "metrics.jsonl").read_text()
 
 
 def test_a_new_global_batch_stops_the_resume_in_one_line(two_checkpoints, tmp_path):

@@ -27,7 +27,7 @@ import pytest
 
 from harness import LOSS_REL, SMALL, RunResult, assert_ok
 from harness import train as run_trainer
-from titanlite.checkpoint import folders
+from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.manager import TEST_KILL_ENV
 
 pytestmark = pytest.mark.slow
@@ -170,6 +170,10 @@ def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
     got, expected = val_losses(run)[STEPS], val_losses(reference)[STEPS]
     assert abs(got - expected) <= LOSS_REL * expected, (got, expected)
+    # One reader per replica (parallelisms/replica_batches.py): the tp rank 1s received their batches and
+    # never advanced their own loaders past the resumed step.
+    saved = [rank_state.read(checkpoint(run) / f"step-{STEPS}", r)["dataloader"]["step"] for r in range(4)]
+    assert saved == [STEPS, INTERVAL, STEPS, INTERVAL]
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import gzip
 import json
 import logging
+import os
 import pickle
 import random
 import sys
@@ -538,3 +539,54 @@ def test_truncated_or_corrupt_compressed_files_are_skipped_with_a_warning(tmp_pa
     skipped = sorted(r.getMessage().split(": ")[1].removeprefix("skipped ") for r in caplog.records)
     assert [Path(s).name for s in skipped] == ["cut.jsonl.gz", "cut.jsonl.zst", "garbage.jsonl.zst"]
     assert "ends inside a Zstandard frame" in caplog.text
+
+
+def test_a_truncated_gzip_file_keeps_its_readable_part_and_a_json_array_gets_a_hint(tmp_path, caplog):
+    lines = [json.dumps({"text": f"record {i} " + "words " * 40}) for i in range(3000)]
+    data = gzip.compress(("\n".join(lines) + "\n").encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])  # a copy that stopped half-way
+    (tmp_path / "array.json").write_text(json.dumps([{"text": "one"}, {"text": "two"}], indent=1))
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        source = open_source(str(tmp_path), "text")
+    kept = source.num_documents
+    assert 0 < kept < 3000, kept
+    docs = list(source.shard_documents(0, 1, 0))
+    assert docs == [json.loads(line)["text"] for line in lines[:kept]]  # every kept document reads back whole
+    cut, array = sorted((r.getMessage() for r in caplog.records), key=lambda m: "array" in m)
+    assert "cut.jsonl.gz: cannot read all of it (Compressed file ended" in cut
+    assert cut.endswith(f"kept the {kept} documents before the damage")
+    assert "array.json: skipped" in array and "kept 0 documents" in array
+    assert "it looks like one JSON array: JSON Lines is expected, one object per line" in array
+
+
+def test_the_index_is_kept_and_its_digest_sees_a_change_anywhere(tmp_path, docs, caplog):
+    """The first open indexes and keeps the index; the next loads it (no scan: its warnings are replayed
+    only where reported); a same-size edit in the middle changes the file's digest (the dataset
+    fingerprint a resume checks)."""
+    from titanlite.checkpoint.fingerprint import dataset_fingerprint
+
+    data, index_dir = tmp_path / "data", str(tmp_path / "index")
+    data.mkdir()
+    path = write_jsonl(data / "a.jsonl", docs)
+    (data / "b.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        first = open_source(str(data), "text", index_dir=index_dir)
+        scans = []
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(type(first), "_index", lambda self, i, p: scans.append(p))
+        again = open_source(str(data), "text", index_dir=index_dir)
+        quiet = open_source(str(data), "text", index_dir=index_dir, report=False)
+        monkeypatch.undo()
+    assert scans == [] and first.num_documents == again.num_documents == quiet.num_documents == len(docs) + 1
+    assert first.digests == again.digests and list(first._offsets) == list(again._offsets)
+    assert len([r for r in caplog.records if "1 lines with invalid JSON" in r.getMessage()]) == 2  # not `quiet`
+    before = dataset_fingerprint(first, "text")
+    text = path.read_bytes()
+    middle = text.index(b"Document", len(text) // 2)
+    stat = path.stat()
+    path.write_bytes(text[:middle] + b"D0cument" + text[middle + 8 :])  # same size, one byte in the middle
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a later edit (not within one tick)
+    changed = open_source(str(data), "text", index_dir=index_dir)
+    assert changed.digests[0] != first.digests[0] and changed.digests[1] == first.digests[1]
+    assert dataset_fingerprint(changed, "text")["digest"] != before["digest"]
+    assert dataset_fingerprint(open_source(str(data), "text"), "text") == dataset_fingerprint(changed, "text")

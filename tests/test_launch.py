@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import socket
 import subprocess
 
 import pytest
 
-from harness import ROOT, child_env
+from harness import ROOT, SMALL, child_env
 
 FAKE_SRUN = """#!/bin/bash
 # Records its options, then runs the task of node 0 (what srun starts on every node).
@@ -123,3 +124,37 @@ def test_gpu_check_runs_its_cpu_fallback_and_compares_with_the_estimate(tmp_path
     assert result["steps"] == 2 and result["tokens_per_s"] > 0 and result["mfu_pct"] > 0
     assert result["peak_gib"] > 0 and result["estimate_gib"] > 0
     assert math.isfinite(result["final_loss"])
+
+
+@pytest.mark.slow
+def test_nodes_with_dump_folders_of_their_own_stop_before_training(tmp_path):
+    """Two launchers on this machine as two nodes (NNODES=2 NGPU=1, one c10d rendezvous), each with its own
+    dump folder, as node-local disks give: every checkpoint would lack the other node's files. Both stop
+    before the first step with one line naming their folder, exit code 2."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = child_env(NNODES="2", NGPU="1", RDZV_ENDPOINT=f"localhost:{port}", RDZV_ID="not-shared")
+    args = [*SMALL, "--training.steps", "2", "--checkpoint.enable"]
+    nodes = [
+        subprocess.Popen(
+            ["./run_train.sh", "--job.dump_folder", str(tmp_path / f"node{i}"), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for i, node in enumerate(nodes):
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 2, err[-3000:]
+        own = [line for line in err.splitlines() if not line.startswith("[rank")]
+        assert own == [
+            f"titanlite: error: checkpoint folder {tmp_path / f'node{i}' / 'checkpoint'} is not shared by every "
+            f"rank: rank 1 (host {socket.gethostname()}) does not see the file rank 0 (host {socket.gethostname()}) "
+            "wrote there; every node must write its part of a checkpoint into the same folder (a shared file "
+            "system, not node-local disk)"
+        ], err[-3000:]
+        assert "step 1" not in err and not list((tmp_path / f"node{i}").glob("checkpoint/step-*"))

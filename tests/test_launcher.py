@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from titanlite.agent import root_cause
 from titanlite.resilience import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
-RUN = [*SMALL, "--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+RUN = [*SMALL, "--training.steps", "1000"]
+CHECKPOINTING = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
+NOTHING_TRAINED = "stop signal ({}) before the first step: nothing trained, nothing to save; exiting"
 
 
 @dataclass
@@ -39,6 +42,10 @@ class Case:
     saved: bool = False  # a complete checkpoint of the step the ranks stopped at
     traceback: bool = False
     nproc: int = 2  # one rank where a second adds nothing to what the case checks
+    when: str = "first step"  # when the signals are sent: "first step" logged, "launcher" (its handler is
+    # installed, no rank yet: it is importing torch) or "ranks" (the rank processes exist: they are importing)
+    rank_line: str = ""  # a line rank 0 must log
+    args: list[str] = field(default_factory=lambda: CHECKPOINTING)
 
 
 CASES = [
@@ -68,17 +75,51 @@ CASES = [
         nproc=1,
     ),
     Case(
+        "ctrl-c-while-the-launcher-starts",
+        [("group", signal.SIGINT)],
+        code=130,
+        lines=["titanlite: SIGINT before any rank started: nothing was trained"],
+        nproc=1,
+        when="launcher",
+    ),
+    Case(
+        "sigterm-while-the-ranks-start-with-restarts",
+        [("group", signal.SIGTERM)],
+        env={"MAX_RESTARTS": "2"},
+        when="ranks",
+        rank_line=NOTHING_TRAINED.format("SIGTERM"),
+    ),
+    Case(
+        "sigusr1-while-the-rank-starts",
+        [("launcher", signal.SIGUSR1)],
+        nproc=1,
+        when="ranks",
+        rank_line=NOTHING_TRAINED.format("SIGUSR1"),
+    ),
+    Case(
+        "sigterm-with-checkpointing-off",
+        env={"TITANLITE_FAULT_SIGTERM_AT": "2"},
+        code=4,
+        lines=[
+            "titanlite: error: stop signal (SIGTERM) at step 2: nothing saved (checkpoint.enable = false): the 2 "
+            "steps this run trained are lost"
+        ],
+        nproc=1,
+        args=[],
+    ),
+    Case(
         "crash-in-rank-1",
         env={"TITANLITE_FAULT_CRASH_AT": "2", "TITANLITE_FAULT_RANK": "1"},
         code=1,
-        lines=["titanlite: error: rank 1 crashed:", "Traceback (most recent call last):"],
+        lines=["titanlite: error: rank 1 crashed (the ranks' logs are in ", "Traceback (most recent call last):"],
         traceback=True,
     ),
 ]
 
 
-def rank_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line contains `marker` (the case's own dump folder)."""
+def rank_processes(marker: str, ranks_only: bool = False) -> list[int]:
+    """Pids of live processes whose command line contains `marker` (the case's own dump folder); with
+    `ranks_only` the ranks alone (not run_train.sh, its subshells or the launcher)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -88,18 +129,38 @@ def rank_processes(marker: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
+        if ranks_only and (b"-m\0titanlite.train" not in cmdline or b"titanlite.launch" in cmdline):
+            continue
         if marker.encode() in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
 
 
-def wait_for_first_step(proc: subprocess.Popen, dump: Path, timeout: float = 180) -> None:
+def handles_stop_signals(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGUSR1 (`SigCgt` in /proc): the launcher's first instruction
+    installs one, long before it starts a rank."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return False
+
+
+def wait_until(proc: subprocess.Popen, dump: Path, when: str, timeout: float = 180) -> None:
     metrics = dump / "metrics.jsonl"
     deadline = time.monotonic() + timeout
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, f"exited with {proc.returncode} before the first step"
-        assert time.monotonic() < deadline, "no step logged"
-        time.sleep(0.1)
+    while True:
+        assert proc.poll() is None, f"exited with {proc.returncode} before {when}"
+        assert time.monotonic() < deadline, f"no {when}"
+        ranks = rank_processes(str(dump), ranks_only=True)
+        if when == "first step" and metrics.exists() and metrics.read_text().strip():
+            return
+        if when == "ranks" and ranks:
+            return
+        if when == "launcher":
+            assert not ranks, "the ranks started before the launcher was seen handling signals"
+            if handles_stop_signals(proc.pid):
+                return
+        time.sleep(0.1 if when == "first step" else 0.01)
 
 
 @dataclass
@@ -108,12 +169,15 @@ class Outcome:
     stderr: str
     dump: Path
     survivors: list[int]  # rank processes still alive 10 s after the launcher ended
+    temp_left: list[str]  # what the launch left in the system temp folder
 
 
 def launch(case: Case, dump: Path) -> Outcome:
+    tmp = dump.parent / f"{dump.name}.tmp"  # the system temp folder of this launch (TMPDIR)
+    tmp.mkdir()
     proc = subprocess.Popen(
-        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *RUN],
-        env=child_env(NGPU=str(case.nproc), **case.env),
+        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *RUN, *case.args],
+        env=child_env(NGPU=str(case.nproc), TMPDIR=str(tmp), **case.env),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -122,7 +186,7 @@ def launch(case: Case, dump: Path) -> Outcome:
     )
     try:
         if case.signals:
-            wait_for_first_step(proc, dump)
+            wait_until(proc, dump, case.when)
         for target, sig in case.signals:
             os.killpg(proc.pid, sig) if target == "group" else os.kill(proc.pid, sig)
             time.sleep(0.1)
@@ -134,7 +198,7 @@ def launch(case: Case, dump: Path) -> Outcome:
     deadline = time.monotonic() + 10
     while rank_processes(str(dump)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return Outcome(proc.returncode, err, dump, rank_processes(str(dump)))
+    return Outcome(proc.returncode, err, dump, rank_processes(str(dump)), sorted(p.name for p in tmp.iterdir()))
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +220,21 @@ def test_launcher_signals_and_errors(outcomes, case):
 
     own = [line for line in err.splitlines() if not line.startswith("[rank")]
     if case.traceback:
-        assert own[: len(case.lines)] == case.lines and err.count("Traceback") == 1, err[-4000:]
+        [kept] = run.temp_left  # the ranks' logs, named in the report
+        assert kept.startswith("torchelastic_") and own[0] == f"{case.lines[0]}{run.dump}.tmp/{kept}):", own[0]
+        assert own[1] == case.lines[1] and err.count("Traceback") == 1, err[-4000:]
         assert own[-1] == "RuntimeError: fault injection: rank 1 crashed at step 2"
     else:
         assert len(own) == len(case.lines), err[-4000:]
         assert all(line.startswith(prefix) for line, prefix in zip(own, case.lines)), own
         assert "Traceback" not in err
 
+    # The ranks' log folder (torchelastic_*) is kept only where a report names it (exit code 1), and when
+    # the launcher itself was killed.
+    assert run.temp_left == [] or run.returncode in (1, -signal.SIGKILL), run.temp_left
+    assert "restarting every rank" not in err  # no case restarts: not even after a stop signal
+    if case.rank_line:
+        assert case.rank_line in err, err[-4000:]
     done = sorted(p.name for p in (run.dump / "checkpoint").glob("step-*") if not p.name.endswith(".partial"))
     if case.saved:
         stopped = [line for line in err.splitlines() if "stop signal" in line]
@@ -216,4 +288,39 @@ def test_root_cause_is_the_user_error_then_an_abrupt_death_then_the_first_traceb
     # Among tracebacks, the earliest.
     boom = "Traceback (most recent call last):\nValueError: boom"
     got = root_cause({0: failure(tmp_path, 0, 1, (gloo, 1, 7.0)), 1: failure(tmp_path, 1, 1, (boom, 1, 6.0))}, "L")
-    assert (got.text, got.code) == (f"titanlite: error: rank 1 crashed:\n{boom}", 1)
+    assert (got.text, got.code) == (f"titanlite: error: rank 1 crashed (the ranks' logs are in L):\n{boom}", 1)
+
+
+@pytest.mark.slow
+def test_log_rank_naming_no_local_rank_is_one_line_before_anything_starts(tmp_path):
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path / "dump")],
+        env=child_env(NGPU="2", LOG_RANK="0,3"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "titanlite: error: LOG_RANK 0,3 names local rank 3, but this node runs 2 (local ranks 0-1): nothing of it "
+        "would be shown"
+    ], proc.stderr
+    assert not (tmp_path / "dump").exists()
+
+
+def test_the_launcher_reports_a_mistyped_key_before_importing_torch():
+    """The launcher's first steps (stop-signal recorder, config check) import no torch, so a typo is one
+    line within a second instead of after torch's import (seconds)."""
+    code = (
+        "import sys\n"
+        "from titanlite import launch\n"
+        "from titanlite.errors import run_cli\n"
+        "argv = ['--standalone', '--nproc_per_node=2', '-m', 'titanlite.train', '--training.step', '20']\n"
+        "rc = run_cli(launch.main, argv)\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "titanlite: error: unknown config key 'training.step' in the command line; did you mean 'training.steps'?"
+    ]

@@ -66,6 +66,14 @@ def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
     assert (tmp_path / "fired").exists()
     got = losses(tmp_path)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
     assert got[8] == uninterrupted[8]
+    # The restart is announced once, with its cause; metrics.jsonl tells the two runs' rows apart.
+    own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    assert own == [
+        "titanlite: restarting every rank (restart 1 of 1) after: rank 1 exited with code 17 (the ranks' "
+        "logs are in " + own[0].split("logs are in ")[-1]
+    ], own
+    runs = [(r["run"], r["step"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    assert runs == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (2, 7), (2, 8)], runs
 
 
 @pytest.mark.slow

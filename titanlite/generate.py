@@ -2,7 +2,7 @@
 
 usage: python -m titanlite.generate [--config FILE] [--checkpoint DIR | --step N | --hf DIR] --prompt TEXT
                                     [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]
-                                    [--section.key value ...]
+                                    [--threads N] [--section.key value ...]
 
   --config FILE        the run's config (default train_configs/debug_model.toml) and --section.key
                        overrides, as in training: they give the model, the tokenizer and the run's folder
@@ -14,16 +14,21 @@ usage: python -m titanlite.generate [--config FILE] [--checkpoint DIR | --step N
   --temperature T      0 = greedy (the default: the same tokens as transformers' generate()); > 0 samples
   --top_k K            sample only among the K most likely tokens (0 = all)
   --seed S             the sampling seed (default 0): the same seed gives the same text
+  --threads N          CPU threads (default: OMP_NUM_THREADS if set, else the cores not busy: the core count
+                       minus the 1-minute load average, at least 1)
   -h, --help           this text
 
-Prints the prompt and its continuation on stdout, and the speed on stderr. Each new token runs the model
-over the whole sequence so far (no KV cache): the model's own forward, unchanged, is what generates, and
-at the lengths a trained debug model supports the recomputation is cheap (README: tokens/s measured).
-Runs on the first CUDA device if there is one, else on the CPU, in float32.
+Prints the prompt and its continuation on stdout, and the speed on stderr. The prompt runs through the
+model once, then each new token alone against a KV cache of the keys and values so far (the model's
+`new_cache`; the same tokens as recomputing the whole sequence, tests/test_generate.py). Runs on the first
+CUDA device if there is one, else on the CPU, in float32. On CPU, one token at a time is a chain of small
+matmuls: threads on cores that other work occupies wait for each other at every one of them (on a busy
+2-core machine the debug model made 20 tokens/s with 2 threads, 314 with 1), hence the default.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -48,7 +53,13 @@ OPTIONS = {
     "--temperature": "0",
     "--top_k": "0",
     "--seed": "0",
+    "--threads": "0",
 }
+
+
+def free_cores() -> int:
+    """The cores not busy: the core count minus the 1-minute load average, at least 1."""
+    return max(1, (os.cpu_count() or 1) - round(os.getloadavg()[0]))
 
 
 @torch.no_grad()
@@ -61,18 +72,26 @@ def generate(
     top_k: int = 0,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
-    """The new token ids after `ids` (at most `max_new_tokens`, ending at `eos_id` if it comes)."""
+    """The new token ids after `ids` (at most `max_new_tokens`, ending at `eos_id` if it comes).
+
+    With `cache` (a model that has `new_cache`, and `use_cache`) the prompt runs once and each new token
+    runs alone against the cached keys and values; without, every token runs the model over the whole
+    sequence so far. Both give the same tokens (tests/test_generate.py)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([ids], device=device)
+    cache = model.new_cache(1, len(ids) + max_new_tokens) if use_cache and hasattr(model, "new_cache") else None
     new: list[int] = []
+    step = tokens
     for _ in range(max_new_tokens):
-        logits = model(tokens)[0, -1].float()
+        logits = (model(step, cache=cache) if cache is not None else model(tokens))[0, -1].float()
         token = next_token(logits, temperature, top_k, generator)
         new.append(token)
         if token == eos_id:
             break
-        tokens = torch.cat([tokens, torch.tensor([[token]], device=device)], dim=1)
+        step = torch.tensor([[token]], device=device)
+        tokens = torch.cat([tokens, step], dim=1)
     return new
 
 
@@ -99,10 +118,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--prompt is required (python -m titanlite.generate --help)")
     if opts["--hf"] and (opts["--checkpoint"] or opts["--step"] != "-1"):
         raise ConfigError("--hf excludes --checkpoint and --step")
-    max_new, top_k, seed = (int(number(opts, k)) for k in ("--max_new_tokens", "--top_k", "--seed"))
+    max_new, top_k, seed, threads = (
+        int(number(opts, k)) for k in ("--max_new_tokens", "--top_k", "--seed", "--threads")
+    )
     temperature = float(number(opts, "--temperature", float))
-    if max_new < 1 or top_k < 0 or temperature < 0:
-        raise ConfigError("--max_new_tokens must be positive, --top_k and --temperature non-negative")
+    if max_new < 1 or top_k < 0 or temperature < 0 or threads < 0:
+        raise ConfigError("--max_new_tokens must be positive, --top_k, --temperature and --threads non-negative")
+    if threads or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads or free_cores())
     cfg = load_config(rest, default_config=DEFAULT_CONFIG)
     plan = RunPlan.build(cfg, 1)
     ids = plan.tokenizer.encode(opts["--prompt"], bos=True, eos=False)
@@ -127,7 +150,9 @@ def main(argv: list[str]) -> int:
         dist.destroy_process_group()
     text = plan.tokenizer.decode([i for i in new if i != plan.tokenizer.eos_id])
     print(opts["--prompt"] + text, flush=True)
-    print(f"generated {len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s)", file=sys.stderr)
+    threads = f", {torch.get_num_threads()} CPU threads" if device.type == "cpu" else ""
+    rate = f"{len(new) / seconds:.1f} tokens/s{threads}"
+    print(f"generated {len(new)} tokens in {seconds:.2f} s ({rate})", file=sys.stderr)
     return 0
 
 

@@ -31,6 +31,7 @@ job's first process:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -92,8 +93,16 @@ def main(argv: list[str]) -> int:
             print(cfg.to_json(), flush=True)
             return 0
     check_log_ranks(argv)
+    # torch's C++ warnings of the launcher's own store and rendezvous (a peer node's agent gone first, say)
+    # are for torch's developers, not the user: off, unless asked for. c10 reads the level when torch is
+    # imported; the ranks get the user's environment back.
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     from titanlite.agent import launch  # torch: seconds
 
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     return launch(argv, early)
 
 

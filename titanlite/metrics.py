@@ -19,6 +19,7 @@ on. (Profiler traces follow the same rule; checkpoints have their own policy, `c
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import logging
@@ -191,6 +192,10 @@ COLORS = dict(
 )
 
 
+FULL_DISK_FAULT = "TITANLITE_FAULT_METRICS_DISK_FULL"
+"""Test hook (where no small disk can be mounted): set, every write of every output fails as on a full disk."""
+
+
 class Output:
     """One output of the logger: written until its first failure, which is warned about once; then it is
     left alone for the rest of the run (the policy in the module docstring)."""
@@ -202,6 +207,8 @@ class Output:
         if not self.ok:
             return
         try:
+            if os.environ.get(FULL_DISK_FAULT):
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({FULL_DISK_FAULT})")
             fn()
         except Exception as e:  # OSError, or an output's own wrapper of it
             self.ok = False

@@ -12,7 +12,8 @@ Under the launcher (`titanlite.launch`, which sets `LAUNCHER_PID_ENV`) a rank di
 
 Fault injection is for tests: environment variables that make a run fail in a chosen way at a chosen
 step (`TITANLITE_FAULT_*`). A fault with `TITANLITE_FAULT_ONCE=<file>` fires only if that file does not
-exist yet (it is created first), so a restarted run goes on normally.
+exist yet (it is created first), so a restarted run goes on normally. (Two hooks live where they act:
+`TITANLITE_FAULT_METRICS_DISK_FULL` in `metrics.py`, `TITANLITE_TEST_KILL_AT` in `checkpoint/manager.py`.)
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.profiling import Profiler
 from titanlite.resilience import (
     LAUNCHER_PID_ENV,
@@ -261,7 +262,10 @@ class Trainer:
                 "(raise training.steps to train on)"
             )
             return
-        data_iter = iter(self.dataloader)
+        t = self.cfg.training
+        # One rank of each data-parallel replica reads; its tp/pp peers receive its batches.
+        shape, timeout = (t.local_batch_size, t.seq_len), self.cfg.comm.init_timeout_seconds
+        data_iter = replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
         gc.disable()
         try:
             self._loop(data_iter, start)

@@ -92,7 +92,10 @@ class DumpFolderLock:
             return
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {stamp}\n".encode(), 0)
+        try:  # who holds it, for the message a second run gets; the lock itself needs no space
+            os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {stamp}\n".encode(), 0)
+        except OSError:
+            pass
         _held[self.path] = (fd, 1)
 
     def release(self) -> None:

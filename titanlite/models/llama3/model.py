@@ -111,6 +111,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+LayerKV = tuple[torch.Tensor, torch.Tensor, int]
+"""One block's view of a `KVCache`: its key and value buffers [b, kv_heads, max_len, head_dim] and the
+position its new tokens start at."""
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions generated so far, per block: each new token then runs the model
+    over itself alone instead of over the whole sequence again. Filled from position 0 by a prompt, then
+    one token at a time (`Transformer.forward` with `cache`)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    pos: int = 0
+    """Positions held."""
+
+    def check(self, new: int) -> int:
+        """The position `new` tokens start at; advances past them (they are written by this forward)."""
+        if new > 1 and self.pos:
+            raise ValueError("a KV cache takes a prompt at position 0, then one token at a time")
+        if self.pos + new > self.k[0].shape[2]:
+            raise ValueError(f"the KV cache holds {self.k[0].shape[2]} positions, {self.pos + new} asked")
+        pos, self.pos = self.pos, self.pos + new
+        return pos
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -130,7 +156,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -138,7 +164,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        causal = True
+        if kv is not None:  # generation: attend to every position so far (KVCache)
+            k_all, v_all, pos = kv
+            k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
+            k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
+            causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -162,8 +194,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -183,14 +215,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. A pipeline stage holds some blocks only, the embedding
         on the first stage (later ones take the previous stage's hidden states) and the norm and output
-        on the last (earlier ones return hidden states)."""
+        on the last (earlier ones return hidden states). With a `cache` (generation), `tokens` are the
+        positions after the cached ones."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+        cos, sin, pos = self.rope_cos, self.rope_sin, 0
+        if cache is not None:
+            pos = cache.check(tokens.shape[1])
+            cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, (cache.k[i], cache.v[i], pos) if cache is not None else None)
         return self.output(self.norm(h)) if self.output is not None else h
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for generating up to `max_len` positions (at most the RoPE tables' length)."""
+        p = self.tok_embeddings.weight
+        shape = (batch, self.args.kv_heads, min(max_len, self.seq_len), self.args.head_dim)
+        make = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(2 * len(self.layers))]
+        return KVCache(make[::2], make[1::2])
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised (TorchTitan's scheme)."""
