@@ -55,6 +55,7 @@ class Stopper:
     def __init__(self, grace_seconds: float, agent: Agent, received: int | None) -> None:
         self.grace_seconds, self.agent = grace_seconds, agent
         self.received = signal.Signals(received) if received is not None else None
+        self.forwarded = False
         self.reason, self.code = "", 0
 
     def install(self) -> None:
@@ -76,6 +77,17 @@ class Stopper:
                 self._kill(f"interrupted {first}: ranks killed without a new checkpoint", EXIT_INTERRUPTED)
             return  # already stopping: a repeated SIGTERM/SIGUSR1 changes nothing
         self.received = sig
+        if self.agent.spawning:  # the new ranks' pids are not known yet: `forward` runs once they are
+            return
+        self.forward()
+
+    def forward(self) -> None:
+        """Send the received stop signal to every rank, once, and start the grace period; with no rank
+        running, end the launch."""
+        assert self.received is not None
+        if self.forwarded:
+            return
+        self.forwarded, sig = True, self.received
         sent = 0
         for pid in self._rank_pids() if self.agent.running else []:
             try:
@@ -114,15 +126,24 @@ class Agent(LocalElasticAgent):
     """Ranks were started at least once."""
     running = False
     """The ranks of the current attempt have been started (their pids are known)."""
+    spawning = False
+    """The ranks of the current attempt are being started."""
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
-        # The ranks inherit the blocked stop signals (signals.py); ours are delivered when the block ends,
-        # with the new pids already known, so a signal that arrived meanwhile reaches every rank.
-        with blocked():
-            ids = super()._start_workers(worker_group)
-            for local_rank, pid in ids.items():
-                worker_group.workers[local_rank].id = pid
-            self.started = self.running = True
+        # The ranks inherit the blocked stop signals (signals.py). A stop signal that arrives meanwhile
+        # (another thread of this process may take it) is only recorded, and forwarded once the new
+        # ranks' pids are known.
+        self.spawning = True
+        try:
+            with blocked():
+                ids = super()._start_workers(worker_group)
+                for local_rank, pid in ids.items():
+                    worker_group.workers[local_rank].id = pid
+                self.started = self.running = True
+        finally:
+            self.spawning = False
+        if self.stopper is not None and self.stopper.received is not None:
+            self.stopper.forward()
         return ids
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

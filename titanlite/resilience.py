@@ -81,9 +81,10 @@ def agree(preemption: Preemption, loss: torch.Tensor, grad_norm: torch.Tensor, d
 def stop_agreed(preemption: Preemption, device: torch.device) -> bool:
     """Whether any rank has received a stop signal (collective over the world): asked once before the
     first step, so a run signalled while it started stops without training."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return preemption.received is not None
     flag = torch.full((1,), float(preemption.received is not None), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 

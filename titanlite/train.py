@@ -20,7 +20,9 @@ import sys
 from titanlite.signals import Preemption
 
 
-def main(argv: list[str], preemption: Preemption) -> int:
+def main(argv: list[str], preemption: Preemption | None = None) -> int:
+    """Train; `preemption` is the recorder installed at start-up (one is installed now without it)."""
+    preemption = preemption or Preemption(interrupt=True)
     from titanlite.build import world_from_env
     from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
     from titanlite.resilience import note_failure

@@ -195,7 +195,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv)
+        # The KV cache only when generating: a tensor-parallel plan declares the layouts of (x, cos, sin).
+        attend = self.attention(self.attention_norm(x), cos, sin, *([kv] if kv is not None else []))
+        h = x + attend
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -226,7 +228,7 @@ class Transformer(nn.Module):
             pos = cache.check(tokens.shape[1])
             cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin, (cache.k[i], cache.v[i], pos) if cache is not None else None)
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, (cache.k[i], cache.v[i], pos))
         return self.output(self.norm(h)) if self.output is not None else h
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
