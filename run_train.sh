@@ -68,6 +68,9 @@ fi
 # else 2 CPU processes. A launch refuses a node whose GPUs torch cannot use (a CPU build of torch) unless
 # TITANLITE_DEVICE=cpu says CPU on purpose, which also hides the GPUs from the ranks:
 # titanlite/tools/visible_gpus.py. A dry run plans on any machine.
+# Counting the GPUs imports torch (seconds): the config is checked first, so a mistyped key is one line at
+# once (with NGPU given, the launcher checks it before importing torch).
+[ -n "$GIVEN_NGPU" ] || "$PYTHON" -m titanlite.config --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" >/dev/null
 CHECK=()
 [ "$DRY_RUN" = 1 ] && CHECK=(--no-check)
 NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}")

@@ -291,7 +291,6 @@ def test_root_cause_is_the_user_error_then_an_abrupt_death_then_the_first_traceb
     assert (got.text, got.code) == (f"titanlite: error: rank 1 crashed (the ranks' logs are in L):\n{boom}", 1)
 
 
-@pytest.mark.slow
 def test_log_rank_naming_no_local_rank_is_one_line_before_anything_starts(tmp_path):
     proc = subprocess.run(
         [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path / "dump")],
@@ -324,3 +323,23 @@ def test_the_launcher_reports_a_mistyped_key_before_importing_torch():
     assert proc.stderr.splitlines() == [
         "titanlite: error: unknown config key 'training.step' in the command line; did you mean 'training.steps'?"
     ]
+
+
+@pytest.mark.parametrize("ngpu", ["2", None], ids=["NGPU-given", "NGPU-counted"])
+def test_run_train_reports_a_mistyped_key_before_any_process_imports_torch(ngpu):
+    """Through run_train.sh, with NGPU given (the launcher checks the config) and without it (counting the
+    GPUs imports torch, so run_train.sh checks the config first): one line, exit code 2, and no process
+    of the launch imported torch (Python's own import log, PYTHONPROFILEIMPORTTIME, names every import)."""
+    env = child_env(PYTHONPROFILEIMPORTTIME="1")
+    env.pop("NGPU", None)
+    if ngpu:
+        env["NGPU"] = ngpu
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--training.step", "20"], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "titanlite.errors" in imported and "torch" not in imported, imported
+    own = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and own == [
+        "titanlite: error: unknown config key 'training.step' in the command line; did you mean 'training.steps'?"
+    ], proc.stderr[-3000:]
