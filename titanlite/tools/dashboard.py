@@ -2,8 +2,8 @@
 `python -m titanlite.tools.dashboard <dump_folder>/tb/<run>`.
 
 Prints the custom-scalars layout (category, chart title, tags) and every scalar tag with its display
-name, description and last value, through the event loader TensorBoard's own server uses, so the README's
-description of the dashboards and the tests check what a browser would show.
+name, description and last value, through the event loader TensorBoard's own server uses, so the
+description of the dashboards in docs/metrics.md and the tests check what a browser would show.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def read_dashboard(run_dir: str) -> Dashboard:
 
 
 def describe(board: Dashboard) -> str:
-    """The dashboard in words, as the README shows it."""
+    """The dashboard in words, as docs/metrics.md shows it."""
     lines = []
     for category, charts in board.layout.items():
         lines.append(f"{category}:")
