@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._ordered_set import OrderedSet
 
-from harness import check_parity, parity, tiny_args
+from harness import LOSS_REL, check_parity, parity, tiny_args
 from titanlite import torch_support
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
@@ -28,7 +28,7 @@ from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.collectives import graph_collectives
 from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, ReshardTagPass, module_fqn
+from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass, module_fqn
 from titanlite.tools.dry_run import compile_report
 
 N = 3
@@ -76,6 +76,46 @@ def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope)
     assert report["n_blocks"] == N and report["compile_seconds"] > 0
 
 
+@pytest.mark.parametrize(
+    "ac,scope",
+    [
+        ("full", "auto"),
+        pytest.param("none", "model", marks=pytest.mark.slow),
+        pytest.param("full", "block", marks=pytest.mark.slow),
+    ],
+)
+def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, ac, scope):
+    """Six blocks (the debug model), transformer_block bucketing. In one graph (scope auto = model),
+    under every AC mode: forward prefetches the gathers of blocks 1-5 and of [norm, output] during the
+    previous unit's compute (block 0's only follows the embedding, which has no matmul); backward
+    prefetches the re-gathers of blocks 4..0 and leaves the reduce-scatters of [norm, output] and
+    blocks 5..1 in flight over the next unit's backward. Full checkpointing recomputes every block in
+    backward: besides each projection's two gradient matmuls, the matmuls of blocks 0-5 run again (all
+    but w2's, whose output only the residual add reads). Per-block
+    graphs (the control) overlap nothing."""
+    from titanlite.parallelisms import partitioner
+
+    backward_mm = []
+    original = partitioner.min_cut_rematerialization_partition
+
+    def partition(*args, **kwargs):
+        fw, bw = original(*args, **kwargs)
+        backward_mm.append(len(bw.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)))
+        return fw, bw
+
+    monkeypatch.setattr(partitioner, "min_cut_rematerialization_partition", partition)
+    cfg = config(tmp_path, "transformer_block", scope, activation_checkpoint__mode=ac)
+    report = compile_report(cfg, 2, tiny_args(n_layers=6))
+    if scope == "block":
+        assert report["scope"] == "block"
+        assert report["prefetched_all_gathers"] == report["overlapped_reduce_scatters"] == 0
+        return
+    assert report["scope"] == "model" and report["dp"]["backward_all_gather"]["after"] == 5
+    assert report["prefetched_all_gathers"] == 6 + 5 and report["overlapped_reduce_scatters"] == 6
+    projections = 6 * 7 + 1  # each block's seven, and the output
+    assert backward_mm == [2 * projections + (6 * 6 if ac == "full" else 0)]
+
+
 @pytest.mark.parametrize("reshard,traces", [("always", 1), ("default", 2)])
 def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
     """Six blocks compile once (Dynamo frames and traced graphs counted): they share SimpleFSDP's
@@ -107,7 +147,7 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
     bucketing = BucketingPass("transformer_block", True, (BLOCK_PLAN,), True, None, True)
     before = {k: getattr(inductor_config, k) for k in BUCKETING_INDUCTOR_CONFIG}
     for b in (bucketing, None):
-        _Backend("inductor", ReshardTagPass(()), b, report, report.add_unit("u", False))(_traced(fake_world), [])
+        _Backend("inductor", RecomputeTagPass(()), b, report, report.add_unit("u", False))(_traced(fake_world), [])
     assert {k: seen[0][k] for k in BUCKETING_INDUCTOR_CONFIG} == BUCKETING_INDUCTOR_CONFIG
     assert seen[0]["reorder_for_compute_comm_overlap"] is False
     assert not set(BUCKETING_INDUCTOR_CONFIG) & set(seen[1])
@@ -216,7 +256,7 @@ def test_passes_have_stable_uuids():
     assert make("auto") == make("auto") and make("auto") != make("auto", other)
     assert make("transformer_block") == make("transformer_block", other)  # the manual plan ignores costs
     assert make("transformer_block") != make("transformer_block", plans=("layers.0",))
-    assert ReshardTagPass(()).uuid() == ReshardTagPass(()).uuid() != ReshardTagPass(("",)).uuid()
+    assert RecomputeTagPass(()).uuid() == RecomputeTagPass(()).uuid() != RecomputeTagPass(("",)).uuid()
 
 
 def test_module_fqn_reads_dynamo_module_paths():
@@ -235,24 +275,45 @@ def test_invalid_combinations_are_config_errors():
     cfg.parallelism.dp_impl = "fsdp2"
     with pytest.raises(ConfigError, match="SimpleFSDP"):
         apply_compile(model, units, {}, cfg, dims)
+    # Full checkpointing in a whole-model graph is recompute tags, which need SimpleFSDP's passes.
     cfg = JobConfig()
     cfg.compile.enable, cfg.compile.scope, cfg.activation_checkpoint.mode = True, "model", "full"
+    cfg.parallelism.dp_impl = "fsdp2"
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     assert set(ac) == set(units.blocks) and all(a.mode == "full" for a in ac.values())
-    with pytest.raises(ConfigError, match="scope=model"):
+    with pytest.raises(ConfigError, match="scope=model with full activation checkpointing"):
         apply_compile(model, units, ac, cfg, dims)
+    assert not any(a.in_graph for a in ac.values())
 
 
 # --- numerical parity through the torchrun harness --------------------------------------------------------
 
 COMPILED = {"compile": True, "backend": "aot_eager"}
+# Full activation checkpointing in one graph (scope auto = model with bucketing), 6 blocks as the debug
+# model: parity with one process and with eager full checkpointing (FULL_AC_EAGER, same launch), and the
+# compile report's overlap counts (at least 5 prefetched all-gathers and 5 overlapped reduce-scatters).
+FULL_AC = {"shard": 2, "ac": "full", "layers": 6}
+FULL_AC_EAGER = FULL_AC
+FULL_AC_COMPILED = [
+    {**COMPILED, **FULL_AC, "bucketing": "transformer_block"},
+    {**COMPILED, **FULL_AC, "bucketing": "transformer_block", "backend": "inductor"},
+]
 CASES_2 = [
-    {**COMPILED, "shard": 2, "bucketing": "transformer_block"},
+    {**COMPILED, "shard": 2, "bucketing": "transformer_block", "scope": "block"},
     {**COMPILED, "shard": 2, "bucketing": "auto", "scope": "model"},
     {**COMPILED, "shard": 2, "bucketing": "transformer_block", "scope": "model", "ac": "selective"},
-    {**COMPILED, "shard": 2, "bucketing": "auto", "ac": "full"},
+    {**COMPILED, "shard": 2, "bucketing": "auto", "ac": "full", "scope": "block"},
     # reshard "always" makes every block's graph identical: blocks 1 and 2 come from the FX graph cache.
-    {**COMPILED, "shard": 2, "bucketing": "transformer_block", "backend": "inductor", "reshard": "always"},
+    {
+        **COMPILED,
+        "shard": 2,
+        "bucketing": "transformer_block",
+        "backend": "inductor",
+        "reshard": "always",
+        "scope": "block",
+    },
+    FULL_AC_EAGER,
+    *FULL_AC_COMPILED,
 ]
 # dp x tp with compiled blocks runs in the 4-rank launch of tests/test_parallel_parity.py.
 # bf16 parameters / fp32 reduction (the GPU recipe) under each bucketing mode, against eager SimpleFSDP in
@@ -286,6 +347,13 @@ def _parity(cases, nproc, tmp_path):
 @pytest.mark.slow
 def test_compiled_parity_2_ranks(tmp_path):
     records = _parity(CASES_2 + BF16_EAGER + BF16_COMPILED, 2, tmp_path)
+    full_eager = records[CASES_2.index(FULL_AC_EAGER)]
+    for r in records[CASES_2.index(FULL_AC_EAGER) + 1 : len(CASES_2)]:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], full_eager["losses"])]
+        assert max(diffs) <= LOSS_REL, (r["case"], diffs)
+        report = r["compile_report"]
+        assert report["scope"] == "model", r["case"]
+        assert report["prefetched_all_gathers"] >= 5 and report["overlapped_reduce_scatters"] >= 5, r["case"]
     eager, compiled = records[len(CASES_2)], records[len(CASES_2) + 1 :]
     assert eager["loss_rel"] > 1e-5  # bf16 really ran: fp32 rounding alone stays below this
     for r in compiled:

@@ -337,8 +337,9 @@ class Compile:
     reorder: bool = True
     """With bucketing: also move the bucketed collectives to overlap compute (prefetch all-gathers, defer
     reduce-scatter waits); off = bucketing only."""
-    scope: Literal["block", "model"] = "block"
-    """`block` (compile each transformer block; default) or `model` (one graph for the model's forward)."""
+    scope: Literal["auto", "block", "model"] = "auto"
+    """`block` (compile each transformer block), `model` (one graph for the model's forward: the next
+    block's gather overlaps this block's compute) or `auto` (`model` with SimpleFSDP bucketing, else `block`)."""
     cost_model: Literal["measure", "config"] = "measure"
     """CPU figures for `auto` bucketing's runtime estimates: `measure` (time a matmul, a copy and a gloo
     all-gather at start-up) or `config` (the four figures below). CUDA uses torch's GPU estimators."""

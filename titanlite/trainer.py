@@ -33,6 +33,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.compile import compile_scope
 from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.profiling import Profiler
 from titanlite.resilience import (
@@ -154,7 +155,8 @@ class Trainer:
         c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
         compiled = "eager"
         if c.enable:
-            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {c.scope}, bucketing {c.bucketing})"
+            scope = compile_scope(self.cfg, self.dims)
+            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {scope}, bucketing {c.bucketing})"
         ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
         precision = (
             f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"

@@ -107,7 +107,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.enable = case.get("compile", False)
     cfg.compile.backend = case.get("backend", "aot_eager")
     cfg.compile.bucketing = case.get("bucketing", "none")
-    cfg.compile.scope = case.get("scope", "block")
+    cfg.compile.scope = case.get("scope", cfg.compile.scope)
     cfg.compile.components = ["model"]
     dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
     accum = case.get("accum", 1)

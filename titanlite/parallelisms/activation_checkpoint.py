@@ -16,9 +16,11 @@ change with the AC mode; checkpoints, init and compile plans address the same FQ
 
 `apply_ac` returns what it did: one `CheckpointedBlock` per checkpointed block. Its `body` is the
 function run inside the checkpoint. With torch.compile (torch 2.13), full checkpointing *inside* a
-compiled region whose inputs are DTensors fails in AOTAutograd, so for a fully checkpointed block the
-compiler replaces `body` (an eager checkpoint around a compiled body), while a selective-op block (which
-saves at least one op) is compiled whole, its checkpoint inside the graph.
+compiled region whose inputs are DTensors fails in AOTAutograd, so a fully checkpointed block is either
+an eager checkpoint around a compiled body (compile scope `block`: the compiler replaces `body`) or, in a
+whole-model graph (scope `model`), no checkpoint at all: the compiler sets `in_graph` and tags the
+block's operations for recomputation in its joint graph instead (`passes.RecomputeTagPass`). A
+selective-op block (which saves at least one op) is compiled whole, its checkpoint inside the graph.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class CheckpointedBlock:
     mode: Literal["full", "op", "op_all_mm"]
     body: Callable[..., Any]
     """Runs inside the checkpoint: the block's own forward, or its compiled form."""
+    in_graph: bool = False
+    """Full mode realised by the compiler's recompute tags: the forward calls `body` unwrapped."""
 
 
 def _checkpoint_block(block: nn.Module, mode: Literal["full", "op", "op_all_mm"]) -> CheckpointedBlock:
@@ -102,6 +106,8 @@ def _checkpoint_block(block: nn.Module, mode: Literal["full", "op", "op_all_mm"]
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_all_policy)
 
     def forward(*args: Any) -> Any:
+        if ac.in_graph:
+            return ac.body(*args)
         return checkpoint(ac.body, *args, **kwargs)
 
     block.forward = forward

@@ -10,10 +10,17 @@ in backward, so its forward collectives are counted a second time, as backward o
 Names in the report: `all_gather` (forward), `reduce_scatter` and `all_reduce` (backward) are the usual
 FSDP/DDP collectives; anything else is prefixed by its phase, e.g. `backward_all_gather` (the re-gathers
 of reshard-after-forward) or `forward_reduce_scatter` (tensor parallelism's row-wise outputs).
+
+Overlap is read from the same graphs, in the order they run (after the bucketing pass): a collective is
+*overlapped* when at least one compute operation (one torch counts FLOPs for: matmuls, attention) lies
+between its start and its first wait, so the wire works while the device computes. The report's
+`prefetched_all_gathers` and `overlapped_reduce_scatters` count the overlapped data-parallel all-gathers
+(forward gathers and backward re-gathers) and reduce-scatters of one step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,6 +49,8 @@ class Collective:
     group_size: int
     nbytes: int
     """Bytes of the larger side (the unsharded buffer of an all-gather or reduce-scatter)."""
+    overlapped: bool = False
+    """Compute runs between its start and its first wait in the graph (module docstring)."""
 
     @classmethod
     def from_node(cls, node: fx.Node) -> Collective | None:
@@ -67,16 +76,35 @@ def _bytes(nodes: Any) -> int:
 
 
 def graph_collectives(gm: fx.GraphModule) -> list[Collective]:
-    """Every collective in `gm`, including those wrapped in inductor `control_deps` subgraphs."""
+    """Every collective in `gm` in graph order, with whether compute overlaps it; collectives wrapped in
+    inductor `control_deps` subgraphs (its overlap ordering) count as the operation they wrap."""
+    from torch._inductor.fx_passes.overlap_scheduling import is_compute_node
+
+    nodes = list(gm.graph.nodes)
+    ops = [_wrapped_op(gm, n) for n in nodes]
+    compute = [0]  # compute[i]: compute operations among nodes[:i]
+    first_wait: dict[fx.Node, int] = {}
+    for i, (op, args) in enumerate(ops):
+        compute.append(compute[-1] + is_compute_node(op))
+        if op.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(args[0], fx.Node):
+            first_wait.setdefault(args[0], i)
+    out = []
+    for i, (node, (op, _)) in enumerate(zip(nodes, ops)):
+        if (c := Collective.from_node(op)) is not None:
+            wait = first_wait.get(node)
+            out.append(dataclasses.replace(c, overlapped=wait is not None and compute[wait] > compute[i + 1]))
+    return out
+
+
+def _wrapped_op(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, tuple]:
+    """(the operation `node` runs, its arguments in `gm`): for a `control_deps` node, the one operation of
+    its subgraph, called with the node's arguments after (dependencies, subgraph)."""
     from torch._inductor.fx_passes.control_dependencies import control_deps
 
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is control_deps:
-            out += graph_collectives(getattr(gm, node.args[1].target))
-        elif (c := Collective.from_node(node)) is not None:
-            out.append(c)
-    return out
+    if node.op == "call_function" and node.target is control_deps:
+        sub = getattr(gm, node.args[1].target)
+        return next(n for n in sub.graph.nodes if n.op == "call_function"), tuple(node.args[2:])
+    return node, tuple(node.args)
 
 
 @dataclass
@@ -160,6 +188,15 @@ class CompileReport:
         label = self.labels.get(c.group_name, f"group_{c.group_name}")
         return label, c.kind if (phase, c.kind) in _USUAL else f"{phase}_{c.kind}"
 
+    def overlapped(self) -> dict[str, int]:
+        """Per step: data-parallel all-gathers (forward and backward) and reduce-scatters that compute
+        overlaps, after the passes."""
+        dp = [c for _, c in self._per_step(1) if c.overlapped and self.labels.get(c.group_name) == "dp"]
+        return {
+            "prefetched_all_gathers": sum(c.kind == "all_gather" for c in dp),
+            "overlapped_reduce_scatters": sum(c.kind == "reduce_scatter" for c in dp),
+        }
+
     def bucket_sizes_mb(self) -> dict[str, dict[str, float]]:
         """Sizes of the dp collectives after the passes, per name."""
         sizes: dict[str, list[float]] = {}
@@ -180,6 +217,7 @@ class CompileReport:
             "eager_params": self.eager_params,
             "gradients_reduced_outside_graphs": self.reduced_outside,
             **self.counts(),
+            **self.overlapped(),
             "bucket_sizes_mb": self.bucket_sizes_mb(),
             "cost_model": self.cost_model,
             "compile_seconds": round(self.compile_seconds, 2),
@@ -191,10 +229,13 @@ class CompileReport:
             for label, table in self.counts().items()
             for name, c in sorted(table.items())
         ]
+        overlap = self.overlapped()
         return (
             f"compile report ({self.settings.get('bucketing')} bucketing, "
             f"{sum(u.copies for u in self.units)} compiled units, {len(self.units)} traced): "
-            f"collectives per step {', '.join(parts) or 'none'}; compile {self.compile_seconds:.1f} s"
+            f"collectives per step {', '.join(parts) or 'none'}; overlapping compute: "
+            f"{overlap['prefetched_all_gathers']} dp all-gathers, {overlap['overlapped_reduce_scatters']} "
+            f"reduce-scatters; compile {self.compile_seconds:.1f} s"
             + ("; gradients reduced once per step after the backwards" if self.reduced_outside else "")
         )
 

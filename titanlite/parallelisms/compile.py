@@ -1,21 +1,27 @@
-"""torch.compile for the Llama model: per transformer block (default) or the whole model, with SimpleFSDP's
-graph passes and a report of the collectives each step issues.
+"""torch.compile for the Llama model: the whole model or each transformer block, with SimpleFSDP's graph
+passes and a report of the collectives each step issues (and how many of them compute overlaps).
 
-Scope `block` (the default): each transformer block is compiled on its own with `fullgraph=True`. The
-graphs stay small as depth grows, identical blocks share one Dynamo + AOTAutograd trace (one shared
-SimpleFSDP class, one backend per kind of block; see `apply_compile`), and a fully checkpointed block
-keeps its eager checkpoint around its compiled body
-(`CheckpointedBlock.body`; AOTAutograd rejects a full checkpoint over DTensor inputs). The embedding, final norm and
-output stay eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and
-bucketing cannot cross a block boundary: block i+1's gather is not prefetched during block i.
 Scope `model`: the model's `forward` is one graph (the module's hooks stay eager, so state_dict names and
 eager reshard hooks are unchanged). Buckets are [embedding], each block, [norm, output], and the manual
-scheduler prefetches the next block's bucket; full activation checkpointing is not supported there.
+scheduler prefetches the next block's bucket while this block computes and defers each bucket's
+reduce-scatter wait past the next block's backward, in forward, in recomputation and in backward alike.
+Full activation checkpointing is not a checkpoint there but recompute tags on the joint graph
+(`RecomputeTagPass`; AOTAutograd rejects torch's checkpoint over DTensor inputs), so the recomputed
+blocks stay in the one graph the scheduler orders.
+Scope `block`: each transformer block is compiled on its own with `fullgraph=True`. The graphs stay small
+as depth grows, identical blocks share one Dynamo + AOTAutograd trace (one shared SimpleFSDP class, one
+backend per kind of block; see `apply_compile`), and a fully checkpointed block keeps its eager
+checkpoint around its compiled body (`CheckpointedBlock.body`). The embedding, final norm and output stay
+eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and bucketing
+cannot cross a block boundary: block i+1's gather waits for block i's graph to end.
+Scope `auto` (the default, `compile_scope`): `model` where SimpleFSDP's collectives are bucketed, `block`
+otherwise.
 
 With SimpleFSDP and the `aot_eager` or `inductor` backend every compile unit gets its own backend (see
-`_Backend`): AOTAutograd with the min-cut partitioner (which honours the reshard-after-forward tags of
-`ReshardTagPass`), the bucketing pass, and a recorder feeding the `CompileReport`. The report is logged
-and written to `<dump_folder>/compile_report.json` once every unit's forward and backward are compiled.
+`_Backend`): AOTAutograd with the min-cut partitioner (which honours the recompute tags of
+`RecomputeTagPass`; `partitioner.py`), the bucketing pass, and a recorder feeding the `CompileReport`. The
+report is logged and written to `<dump_folder>/compile_report.json` once every unit's forward and
+backward are compiled.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import torch
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from titanlite.config import JobConfig
@@ -40,7 +45,8 @@ from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
 from titanlite.parallelisms.collectives import CompileReport, Unit, graph_collectives
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, ReshardTagPass
+from titanlite.parallelisms.partitioner import Partitioner
+from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 
@@ -56,40 +62,44 @@ def apply_compile(
     (compilation is lazy; SimpleFSDP's gathers are traced at the first step). The mesh must be built.
     """
     c = cfg.compile
-    simple_fsdp = dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
-    with_passes = simple_fsdp and c.backend in ("aot_eager", "inductor")
+    with_passes = _with_passes(cfg, dims)
     if c.bucketing != "none" and not with_passes:
         raise ConfigError(
             f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
         )
-    if c.scope == "model" and any(a.mode == "full" for a in ac.values()):
-        raise ConfigError("compile.scope=model does not support full activation checkpointing; use scope=block")
+    scope = compile_scope(cfg, dims)
+    full_ac = tuple(name for name, a in ac.items() if a.mode == "full")
+    if scope == "model" and full_ac and not with_passes:
+        raise ConfigError(
+            "compile.scope=model with full activation checkpointing needs SimpleFSDP data parallelism and "
+            "backend aot_eager or inductor (the checkpoint becomes recompute tags in the graph); use scope=block"
+        )
     if not with_passes:
-        _compile_units(model, units, ac, c.scope, lambda name, i: c.backend)
+        _compile_units(model, units, ac, scope, lambda name, i: c.backend)
         return None
 
     cost = _cost_model(c, dims) if c.bucketing != "none" else None
     report = CompileReport(
         labels=_group_labels(dims),
         settings={
-            "scope": c.scope,
+            "scope": scope,
             "backend": c.backend,
             "bucketing": c.bucketing,
             "reorder": c.reorder,
             "n_blocks": len(units.blocks),
         },
-        eager_params=0 if c.scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
+        eager_params=0 if scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
     )
     bucketing = None
     if c.bucketing != "none":
-        plans = (BLOCK_PLAN,) if c.scope == "block" else _model_plans(units)
+        plans = (BLOCK_PLAN,) if scope == "block" else _model_plans(units)
         bucketing = BucketingPass(
             c.bucketing,
             c.reorder,
             plans,
-            block_scope=c.scope == "block",
+            block_scope=scope == "block",
             cost=cost,
             insert_overlap_deps=c.backend == "inductor",
         )
@@ -99,9 +109,14 @@ def apply_compile(
 
     shared: dict[tuple, _Backend] = {}
 
+    if scope == "model":  # full checkpointing as recompute tags in the one graph (`RecomputeTagPass`)
+        for name in full_ac:
+            ac[name].in_graph = True
+
     def backend(name: str, index: int) -> _Backend:
-        if c.scope == "model":
-            saved, recompute_forward = reshard.kept(units), False
+        checkpointed: tuple[str, ...] = ()
+        if scope == "model":
+            saved, recompute_forward, checkpointed = reshard.kept(units), False, full_ac
         else:
             recompute_forward = name in ac and ac[name].mode == "full"
             saved = () if reshard.blocks[index] and not recompute_forward else ("",)
@@ -112,11 +127,28 @@ def apply_compile(
             shared[key].unit.copies += 1
             return shared[key]
         unit = report.add_unit(name, recompute_forward)
-        shared[key] = _Backend(c.backend, ReshardTagPass(saved), bucketing, report, unit)
+        shared[key] = _Backend(c.backend, RecomputeTagPass(saved, checkpointed), bucketing, report, unit)
         return shared[key]
 
-    _compile_units(model, units, ac, c.scope, backend)
+    _compile_units(model, units, ac, scope, backend)
     return report
+
+
+def _with_passes(cfg: JobConfig, dims: ParallelDims) -> bool:
+    """Whether SimpleFSDP's graph passes (and the compile report) apply: SimpleFSDP data parallelism
+    under a backend that runs AOTAutograd."""
+    simple_fsdp = dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
+    return simple_fsdp and cfg.compile.backend in ("aot_eager", "inductor")
+
+
+def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
+    """`compile.scope` resolved: `auto` is `model` where collectives are bucketed (only one graph lets the
+    scheduler prefetch the next block's gather and defer the previous block's reduce-scatter), else
+    `block` (small graphs that identical blocks share, and nothing to reorder across blocks)."""
+    scope = cfg.compile.scope
+    if scope == "auto":
+        return "model" if cfg.compile.bucketing != "none" and _with_passes(cfg, dims) else "block"
+    return scope
 
 
 def _compile_units(
@@ -202,17 +234,18 @@ BUCKETING_INDUCTOR_CONFIG: dict[str, Any] = {
 class _Backend:
     """The torch.compile backend of one compile unit.
 
-    `aot_eager`: AOTAutograd with the min-cut partitioner (the default partitioner ignores recompute
-    tags), the tagging pass on the joint graph and the bucketing pass on the forward/backward graphs,
-    which then run as plain FX graphs. `inductor`: `compile_fx` with the same two passes installed as
-    `joint_custom_post_pass` / `post_grad_custom_post_pass` (cache-friendly `CustomGraphPass`es). The
+    `aot_eager`: AOTAutograd with `partitioner.Partitioner` (the min-cut partitioner; the default one
+    ignores recompute tags) running the tagging pass on the joint graph, and the bucketing pass on the
+    forward/backward graphs, which then run as plain FX graphs. `inductor`: `compile_fx` with the same
+    two passes installed as `joint_custom_post_pass` / `post_grad_custom_post_pass` and the same
+    partitioner as `custom_partitioner_fn` (cache-friendly, each with a stable `uuid()`). The
     AOTAutograd cache is off for this unit because a hit would skip the compilers that see the graphs;
     the FX graph cache (inductor's codegen, the expensive part) stays on, and on an FX cache hit the
     bucketing pass is replayed on a copy of the graph to count its collectives.
     """
 
     def __init__(
-        self, kind: str, tagging: ReshardTagPass, bucketing: BucketingPass | None, report: CompileReport, unit: Unit
+        self, kind: str, tagging: RecomputeTagPass, bucketing: BucketingPass | None, report: CompileReport, unit: Unit
     ):
         self.kind, self.tagging, self.bucketing, self.report, self.unit = kind, tagging, bucketing, report, unit
         self._depth = 0
@@ -225,12 +258,15 @@ class _Backend:
                     fw_compiler=functools.partial(compiler, phase="forward"),
                     bw_compiler=functools.partial(compiler, phase="backward"),
                     inference_compiler=functools.partial(compiler, phase="inference"),
-                    partition_fn=self._partition,
+                    partition_fn=Partitioner(self.tagging, self.tagging.uuid()),
                     keep_inference_input_mutations=True,
                 )(gm, example_inputs)
             from torch._inductor.compile_fx import compile_fx
 
-            patches: dict[str, Any] = {"joint_custom_post_pass": self.tagging}
+            patches: dict[str, Any] = {
+                "joint_custom_post_pass": self.tagging,
+                "custom_partitioner_fn": Partitioner(None, self.tagging.uuid()),
+            }
             if self.bucketing is not None:
                 patches["post_grad_custom_post_pass"] = self.bucketing
                 patches.update(BUCKETING_INDUCTOR_CONFIG)
@@ -249,10 +285,6 @@ class _Backend:
             self._depth -= 1
             if self._depth == 0:
                 self.report.compiled(time.perf_counter() - t0)
-
-    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        self.tagging(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _aot_eager_compile(self, gm: torch.fx.GraphModule, example_inputs: Any, phase: str) -> Callable:
         with self._timed():

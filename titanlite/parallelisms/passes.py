@@ -3,10 +3,11 @@
 SimpleFSDP traces to one all-gather per parameter in forward and one reduce-scatter per gradient in
 backward. Three passes act on those graphs:
 
-* `ReshardTagPass` (joint graph, before partitioning): tags the parameter all-gathers, their waits and
+* `RecomputeTagPass` (joint graph, before partitioning): tags the parameter all-gathers, their waits and
   the casts/views around them `MUST_RECOMPUTE`, so the partitioner frees gathered weights after forward
   and gathers them again in backward (reshard-after-forward); `MUST_SAVE` keeps them instead. This is
-  the compiled counterpart of the eager saved-tensor hooks in `simple_fsdp.py`.
+  the compiled counterpart of the eager saved-tensor hooks in `simple_fsdp.py`. In a whole-model graph
+  it also tags fully checkpointed blocks for recomputation (full activation checkpointing as tags).
 * `BucketingPass` (forward/backward graphs, after partitioning): merges the FSDP collectives into
   buckets and, with `reorder`, moves them to overlap with compute. `auto` is torch's overlap scheduler
   (`schedule_overlap_bucketing_from_inductor_configs`, which pre-buckets FSDP collectives up to a size
@@ -70,7 +71,7 @@ def _in_prefixes(fqn: str, prefixes: tuple[str, ...]) -> bool:
     return any(p == "" or fqn == p or fqn.startswith(p + ".") for p in prefixes)
 
 
-# --- reshard-after-forward: recompute tags on the joint graph ---------------------------------------------
+# --- recompute tags on the joint graph: reshard-after-forward, full activation checkpointing ---------------
 
 
 def parameter_gathers(graph: fx.Graph) -> list[fx.Node]:
@@ -88,19 +89,31 @@ def parameter_gathers(graph: fx.Graph) -> list[fx.Node]:
     return out
 
 
-class ReshardTagPass(CustomGraphPass):
-    """Tag parameter gathers for recomputation (reshard after forward) or for saving.
+class RecomputeTagPass(CustomGraphPass):
+    """The joint graph's recompute tags: reshard-after-forward of the parameter gathers, and full
+    activation checkpointing of whole blocks inside a whole-model graph.
 
-    A gather whose module FQN lies under one of `saved` (`""` matches everything) is `MUST_SAVE`: its
-    gathered weight stays alive from forward to backward. Every other gather is `MUST_RECOMPUTE`. The
-    tags cover the single-input chain from the parameter (casts, padding), the all-gather, its wait,
+    Gathers: one whose module FQN lies under one of `saved` (`""` matches everything) is `MUST_SAVE`:
+    its gathered weight stays alive from forward to backward. Every other gather is `MUST_RECOMPUTE`.
+    The tags cover the single-input chain from the parameter (casts, padding), the all-gather, its wait,
     and the views of the waited result, so no alias of the full weight is saved by accident.
+
+    Blocks: `checkpointed` names the fully checkpointed blocks (FQNs, forward order). Each forward
+    operation of such a block is `MUST_RECOMPUTE` in a region of its own (`ac_graph_id` rising in
+    forward order), except the block's outputs (values an operation outside the block reads: the
+    residual stream), which are `MUST_SAVE`. The min-cut partitioner then saves what an eager
+    checkpoint around each block saves and recomputes the rest in backward, placed just before the
+    block's backward (its backward order mimics autograd's). Unlike torch's checkpoint inside a compiled
+    region (which AOTAutograd rejects over DTensor inputs), the tags leave one graph in which the
+    bucketing pass can prefetch the next block's gather during this block's recomputation.
     """
 
-    def __init__(self, saved: tuple[str, ...]):
-        self.saved = saved
+    def __init__(self, saved: tuple[str, ...], checkpointed: tuple[str, ...] = ()):
+        self.saved, self.checkpointed = saved, checkpointed
 
     def __call__(self, graph: fx.Graph) -> None:
+        if self.checkpointed:
+            _tag_checkpointed_blocks(graph, self.checkpointed)
         for ag in parameter_gathers(graph):
             stack = node_module_stack(ag)
             fqn = stack[-1][0] if stack else ""
@@ -110,7 +123,27 @@ class ReshardTagPass(CustomGraphPass):
                 node.meta["ac_graph_id"] = _FSDP_AC_GRAPH_ID
 
     def uuid(self) -> bytes:
-        return _uuid(type(self).__name__, self.saved)
+        return _uuid(type(self).__name__, self.saved, self.checkpointed)
+
+
+def _tag_checkpointed_blocks(graph: fx.Graph, blocks: tuple[str, ...]) -> None:
+    """Tag the forward operations of `blocks` as `RecomputeTagPass` describes."""
+    backward: set[fx.Node] = set()  # the tangents and everything computed from them
+    region: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
+            n in backward for n in node.all_input_nodes
+        ):
+            backward.add(node)
+        elif node.op == "call_function":
+            fqns = [fqn for fqn, _ in node_module_stack(node)]
+            index = next((i for i, b in enumerate(blocks) if any(f == b or f.startswith(b + ".") for f in fqns)), None)
+            if index is not None:
+                region[node] = index
+    for node, index in region.items():
+        output = any(u not in backward and region.get(u) != index for u in node.users)
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if output else CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = index + 1
 
 
 def _gather_region(ag: fx.Node) -> list[fx.Node]:
