@@ -76,6 +76,8 @@ CASES_4 = [
     {"pp": 2, "tp": 2, "mb": 2},
     {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
     COMPILED_DP_X_TP,
+    # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph.
+    {**COMPILED_DP_X_TP, "ac": "full"},
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
@@ -211,16 +213,12 @@ def test_train_timeout_reaches_every_mesh_group(records, nproc, cases):
 
 
 @pytest.mark.slow
-def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
-    """The compiled dp x tp case's parity above is that of bucketed graphs: fewer gathers and reductions."""
-    case = {
-        "shard": 2,
-        "tp": 2,
-        "compile": True,
-        "backend": "aot_eager",
-        "bucketing": "transformer_block",
-        "ac": "selective",
-    }
-    dp = records(4, CASES_4)[case_id(case)]["compile_report"]["dp"]
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_compiled_dp_x_tp_ran_bucketed_graphs(records, ac):
+    """The compiled dp x tp cases' parity above is that of bucketed graphs (fewer gathers and
+    reductions) in one graph per model (scope auto), whose gathers compute overlaps."""
+    report = records(4, CASES_4)[case_id({**COMPILED_DP_X_TP, "ac": ac})]["compile_report"]
+    dp = report["dp"]
     assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
     assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
+    assert report["scope"] == "model" and report["prefetched_all_gathers"] > 0

@@ -43,9 +43,10 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def build(reshard: str, mode_shard: int = 2, rep: int = 1) -> Transformer:
+def build(reshard: str, mode_shard: int = 2, rep: int = 1, reduce_dtype: str = "float32") -> Transformer:
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "float32"
+    cfg.training.mixed_precision_reduce = reduce_dtype
     cfg.parallelism.fsdp_reshard_after_forward = reshard
     cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree = rep, mode_shard
     cfg.training.seq_len = 8
@@ -146,10 +147,10 @@ def test_accumulation_reduces_once_per_step(fake_world, monkeypatch, rep, shard,
     """4 microbatches: per_microbatch reduces every gradient in every backward (4 per parameter); per_step
     reduces once, in buckets (the tiny model's gradients fill one; with 1-byte buckets, one per
     parameter); the forward's gathers are the same."""
-    from titanlite.parallelisms import simple_fsdp
+    from titanlite.parallelisms import step_reduction
 
     if bucket_bytes is not None:
-        monkeypatch.setattr(simple_fsdp, "REDUCE_BUCKET_BYTES", bucket_bytes)
+        monkeypatch.setattr(step_reduction, "REDUCE_BUCKET_BYTES", bucket_bytes)
     counts = {}
     for per_step in (False, True):
         model = build("never", mode_shard=shard, rep=rep)
@@ -179,3 +180,49 @@ def test_fsdp2_accumulation_reduces_once_per_step(fake_world):
     groups = ARGS.n_layers + 1
     assert reductions(counts[False], "reduce_scatter") == 4 * groups
     assert reductions(counts[True], "reduce_scatter") == groups
+
+
+class RecordReductions(TorchDispatchMode):
+    """The process-group reductions (`c10d` ops) dispatched, with the dtype they carry."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and "reduce" in func.__name__:
+            self.dtypes.append(args[1].dtype if "scatter" in func.__name__ else args[0][0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("last", ["marked", "counted", "unknown"])
+def test_step_reduction_starts_buckets_in_the_last_backward(fake_world, monkeypatch, last):
+    """Two accumulated backwards, one bucket per parameter. When the caller marks the last backward
+    (`before_backward(True)`, the trainer's step) or gives the count (`backwards=2`, a pipeline), that
+    backward starts every bucket's reduce-scatter itself, asynchronously, while it runs; otherwise they
+    all start on leaving. The sinks sum in fp32 while the wire carries the bf16 reduce dtype, and each
+    parameter gets its sharded gradient in the parameter's dtype."""
+    from titanlite.parallelisms import step_reduction
+
+    monkeypatch.setattr(step_reduction, "REDUCE_BUCKET_BYTES", 1)
+    model = build("never", reduce_dtype="bfloat16")
+    params = list(model.parameters())
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    in_backward = []
+    with RecordReductions() as everything, step_reduction.unreduced(model, 2 if last == "counted" else 0) as mark:
+        for i in range(2):
+            loss = model(tokens).float().mean()
+            if last == "marked":
+                mark(i == 1)
+            with RecordReductions() as during:
+                loss.backward()
+            in_backward.append(len(during.dtypes))
+        sinks = [m.sink for m in model.modules() if getattr(m, "sink", None) is not None]
+        assert len(sinks) == len(params) and all(s.dtype == torch.float32 for s in sinks)
+    n = len(params)
+    assert in_backward == ([0, n] if last != "unknown" else [0, 0])
+    assert len(everything.dtypes) == n  # the rest started on leaving
+    assert set(everything.dtypes) == {torch.bfloat16}
+    for p in params:
+        assert isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32
+        assert p.grad.placements == p.placements and p.grad.to_local().shape == p.to_local().shape

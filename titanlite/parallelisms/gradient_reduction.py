@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
 from titanlite.parallelisms.kept_gathers import kept_gathers
-from titanlite.parallelisms.simple_fsdp import unreduced
+from titanlite.parallelisms.step_reduction import unreduced
 
 
 @dataclass(frozen=True)
@@ -102,16 +102,18 @@ def _noop(last: bool) -> None:
 
 @contextlib.contextmanager
 def reduce_once(
-    model: nn.Module, enabled: bool, pipelined: bool = False, keep: bool = False
+    model: nn.Module, enabled: bool, pipelined: bool = False, keep: bool = False, backwards: int = 0
 ) -> Iterator[Callable[[bool], None]]:
     """The backwards of one step run inside; call the yielded `before_backward(last)` before each.
 
     With `enabled` (per_step and more than one backward), gradients are reduced once per parameter:
-    by the last backward (FSDP2) or on leaving (SimpleFSDP). With `keep` (kept gathers and more than one
-    backward; the model was built with `kept_gathers.keep_for_step`), weights are gathered once: FSDP2
-    reshards after the last backward only, SimpleFSDP gathers through the step's cache, freed on leaving
-    before the reduction. `pipelined`: the backwards are a pipeline schedule's, where torch's stage
-    handles FSDP2 itself.
+    by the last backward (FSDP2) or by SimpleFSDP's `step_reduction.unreduced`, whose buckets start in
+    the last backward. With `keep` (kept gathers and more than one backward; the model was built with
+    `kept_gathers.keep_for_step`), weights are gathered once: FSDP2 reshards after the last backward
+    only, SimpleFSDP gathers through the step's cache, freed on leaving before the reduction
+    completes. `pipelined`: the backwards are a pipeline schedule's, where torch's stage handles FSDP2
+    itself, and `backwards` counts them (SimpleFSDP then starts each bucket's reduction in the last
+    backward that completes it).
     """
     fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if fsdp2 and (pipelined or not (enabled or keep)):
@@ -131,5 +133,7 @@ def reduce_once(
             root.set_requires_gradient_sync(True)
             root.set_reshard_after_backward(True)
     else:
-        with unreduced(model) if enabled else contextlib.nullcontext(), kept_gathers(model, keep):
-            yield _noop
+        with contextlib.ExitStack() as stack:
+            before_backward = stack.enter_context(unreduced(model, backwards)) if enabled else _noop
+            stack.enter_context(kept_gathers(model, keep))
+            yield before_backward

@@ -75,7 +75,7 @@ def _saved_opaque_objects_last(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_o
         return
     output.args = (tuple(outs[:num_fwd_outputs] + tensors + opaque + syms),)
     fw.recompile()
-    for p in placeholders:
+    for p in placeholders[: placeholders.index(first_tangent)]:  # saved values; tangents keep their order
         if _is_opaque(p):
             first_tangent.prepend(p)
     bw.recompile()

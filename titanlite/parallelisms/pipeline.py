@@ -271,7 +271,13 @@ class Pipeline:
         self._loss_fn, self._loss_scale = loss_fn, backwards
         total = torch.zeros((), device=self.device)
         several = backwards > 1
-        with reduce_once(self.model, per_step_reduction and several, pipelined=True, keep=keep_gathers and several):
+        with reduce_once(
+            self.model,
+            per_step_reduction and several,
+            pipelined=True,
+            keep=keep_gathers and several,
+            backwards=backwards,
+        ):
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
                 # Pinned host batches (the loader pins them on CUDA) copy without blocking the host. Contiguous:

@@ -15,9 +15,9 @@ ever see shards: nothing is gathered on save. Under tensor parallelism the param
 
 Mixed precision casts to `param_dtype` before the all-gather and reduces gradients in `reduce_dtype`.
 
-Gradient accumulation: by default every backward reduces. Inside `unreduced(model)` the gathered
-weights' gradients accumulate unreduced in a per-parameter leaf instead, and leaving the context reduces
-each once: k microbatches cost one reduction per parameter instead of k.
+Gradient accumulation: by default every backward reduces. While `routing_to_sinks()` is active the
+gathered weights' gradients accumulate unreduced in a per-parameter leaf (the sink) instead; the
+once-per-step reduction of those sinks is `step_reduction.unreduced`.
 
 Reshard-after-forward (eager): gathered weights that autograd would save for backward are replaced by a
 recipe to gather them again (saved-tensor hooks), so only shards stay resident between forward and
@@ -27,13 +27,12 @@ backward. Under torch.compile the same effect comes from tagging the gathers mus
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -75,6 +74,8 @@ class ReplicateComputation(nn.Module):
         """Gradient accumulation leaf of `unreduced()` mode (zero strides: one element of storage)."""
         self.step_cache: Any = None
         """Set inside `kept_gathers.kept_gathers`: makes this gather once per step and hands it out."""
+        self.on_sink_grad: Callable[[ReplicateComputation], None] | None = None
+        """Called after each backward's accumulation into the sink (the step's reduction starts buckets)."""
 
     def _gather_local(self, x: DTensor) -> torch.Tensor:
         """The dp all-gather of `x` as a plain tensor (under TP: this tp rank's full shard)."""
@@ -112,12 +113,19 @@ class ReplicateComputation(nn.Module):
         return self._as_tp(_RouteGradient.apply(full, self.sink))
 
     def make_sink(self, x: DTensor) -> None:
-        """A leaf of the gathered (tp-local) shape in the reduce dtype: the unsharded gradient accumulates
-        in its `.grad`. Its zero strides keep the leaf itself at one element."""
+        """A leaf of the gathered (tp-local) shape: the unsharded gradient accumulates in its `.grad`, in
+        fp32 (or the parameter's dtype if wider) whatever the reduce dtype, so the microbatches' sum is
+        not rounded to the wire's bf16. Its zero strides keep the leaf itself at one element. After each
+        accumulation it calls `on_sink_grad`."""
         shape = x.shape if self.tp_mesh is None else self.tp_local_shape
-        dtype = self.mp.reduce_dtype or x.dtype
+        dtype = torch.promote_types(x.dtype, torch.float32)
         sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=x.to_local().device)
         self.sink = sink.zero_().requires_grad_()
+        self.sink.register_post_accumulate_grad_hook(self._sink_accumulated)
+
+    def _sink_accumulated(self, sink: torch.Tensor) -> None:
+        if self.on_sink_grad is not None:
+            self.on_sink_grad(self)
 
     def forward(self, x: DTensor) -> torch.Tensor:
         if self.step_cache is not None:
@@ -182,8 +190,8 @@ def sharded_view():
 _UNREDUCED = False
 
 
-def _parametrized(model: nn.Module) -> list[tuple[ReplicateComputation, DTensor]]:
-    """Every (gather, its sharded parameter) under `model` that takes gradients."""
+def parametrized(model: nn.Module) -> list[tuple[ReplicateComputation, DTensor]]:
+    """Every (gather, its sharded parameter) under `model` that takes gradients, in forward order."""
     out = []
     for module in model.modules():
         gathers = module._modules.get("_simple_fsdp")
@@ -201,114 +209,14 @@ def is_unreduced() -> bool:
 
 
 @contextlib.contextmanager
-def unreduced(model: nn.Module):
-    """Backwards inside accumulate each parameter's gradient unreduced and unsharded; leaving reduces each
-    once into `param.grad`: one reduce-scatter (all-reduce for replicate) per bucket of gradients.
-
-    For gradient accumulation: k backwards in this mode cost one reduction per parameter instead of k, at
-    the price of holding the rank's gradients unsharded, in the reduce dtype, until the reduction. The
-    forward's all-gathers are unchanged. Leaving on an exception drops what accumulated.
-    """
+def routing_to_sinks() -> Iterator[None]:
+    """Gathers inside route their gradients to the sinks (`make_sink` first) instead of reducing them."""
     global _UNREDUCED
-    pairs = _parametrized(model)
-    for gather, param in pairs:
-        if gather.sink is None:
-            gather.make_sink(param)
     previous, _UNREDUCED = _UNREDUCED, True
     try:
         yield
-    except BaseException:
-        for gather, _ in pairs:
-            gather.sink.grad = None  # type: ignore[union-attr]
-        raise
     finally:
         _UNREDUCED = previous
-    _reduce_sinks(pairs)
-
-
-REDUCE_BUCKET_BYTES = 64 * 2**20
-"""Unreduced gradients are reduced in buckets of about this many bytes: one collective per bucket."""
-
-
-def _reduce_sinks(pairs: list[tuple[ReplicateComputation, DTensor]]) -> None:
-    """Reduce every sink's gradient into its parameter's `.grad`, in buckets of the same dp mesh, mode and
-    dtype; a bucket's unsharded gradients are freed as it is packed for its reduction."""
-    groups: dict[tuple, list[list[tuple[DTensor, torch.Tensor]]]] = {}
-    sizes: dict[tuple, int] = {}
-    for gather, param in pairs:
-        assert gather.sink is not None
-        full, gather.sink.grad = gather.sink.grad, None
-        if full is None:
-            continue
-        key = (gather.dp_mesh, gather.mode, full.dtype)
-        group = groups.setdefault(key, [[]])
-        if group[-1] and sizes[key] + full.nbytes > REDUCE_BUCKET_BYTES:
-            group.append([])
-            sizes[key] = 0
-        group[-1].append((param, full))
-        sizes[key] = sizes.get(key, 0) + full.nbytes
-        del full  # the bucket holds the only reference
-    for (mesh, mode, _), buckets in groups.items():
-        while buckets:
-            bucket = buckets.pop(0)
-            params = [p for p, _ in bucket]
-            for param, local in zip(params, _reduce_bucket(mesh, mode, bucket)):
-                grad = DTensor.from_local(
-                    local.to(param.dtype),
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
-                param.grad = grad if param.grad is None else param.grad + grad
-
-
-def _reduce_bucket(mesh: DeviceMesh, mode: str, bucket: list[tuple[DTensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """One reduction for a bucket of (parameter, full gradient); each parameter's averaged local shard.
-    Empties `bucket`: each full gradient is freed once copied into the flat buffer, so packing needs about
-    the bucket's size once more (a gradient larger than a bucket is its own bucket: twice its size).
-
-    Each gradient is cut along dim 0 into one chunk per rank of the shard group, zero-padded to equal
-    size; a flat (ranks, width) buffer holds the chunks side by side, so a reduce-scatter of its dim 0
-    gives every rank its dim-0 chunk of each gradient, the chunks DTensor's `Shard(0)` assigns (chunk
-    size ceil(n / ranks), trimmed to the parameter's local rows). hybrid_shard then all-reduces over the
-    replicas; replicate only all-reduces. Gradients are divided by the dp size first (an average, as `Partial("avg")`).
-    """
-    shapes = [full.shape for _, full in bucket]
-    local_rows = [param.to_local().shape[0] for param, _ in bucket]
-    replicate = mode == "replicate"
-    shard_dim = mesh.ndim - 1  # (replicate, shard) for hybrid_shard
-    ranks = 1 if replicate else mesh.size(shard_dim)
-    chunks = [-(-shape[0] // ranks) for shape in shapes]
-    widths = [chunk * math.prod(shape[1:]) for shape, chunk in zip(shapes, chunks)]
-    first = bucket[0][1]
-    flat = torch.zeros(ranks, sum(widths), dtype=first.dtype, device=first.device)
-    del first
-    offset = 0
-    for shape, chunk, width in zip(shapes, chunks, widths):
-        _, full = bucket.pop(0)  # the bucket's reference goes; `full` dies at the next iteration
-        rows = full.reshape(shape[0], -1)
-        for r in range(ranks):  # rank r's chunk; rows past the gradient stay zero (uneven last shards)
-            lo, hi = r * chunk, min((r + 1) * chunk, shape[0])
-            if lo < hi:
-                flat[r, offset : offset + (hi - lo) * rows.shape[1]] = rows[lo:hi].reshape(-1)
-        offset += width
-    del full, rows
-    flat.div_(mesh.size())
-    if replicate:
-        out = flat.view(-1)
-        dist.all_reduce(out, group=mesh.get_group())
-    else:
-        out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat.view(-1), group=mesh.get_group(shard_dim))
-        del flat
-        if mode == "hybrid_shard":
-            dist.all_reduce(out, group=mesh.get_group(0))
-    return [
-        piece.view(chunk, *shape[1:])[:rows]
-        for piece, shape, chunk, rows in zip(out.split(widths), shapes, chunks, local_rows)
-    ]
 
 
 def _register_parametrization(module: nn.Module, parametrizations: dict[str, ReplicateComputation]) -> None:
