@@ -1,11 +1,13 @@
 """Compile time of the debug model's width at several depths: one forward and backward, inductor,
 transformer_block bucketing, SimpleFSDP over 2 ranks of torch's fake process group, cold inductor cache.
 
-    PYTHONPATH=. python benchmarks/bench_compile_time.py [--blocks 6,32] [--backend inductor]
+    PYTHONPATH=. python benchmarks/bench_compile_time.py [--blocks 6,32] [--backend inductor] [--scope block]
+        [--ac none]
 
 Prints, per depth, the wall time of the first forward + backward (compiles included) and the compile
-report's compile seconds and number of traced graphs. Identical blocks share one trace, so depth should
-add little beyond running the blocks.
+report's compile seconds and number of traced graphs. With `--scope block` identical blocks share one
+trace, so depth should add little beyond running the blocks; `--scope model` compiles one graph of every
+block, whose compile time grows with depth.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main() -> None:
     parser.add_argument("--blocks", default="6,32")
     parser.add_argument("--backend", default="inductor", choices=["aot_eager", "inductor"])
     parser.add_argument("--bucketing", default="transformer_block")
+    parser.add_argument("--scope", default="block", choices=["auto", "block", "model"])
+    parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     args = parser.parse_args()
     print("| blocks | first fwd+bwd (s) | compile (s) | traced graphs |")
     print("|---:|---:|---:|---:|")
@@ -34,6 +38,7 @@ def main() -> None:
         cfg = JobConfig()
         cfg.training.mixed_precision_param = "float32"
         cfg.compile.enable, cfg.compile.backend, cfg.compile.bucketing = True, args.backend, args.bucketing
+        cfg.compile.scope, cfg.activation_checkpoint.mode = args.scope, args.ac
         cfg.job.dump_folder = tempfile.mkdtemp(prefix="compile_time_dump_")
         model_args = dataclasses.replace(llama3_configs["debugmodel"], n_layers=n, vocab_size=2048)
         t0 = time.perf_counter()

@@ -7,10 +7,12 @@ Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds eve
 launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.build`, the model's parallelize
 plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
 
-    SimpleFSDP eager / compiled / compiled + per-block bucketing, FSDP2 eager / compiled,
-    replicate (SimpleFSDP's DDP mode), tp=2 (the dp x tp variant at 2 ranks: dp is 1), and pp=2 (two
-    pipeline stages, 1F1B over microbatches of `parallelism.pipeline_parallel_microbatch_size`; dp is 1);
-    with `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
+    SimpleFSDP eager / compiled / compiled + per-block bucketing (one graph, `compile.scope` auto, and
+    per-block graphs, scope block), FSDP2 eager / compiled, replicate (SimpleFSDP's DDP mode), tp=2 (the
+    dp x tp variant at 2 ranks: dp is 1), pp=2 (two pipeline stages, 1F1B over microbatches of
+    `parallelism.pipeline_parallel_microbatch_size`; dp is 1), and under full activation checkpointing
+    SimpleFSDP compiled + bucketing (one graph and per-block graphs) against FSDP2 eager; with
+    `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
     again per microbatch, SimpleFSDP and FSDP2 (`PP_VARIANTS`).
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
@@ -34,7 +36,8 @@ eager or compiled, FSDP2 included; the all-reduces include the gradient norm's a
 agreement on a finite step), on rank 0. MFU uses `ModelArgs.flops_per_token` against
 `titanlite.metrics.peak_tflops` (GPU table, or a measured CPU matmul peak).
 
-Rank 0 prints a markdown table and writes the JSON; the trainers' dump folder (compile reports, their
+Ratios are against FSDP2 eager with the same activation checkpointing. Rank 0 prints a markdown table
+and writes the JSON; the trainers' dump folder (compile reports, their
 lock) is `suite_runs/` next to it. A variant that cannot be built or run here (e.g.
 bucketing before the compile passes exist) is reported as failed with its one-line reason.
 """
@@ -67,10 +70,14 @@ from titanlite.metrics import mfu_pct, peak_tflops  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
+BUCKETED = [*COMPILE, "--compile.bucketing", "transformer_block"]
+PER_BLOCK = ["--compile.scope", "block"]
+FULL_AC = ["--activation_checkpoint.mode", "full"]
 VARIANTS: dict[str, list[str]] = {
     "SimpleFSDP eager": [],
     "SimpleFSDP compiled": COMPILE,
-    "SimpleFSDP compiled + bucketing": [*COMPILE, "--compile.bucketing", "transformer_block"],
+    "SimpleFSDP compiled + bucketing": BUCKETED,
+    "SimpleFSDP compiled + bucketing, per-block graphs": [*BUCKETED, *PER_BLOCK],
     "FSDP2 eager": ["--parallelism.dp_impl", "fsdp2"],
     "FSDP2 compiled": ["--parallelism.dp_impl", "fsdp2", *COMPILE],
     "replicate (DDP)": [
@@ -81,6 +88,10 @@ VARIANTS: dict[str, list[str]] = {
     ],
     "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
     "pp=2 (1F1B)": ["--parallelism.pipeline_parallel_degree", "2"],
+    # Full activation checkpointing (the 70B/405B configs), against FSDP2 eager with the same checkpointing.
+    "SimpleFSDP compiled + bucketing, full AC": [*BUCKETED, *FULL_AC],
+    "SimpleFSDP compiled + bucketing, full AC, per-block graphs": [*BUCKETED, *FULL_AC, *PER_BLOCK],
+    "FSDP2 eager, full AC": ["--parallelism.dp_impl", "fsdp2", *FULL_AC],
 }
 PER_MICROBATCH = ["--parallelism.gradient_reduction", "per_microbatch"]
 ACCUM_VARIANTS: dict[str, list[str]] = {
@@ -107,6 +118,14 @@ PP_VARIANTS: dict[str, list[str]] = {
 microbatches, the weights kept for the step (`fsdp_reshard_after_forward = auto`, which keeps them when
 the memory plan fits) beside gathered again in every microbatch (`default`, the per-block policy)."""
 BASELINE = "FSDP2 eager"
+FULL_AC_BASELINE = "FSDP2 eager, full AC"
+
+
+def baseline_of(name: str) -> str:
+    """The row a variant is compared with: FSDP2 eager under the same activation checkpointing."""
+    return FULL_AC_BASELINE if "full AC" in name else BASELINE
+
+
 KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
 
 
@@ -311,18 +330,20 @@ def result_row(r: Result, world: int, peak: float | None) -> dict:
 
 
 def format_table(rows: list[dict], world: int, device: torch.device, peak_source: str, args) -> str:
-    base = next((r for r in rows if r["name"] == BASELINE and not r["error"]), None)
+    ok = {r["name"]: r for r in rows if not r["error"]}
     lines = [
         f"{world} ranks on {device.type}, {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
-        f"tokens/s of the global batch at the median step; MFU against {peak_source}",
+        f"tokens/s of the global batch at the median step; MFU against {peak_source}; ratios against "
+        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE})",
         "",
-        f"| variant | tokens/s | x {BASELINE} | peak MiB | x {BASELINE} | collectives/step (ag/rs/ar) | MFU % |",
+        "| variant | tokens/s | x FSDP2 eager | peak MiB | x FSDP2 eager | collectives/step (ag/rs/ar) | MFU % |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
             continue
+        base = ok.get(baseline_of(r["name"]))
         c = r["collectives"]
         tps_ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         mem_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "n/a"

@@ -85,13 +85,13 @@ def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope)
     ],
 )
 def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, ac, scope):
-    """Six blocks (the debug model), transformer_block bucketing. In one graph (scope auto = model),
-    under every AC mode: forward prefetches the gathers of blocks 1-5 and of [norm, output] during the
-    previous unit's compute (block 0's only follows the embedding, which has no matmul); backward
-    prefetches the re-gathers of blocks 4..0 and leaves the reduce-scatters of [norm, output] and
-    blocks 5..1 in flight over the next unit's backward. Full checkpointing recomputes every block in
-    backward: besides each projection's two gradient matmuls, the matmuls of blocks 0-5 run again (all
-    but w2's, whose output only the residual add reads). Per-block
+    """N blocks, transformer_block bucketing. In one graph (scope auto = model), under every AC mode:
+    forward prefetches the gathers of blocks 1..N-1 and of [norm, output] during the previous unit's
+    compute (block 0's only follows the embedding, which has no matmul); backward prefetches the
+    re-gathers of blocks N-2..0 and leaves the reduce-scatters of [norm, output] and blocks N-1..1 in
+    flight over the next unit's backward (with the debug model's 6 blocks: 11 and 6). Full checkpointing
+    recomputes every block in backward: besides each projection's two gradient matmuls, each block's
+    matmuls run again (all but w2's, whose output only the residual add reads). Per-block
     graphs (the control) overlap nothing."""
     from titanlite.parallelisms import partitioner
 
@@ -105,15 +105,15 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(partitioner, "min_cut_rematerialization_partition", partition)
     cfg = config(tmp_path, "transformer_block", scope, activation_checkpoint__mode=ac)
-    report = compile_report(cfg, 2, tiny_args(n_layers=6))
+    report = compile_report(cfg, 2, ARGS)
     if scope == "block":
         assert report["scope"] == "block"
         assert report["prefetched_all_gathers"] == report["overlapped_reduce_scatters"] == 0
         return
-    assert report["scope"] == "model" and report["dp"]["backward_all_gather"]["after"] == 5
-    assert report["prefetched_all_gathers"] == 6 + 5 and report["overlapped_reduce_scatters"] == 6
-    projections = 6 * 7 + 1  # each block's seven, and the output
-    assert backward_mm == [2 * projections + (6 * 6 if ac == "full" else 0)]
+    assert report["scope"] == "model" and report["dp"]["backward_all_gather"]["after"] == N - 1
+    assert report["prefetched_all_gathers"] == N + (N - 1) and report["overlapped_reduce_scatters"] == N
+    projections = N * 7 + 1  # each block's seven, and the output
+    assert backward_mm == [2 * projections + (N * 6 if ac == "full" else 0)]
 
 
 @pytest.mark.parametrize("reshard,traces", [("always", 1), ("default", 2)])
