@@ -48,7 +48,7 @@ from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import REDUCE_BUCKET_BYTES
+from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30

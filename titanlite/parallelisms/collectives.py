@@ -143,7 +143,7 @@ class CompileReport:
         self.compile_seconds = 0.0
         self.written = False
         self.reduced_outside = False
-        """Traced inside `simple_fsdp.unreduced` (gradient_reduction per_step with several backwards per
+        """Traced inside `step_reduction.unreduced` (gradient_reduction per_step with several backwards per
         step): the backward graphs hold no dp reductions; the gradients are reduced once per step after
         them, one collective per ~64 MiB bucket, which the counts here do not include."""
 

@@ -7,7 +7,7 @@ microbatches. Two choices (`StepPolicy`), each trading memory held for the step 
       per_microbatch  every backward reduces every gradient (reduce-scatter; all-reduce for replicate):
                       k reductions per step, and only sharded gradients are ever held
       per_step        backwards accumulate each gradient unsharded on the rank; one reduction per parameter
-                      after the last backward (SimpleFSDP: `simple_fsdp.unreduced`, fp32 sinks; FSDP2:
+                      after the last backward (SimpleFSDP: `step_reduction.unreduced`, fp32 sinks; FSDP2:
                       gradient sync off for all but the last backward, in the reduce dtype). Saves
                       (k - 1) reductions of every gradient
     gathered weights (`parallelism.fsdp_reshard_after_forward`)
