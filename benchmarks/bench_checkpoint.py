@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from titanlite.build import RunPlan, init_device, init_distributed, world_from_env
+from titanlite.build import init_device, init_distributed, world_from_env
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs, llama3_configs
+from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
 VOCAB, SEQ, LOCAL_BATCH = 2056, 64, 2

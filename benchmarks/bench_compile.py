@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from titanlite.build import RunPlan, init_device, init_distributed
+from titanlite.build import init_device, init_distributed
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import ModelArgs
+from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
 # 8 blocks of dim 256 and a 2k vocabulary: 7.0M parameters in 75 tensors. Unbucketed, a step issues 214

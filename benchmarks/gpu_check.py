@@ -24,7 +24,7 @@ import time
 import torch
 
 from titanlite.config import load_config
-from titanlite.memory_plan import GiB, Layout, estimate
+from titanlite.memory_plan import GiB, estimate
 from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
 from titanlite.trainer import Trainer
 
@@ -75,7 +75,7 @@ def run(argv: list[str]) -> dict:
     tps = args.steps * t.local_batch_size * plan.grad_accum * t.seq_len / elapsed
     peak_rate, peak_source = peak_tflops(device)
     tflops = plan.model_args.flops_per_token(t.seq_len) * tps / 1e12
-    layout = Layout.from_config(cfg, plan.dims, plan.backwards_per_step)
+    layout = plan.layout()
     planned = estimate(
         trainer.model, plan.spec.units(trainer.model), plan.spec.activation_bytes(plan.model_args, layout), layout
     )

@@ -14,6 +14,8 @@ from titanlite.errors import run_cli
 BASE = str(ROOT / "train_configs/debug_model.toml")
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+# A rule between compile and data-parallel keys: refused by the run plan, so by the preflight.
+BUCKETED_FSDP2 = ["--compile.enable", "--compile.bucketing", "transformer_block", "--parallelism.dp_impl", "fsdp2"]
 
 # (file text or None for the debug config, overrides, world size, fragments the message must contain)
 CASES = [
@@ -130,6 +132,14 @@ CASES = [
         2,
         ["InterleavedZeroBubble cannot run compiled blocks", "compile.components = loss"],
     ),
+    (None, [*BUCKETED_FSDP2], 2, ["compile.bucketing=transformer_block needs SimpleFSDP"]),
+    (
+        None,
+        ["--compile.enable", "--compile.backend", "eager", "--compile.scope", "model"]
+        + ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+        2,
+        ["compile.scope=model with full activation checkpointing needs SimpleFSDP"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
@@ -190,3 +200,21 @@ def test_launcher_reports_bad_input_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "training.stepz" in proc.stderr and "Traceback" not in proc.stderr
     assert "torch.distributed.run" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_combination_stops_before_any_rank(tmp_path):
+    """A rule between keys (bucketing needs SimpleFSDP) stops run_train.sh in its preflight: exit 2, one
+    line, and no rank ever prints (rank output is prefixed `[rank`)."""
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path / "dump"), *BUCKETED_FSDP2],
+        env=child_env(NGPU="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert lines == ["titanlite: error: compile.bucketing=transformer_block needs SimpleFSDP data parallelism and "
+                     "backend aot_eager or inductor"], lines  # fmt: skip

@@ -8,9 +8,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from harness import tiny_args
-from titanlite.build import RunPlan, apply_train_timeout, build_model, init_distributed, nccl_env_defaults
+from titanlite.build import apply_train_timeout, build_model, init_distributed, nccl_env_defaults
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.plan import RunPlan
 
 
 def test_one_process_without_torchrun_gets_a_one_rank_group_and_the_full_plan(monkeypatch, tmp_path):

@@ -25,7 +25,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from harness import ROOT, child_env, tiny_args
-from titanlite.build import RunPlan
 from titanlite.checkpoint import folders, lock, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
@@ -35,7 +34,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
 from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.optim import lr_factor
-from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
 TOK = build_tokenizer(None)
@@ -367,14 +366,12 @@ def test_seed_checkpoint_needs_one_process(tmp_path):
     run.cfg.checkpoint.create_seed_checkpoint = True
     with pytest.raises(ConfigError, match="create_seed_checkpoint must run in a single process"):
         CheckpointManager(
-            run.cfg,
+            RunPlan.build(run.cfg, 2, args=run.trainer.model_args),
             model=run.model,
             optimizer=run.trainer.optimizer,
             lr_scheduler=run.sched,
             dataloader=run.loader,
-            dims=ParallelDims(1, -1, 1, 2),
             rank=0,
-            world_size=2,
             device=torch.device("cpu"),
         )
 

@@ -162,7 +162,7 @@ def test_cli_export(tmp_path, capsys):
     """`python -m titanlite.tools.hf export` on a checkpoint of the debug model gives its weights."""
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.config import load_config
-    from titanlite.parallelisms.parallel_dims import ParallelDims
+    from titanlite.plan import RunPlan
     from titanlite.tools import hf as hf_tool
 
     overrides = [
@@ -177,14 +177,12 @@ def test_cli_export(tmp_path, capsys):
     args = ModelArgs(**{**llama3_configs["debugmodel"].__dict__, "vocab_size": 2056})
     src = model(args, seed=3)
     seed = CheckpointManager(
-        cfg,
+        RunPlan.build(cfg, 1, args=args),
         model=src,
         optimizer=None,
         lr_scheduler=None,
         dataloader=None,
-        dims=ParallelDims(1, -1, 1, 1),
         rank=0,
-        world_size=1,
         device=torch.device("cpu"),
     )
     seed.save(0, force=True, model_only=True)

@@ -25,7 +25,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
 from harness import ROOT, assert_ok, child_env, torchrun
-from titanlite.build import RunPlan, build_model
+from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
 from titanlite.memory_plan import Layout
@@ -33,6 +33,7 @@ from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.memory import activation_bytes
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss
 from titanlite.tools import dry_run as dry_run_tool
 from titanlite.tools.dry_run import dry_run, format_report
@@ -139,7 +140,7 @@ def _worker(out_path: str) -> None:
                 fqn: (p.to_local() if hasattr(p, "to_local") else p).numel() for fqn, p in model.named_parameters()
             }
         else:
-            lp = Layout.from_config(cfg, plan.dims, plan.backwards_per_step).loss_parallel
+            lp = plan.layout().loss_parallel
             record["activation"][name] = measure_activation_peak(model, plan.model_args.vocab_size, BATCH, SEQ, lp)
     records = [None] * world
     dist.all_gather_object(records, record)

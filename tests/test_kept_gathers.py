@@ -17,10 +17,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import tiny_args
-from titanlite.build import RunPlan, build_training
+from titanlite.build import build_training
 from titanlite.config import JobConfig
 from titanlite.memory_plan import COMFORT_FRACTION, GiB, choose_step
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss, forward_backward
 from titanlite.trainer import Trainer
 
@@ -149,7 +150,7 @@ def test_the_trainers_plan_line_says_which_policy_and_why(process_group, tmp_pat
     cfg.training.global_batch_size = MICROBATCHES
     trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=ARGS))
     try:
-        line = trainer._describe_plan()
+        line = trainer.plan.describe(trainer.step_choice)
     finally:
         trainer.close()
     assert trainer.reduce_once and trainer.keep_gathers

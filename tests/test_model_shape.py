@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from titanlite import preflight
-from titanlite.build import RunPlan, describe_shape
 from titanlite.checkpoint.resume_policy import compare_settings
 from titanlite.config import load_config
 from titanlite.errors import ConfigError, run_cli
 from titanlite.models.llama3.hf_adapter import hf_config
+from titanlite.plan import RunPlan, describe_shape
 
 CONFIG = "train_configs/debug_model.toml"
 OVERRIDES = [
@@ -29,10 +29,11 @@ def plan(*overrides: str, world_size: int = 1) -> RunPlan:
 
 
 def test_overrides_reach_the_model_its_log_and_its_hf_config():
-    args = plan(*OVERRIDES).model_args
+    built = plan(*OVERRIDES)
+    args = built.model_args
     assert (args.n_layers, args.dim, args.n_heads, args.kv_heads) == (2, 128, 8, 2)
     assert (args.ffn_hidden_dim, args.rope_theta, args.max_seq_len) == (352, 10000.0, 512)
-    assert describe_shape(args) == (
+    assert describe_shape(built.spec, args) == (
         "n_layers 2, dim 128, n_heads 8, n_kv_heads 2, ffn_dim 352, rope_theta 10000, max_seq_len 512"
     )
     with torch.device("meta"):

@@ -24,9 +24,9 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 from titanlite import torch_support
-from titanlite.build import RunPlan
 from titanlite.config import load_config
 from titanlite.errors import ConfigError
+from titanlite.plan import RunPlan
 
 OFFLINE = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9", "PIP_FIND_LINKS": ""}
 """pip with no index to ask (a port that refuses at once) and no wheel cache."""

@@ -17,9 +17,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import tiny_args
-from titanlite.build import RunPlan, build_model
+from titanlite.build import build_model
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import Transformer
+from titanlite.plan import RunPlan
 
 ARGS = tiny_args()
 PARAMS_PER_BLOCK = 9  # wq wk wv wo w1 w2 w3 + two norms

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from harness import tiny_args
-from titanlite.build import RunPlan, build_model
+from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss
 from titanlite.validation import Validator, build_validation_loader
 
@@ -144,5 +145,6 @@ def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched
     ],
 )
 def test_bad_validation_settings_are_config_errors(args, message):
+    """Each key alone is checked by the loader, the rules between keys by the run plan (the preflight)."""
     with pytest.raises(ConfigError, match=message):
-        load_config(args)
+        RunPlan.build(load_config(args), 2)

@@ -1,6 +1,7 @@
 """Putting a run together, the one way every tool does it (trainer, dry run, HF tool, benchmarks, tests):
 
     plan = RunPlan.build(cfg, world_size)     everything derived from config + world size, checked first
+                                              (titanlite/plan.py)
     device = init_device()                    cuda:LOCAL_RANK, else cpu
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
@@ -14,7 +15,6 @@ A single process is a world of one: it gets a one-rank process group and the sam
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite import torch_support
 from titanlite.config import JobConfig
 from titanlite.data.loader import build_dataloader
-from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.errors import ConfigError
 from titanlite.memory_plan import (
     Layout,
     MemoryEstimate,
@@ -39,115 +36,10 @@ from titanlite.memory_plan import (
     estimate,
     pipeline_estimate,
 )
-from titanlite.models.registry import ModelSpec, get_model_spec
-from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline import Pipeline, StagePlan, keep_stage
-
-SHAPE_OVERRIDES = (
-    "n_layers",
-    "dim",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "ffn_dim_multiplier",
-    "rope_theta",
-    "max_seq_len",
-)
-"""`model.*` keys that override the flavor's value of the model args' field of the same name (0 = keep)."""
-
-
-def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
-    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked before
-    any rank starts (the family's `check_args`; the training sequence fits); tensor-parallel divisibility
-    is checked with the mesh (`ParallelDims`)."""
-    m = cfg.model
-    if m.flavor not in spec.flavors:
-        raise ConfigError(f"config key 'model.flavor' = {m.flavor!r}: expected one of {', '.join(spec.flavors)}")
-    args = spec.flavors[m.flavor]
-    overrides = {key: getattr(m, key) for key in SHAPE_OVERRIDES if getattr(m, key)}
-    fields = {f.name for f in dataclasses.fields(args)}
-    for key in overrides:
-        if key not in fields:
-            raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
-    args = dataclasses.replace(args, **overrides, vocab_size=vocab_size)
-    shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
-    if why := spec.check_args(args):
-        raise ConfigError(f"model {shape}: {why}")
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len {args.max_seq_len} ({shape})"
-        )
-    return args
-
-
-def describe_shape(args: Any) -> str:
-    """The final shape of the model, flavor and overrides applied, for the start-up log."""
-    values = {key: getattr(args, key, None) for key in SHAPE_OVERRIDES if key != "ffn_dim_multiplier"}
-    values["ffn_dim"] = getattr(args, "ffn_hidden_dim", values["ffn_dim"])
-    values["n_kv_heads"] = getattr(args, "kv_heads", values["n_kv_heads"])
-    return ", ".join(
-        f"{key} {value:g}" if isinstance(value, float) else f"{key} {value}"
-        for key, value in values.items()
-        if value is not None
-    )
-
-
-@dataclass
-class RunPlan:
-    """Everything derived from the config and the world size alone: checked before any rank does work."""
-
-    cfg: JobConfig
-    spec: ModelSpec
-    tokenizer: Tokenizer
-    model_args: Any
-    dims: ParallelDims
-    global_batch: int
-    grad_accum: int
-    pipeline: StagePlan | None = None
-    """The stages and microbatches when pipeline_parallel_degree > 1."""
-
-    @classmethod
-    def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:
-        """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
-        torch_support.check(cfg, torch.__version__)
-        spec = get_model_spec(cfg.model.name)
-        tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
-        args = args or model_args(cfg, spec, tokenizer.n_words)
-        dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
-        t = cfg.training
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
-        if global_batch % (t.local_batch_size * dims.dp):
-            raise ConfigError(
-                f"training.global_batch_size {global_batch} is not a multiple of "
-                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
-            )
-        pipeline = None
-        if dims.pp_enabled:
-            pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
-            if getattr(args, "tie_embeddings", False):
-                raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
-            if dims.tp_enabled and t.seq_len % dims.tp:
-                raise ConfigError(
-                    f"training.seq_len {t.seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
-                    "(pipeline stages pass sequence-sharded hidden states)"
-                )
-        accum = global_batch // (t.local_batch_size * dims.dp)
-        return cls(cfg, spec, tokenizer, args, dims, global_batch, accum, pipeline)
-
-    @property
-    def backwards_per_step(self) -> int:
-        """Backwards of one step: the accumulation batches, times the schedule's microbatches under PP."""
-        return self.grad_accum * (self.pipeline.microbatches if self.pipeline is not None else 1)
-
-    @property
-    def tokens_per_gpu_step(self) -> float:
-        """Tokens of one optimizer step per GPU: the global batch's tokens over the world size. Tokens/s
-        and MFU use it, so tensor-parallel ranks, which share one data-parallel replica's tokens, do not
-        each count them (per-rank counting read tp times too high)."""
-        return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
-
+from titanlite.parallelisms.pipeline import Pipeline, keep_stage
+from titanlite.plan import RunPlan
 
 AUTO_CUDA_WORKERS = 2
 """`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""
@@ -162,8 +54,7 @@ def loader_workers(plan: RunPlan, device_type: str) -> int:
     t = plan.cfg.training
     if t.dataloader_num_workers >= 0:
         return t.dataloader_num_workers
-    samples_per_shard = plan.global_batch // (t.dataset_virtual_shards or plan.global_batch)
-    if device_type != "cuda" or t.local_batch_size % samples_per_shard:
+    if device_type != "cuda" or t.local_batch_size % plan.samples_per_shard:
         return 0
     return max(w for w in range(1, AUTO_CUDA_WORKERS + 1) if plan.grad_accum % w == 0)
 
@@ -189,7 +80,7 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: 
         global_batch_size=plan.global_batch,
         dp_rank=dp_rank,
         dp_degree=plan.dims.dp,
-        virtual_shards=t.dataset_virtual_shards,
+        virtual_shards=plan.virtual_shards,
         num_workers=loader_workers(plan, device_type),
         pin_memory=device_type == "cuda",
         holdout_documents=plan.cfg.validation.holdout_documents,
@@ -341,10 +232,6 @@ def rank_estimate(plan: RunPlan, parts: dict[int | None, nn.Module], layout: Lay
     return pipeline_estimate(stages, sp.in_flight(pp_rank), layout)
 
 
-def step_layout(plan: RunPlan, policy: StepPolicy) -> Layout:
-    return Layout.from_config(plan.cfg, plan.dims, plan.backwards_per_step, policy)
-
-
 def choose_step_policy(
     plan: RunPlan,
     ranks: dict[int, dict[int | None, nn.Module]],
@@ -352,16 +239,15 @@ def choose_step_policy(
     agree: Callable[[list[int]], list[int]] | None = None,
 ) -> StepChoice:
     """The step policy of the run (`memory_plan.choose_step`), the one decision the trainer and the dry
-    run share: every candidate the config allows (`step_candidates`) is estimated on each planned rank
+    run share: every candidate the config allows (`plan.step_candidates`) is estimated on each planned rank
     (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included), `agree`
     (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
     first candidate that fits comfortably in `capacity` bytes wins."""
-    dims = plan.dims
-    candidates, fixed = step_candidates(plan.cfg, dims.dp_mode if dims.dp_enabled else None, plan.backwards_per_step)
+    candidates, fixed = plan.step_candidates, plan.step_fixed
     if len(candidates) == 1 or plan.spec.activation_bytes is None:
         return choose_step(candidates, [0] * len(candidates), capacity, fixed)
     totals = [
-        max(rank_estimate(plan, parts, step_layout(plan, c), r).total for r, parts in ranks.items()) for c in candidates
+        max(rank_estimate(plan, parts, plan.layout(c), r).total for r, parts in ranks.items()) for c in candidates
     ]
     return choose_step(candidates, agree(totals) if agree else totals, capacity, fixed)
 
@@ -406,5 +292,6 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
         _materialise(plan, part, device)
     if plan.pipeline is None:
         return TrainingModel(parts[None], None, step)
-    pipeline = Pipeline(plan.pipeline, {s: m for s, m in parts.items() if s is not None}, plan.dims, device)
+    stages = {s: m for s, m in parts.items() if s is not None}
+    pipeline = Pipeline(plan.pipeline, stages, plan.dims, device, plan.backwards_per_step)
     return TrainingModel(pipeline.model, pipeline, step)

@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.build import RunPlan, init_device, init_distributed
+from titanlite.build import init_device, init_distributed
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.manager import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.errors import CheckpointError, ConfigError, run_cli
+from titanlite.errors import ConfigError, run_cli
+from titanlite.plan import RunPlan
 from titanlite.sampling import next_token
 from titanlite.tools.options import number, split_options
 
@@ -101,9 +102,7 @@ def load_model(plan: RunPlan, device: torch.device, seq_len: int, *, checkpoint:
     with device:
         model = plan.spec.model_cls(plan.model_args, seq_len=seq_len)
     if hf:
-        if plan.spec.hf_adapter is None:
-            raise CheckpointError(f"model {plan.cfg.model.name!r} has no Hugging Face adapter")
-        import_hf(model, hf, adapter=plan.spec.hf_adapter, what=f"model.flavor {plan.cfg.model.flavor!r}")
+        import_hf(model, hf, adapter=plan.spec.require_hf_adapter(), what=f"model.flavor {plan.cfg.model.flavor!r}")
     else:
         load_tool_weights(model, plan.cfg, checkpoint, step)
     return model.eval()

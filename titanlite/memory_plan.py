@@ -43,10 +43,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.config import DTYPES, ActivationCheckpoint, JobConfig
+from titanlite.config import ActivationCheckpoint
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy
-from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
@@ -87,34 +86,6 @@ class Layout:
     """Gathered weights are kept from the step's first forward to its last backward (`StepPolicy.keep_gathers`)."""
     shard_ranks: int = 1
     """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
-
-    @classmethod
-    def from_config(
-        cls, cfg: JobConfig, dims: ParallelDims, backwards_per_step: int, policy: StepPolicy | None = None
-    ) -> Layout:
-        """The layout the trainer builds: mixed precision comes with the data-parallel plan (every run but
-        pure tensor parallelism); `policy` is the step's (`choose_step`), which matters only with several
-        backwards per step."""
-        p, t = cfg.parallelism, cfg.training
-        dp = dims.dp_enabled
-        several = dp and backwards_per_step > 1
-        policy = policy or StepPolicy()
-        return cls(
-            tp=dims.tp,
-            dp_mode=dims.dp_mode if dp else None,
-            dp_impl=p.dp_impl,
-            compute_dtype=DTYPES[t.mixed_precision_param] if dp else torch.float32,
-            reduce_dtype=DTYPES[t.mixed_precision_reduce] if dp else torch.float32,
-            reshard=p.fsdp_reshard_after_forward,
-            loss_parallel=dims.loss_parallel,
-            ac_mode=cfg.activation_checkpoint.mode,
-            ac_option=cfg.activation_checkpoint.selective_ac_option,
-            local_batch=t.local_batch_size,
-            seq_len=t.seq_len,
-            unreduced_grads=several and policy.reduce_once,
-            keep_gathers=several and policy.keep_gathers,
-            shard_ranks=dims.dp_shard,
-        )
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
         """The layout of one pipeline stage, one microbatch at a time."""

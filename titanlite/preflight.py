@@ -13,13 +13,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from titanlite.build import RunPlan, build_loader
+from titanlite.build import build_loader
 from titanlite.checkpoint import folders, lock
 from titanlite.checkpoint.hf import check_hf_config
-from titanlite.checkpoint.manager import check_seed_world
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
+from titanlite.plan import RunPlan
 
 
 def check_dump_folder(path: str) -> None:
@@ -62,23 +62,18 @@ def check_initial_hf(plan: RunPlan) -> None:
         return
     if cfg.enable and folders.scan(Path(plan.cfg.job.dump_folder) / cfg.folder)[0]:
         return
-    if plan.spec.hf_adapter is None:
-        raise CheckpointError(f"model {plan.cfg.model.name!r} has no Hugging Face adapter")
-    check_hf_config(
-        cfg.initial_load_path, plan.model_args, plan.spec.hf_adapter, f"model.flavor {plan.cfg.model.flavor!r}"
-    )
+    adapter = plan.spec.require_hf_adapter()
+    check_hf_config(cfg.initial_load_path, plan.model_args, adapter, f"model.flavor {plan.cfg.model.flavor!r}")
 
 
 def preflight(argv: list[str], world_size: int) -> int:
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
-    check_seed_world(cfg.checkpoint, world_size)
-    check_wandb(cfg.metrics)
     plan = RunPlan.build(cfg, world_size)
-    t = cfg.training
+    check_wandb(cfg.metrics)
     check_dump_folder(cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
-    if not t.dataset_path.startswith("hf://"):
-        build_loader(plan, dp_rank=0)  # indexes the data once for the ranks (data/index.py)
+    if plan.data.local:  # indexes the data once for the ranks (data/index.py); hf:// streams are the ranks'
+        build_loader(plan, dp_rank=0)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
     return cfg.comm.max_restarts

@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 
 from titanlite.build import (
-    RunPlan,
     apply_train_timeout,
     build_loader,
     build_training,
-    describe_shape,
     init_device,
     init_distributed,
     world_from_env,
@@ -33,8 +31,8 @@ from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.metrics import MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.compile import compile_scope
 from titanlite.parallelisms.replica_batches import replica_batches
+from titanlite.plan import RunPlan, describe_shape
 from titanlite.profiling import Profiler
 from titanlite.resilience import (
     LAUNCHER_PID_ENV,
@@ -103,19 +101,18 @@ class Trainer:
         self.pipeline, self.model = training.pipeline, training.model
         self.step_choice = training.step
         """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
-        several = self.dims.dp_enabled and self.plan.backwards_per_step > 1
-        self.reduce_once = several and self.step_choice.policy.reduce_once
-        self.keep_gathers = several and self.step_choice.policy.keep_gathers
+        policy = self.plan.effective(self.step_choice.policy)
+        self.reduce_once, self.keep_gathers = policy.reduce_once, policy.keep_gathers
         self.model.train()
-        n_params = self.model_args.num_params()
+        n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
         logger.info(
-            f"model {cfg.model.name} {cfg.model.flavor} ({describe_shape(self.model_args)}): {n_params:,} parameters, "
+            f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
             f"mesh {dict(zip(self.dims.mesh_dim_names, [getattr(self.dims, n) for n in self.dims.mesh_dim_names]))} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
-        logger.info(f"plan: {self._describe_plan()}")
+        logger.info(f"plan: {self.plan.describe(self.step_choice)}")
         if self.plan.pipeline is not None:
             logger.info(self.plan.pipeline.describe())
 
@@ -131,14 +128,12 @@ class Trainer:
         self.preemption = preemption or Preemption()
         self.preempted = False
         self.checkpointer = CheckpointManager(
-            cfg,
+            self.plan,
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader,
-            dims=self.dims,
             rank=self.rank,
-            world_size=self.world_size,
             device=self.device,
         )
         self.metrics = MetricsLogger(
@@ -150,27 +145,6 @@ class Trainer:
             run_config=cfg.to_dict(),
             validation=self.validator is not None,
         )
-
-    def _describe_plan(self) -> str:
-        c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
-        compiled = "eager"
-        if c.enable:
-            scope = compile_scope(self.cfg, self.dims)
-            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {scope}, bucketing {c.bucketing})"
-        ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
-        precision = (
-            f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
-            if self.dims.dp_enabled
-            else "float32 (no data-parallel plan)"
-        )
-        backwards = self.plan.backwards_per_step
-        step = ""
-        if self.dims.dp_enabled and backwards > 1:
-            fsdp2_pp = self.pipeline is not None and self.cfg.parallelism.dp_impl == "fsdp2"
-            if self.reduce_once and fsdp2_pp and self.grad_accum > 1:
-                step = "; reduced once per schedule step (torch's pipeline stage)"
-            step = f"; step of {backwards} backwards: {self.step_choice.describe()}{step}"
-        return f"AC {ac_text}; {compiled}; {precision}{step}"
 
     # --- set-up helpers ---------------------------------------------------------------------------------
 

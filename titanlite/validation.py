@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.build import RunPlan, data_index_dir
+from titanlite.build import data_index_dir
 from titanlite.data.loader import TokenLoader, build_dataloader
+from titanlite.plan import RunPlan
 from titanlite.step import forward_loss, loss_context, replicated
 
 

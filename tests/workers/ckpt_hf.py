@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import tiny_args  # noqa: E402
-from titanlite.build import RunPlan, build_model  # noqa: E402
+from titanlite.build import build_model  # noqa: E402
 from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
+from titanlite.plan import RunPlan  # noqa: E402
 
 # Uneven shards on purpose: vocab 257 and ffn 160 do not divide by 4.
 ARGS = tiny_args(n_layers=2)

@@ -14,7 +14,8 @@ import sys
 import torch
 from torch import nn
 
-from titanlite.config import DTYPES, JobConfig
+from titanlite.config import JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.errors import run_cli
 from titanlite.models.init import InitSpec, init_parameter_
 from titanlite.models.registry import ModelSpec, register_model

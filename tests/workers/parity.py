@@ -27,10 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import TINY, tiny_args  # noqa: E402
-from titanlite.build import RunPlan, apply_train_timeout  # noqa: E402
+from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from titanlite.plan import RunPlan  # noqa: E402
 from titanlite.step import cross_entropy_loss, forward_backward  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 

@@ -22,6 +22,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from titanlite.data.data_source import DataSource
 from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
 from titanlite.data.tokenizer import BUNDLED_VOCAB
 
@@ -75,7 +76,7 @@ def dataset_fingerprint(source: DocumentSource, text_field: str, holdout_documen
 def edge_fingerprint(dataset_path: str, text_field: str, holdout_documents: int = 0) -> dict:
     """The fingerprint as checkpoints without `method` recorded it: each file's first and last 64 KiB."""
     digest = _start(text_field, holdout_documents)
-    if dataset_path.startswith("hf://"):
+    if not DataSource.parse(dataset_path).local:
         digest.update(dataset_path.encode())
         return {"name": dataset_path, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
     name = dataset_path or str(BUNDLED_CORPUS)

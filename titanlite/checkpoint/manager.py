@@ -68,11 +68,11 @@ from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.resume_policy import ResumeCheck, compare_settings
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
-from titanlite.config import DTYPES, Checkpoint, JobConfig
-from titanlite.errors import CheckpointError, ConfigError, RunNotSaved
-from titanlite.models.registry import get_model_spec
-from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.config import JobConfig
+from titanlite.dtypes import DTYPES
+from titanlite.errors import CheckpointError, RunNotSaved
 from titanlite.parallelisms.simple_fsdp import sharded_view
+from titanlite.plan import RunPlan
 
 logger = logging.getLogger("titanlite")
 
@@ -168,16 +168,6 @@ def verify_checksums(path: str, marker: dict) -> str | None:
     return next((w for w in found if w), None)
 
 
-def check_seed_world(cfg: Checkpoint, world_size: int) -> None:
-    """A seed checkpoint is written by one process (the preflight checks it before any rank starts: on a
-    GPU node NGPU defaults to every GPU)."""
-    if cfg.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(
-            f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}; "
-            "NGPU=1 ./run_train.sh ...): the seed checkpoint is written unsharded and loads into any layout"
-        )
-
-
 @dataclass
 class _Pending:
     """An async save in flight."""
@@ -198,23 +188,21 @@ class CheckpointManager:
 
     def __init__(
         self,
-        cfg: JobConfig,
+        plan: RunPlan,
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler,
         dataloader,
-        dims: ParallelDims,
         rank: int,
-        world_size: int,
         device: torch.device,
     ):
-        self.cfg, self.job = cfg.checkpoint, cfg
+        cfg = plan.cfg
+        self.plan, self.cfg, self.job = plan, cfg.checkpoint, cfg
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
-        self.dims, self.rank, self.world_size, self.device = dims, rank, world_size, device
+        self.dims, self.rank, self.world_size, self.device = plan.dims, rank, plan.dims.world_size, device
         self.root = Path(cfg.job.dump_folder) / self.cfg.folder
-        self.dp_rank, self.dp_degree = dims.dp_rank_of(rank), dims.dp
-        check_seed_world(self.cfg, world_size)
+        self.dp_rank, self.dp_degree = self.dims.dp_rank_of(rank), self.dims.dp
         self._pending: _Pending | None = None
         self._last_saved = -1
         self._final = -1  # the step of a save whose failure ends the run (the last step's, a stop signal's)
@@ -229,7 +217,7 @@ class CheckpointManager:
             )
             self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
         if self.cfg.enable:
-            check_shared(self.root, rank, world_size)
+            check_shared(self.root, rank, self.world_size)
         self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
         self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
         self._stager: DefaultStager | None = None
@@ -275,19 +263,12 @@ class CheckpointManager:
             "flavor": self.job.model.flavor,
         }
 
-    def _batch_layout(self) -> tuple[int, int]:
-        """(samples per optimizer step, virtual data shards), derived as `RunPlan.build` and the loader do."""
-        t = self.job.training
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dp_degree
-        return global_batch, t.dataset_virtual_shards or global_batch
-
     def _inputs(self) -> dict:
         """What a resume compares with (module docstring); rank 0 records it in the completion marker."""
-        global_batch, virtual_shards = self._batch_layout()
         return {
             "config": self.job.to_dict(),
-            "global_batch": global_batch,
-            "virtual_shards": virtual_shards,
+            "global_batch": self.plan.global_batch,
+            "virtual_shards": self.plan.virtual_shards,
             "dataset": self._dataset,
             "tokenizer": self._tokenizer,
         }
@@ -535,9 +516,7 @@ class CheckpointManager:
     def _load_initial(self, path: str) -> None:
         """Model weights only, from a DCP folder (seed or any checkpoint) or an HF safetensors folder."""
         if self.cfg.initial_load_in_hf:
-            adapter = get_model_spec(self.job.model.name).hf_adapter
-            if adapter is None:
-                raise CheckpointError(f"model {self.job.model.name!r} has no Hugging Face adapter")
+            adapter = self.plan.spec.require_hf_adapter()
             self._log(f"checkpoint: loading Hugging Face weights from {path}")
             what = f"model.flavor {self.job.model.flavor!r}"
             config = import_hf(self.model, path, adapter=adapter, what=what)

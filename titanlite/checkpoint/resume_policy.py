@@ -5,9 +5,9 @@ config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effectiv
 virtual shards). `compare_settings` holds a resuming run against it:
 
 - cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor`, its shape overrides (`model.dim`, `n_layers`, `rope_theta`, ...; any
-  other model shape is checked tensor by tensor by the manager), the tokenizer (`model.tokenizer_path`,
-  by the file's content), `training.seq_len`, the global batch size
+  `model.name`, `model.flavor`, its shape overrides (the family's `shape_keys`: `model.dim`, `n_layers`,
+  `rope_theta`, `max_seq_len`, ...; any other model shape is checked tensor by tensor by the manager), the
+  tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
   (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
   (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
   content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
@@ -27,13 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanlite.checkpoint.fingerprint import describe_dataset
-from titanlite.errors import ConfigError
-from titanlite.models.registry import get_model_spec
-
-SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta")
-"""The `model.*` shape overrides a resume compares (by the shape they give, not by their raw 0 = default)."""
-_DERIVED = {"n_kv_heads": "kv_heads", "ffn_dim": "ffn_hidden_dim"}
-"""Overrides whose effective value is a derived property of the model args (None in the flavor = derived)."""
+from titanlite.models.registry import ModelSpec, get_model_spec
 
 # Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
 _NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
@@ -56,18 +50,16 @@ def _flat(config: dict) -> dict:
     return {f"{section}.{key}": value for section, body in config.items() for key, value in body.items()}
 
 
-def model_shape(flat: dict) -> list:
-    """The effective value of each of `SHAPE_KEYS` for a flat config: the override, else the flavor's (so
-    a resume names the real shape, e.g. 6 layers, never the 0 that means "the flavor's"). Overrides are
-    absent from older checkpoints; an unknown model or flavor leaves the raw values."""
-    raw = [flat.get(f"model.{k}", 0) for k in SHAPE_KEYS]
-    try:
-        args = get_model_spec(flat["model.name"]).flavors[flat["model.flavor"]]
-    except (ConfigError, KeyError):
+def model_shape(flat: dict, spec: ModelSpec) -> list:
+    """The effective value of each of the family's shape keys (`spec.shape_keys`) for a flat config: the
+    override, else the flavor's (so a resume names the real shape, e.g. 6 layers, never the 0 that means
+    "the flavor's"). Overrides are absent from older checkpoints; an unknown flavor leaves the raw values."""
+    raw = [flat.get(f"model.{k}", 0) for k in spec.shape_keys]
+    args = spec.flavors.get(flat.get("model.flavor", ""))
+    if args is None:
         return raw
-    fields = {f.name for f in dataclasses.fields(args)}
-    args = dataclasses.replace(args, **{k: v for k, v in zip(SHAPE_KEYS, raw) if v and k in fields})
-    return [getattr(args, _DERIVED.get(k, k), None) if k in fields else v for k, v in zip(SHAPE_KEYS, raw)]
+    args = dataclasses.replace(args, **{k: v for k, v in zip(spec.shape_keys, raw) if v})
+    return list(spec.resolved_shape(args).values())
 
 
 def compare_settings(
@@ -79,11 +71,13 @@ def compare_settings(
     if "config" not in marker:
         return ResumeCheck([])  # written before checkpoints recorded their settings
     old, new = _flat(marker["config"]), _flat(inputs["config"])
+    spec = get_model_spec(new["model.name"])
     fixed = [
         ("model.name", old.get("model.name"), new["model.name"], ""),
         ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
         *(  # the model's shape: the flavor's values with the overrides (0 = the flavor's) applied
-            (f"model.{k}", was, now, "") for k, was, now in zip(SHAPE_KEYS, model_shape(old), model_shape(new))
+            (f"model.{k}", was, now, "")
+            for k, was, now in zip(spec.shape_keys, model_shape(old, spec), model_shape(new, spec))
         ),
         ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
         ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
 from titanlite.data import index
+from titanlite.data.data_source import DataSource, HFDataset
 from titanlite.errors import DataError
 
 logger = logging.getLogger("titanlite")
@@ -500,21 +501,18 @@ class HFSource:
 
     num_documents = None
 
-    def __init__(self, spec: str, text_field: str) -> None:
-        self.name = spec
-        rest, _, split = spec.removeprefix("hf://").partition("@")
-        self.dataset, _, config = rest.partition(":")
-        self.config = config or None
-        self.split = split or "train"
+    def __init__(self, source: HFDataset, text_field: str) -> None:
+        self.name = source.path
+        self.dataset, self.config, self.split = source.name, source.config, source.split
         self.text_field = text_field
         self._stream = None  # the opened dataset, shared by this process's shard streams
         self._warned = False
-        if not self.dataset:
-            raise DataError(f"dataset_path {spec!r}: expected hf://name[:config][@split]")
         try:
             import datasets  # noqa: F401
         except ImportError:
-            raise DataError(f"dataset_path {spec}: streaming from Hugging Face needs `pip install datasets`") from None
+            raise DataError(
+                f"dataset_path {source.path}: streaming from Hugging Face needs `pip install datasets`"
+            ) from None
 
     def _open(self):
         if self._stream is None:
@@ -581,10 +579,11 @@ class HFShardDocuments:
 def open_source(
     dataset_path: str, text_field: str, index_dir: str | None = None, report: bool = True
 ) -> DocumentSource:
-    """The source for a dataset path: "" is the bundled corpus, `hf://...` a Hugging Face dataset.
-    `index_dir` and `report`: `LocalSource`'s."""
-    if dataset_path.startswith("hf://"):
-        return HFSource(dataset_path, text_field)
+    """The source for a dataset path (`DataSource.parse`): "" is the bundled corpus, `hf://...` a Hugging Face
+    dataset. `index_dir` and `report`: `LocalSource`'s."""
+    source = DataSource.parse(dataset_path)
+    if isinstance(source, HFDataset):
+        return HFSource(source, text_field)
     path = dataset_path or str(BUNDLED_CORPUS)
     files = resolve_files(path)
     if dataset_path and report:  # the bundled corpus's README is expected

@@ -8,6 +8,9 @@ The model it builds follows a small protocol:
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
     args.max_seq_len, args.n_layers, args.num_params(), args.flops_per_token(seq_len)
+    args.<key> for each of `spec.shape_keys`   set from the `model.<key>` config key when non-zero
+    args.shape_value(key)               optional: a shape key's value as built, where a field left unset
+                                        (None) derives it; None hides the key from the start-up line
 
 Pipeline stages (`titanlite/parallelisms/pipeline.py`) delete the blocks a stage does not hold and set
 the root modules it does not hold to None: the model's forward then takes (and returns) hidden states.
@@ -25,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.errors import ConfigError
+from titanlite.errors import CheckpointError, ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
@@ -52,6 +55,20 @@ class ModelSpec:
     ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
     check_args: Callable[[Any], str | None] = field(default=lambda args: None)
     """Why a shape (flavor + `model.*` overrides) cannot be built, or None: checked before any rank starts."""
+    shape_keys: tuple[str, ...] = ()
+    """The args fields that the `model.*` config keys of the same name override: the one list behind the
+    overrides, the start-up line and the resume policy (a change of any of them stops a resume)."""
+
+    def resolved_shape(self, args: Any) -> dict[str, Any]:
+        """Shape key -> its value in `args` as built (`args.shape_value`, else the field)."""
+        value = getattr(args, "shape_value", None)
+        return {key: value(key) if value else getattr(args, key) for key in self.shape_keys}
+
+    def require_hf_adapter(self) -> Any:
+        """The family's Hugging Face adapter, or one line saying it has none (import, export, generation)."""
+        if self.hf_adapter is None:
+            raise CheckpointError(f"model {self.name!r} has no Hugging Face adapter")
+        return self.hf_adapter
 
 
 def register_model(spec: ModelSpec) -> None:

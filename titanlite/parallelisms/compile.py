@@ -53,6 +53,25 @@ from titanlite.parallelisms.units import Units
 REPORT_NAME = "compile_report.json"
 
 
+def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
+    """Whether compilation installs graph passes (`_with_passes`), after refusing what cannot compile:
+    bucketing without those passes, and one model-wide graph over fully checkpointed blocks (`full_ac`)
+    without them. The run plan checks it before any rank starts; `apply_compile` asks it again for its
+    answer."""
+    c = cfg.compile
+    with_passes = _with_passes(cfg, dims)
+    if c.bucketing != "none" and not with_passes:
+        raise ConfigError(
+            f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
+        )
+    if compile_scope(cfg, dims) == "model" and full_ac and not with_passes:
+        raise ConfigError(
+            "compile.scope=model with full activation checkpointing needs SimpleFSDP data parallelism and "
+            "backend aot_eager or inductor (the checkpoint becomes recompute tags in the graph); use scope=block"
+        )
+    return with_passes
+
+
 def apply_compile(
     model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], cfg: JobConfig, dims: ParallelDims
 ) -> CompileReport | None:
@@ -62,18 +81,9 @@ def apply_compile(
     (compilation is lazy; SimpleFSDP's gathers are traced at the first step). The mesh must be built.
     """
     c = cfg.compile
-    with_passes = _with_passes(cfg, dims)
-    if c.bucketing != "none" and not with_passes:
-        raise ConfigError(
-            f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
-        )
-    scope = compile_scope(cfg, dims)
     full_ac = tuple(name for name, a in ac.items() if a.mode == "full")
-    if scope == "model" and full_ac and not with_passes:
-        raise ConfigError(
-            "compile.scope=model with full activation checkpointing needs SimpleFSDP data parallelism and "
-            "backend aot_eager or inductor (the checkpoint becomes recompute tags in the graph); use scope=block"
-        )
+    with_passes = check_compile(cfg, dims, bool(full_ac))
+    scope = compile_scope(cfg, dims)
     if not with_passes:
         _compile_units(model, units, ac, scope, lambda name, i: c.backend)
         return None

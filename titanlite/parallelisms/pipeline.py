@@ -2,7 +2,7 @@
 
     StagePlan.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
     keep_stage(model, units, plan, stage)                   on the meta device: delete what a stage lacks
-    Pipeline(plan, parts, dims, device)                     PipelineStages + torch's schedule + the step
+    Pipeline(plan, parts, dims, device, backwards)          PipelineStages + torch's schedule + the step
 
 Stage boundaries fall between transformer blocks. The first stage also holds the embedding and the last
 the final norm and output, so by default each of those counts as one block when the blocks are balanced
@@ -218,7 +218,8 @@ class Pipeline:
     """This rank's pipeline stages and the schedule that runs them; `forward_backward` is the step.
 
     `parts` maps stage index -> the stage's module (built by `keep_stage` and parallelized); `model` is
-    the one module the rest of the trainer sees: the stage itself, or a `StageUnion` of several."""
+    the one module the rest of the trainer sees: the stage itself, or a `StageUnion` of several.
+    `backwards_per_step` is the run plan's: the schedule's microbatches times the accumulation batches."""
 
     def __init__(
         self,
@@ -226,10 +227,12 @@ class Pipeline:
         parts: dict[int, nn.Module],
         dims: ParallelDims,
         device: torch.device,
+        backwards_per_step: int,
     ):
         from torch.distributed import pipelining
 
         self.plan, self.dims, self.device = plan, dims, device
+        self.backwards_per_step = backwards_per_step
         assert dims.pp_mesh is not None
         self.group = dims.pp_mesh.get_group()
         self.parts = dict(sorted(parts.items()))
@@ -267,7 +270,8 @@ class Pipeline:
         replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`.
         `per_step_reduction` and `keep_gathers` are the step's policy (`gradient_reduction.StepPolicy`)."""
         optimizer.zero_grad(set_to_none=True)
-        backwards = self.plan.microbatches * len(batches)
+        backwards = self.backwards_per_step
+        assert backwards == self.plan.microbatches * len(batches), "one step takes the plan's accumulation batches"
         self._loss_fn, self._loss_scale = loss_fn, backwards
         total = torch.zeros((), device=self.device)
         several = backwards > 1

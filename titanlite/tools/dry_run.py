@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite.build import RunPlan, build_model, choose_step_policy, model_args, rank_estimate, step_layout
+from titanlite.build import build_model, choose_step_policy, rank_estimate
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, run_cli
@@ -61,6 +61,7 @@ from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile import REPORT_NAME
 from titanlite.parallelisms.pipeline import StageUnion
+from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss
 
 
@@ -142,7 +143,7 @@ def dry_run(cfg: JobConfig) -> DryRun:
         r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
         ranks[r] = build_rank(r_plan, rank % per_pp + r * per_pp, world_size)
     step = choose_step_policy(plan, ranks, int(cfg.comm.fake_gpu_memory_gib * GiB))
-    layout = step_layout(plan, step.policy)
+    layout = plan.layout(step.policy)
     estimates = {r: rank_estimate(plan, parts, layout, r) for r, parts in ranks.items()}
     parts = list(ranks[pp_rank].values())
     model = parts[0] if len(parts) == 1 else StageUnion(parts)

@@ -32,11 +32,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from titanlite.build import RunPlan, build_model, init_device, init_distributed, world_from_env
+from titanlite.build import build_model, init_device, init_distributed, world_from_env
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import load_tool_weights
-from titanlite.config import DEFAULT_CONFIG, DTYPES, load_config
+from titanlite.config import DEFAULT_CONFIG, load_config
+from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, ConfigError, UserError, run_cli
+from titanlite.plan import RunPlan
 from titanlite.tools.options import number, split_options
 
 USAGE = (
@@ -62,8 +64,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(rest, default_config=DEFAULT_CONFIG)
     rank, world_size = world_from_env()
     plan = RunPlan.build(cfg, world_size)
-    if plan.spec.hf_adapter is None:
-        raise CheckpointError(f"model {cfg.model.name!r} has no Hugging Face adapter")
+    adapter = plan.spec.require_hf_adapter()
     if Path(opts["--out"]).exists():
         raise CheckpointError(f"export folder {opts['--out']} already exists")
     tokenizer_files: dict[str, str] = {}
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
         export_hf(
             model,
             opts["--out"],
-            adapter=plan.spec.hf_adapter,
+            adapter=adapter,
             dtype=DTYPES[cfg.checkpoint.export_dtype],
             bos_id=plan.tokenizer.bos_id,
             eos_id=plan.tokenizer.eos_id,

@@ -3,7 +3,7 @@
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.memory import activation_bytes
-from titanlite.models.llama3.model import ModelArgs, Transformer
+from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.llama3.parallelize import llama_units, parallelize_llama
 from titanlite.models.registry import ModelSpec
 
@@ -30,6 +30,7 @@ SPEC = ModelSpec(
     hf_adapter=LlamaHFAdapter(),
     activation_bytes=activation_bytes,
     check_args=check_args,
+    shape_keys=SHAPE_KEYS,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

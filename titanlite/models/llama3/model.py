@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.init import InitSpec, init_parameters_
+
+SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
+"""The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
 
 
 @dataclass
@@ -47,6 +51,12 @@ class ModelArgs:
     tie_embeddings: bool = False
     depth_init: bool = True
     """Scale output-projection init by layer depth (TorchTitan's default) instead of by layer count."""
+
+    def shape_value(self, key: str) -> Any:
+        """A shape key's value as built (`ModelSpec.resolved_shape`): unset head and width fields derive
+        theirs (None in a flavor means "derived")."""
+        derived = {"n_kv_heads": self.kv_heads, "ffn_dim": self.ffn_hidden_dim}
+        return derived[key] if key in derived else getattr(self, key)
 
     @property
     def kv_heads(self) -> int:

@@ -18,7 +18,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlite.config import DTYPES, JobConfig
+from titanlite.config import JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.fsdp2 import apply_fsdp2

@@ -1,96 +1,29 @@
-"""The training configuration: one dataclass per TOML section, loaded from a file, then CLI overrides.
+"""The training configuration's schema: one dataclass per TOML section, every key typed, documented and,
+for numbers, given its domain (`Range`) where it is declared.
 
-Precedence is defaults < TOML file < command line. Every key is typed by its dataclass field, so an
-unknown key or a value of the wrong type is reported in one line (naming the key, the file and the
-closest valid key) as a `ConfigError`, before anything is built.
-
-Command-line forms: `--section.key value`, `--section.key=value`, `--section.flag` / `--no-section.flag`
-for booleans, comma-separated lists.
+This package imports no torch: the launcher, `--help` and the set-up scripts read the schema before a
+torch process exists. What the values mean together (batch arithmetic, parallel layouts, which settings
+combine) is the run plan's (`titanlite/plan.py`); loading checks each key alone (`loading.py`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import functools
-import inspect
 import json
-import math
-import os
-import re
-import sys
-import textwrap
 import typing
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
-from titanlite.errors import ConfigError, run_cli
+from titanlite.config.ranges import FRACTION, NON_NEGATIVE, POSITIVE, _range
 
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
 """The config of a run started without `--config` (relative to the working directory, the checkout)."""
 
-if TYPE_CHECKING:
-    import torch
+SHAPE = {**NON_NEGATIVE, "shape": True}
+"""Metadata of a `model.*` key overriding the flavor's shape (`shape_fields`)."""
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
-
-@dataclass(frozen=True)
-class Range:
-    """The domain of a numeric config key, kept on its field (`metadata=`) so `validate` checks every key
-    from the schema itself: a new key declares its range where it is declared, and cannot be forgotten.
-
-    `also` is one extra allowed value outside the interval (a sentinel such as -1 = "the rest").
-    """
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    also: float | None = None
-    also_means: str = ""
-
-    def __contains__(self, value: float) -> bool:
-        if value == self.also:
-            return True
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
-
-    def describe(self) -> str:
-        """The domain in words: `positive`, `non-negative`, `in [0, 1)`, `>= 2`, with the sentinel first."""
-        if self.high == math.inf and self.low == 0:
-            text = "positive" if self.low_open else "non-negative"
-        elif self.high == math.inf:
-            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
-        elif self.low == -math.inf:
-            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
-        else:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            text = f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
-        if self.also is None:
-            return text
-        means = f" ({self.also_means})" if self.also_means else ""
-        return f"{_num(self.also)}{means} or {text}"
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _range(**kwargs: Any) -> dict[str, Range]:
-    """Field metadata holding a `Range`."""
-    return {"range": Range(**kwargs)}
-
-
-POSITIVE = _range(low=0, low_open=True)
-NON_NEGATIVE = _range(low=0)
-FRACTION = _range(low=0, high=1)  # [0, 1]
+DtypeName = Literal["float32", "bfloat16", "float16"]
+"""The dtypes a config can name; `titanlite.dtypes.DTYPES` maps them to torch's."""
 
 
 @dataclass
@@ -117,23 +50,24 @@ class Model:
     """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B); the keys below override parts of it."""
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
-    # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts.
-    n_layers: int = field(default=0, metadata=NON_NEGATIVE)
+    # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts against the
+    # family's `shape_keys` (titanlite/models/registry.py).
+    n_layers: int = field(default=0, metadata=SHAPE)
     """Transformer blocks; 0 = the flavor's."""
-    dim: int = field(default=0, metadata=NON_NEGATIVE)
+    dim: int = field(default=0, metadata=SHAPE)
     """Model (embedding) width; 0 = the flavor's. Must be a multiple of n_heads."""
-    n_heads: int = field(default=0, metadata=NON_NEGATIVE)
+    n_heads: int = field(default=0, metadata=SHAPE)
     """Attention (query) heads; 0 = the flavor's. Must divide dim."""
-    n_kv_heads: int = field(default=0, metadata=NON_NEGATIVE)
+    n_kv_heads: int = field(default=0, metadata=SHAPE)
     """Key/value heads (grouped-query attention); 0 = the flavor's. Must divide n_heads."""
-    ffn_dim: int = field(default=0, metadata=NON_NEGATIVE)
+    ffn_dim: int = field(default=0, metadata=SHAPE)
     """Hidden width of the feed-forward (SwiGLU) layer, exactly; 0 = from the flavor and ffn_dim_multiplier."""
-    ffn_dim_multiplier: float = field(default=0.0, metadata=NON_NEGATIVE)
+    ffn_dim_multiplier: float = field(default=0.0, metadata=SHAPE)
     """Scales the default feed-forward width 8/3 x dim (then rounded up to the flavor's multiple_of); 0 = the
     flavor's."""
-    rope_theta: float = field(default=0.0, metadata=NON_NEGATIVE)
+    rope_theta: float = field(default=0.0, metadata=SHAPE)
     """RoPE base frequency; 0 = the flavor's."""
-    max_seq_len: int = field(default=0, metadata=NON_NEGATIVE)
+    max_seq_len: int = field(default=0, metadata=SHAPE)
     """The longest sequence the model supports (training.seq_len must fit); 0 = the flavor's."""
 
 
@@ -202,7 +136,7 @@ class Training:
     """Use torch's deterministic algorithms (slower; bitwise repeatable runs)."""
     gc_freq: int = field(default=50, metadata=NON_NEGATIVE)
     """Run Python's garbage collector every this many steps (automatic collection is off); 0 = never."""
-    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    mixed_precision_param: DtypeName = "bfloat16"
     """Dtype of the gathered parameters in forward/backward, on every device and world size (master weights
     stay float32); the CPU configs set float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
@@ -302,7 +236,7 @@ class Checkpoint:
     """`initial_load_path` is a Hugging Face folder (safetensors + config.json)."""
     last_save_model_only: bool = False
     """The final save keeps only the model weights (no optimizer or data state)."""
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    export_dtype: DtypeName = "float32"
     """Dtype of model-only saves and exports."""
     create_seed_checkpoint: bool = False
     """Write the initialised model as step 0 and exit."""
@@ -455,331 +389,17 @@ def _choice_fields() -> dict[str, tuple[str, ...]]:
 # Allowed values of the choice fields, derived from their `Literal` types.
 CHOICES: dict[str, tuple[str, ...]] = _choice_fields()
 
-DTYPES: dict[str, torch.dtype]
-"""The one map from the config's dtype names to torch dtypes (built on first use: reading and checking a
-config imports no torch, so the launcher reports a mistyped key before spending seconds on that import)."""
 
-
-@functools.cache
-def _dtypes() -> dict[str, torch.dtype]:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DTYPES":
-        return _dtypes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _sections() -> dict[str, type]:
+def sections() -> dict[str, type]:
     """Section name -> its dataclass, in declaration order."""
     return typing.get_type_hints(JobConfig)
 
 
-def _all_keys() -> list[str]:
-    return [f"{s}.{k}" for s, cls in _sections().items() for k in typing.get_type_hints(cls)]
+def all_keys() -> list[str]:
+    """Every `section.key` of the schema, for suggesting the closest to a misspelt one."""
+    return [f"{s}.{k}" for s, cls in sections().items() for k in typing.get_type_hints(cls)]
 
 
-def _suggest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
-    """Convert a TOML or command-line value to the field's type, or raise a one-line ConfigError."""
-    where = f" in {origin}" if origin else ""
-    if get_origin(typ) is Literal:
-        typ = str  # the value is checked against the choices by `validate`
-    if get_origin(typ) is list:
-        (item,) = get_args(typ)
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}'{where}: expected a list, got {value!r}")
-        return [_coerce(key, v, item, origin) for v in value]
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)
-    raise ConfigError(f"config key '{key}'{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
-
-
-def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
-    where = f" in {origin}" if origin else ""
-    section, _, name = key.partition(".")
-    sections = _sections()
-    if section not in sections:
-        raise ConfigError(f"unknown config section '{section}'{where}{_suggest(section, list(sections))}")
-    hints = typing.get_type_hints(sections[section])
-    if not name or name not in hints:
-        raise ConfigError(f"unknown config key '{key}'{where}{_suggest(key, _all_keys())}")
-    setattr(getattr(cfg, section), name, _coerce(key, value, hints[name], origin))
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"invalid TOML in {path}: {e}") from None
-
-
-def apply_dict(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
-    for section, body in data.items():
-        if not isinstance(body, dict):
-            raise ConfigError(
-                f"config entry '{section}' in {origin} is not a [section]{_suggest(section, list(_sections()))}"
-            )
-        for name, value in body.items():
-            _set(cfg, f"{section}.{name}", value, origin)
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """Turn `--a.b v`, `--a.b=v`, `--a.flag`, `--no-a.flag` into (key, raw value) pairs."""
-    bool_keys = {
-        f"{s}.{k}" for s, cls in _sections().items() for k, t in typing.get_type_hints(cls).items() if t is bool
-    }
-    out: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected command-line argument '{arg}' (overrides look like --section.key value)")
-        key, eq, value = arg[2:].partition("=")
-        if eq:
-            out.append((key, value))
-        elif key.startswith("no-") and key[3:] in bool_keys:
-            out.append((key[3:], False))
-        elif key in bool_keys and (i + 1 == len(args) or args[i + 1].startswith("--")):
-            out.append((key, True))
-        elif i + 1 < len(args):
-            out.append((key, args[i + 1]))
-            i += 1
-        else:
-            raise ConfigError(f"command-line option '--{key}' needs a value")
-        i += 1
-    return out
-
-
-def load_config(argv: list[str], default_config: str = "") -> JobConfig:
-    """Build the JobConfig from `--config PATH` (or `default_config`) and the remaining overrides."""
-    argv = list(argv)
-    path = default_config
-    for i, arg in enumerate(argv):
-        if arg == "--config" or arg == "--job.config_file":
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{arg} needs a path")
-            path = argv[i + 1]
-            del argv[i : i + 2]
-            break
-        if arg.startswith("--config=") or arg.startswith("--job.config_file="):
-            path = arg.split("=", 1)[1]
-            del argv[i]
-            break
-    cfg = JobConfig()
-    if path:
-        apply_dict(cfg, load_toml(path), path)
-        cfg.job.config_file = path
-    for key, value in parse_overrides(argv):
-        _set(cfg, key, value, "the command line")
-    validate(cfg)
-    return cfg
-
-
-def _numeric_values(cfg: JobConfig) -> Iterator[tuple[str, float, Range | None]]:
-    """(`section.key`, value, its `Range` or None) for every int and float field of the schema."""
-    for section, cls in _sections().items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if hints[f.name] in (int, float):
-                yield f"{section}.{f.name}", getattr(getattr(cfg, section), f.name), f.metadata.get("range")
-
-
-def validate(cfg: JobConfig) -> None:
-    """Check values that the types alone cannot: choices, every numeric key's `Range`, finite floats."""
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in allowed:
-            raise ConfigError(f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}")
-    for key, value, domain in _numeric_values(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
-        if domain is not None and value not in domain:
-            raise ConfigError(f"config key '{key}' must be {domain.describe()}, got {value}")
-    if cfg.optimizer.name != "AdamW":
-        raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
-    option = cfg.activation_checkpoint.selective_ac_option
-    if option not in ("op", "op_all_mm") and not (option.isdigit() and int(option) > 0):
-        raise ConfigError(
-            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
-            "expected 'op', 'op_all_mm' or a positive integer"
-        )
-    v = cfg.validation
-    if v.enable and not v.dataset_path and not v.holdout_documents:
-        raise ConfigError(
-            "validation.enable needs held-out data: set validation.dataset_path or validation.holdout_documents"
-        )
-    if v.dataset_path and v.holdout_documents:
-        raise ConfigError(
-            "validation.holdout_documents and validation.dataset_path exclude each other: held-out training "
-            "documents would be read by nothing"
-        )
-    if v.holdout_documents and cfg.training.dataset_path.startswith("hf://"):
-        raise ConfigError(
-            "validation.holdout_documents needs local training data; for hf:// data set validation.dataset_path "
-            "to the dataset's own validation split (hf://name[:config]@validation)"
-        )
-    p = cfg.parallelism
-    if v.enable and p.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            "validation.enable is not supported with pipeline_parallel_degree > 1 yet (held-out batches would "
-            "have to run through the pipeline schedule); turn one of them off"
-        )
-    if p.pipeline_parallel_degree > 1 and p.dp_impl == "fsdp2" and p.gradient_reduction == "per_microbatch":
-        raise ConfigError(
-            "parallelism.gradient_reduction per_microbatch is not available for fsdp2 with pipeline parallelism: "
-            "torch's pipeline stage reduces FSDP2 gradients once per schedule step (use per_step or simple_fsdp)"
-        )
-    if (
-        p.pipeline_parallel_degree > 1
-        and p.dp_impl == "simple_fsdp"
-        and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
-        and p.gradient_reduction == "per_step"
-    ):
-        raise ConfigError(
-            f"parallelism.gradient_reduction per_step is not available for simple_fsdp with the "
-            f"{p.pipeline_parallel_schedule} schedule: its weight backward differentiates the parameters, which "
-            "the once-per-step path takes out of the autograd graph (use auto or per_microbatch)"
-        )
-    if (
-        p.pipeline_parallel_degree > 1
-        and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
-        and (cfg.compile.enable and "model" in cfg.compile.components)
-    ):
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} cannot run compiled blocks: "
-            "its split input/weight backward would run each compiled block's one backward node twice "
-            "(use Interleaved1F1B, or compile.components = loss)"
-        )
-    if p.pipeline_parallel_degree == 1 and (
-        p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1
-    ):
-        raise ConfigError(
-            "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
-            "pipeline_parallel_degree > 1"
-        )
-    for component in cfg.compile.components:
-        if component not in ("model", "loss"):
-            raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")
-
-
-# --- help: the schema in words ----------------------------------------------------------------------------
-
-USAGE = (
-    "usage: ./run_train.sh [--config FILE] [--dry-run] [--section.key VALUE | --section.key=VALUE | "
-    "--section.flag | --no-section.flag ...]"
-)
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's attribute docstrings (the string under each field), read from its source: Python
-    keeps them nowhere at run time, and the schema's own docstrings are the one place keys are described."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of a docstring's first paragraph, on one line."""
-    para = " ".join(text.split("\n\n")[0].split())
-    return re.split(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z`(])", para, maxsplit=1)[0].rstrip(".") + "."
-
-
-def describe_type(typ: Any, domain: Range | None) -> str:
-    """A field's type for people: `int, positive`, `one of a|b`, `list of str`."""
-    if get_origin(typ) is Literal:
-        return "one of " + "|".join(get_args(typ))
-    if get_origin(typ) is list:
-        return f"list of {get_args(typ)[0].__name__} (comma-separated)"
-    name = getattr(typ, "__name__", str(typ))
-    return f"{name}, {domain.describe()}" if domain is not None else name
-
-
-def help_text() -> str:
-    """Every section and key of the schema with its type, default and one-line description."""
-    out = [
-        USAGE,
-        "",
-        "Train a model from a TOML config (default train_configs/debug_model.toml) plus overrides of any key below;",
-        "bad input stops with one line and exit code 2 before any process starts. --dry-run plans memory on a fake",
-        "process group instead of training. Environment: NGPU, NNODES, RDZV_ENDPOINT, LOG_RANK, MAX_RESTARTS",
-        "(see the header of run_train.sh). --job.print_config prints the merged config and exits.",
-    ]
-    for section, cls in _sections().items():
-        hints, docs = typing.get_type_hints(cls), field_docs(cls)
-        out += ["", f"[{section}]  {first_sentence(inspect.getdoc(cls) or '')}"]
-        for f in dataclasses.fields(cls):
-            if f.name == "config_file":
-                continue  # set by --config
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            shown = ",".join(default) if isinstance(default, list) else json.dumps(default)
-            typ = describe_type(hints[f.name], f.metadata.get("range"))
-            out.append(f"  --{section}.{f.name} ({typ}; default {shown})")
-            out.append(f"      {first_sentence(docs.get(f.name, ''))}")
-    return "\n".join(out)
-
-
-def help_requested(argv: list[str]) -> bool:
-    return any(a in ("-h", "--help") for a in argv)
-
-
-def main(argv: list[str]) -> int:
-    """`python -m titanlite.config [--help] [--config FILE] [overrides]`: the schema, or the merged config."""
-    text = help_text() if help_requested(argv) else load_config(argv, default_config=DEFAULT_CONFIG).to_json()
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_cli(main))
+def shape_fields() -> list[str]:
+    """The `model.*` keys that override a flavor's shape, in schema order."""
+    return [f.name for f in dataclasses.fields(Model) if f.metadata.get("shape")]

@@ -1,0 +1,193 @@
+"""Loading a config: defaults < TOML file < command-line overrides, each key checked alone.
+
+Every key is typed by its schema field, so an unknown key or a value of the wrong type is reported in one
+line (naming the key, the file and the closest valid key) as a `ConfigError`, before anything is built.
+
+Command-line forms: `--section.key value`, `--section.key=value`, `--section.flag` / `--no-section.flag`
+for booleans, comma-separated lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+import typing
+from collections.abc import Iterator
+from typing import Any, Literal, get_args, get_origin
+
+from titanlite.config.ranges import Range
+from titanlite.config.schema import CHOICES, JobConfig, all_keys, sections
+from titanlite.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise a one-line ConfigError."""
+    where = f" in {origin}" if origin else ""
+    if get_origin(typ) is Literal:
+        typ = str  # the value is checked against the choices by `validate`
+    if get_origin(typ) is list:
+        (item,) = get_args(typ)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}'{where}: expected a list, got {value!r}")
+        return [_coerce(key, v, item, origin) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"config key '{key}'{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
+    where = f" in {origin}" if origin else ""
+    section, _, name = key.partition(".")
+    known = sections()
+    if section not in known:
+        raise ConfigError(f"unknown config section '{section}'{where}{_suggest(section, list(known))}")
+    hints = typing.get_type_hints(known[section])
+    if not name or name not in hints:
+        raise ConfigError(f"unknown config key '{key}'{where}{_suggest(key, all_keys())}")
+    setattr(getattr(cfg, section), name, _coerce(key, value, hints[name], origin))
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"invalid TOML in {path}: {e}") from None
+
+
+def apply_dict(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"config entry '{section}' in {origin} is not a [section]{_suggest(section, list(sections()))}"
+            )
+        for name, value in body.items():
+            _set(cfg, f"{section}.{name}", value, origin)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn `--a.b v`, `--a.b=v`, `--a.flag`, `--no-a.flag` into (key, raw value) pairs."""
+    bool_keys = {
+        f"{s}.{k}" for s, cls in sections().items() for k, t in typing.get_type_hints(cls).items() if t is bool
+    }
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected command-line argument '{arg}' (overrides look like --section.key value)")
+        key, eq, value = arg[2:].partition("=")
+        if eq:
+            out.append((key, value))
+        elif key.startswith("no-") and key[3:] in bool_keys:
+            out.append((key[3:], False))
+        elif key in bool_keys and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            out.append((key, True))
+        elif i + 1 < len(args):
+            out.append((key, args[i + 1]))
+            i += 1
+        else:
+            raise ConfigError(f"command-line option '--{key}' needs a value")
+        i += 1
+    return out
+
+
+def load_config(argv: list[str], default_config: str = "") -> JobConfig:
+    """Build the JobConfig from `--config PATH` (or `default_config`) and the remaining overrides."""
+    argv = list(argv)
+    path = default_config
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a path")
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--config=") or arg.startswith("--job.config_file="):
+            path = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    cfg = JobConfig()
+    if path:
+        apply_dict(cfg, load_toml(path), path)
+        cfg.job.config_file = path
+    for key, value in parse_overrides(argv):
+        _set(cfg, key, value, "the command line")
+    validate(cfg)
+    return cfg
+
+
+def _numeric_values(cfg: JobConfig) -> Iterator[tuple[str, float, Range | None]]:
+    """(`section.key`, value, its `Range` or None) for every int and float field of the schema."""
+    for section, cls in sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (int, float):
+                yield f"{section}.{f.name}", getattr(getattr(cfg, section), f.name), f.metadata.get("range")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check each key alone where its type cannot: choices, every numeric key's `Range`, finite floats,
+    the forms of string and list keys. Rules between keys are the run plan's (`titanlite/plan.py`), which
+    also sees the world size and the model."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"config key '{key}' = {value!r}: expected one of {', '.join(allowed)}")
+    for key, value, domain in _numeric_values(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
+        if domain is not None and value not in domain:
+            raise ConfigError(f"config key '{key}' must be {domain.describe()}, got {value}")
+    if cfg.optimizer.name != "AdamW":
+        raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option not in ("op", "op_all_mm") and not (option.isdigit() and int(option) > 0):
+        raise ConfigError(
+            f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
+            "expected 'op', 'op_all_mm' or a positive integer"
+        )
+    for component in cfg.compile.components:
+        if component not in ("model", "loss"):
+            raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")

@@ -1,0 +1,281 @@
+"""The run plan: everything a run derives from its config and world size, computed once, with every rule
+between config keys checked while computing it.
+
+`RunPlan.build(cfg, world_size)` is run by the launcher's preflight before any rank starts, so a bad
+combination is one line and exit code 2 there; the ranks build the same plan and never re-derive a fact
+from the raw config: the trainer, the pipeline, the checkpoint manager, the memory plan and the dry run
+read it here. What it holds:
+
+    batch        global batch, accumulation, virtual data shards (0 = one per sample), samples per shard,
+                 backwards per step, tokens per GPU step
+    model        the family's spec, the tokenizer, the model args with the `model.*` shape overrides
+    layout       the mesh degrees (`ParallelDims`), the pipeline's stages and microbatches, loss parallel
+    precision    the compute and reduce dtypes of the data-parallel plan
+    step         the step policies the config allows and why a choice is fixed (the memory plan picks the
+                 first that fits: `build.choose_step_policy`), compile validity
+    data         the training and validation data sources, parsed once
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titanlite import torch_support
+from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
+from titanlite.config.schema import shape_fields
+from titanlite.data.data_source import DataSource
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
+from titanlite.dtypes import DTYPES
+from titanlite.errors import ConfigError
+from titanlite.memory_plan import Layout, StepChoice
+from titanlite.models.registry import ModelSpec, get_model_spec
+from titanlite.parallelisms.activation_checkpoint import block_ac
+from titanlite.parallelisms.compile import check_compile, compile_scope
+from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.pipeline import StagePlan
+
+
+def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
+    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked before
+    any rank starts (the family's `check_args`; the training sequence fits); tensor-parallel divisibility
+    is checked with the mesh (`ParallelDims`)."""
+    m = cfg.model
+    if m.flavor not in spec.flavors:
+        raise ConfigError(f"config key 'model.flavor' = {m.flavor!r}: expected one of {', '.join(spec.flavors)}")
+    overrides = {key: getattr(m, key) for key in shape_fields() if getattr(m, key)}
+    for key in overrides:
+        if key not in spec.shape_keys:
+            raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
+    args = dataclasses.replace(spec.flavors[m.flavor], **overrides, vocab_size=vocab_size)
+    shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
+    if why := spec.check_args(args):
+        raise ConfigError(f"model {shape}: {why}")
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len {args.max_seq_len} ({shape})"
+        )
+    return args
+
+
+def describe_shape(spec: ModelSpec, args: Any) -> str:
+    """The final shape of the model, flavor and overrides applied, for the start-up log: the family's shape
+    keys as the args resolve them (`resolved_shape`, see `models/registry.py`)."""
+    values = spec.resolved_shape(args)
+    return ", ".join(
+        f"{key} {value:g}" if isinstance(value, float) else f"{key} {value}"
+        for key, value in values.items()
+        if value is not None
+    )
+
+
+def check_combinations(cfg: JobConfig, data: DataSource) -> None:
+    """The rules between keys that need neither the model nor the mesh: held-out data, and which pipeline
+    schedules combine with which reduction and compilation."""
+    v, p = cfg.validation, cfg.parallelism
+    if v.enable and not v.dataset_path and not v.holdout_documents:
+        raise ConfigError(
+            "validation.enable needs held-out data: set validation.dataset_path or validation.holdout_documents"
+        )
+    if v.dataset_path and v.holdout_documents:
+        raise ConfigError(
+            "validation.holdout_documents and validation.dataset_path exclude each other: held-out training "
+            "documents would be read by nothing"
+        )
+    if v.holdout_documents and not data.local:
+        raise ConfigError(
+            "validation.holdout_documents needs local training data; for hf:// data set validation.dataset_path "
+            "to the dataset's own validation split (hf://name[:config]@validation)"
+        )
+    pipelined, split_backward = p.pipeline_parallel_degree > 1, p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+    if v.enable and pipelined:
+        raise ConfigError(
+            "validation.enable is not supported with pipeline_parallel_degree > 1 yet (held-out batches would "
+            "have to run through the pipeline schedule); turn one of them off"
+        )
+    if pipelined and p.dp_impl == "fsdp2" and p.gradient_reduction == "per_microbatch":
+        raise ConfigError(
+            "parallelism.gradient_reduction per_microbatch is not available for fsdp2 with pipeline parallelism: "
+            "torch's pipeline stage reduces FSDP2 gradients once per schedule step (use per_step or simple_fsdp)"
+        )
+    if pipelined and p.dp_impl == "simple_fsdp" and split_backward and p.gradient_reduction == "per_step":
+        raise ConfigError(
+            f"parallelism.gradient_reduction per_step is not available for simple_fsdp with the "
+            f"{p.pipeline_parallel_schedule} schedule: its weight backward differentiates the parameters, which "
+            "the once-per-step path takes out of the autograd graph (use auto or per_microbatch)"
+        )
+    if pipelined and split_backward and cfg.compile.enable and "model" in cfg.compile.components:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} cannot run compiled blocks: "
+            "its split input/weight backward would run each compiled block's one backward node twice "
+            "(use Interleaved1F1B, or compile.components = loss)"
+        )
+    if not pipelined and (p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1):
+        raise ConfigError(
+            "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
+            "pipeline_parallel_degree > 1"
+        )
+
+
+def check_seed_world(cfg: JobConfig, world_size: int) -> None:
+    """A seed checkpoint is written by one process (on a GPU node NGPU defaults to every GPU)."""
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint must run in a single process (world size {world_size}; "
+            "NGPU=1 ./run_train.sh ...): the seed checkpoint is written unsharded and loads into any layout"
+        )
+
+
+@dataclass
+class RunPlan:
+    """Everything derived from the config and the world size alone (module docstring)."""
+
+    cfg: JobConfig
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    model_args: Any
+    dims: ParallelDims
+    global_batch: int
+    """Samples per optimizer step over every data-parallel rank."""
+    grad_accum: int
+    """Local batches per optimizer step on each data-parallel rank."""
+    virtual_shards: int
+    """Virtual data shards: `training.dataset_virtual_shards`, or one per sample of the global batch."""
+    data: DataSource
+    """The training data (`training.dataset_path`, parsed)."""
+    compile_passes: bool
+    """Compilation installs SimpleFSDP's graph passes (`compile.check_compile`)."""
+    pipeline: StagePlan | None = None
+    """The stages and microbatches when pipeline_parallel_degree > 1."""
+    step_candidates: list[StepPolicy] = dataclasses.field(init=False)
+    """The step policies the config allows, most collectives saved first (`gradient_reduction`)."""
+    step_fixed: list[str] = dataclasses.field(init=False)
+    """Why the step policy is not free, in words (explicit settings, the schedule, compilation)."""
+
+    def __post_init__(self) -> None:
+        dp_mode = self.dims.dp_mode if self.dims.dp_enabled else None
+        self.step_candidates, self.step_fixed = step_candidates(self.cfg, dp_mode, self.backwards_per_step)
+
+    @classmethod
+    def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:
+        """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
+        torch_support.check(cfg, torch.__version__)
+        check_seed_world(cfg, world_size)
+        data = DataSource.parse(cfg.training.dataset_path)
+        check_combinations(cfg, data)
+        spec = get_model_spec(cfg.model.name)
+        tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
+        args = args or model_args(cfg, spec, tokenizer.n_words)
+        dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
+        t = cfg.training
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
+        if global_batch % (t.local_batch_size * dims.dp):
+            raise ConfigError(
+                f"training.global_batch_size {global_batch} is not a multiple of "
+                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
+            )
+        pipeline = None
+        if dims.pp_enabled:
+            pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
+            if getattr(args, "tie_embeddings", False):
+                raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
+            if dims.tp_enabled and t.seq_len % dims.tp:
+                raise ConfigError(
+                    f"training.seq_len {t.seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
+                    "(pipeline stages pass sequence-sharded hidden states)"
+                )
+        compile_passes = False
+        if cfg.compile.enable:
+            full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
+            compile_passes = check_compile(cfg, dims, full_ac)
+        accum = global_batch // (t.local_batch_size * dims.dp)
+        virtual_shards = t.dataset_virtual_shards or global_batch
+        return cls(
+            cfg, spec, tokenizer, args, dims, global_batch, accum, virtual_shards, data, compile_passes, pipeline
+        )
+
+    @property
+    def backwards_per_step(self) -> int:
+        """Backwards of one step: the accumulation batches, times the schedule's microbatches under PP."""
+        return self.grad_accum * (self.pipeline.microbatches if self.pipeline is not None else 1)
+
+    @property
+    def samples_per_shard(self) -> int:
+        """Samples each virtual shard contributes to one global batch."""
+        return self.global_batch // self.virtual_shards
+
+    @property
+    def tokens_per_gpu_step(self) -> float:
+        """Tokens of one optimizer step per GPU: the global batch's tokens over the world size. Tokens/s
+        and MFU use it, so tensor-parallel ranks, which share one data-parallel replica's tokens, do not
+        each count them (per-rank counting read tp times too high)."""
+        return self.global_batch * self.cfg.training.seq_len / self.dims.world_size
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The loss runs on vocab-sharded logits (tensor parallelism, unless disabled)."""
+        return self.dims.loss_parallel
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Dtype of the gathered weights in forward and backward: mixed precision comes with the data-parallel
+        plan (every run but pure tensor parallelism computes in it); without one, float32."""
+        return DTYPES[self.cfg.training.mixed_precision_param] if self.dims.dp_enabled else torch.float32
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """Dtype of the gradient reduction across data-parallel ranks (float32 without data parallelism)."""
+        return DTYPES[self.cfg.training.mixed_precision_reduce] if self.dims.dp_enabled else torch.float32
+
+    def effective(self, policy: StepPolicy) -> StepPolicy:
+        """What `policy` does in this run: holding anything across backwards needs data parallelism and
+        more than one backward per step; otherwise there is nothing to hold."""
+        if self.dims.dp_enabled and self.backwards_per_step > 1:
+            return policy
+        return StepPolicy()
+
+    def layout(self, policy: StepPolicy | None = None) -> Layout:
+        """The memory plan's view of this run under step policy `policy` (the trainer's build)."""
+        p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
+        step = self.effective(policy or StepPolicy())
+        return Layout(
+            tp=dims.tp,
+            dp_mode=dims.dp_mode if dims.dp_enabled else None,
+            dp_impl=p.dp_impl,
+            compute_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            reshard=p.fsdp_reshard_after_forward,
+            loss_parallel=self.loss_parallel,
+            ac_mode=self.cfg.activation_checkpoint.mode,
+            ac_option=self.cfg.activation_checkpoint.selective_ac_option,
+            local_batch=t.local_batch_size,
+            seq_len=t.seq_len,
+            unreduced_grads=step.reduce_once,
+            keep_gathers=step.keep_gathers,
+            shard_ranks=dims.dp_shard,
+        )
+
+    def describe(self, step: StepChoice) -> str:
+        """The start-up log's line of what runs: AC, compilation, precision and the step's policy."""
+        c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
+        compiled = "eager"
+        if c.enable:
+            scope = compile_scope(self.cfg, self.dims)
+            compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {scope}, bucketing {c.bucketing})"
+        ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")
+        precision = (
+            f"fp32 master weights, compute {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}"
+            if self.dims.dp_enabled
+            else "float32 (no data-parallel plan)"
+        )
+        backwards, text = self.backwards_per_step, ""
+        if self.dims.dp_enabled and backwards > 1:
+            fsdp2_pp = self.pipeline is not None and self.cfg.parallelism.dp_impl == "fsdp2"
+            if self.effective(step.policy).reduce_once and fsdp2_pp and self.grad_accum > 1:
+                text = "; reduced once per schedule step (torch's pipeline stage)"
+            text = f"; step of {backwards} backwards: {step.describe()}{text}"
+        return f"AC {ac_text}; {compiled}; {precision}{text}"
