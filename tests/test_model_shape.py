@@ -9,6 +9,7 @@ import torch
 from titanlite import preflight
 from titanlite.checkpoint.resume_policy import compare_settings
 from titanlite.config import load_config
+from titanlite.config.schema import shape_fields
 from titanlite.errors import ConfigError, run_cli
 from titanlite.models.llama3.hf_adapter import hf_config
 from titanlite.plan import RunPlan, describe_shape
@@ -86,3 +87,17 @@ def test_a_shape_override_cannot_change_on_resume():
     assert check.error and "model.rope_theta was 10000.0, this run has 500000.0" in check.error
     same = compare_settings("step-10", marker, {**inputs, "config": config}, allow_dataset_change=False)
     assert same.error is None
+
+
+def test_every_shape_key_of_the_family_is_fixed_on_resume_and_is_a_config_key():
+    """One list (`ModelSpec.shape_keys`) feeds the overrides and the resume policy: each key of it is a
+    `model.*` config key, and changing any of them (max_seq_len included) stops a resume."""
+    spec = plan().spec
+    assert list(spec.shape_keys) == shape_fields()
+    config = load_config(OVERRIDES, default_config=CONFIG).to_dict()
+    marker = {"config": config, "global_batch": 8, "virtual_shards": 8}
+    for key in spec.shape_keys:
+        changed = load_config([*OVERRIDES, f"--model.{key}", "1024"], default_config=CONFIG).to_dict()
+        inputs = {"config": changed, "global_batch": 8, "virtual_shards": 8, "tokenizer": None, "dataset": None}
+        check = compare_settings("step-10", marker, inputs, allow_dataset_change=False)
+        assert check.error and f"model.{key} was " in check.error, key

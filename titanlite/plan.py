@@ -28,6 +28,7 @@ from titanlite import torch_support
 from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
 from titanlite.config.schema import shape_fields
 from titanlite.data.data_source import DataSource
+from titanlite.data.dataset import virtual_shard_count
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.errors import ConfigError
@@ -193,7 +194,7 @@ class RunPlan:
             full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
             compile_passes = check_compile(cfg, dims, full_ac)
         accum = global_batch // (t.local_batch_size * dims.dp)
-        virtual_shards = t.dataset_virtual_shards or global_batch
+        virtual_shards = virtual_shard_count(t.dataset_virtual_shards, global_batch)
         return cls(
             cfg, spec, tokenizer, args, dims, global_batch, accum, virtual_shards, data, compile_passes, pipeline
         )

@@ -42,6 +42,12 @@ logger = logging.getLogger("titanlite")
 STATE_VERSION = 1
 
 
+def virtual_shard_count(virtual_shards: int, global_batch_size: int) -> int:
+    """The virtual shards of a stream: as configured, or 0 = one per sample of the global batch (the
+    finest split, so any data-parallel degree dividing the batch reads the same order)."""
+    return virtual_shards or global_batch_size
+
+
 @dataclass(frozen=True)
 class Layout:
     """Which virtual shards a data-parallel rank (and each of its workers) reads, per step."""
@@ -69,7 +75,7 @@ class Layout:
         only when they serve whole microbatches made of whole shard contributions.
         """
         gbs, lbs, dp = global_batch_size, local_batch_size, dp_degree
-        v = virtual_shards or gbs
+        v = virtual_shard_count(virtual_shards, gbs)
         if min(gbs, lbs, v, dp) < 1 or not 0 <= dp_rank < dp or num_workers < 0:
             raise ConfigError(
                 f"invalid data layout: global_batch_size {gbs}, local_batch_size {lbs}, virtual_shards {v}, "
