@@ -36,7 +36,7 @@ from torch.distributed.run import config_from_args, parse_args, parse_min_max_nn
 
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_USER_ERROR
-from titanlite.preflight import preflight
+from titanlite.preflight import check_run
 from titanlite.resilience import LAUNCHER_PID_ENV
 from titanlite.signals import STOP_SIGNALS, Preemption, blocked, handled
 
@@ -229,22 +229,23 @@ class Launch:
 
 def build_launch(argv: list[str]) -> Launch:
     """torchrun's command line -> torch's agent (built as `torch.distributed.run` builds it), the grace
-    period from the trainer's config, and where torch elastic keeps the ranks' logs."""
+    period from the trainer's config (loaded once here, for the preflight and the agent), and where torch
+    elastic keeps the ranks' logs."""
     args = parse_args(argv)
     nnodes = parse_min_max_nnodes(args.nnodes)[1]
     one_node = nnodes == 1
     # The preflight, in this process (one interpreter start less per launch): bad input is one line and
     # exit code 2 before any rank starts. Its restart budget applies unless --max-restarts was given.
     nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
-    restarts = preflight(list(args.training_script_args), nproc * nnodes)
+    cfg = check_run(load_config(list(args.training_script_args), default_config=DEFAULT_CONFIG), nproc * nnodes).cfg
     if not any(a.startswith(("--max-restarts", "--max_restarts")) for a in argv):
-        args.max_restarts = restarts
+        args.max_restarts = cfg.comm.max_restarts
     implicit = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and one_node
     if args.standalone or implicit:  # as torchrun: a private c10d store on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
-    grace = load_config(args.training_script_args, default_config=DEFAULT_CONFIG).comm.stop_grace_seconds
+    grace = cfg.comm.stop_grace_seconds
     config, entrypoint, entry_args = config_from_args(args)
     config.signals_to_handle = ",".join(sig.name for sig in handled(IMMEDIATE_SIGNALS))
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle

@@ -1,8 +1,9 @@
 """Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
 
-Validates the config, the mesh for WORLD_SIZE, the model's shape, optional packages it needs (wandb),
-the tokenizer file, the dataset path, the checkpoint to load and the dump folder in one process, so bad
-input is one line and exit code 2 instead of one traceback per rank. On success prints the torchrun
+Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
+WORLD_SIZE, the model's shape, optional packages it needs (wandb), the tokenizer file, the dataset path,
+the checkpoint to load and the dump folder in one process, so bad input is one line and exit code 2
+instead of one traceback per rank. On success prints the torchrun
 restart budget (`comm.max_restarts`) for run_train.sh.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from titanlite.build import build_loader
 from titanlite.checkpoint import folders, lock
 from titanlite.checkpoint.hf import check_hf_config
-from titanlite.config import DEFAULT_CONFIG, Checkpoint, load_config
+from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
@@ -66,8 +67,8 @@ def check_initial_hf(plan: RunPlan) -> None:
     check_hf_config(cfg.initial_load_path, plan.model_args, adapter, f"model.flavor {plan.cfg.model.flavor!r}")
 
 
-def preflight(argv: list[str], world_size: int) -> int:
-    cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
+    """Every check of the module docstring on a loaded config; returns the run plan they built."""
     plan = RunPlan.build(cfg, world_size)
     check_wandb(cfg.metrics)
     check_dump_folder(cfg.job.dump_folder)
@@ -76,7 +77,12 @@ def preflight(argv: list[str], world_size: int) -> int:
         build_loader(plan, dp_rank=0)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
-    return cfg.comm.max_restarts
+    return plan
+
+
+def preflight(argv: list[str], world_size: int) -> int:
+    """The checks on a command line; returns the torchrun restart budget."""
+    return check_run(load_config(argv, default_config=DEFAULT_CONFIG), world_size).cfg.comm.max_restarts
 
 
 def main(argv: list[str]) -> int:

@@ -186,13 +186,7 @@ def compile_report(cfg: JobConfig, world_size: int, args: Any = None, seq_len: i
     with fake_process_group(0, world_size):
         torch._dynamo.reset()
         plan = RunPlan.build(cfg, world_size, args=args)
-        c = cfg.compile
-        if not (
-            c.enable
-            and c.backend in ("aot_eager", "inductor")
-            and plan.dims.dp_enabled
-            and cfg.parallelism.dp_impl == "simple_fsdp"
-        ):
+        if not plan.compile_passes:
             raise ConfigError("a compile report needs compile.enable, backend aot_eager or inductor, and SimpleFSDP")
         model = build_model(plan, torch.device("cpu"))
         tokens = torch.randint(0, plan.model_args.vocab_size, (1, seq_len + 1))
