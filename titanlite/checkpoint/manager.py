@@ -78,9 +78,14 @@ logger = logging.getLogger("titanlite")
 
 TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# A single process has no process group; DCP then saves/loads alone, as intended, but warns each time
-# (also from the async writer thread, where a local catch_warnings would not apply).
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _quiet_single_process_dcp() -> None:
+    """A single process has no process group; DCP then saves and loads alone, as intended, but warns each
+    time (also from the async writer thread, where a local catch_warnings would not apply), so the filter
+    is process-wide; installed when checkpoint I/O is first set up, never by importing this module (adding
+    the same filter again replaces it)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _test_kill(step: int, point: str) -> None:
@@ -128,6 +133,7 @@ def check_compatible(path: str, state: dict) -> None:
 
 def load_model_weights(model: torch.nn.Module, path: str) -> None:
     """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
+    _quiet_single_process_dcp()
     state = _sharded(get_model_state_dict, model)
     check_compatible(path, state)
     dcp.load(state, checkpoint_id=path)
@@ -203,6 +209,7 @@ class CheckpointManager:
         self.dims, self.rank, self.world_size, self.device = plan.dims, rank, plan.dims.world_size, device
         self.root = Path(cfg.job.dump_folder) / self.cfg.folder
         self.dp_rank, self.dp_degree = self.dims.dp_rank_of(rank), self.dims.dp
+        _quiet_single_process_dcp()
         self._pending: _Pending | None = None
         self._last_saved = -1
         self._final = -1  # the step of a save whose failure ends the run (the last step's, a stop signal's)
