@@ -2,7 +2,7 @@
 
 Collective counts come from one process on torch's fake process group (values are meaningless there; the
 pattern is real), each model built by `build.build_training` as the trainer builds it and stepped by the
-trainer's `step.forward_backward`. Numerics of the kept path are checked against one process in
+trainer's step runner (`step.LocalRunner`). Numerics of the kept path are checked against one process in
 test_parallel_parity (accumulation and pipeline cases run it by default).
 """
 
@@ -21,8 +21,9 @@ from titanlite.build import build_training
 from titanlite.config import JobConfig
 from titanlite.memory_plan import COMFORT_FRACTION, GiB, choose_step
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
-from titanlite.step import cross_entropy_loss, forward_backward
+from titanlite.step import LocalRunner, cross_entropy_loss
 from titanlite.trainer import Trainer
 
 ARGS = tiny_args()
@@ -70,17 +71,8 @@ def step_counts(cfg: JobConfig) -> tuple[StepPolicy, Counter, int]:
     batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 1, 9))]
     opt = torch.optim.SGD(built.model.parameters(), lr=0.0)
     with CountCollectives() as c:
-        forward_backward(
-            built.model,
-            opt,
-            batches,
-            cross_entropy_loss,
-            False,
-            0.0,
-            torch.device("cpu"),
-            policy.reduce_once,
-            policy.keep_gathers,
-        )
+        context = StepContext(cross_entropy_loss, reduce_once=policy.reduce_once, keep_gathers=policy.keep_gathers)
+        LocalRunner(built.model, torch.device("cpu"), context).forward_backward(opt, batches)
     return policy, c.counts, len(list(built.model.parameters()))
 
 

@@ -19,9 +19,8 @@ import torch
 from titanlite import metrics, mfu, preflight
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
-from titanlite.metrics import METRICS, MetricsLogger, StepStats, peak_tflops
+from titanlite.metrics import METRICS, MetricsLogger, StepStats, ValidationResult, peak_tflops
 from titanlite.tools.dashboard import describe, read_dashboard
-from titanlite.validation import ValidationResult
 
 
 @pytest.mark.parametrize(

@@ -126,13 +126,15 @@ class CountAllCollectives(CountCollectives):
 
 
 def accumulated_step(model: torch.nn.Module, per_step: bool, microbatches: int = 4) -> Counter:
-    """Collectives of the trainer's `forward_backward` over `microbatches` accumulated microbatches."""
-    from titanlite.step import cross_entropy_loss, forward_backward
+    """Collectives of the trainer's step runner over `microbatches` accumulated microbatches."""
+    from titanlite.parallelisms.step_context import StepContext
+    from titanlite.step import LocalRunner, cross_entropy_loss
 
     batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (microbatches, 1, 9))]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with CountAllCollectives() as c:
-        forward_backward(model, opt, batches, cross_entropy_loss, False, 0.0, torch.device("cpu"), per_step)
+        runner = LocalRunner(model, torch.device("cpu"), StepContext(cross_entropy_loss, reduce_once=per_step))
+        runner.forward_backward(opt, batches)
     return c.counts
 
 

@@ -5,9 +5,10 @@
     device = init_device()                    cuda:LOCAL_RANK, else cpu
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
-    model = build_model(plan, device)         meta -> the model's parallelize plan -> materialise -> init
-    training = build_training(plan, device)   the trainer's: this rank's model or pipeline stages, with the
-                                              step policy chosen from their memory plan before materialising
+    model = build_model(plan, device)         meta -> parallelize (the framework's order) -> materialise -> init
+    training = build_training(plan, device)   the trainer's step runner over this rank's model or pipeline
+                                              stages, with the step policy chosen from their memory plan
+                                              before materialising
 
 A single process is a world of one: it gets a one-rank process group and the same plan as any world
 (mixed precision, AC, compile and its passes, reshard policy), so one GPU trains as it would on many.
@@ -38,8 +39,11 @@ from titanlite.memory_plan import (
 )
 from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline import Pipeline, keep_stage
+from titanlite.parallelisms.parallelize import parallelize
+from titanlite.parallelisms.pipeline import PipelineRunner, keep_stage
+from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
+from titanlite.step import LocalRunner, StepRunner, training_loss_fn
 
 AUTO_CUDA_WORKERS = 2
 """`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""
@@ -184,8 +188,9 @@ def apply_train_timeout(cfg: JobConfig, dims: ParallelDims) -> dict[str, timedel
 def build_model(
     plan: RunPlan, device: torch.device, mesh_device_type: str | None = None, stage: int | None = None
 ) -> nn.Module:
-    """The model as every run builds it: on the meta device, parallelized by its family's plan (TP, AC,
-    compile, data parallelism), then materialised on `device` and initialised from the seed.
+    """The model as every run builds it: on the meta device, parallelized (`parallelisms/parallelize.py`:
+    TP from the family's plan, AC, compile, data parallelism), then materialised on `device` and
+    initialised from the seed.
 
     A process group must exist. The mesh is built here unless it already is (`mesh_device_type`
     defaults to `device`'s type). On `device` "meta" the model stays unmaterialised (the dry run).
@@ -205,7 +210,7 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     if stage is not None:
         assert plan.pipeline is not None
         keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
-    return plan.spec.parallelize(model, plan.dims, plan.cfg)
+    return parallelize(model, plan.spec.units(model), plan.spec.tp_plan, plan.dims, plan.cfg)
 
 
 def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:
@@ -262,18 +267,38 @@ def device_memory(device: torch.device) -> int:
 
 @dataclass
 class TrainingModel:
-    """What the trainer trains: `model` (this rank's module, its stages as one under PP) and the step."""
+    """What the trainer trains: the step runner (this rank's model, or its pipeline stages and their
+    schedule) and the step policy it runs."""
 
-    model: nn.Module
-    pipeline: Pipeline | None
+    runner: StepRunner
     step: StepChoice
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's module: its stages as one under PP."""
+        return self.runner.model
+
+
+def step_context(plan: RunPlan, step: StepChoice) -> StepContext:
+    """The step's loss and reduction (`StepContext`): the configured loss, loss parallel, clipping, the
+    family's extra loss term, and the step policy where it applies (data parallelism over several
+    backwards)."""
+    policy = plan.effective(step.policy)
+    return StepContext(
+        training_loss_fn(plan.cfg),
+        loss_parallel=plan.loss_parallel,
+        max_norm=plan.cfg.training.max_norm,
+        reduce_once=policy.reduce_once,
+        keep_gathers=policy.keep_gathers,
+        extra_loss=plan.spec.extra_loss,
+    )
 
 
 def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     """This rank's model, or its pipeline stages and their schedule, each built as `build_model` builds
     one, with the step policy decided between the parallelize plan and materialisation (one build): the
     memory plan of the meta-device modules, agreed over every rank; kept gathers turn reshard-after-forward
-    off before anything is allocated."""
+    off before anything is allocated. Returns the step runner over them."""
     if not plan.dims.mesh_built:
         plan.dims.build_mesh(device.type)
     pp_rank = plan.dims.pp_rank_of(dist.get_rank())
@@ -290,8 +315,9 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
         if step.policy.keep_gathers:
             keep_for_step(part)
         _materialise(plan, part, device)
+    context = step_context(plan, step)
     if plan.pipeline is None:
-        return TrainingModel(parts[None], None, step)
-    stages = {s: m for s, m in parts.items() if s is not None}
-    pipeline = Pipeline(plan.pipeline, stages, plan.dims, device, plan.backwards_per_step)
-    return TrainingModel(pipeline.model, pipeline, step)
+        return TrainingModel(LocalRunner(parts[None], device, context), step)
+    stage_parts = {s: m for s, m in parts.items() if s is not None}
+    runner = PipelineRunner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
+    return TrainingModel(runner, step)

@@ -23,12 +23,12 @@ import errno
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -40,15 +40,20 @@ __all__ = ["METRICS", "MetricsLogger", "StepStats", "mfu_pct", "peak_tflops"]  #
 logger = logging.getLogger("titanlite")
 
 
-class ValidationResult(Protocol):
-    """What `log_validation` reads of `titanlite.validation.ValidationResult` (that module sits above this one)."""
+@dataclass(frozen=True)
+class ValidationResult:
+    """One evaluation's result (`validation.Validator.run`), as `MetricsLogger.log_validation` records it."""
 
     loss: float
+    """Mean token cross-entropy over the held-out batches and the data-parallel ranks."""
     seconds: float
+    """Wall time of the evaluation (the trainer leaves it out of the training throughput)."""
     tokens: int
+    """Tokens evaluated, all data-parallel ranks together."""
 
     @property
-    def perplexity(self) -> float: ...
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))  # exp overflows a float beyond ~709
 
 
 class MemoryMonitor:

@@ -172,6 +172,8 @@ class RunPlan:
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
+        if dims.tp_enabled and spec.tp_plan is None:
+            raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
         t = cfg.training
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
         if global_batch % (t.local_batch_size * dims.dp):
@@ -182,8 +184,13 @@ class RunPlan:
         pipeline = None
         if dims.pp_enabled:
             pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
-            if getattr(args, "tie_embeddings", False):
+            if spec.tied_embeddings(args):
                 raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
+            if spec.extra_loss is not None:
+                raise ConfigError(
+                    f"pipeline parallelism does not support model {spec.name}'s extra loss term "
+                    "(its stages would each hold a part of it): set pipeline_parallel_degree 1"
+                )
             if dims.tp_enabled and t.seq_len % dims.tp:
                 raise ConfigError(
                     f"training.seq_len {t.seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "

@@ -43,7 +43,6 @@ from titanlite.resilience import (
     stop_agreed,
 )
 from titanlite.signals import Preemption
-from titanlite.step import cross_entropy_loss, forward_backward
 from titanlite.validation import Validator
 
 logger = logging.getLogger("titanlite")
@@ -98,11 +97,12 @@ class Trainer:
         init_distributed(cfg, self.device)
         # With pipeline parallelism the model is this rank's stages (one module with the model's names).
         training = build_training(self.plan, self.device)
-        self.pipeline, self.model = training.pipeline, training.model
+        self.runner, self.model = training.runner, training.model
+        """The step runner (`step.StepRunner`): the only way the trainer and the validator call the model."""
         self.step_choice = training.step
         """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
-        policy = self.plan.effective(self.step_choice.policy)
-        self.reduce_once, self.keep_gathers = policy.reduce_once, policy.keep_gathers
+        self.reduce_once = self.runner.context.reduce_once
+        self.keep_gathers = self.runner.context.keep_gathers
         self.model.train()
         n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
         logger.info(
@@ -118,9 +118,6 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_loss, backend=cfg.compile.backend)
         self.step = 0
         self.skipped_steps = 0
         self.verdict: StepVerdict | None = None
@@ -170,31 +167,11 @@ class Trainer:
 
         One host sync: the agreement's single read (`resilience.agree`), which also brings the logged
         loss and grad norm to the host (`self.verdict`); nothing else in the step waits for the device."""
-        loss_fn = self.loss_fn
+        context = self.runner.context
         if nan_injection(self.step):
-            loss_fn = lambda pred, labels: self.loss_fn(pred, labels) * float("nan")  # noqa: E731
-        if self.pipeline is not None:
-            loss, grad_norm = self.pipeline.forward_backward(
-                self.optimizer,
-                batches,
-                loss_fn,
-                self.dims.loss_parallel,
-                self.cfg.training.max_norm,
-                self.reduce_once,
-                self.keep_gathers,
-            )
-        else:
-            loss, grad_norm = forward_backward(
-                self.model,
-                self.optimizer,
-                batches,
-                loss_fn,
-                self.dims.loss_parallel,
-                self.cfg.training.max_norm,
-                self.device,
-                self.reduce_once,
-                self.keep_gathers,
-            )
+            loss_fn = context.loss_fn
+            context = context.with_loss(lambda pred, labels: loss_fn(pred, labels) * float("nan"))
+        loss, grad_norm = self.runner.forward_backward(self.optimizer, batches, context)
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted
         if self.verdict.finite:
@@ -285,7 +262,7 @@ class Trainer:
                     )
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
                 if self.validator is not None and self.validator.due(self.step):
-                    result = self.validator.run(self.model, self.loss_fn, self.device)
+                    result = self.validator.run(self.runner)
                     self.metrics.log_validation(self.step, result)
                     window_start += result.seconds  # not training time: kept out of tokens/s
                 if self.preempted:

@@ -13,10 +13,10 @@ around it (starting a DataLoader iterator draws a seed from torch's generator), 
 forward that drew random numbers can shift training. A run with validation trains bitwise like one
 without, and resumes as exactly (tests/test_checkpoint_resume.py).
 
-Loss. Each batch's loss comes from `step.forward_loss`, the very model call training makes, inside
-the same `loss_context` (vocab-parallel logits under tensor parallelism give a replicated loss): the
-one place a pipeline-parallel schedule would plug in, for training and validation alike (its last stage
-would then hold the loss and share it with the other stages before the data-parallel average). Batches hold the
+Loss. Each batch's loss comes from the trainer's step runner (`StepRunner.evaluate`): the model call
+training makes, inside the same loss scope (`parallelisms/step_context.py`: vocab-parallel logits under
+tensor parallelism give a replicated loss), with the training loss function (cross-entropy; a family's
+extra training term is left out). Batches hold the
 same number of tokens, so their mean is the token mean; it is then averaged over the data-parallel
 ranks (tensor-parallel peers read the same batches and hold the same value). Perplexity = exp(loss).
 The model stays in training mode (it has no dropout): compiled blocks are traced once more for
@@ -25,31 +25,16 @@ The model stays in training mode (it has no dropout): compiled blocks are traced
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from titanlite.build import data_index_dir
 from titanlite.data.loader import TokenLoader, build_dataloader
+from titanlite.metrics import ValidationResult
 from titanlite.plan import RunPlan
-from titanlite.step import forward_loss, loss_context, replicated
-
-
-@dataclass
-class ValidationResult:
-    loss: float
-    """Mean token cross-entropy over the held-out batches and the data-parallel ranks."""
-    seconds: float
-    """Wall time of the evaluation (the trainer leaves it out of the training throughput)."""
-    tokens: int
-    """Tokens evaluated, all data-parallel ranks together."""
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(min(self.loss, 700.0))  # exp overflows a float beyond ~709
+from titanlite.step import StepRunner
 
 
 def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
@@ -88,9 +73,9 @@ class Validator:
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0
 
-    def run(self, model: torch.nn.Module, loss_fn, device: torch.device) -> ValidationResult:
-        """The held-out loss of `model`, the same on every rank."""
-        start = time.perf_counter()
+    def run(self, runner: StepRunner) -> ValidationResult:
+        """The held-out loss of the runner's model, the same on every rank."""
+        start, device = time.perf_counter(), runner.device
         total = torch.zeros((), device=device, dtype=torch.float32)
         devices = [device] if device.type == "cuda" else []
         # Inside the fork: a new DataLoader iterator draws its base seed from torch's generator.
@@ -99,9 +84,7 @@ class Validator:
             batches = iter(self.loader)
             for _ in range(self.cfg.steps):
                 inputs, labels = next(batches)
-                with loss_context(self.plan.dims.loss_parallel):
-                    loss = forward_loss(model, inputs, labels, loss_fn, device)
-                total += replicated(loss).float()
+                total += runner.evaluate(inputs, labels).float()
         total /= self.cfg.steps
         mesh = self.plan.dims.dp_mesh
         if mesh is not None:

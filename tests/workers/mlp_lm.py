@@ -2,8 +2,9 @@
 
 `torchrun ... tests/workers/mlp_lm.py [trainer arguments] --model.name mlp_lm --model.flavor tiny`
 registers a two-block MLP language model (embedding -> [norm, MLP, residual] x 2 -> norm -> output)
-with its own parallelize plan, built only from titanlite's model-agnostic pieces, then runs
-`titanlite.train.main`: config, build, step, metrics and checkpoints know nothing of the model.
+as a `ModelSpec` of data only (its model, flavor and block container: no parallelism code), then runs
+`titanlite.train.main`: config, build (AC, compile, SimpleFSDP or FSDP2 in the framework's order), step,
+metrics and checkpoints know nothing of the model.
 """
 
 from __future__ import annotations
@@ -14,15 +15,9 @@ import sys
 import torch
 from torch import nn
 
-from titanlite.config import JobConfig
-from titanlite.dtypes import DTYPES
 from titanlite.errors import run_cli
 from titanlite.models.init import InitSpec, init_parameter_
 from titanlite.models.registry import ModelSpec, register_model
-from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, apply_reshard, data_parallel
 from titanlite.parallelisms.units import Units
 
 
@@ -76,30 +71,11 @@ def units(model: nn.Module) -> Units:
     return Units.of(model, "layers")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Data parallelism and AC only (no TP plan: this family declares none)."""
-    u = units(model)
-    apply_ac(u.blocks, cfg.activation_checkpoint)
-    if dims.dp_enabled:
-        mp = MixedPrecisionPolicy(
-            DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
-        )
-        data_parallel(model, dims.submesh(dims.dim_names), dims.dp_mode, mp, dp_ndim=len(dims.dp_dim_names))
-        apply_reshard(
-            model,
-            u,
-            ReshardPlan.of(
-                cfg.parallelism.fsdp_reshard_after_forward, len(u.blocks), gathers=dims.dp_mode != "replicate"
-            ),
-        )
-    return model
-
-
-register_model(
-    ModelSpec(name="mlp_lm", model_cls=MLPLM, flavors={"tiny": MLPArgs()}, parallelize=parallelize, units=units)
-)
+SPEC = ModelSpec(name="mlp_lm", model_cls=MLPLM, flavors={"tiny": MLPArgs()}, units=units)
+"""No tensor-parallel plan: AC, compile and SimpleFSDP/FSDP2 come from the framework's parallelize."""
 
 if __name__ == "__main__":
     from titanlite.train import main
 
+    register_model(SPEC)
     sys.exit(run_cli(main))

@@ -3,7 +3,7 @@
 Run by tests through torchrun (`harness.parity`). Each case builds the trainer as a run does
 (`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
 tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
-one-process reference itself (the plain module, the whole global batch, the same `forward_backward`,
+one-process reference itself (the plain module, the whole global batch, the same step runner,
 AdamW and LR schedule), once per model depth, shared by all cases. Rank 0 writes one JSON record per
 case: max relative loss difference over the steps, and max abs difference of gradients and updated
 parameters after step 1 over every rank's parameters (a pipeline stage holds only some; `missing`
@@ -31,8 +31,9 @@ from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from titanlite.parallelisms.step_context import StepContext  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
-from titanlite.step import cross_entropy_loss, forward_backward  # noqa: E402
+from titanlite.step import LocalRunner, cross_entropy_loss  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 4, 1234
@@ -78,9 +79,8 @@ def reference(batches, args):
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
     losses, first = [], None
     for x, y in batches:
-        loss, _ = forward_backward(
-            model, opt, [(x, y)], cross_entropy_loss, False, cfg.training.max_norm, torch.device("cpu")
-        )
+        context = StepContext(cross_entropy_loss, max_norm=cfg.training.max_norm)
+        loss, _ = LocalRunner(model, torch.device("cpu"), context).forward_backward(opt, [(x, y)])
         opt.step()
         sched.step()
         losses.append(loss.item())

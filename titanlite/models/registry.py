@@ -1,11 +1,17 @@
 """Model families: what the trainer, the tools and the checkpoint code need to know of a model.
 
 A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes.
+A family supplies data and its model; the framework applies every parallelism in its own order
+(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `tp_plan`, and runs the step
+(`titanlite/step.py`), adding the family's `extra_loss` when it has one.
+
 The model it builds follows a small protocol:
 
     spec.model_cls(args, seq_len=...)   builds the model (called under `torch.device("meta")`)
     model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
+    model.args                          the args it was built from (the checkpoint code reads the shape
+                                        of the model it loads into, e.g. for Hugging Face weights)
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
     args.max_seq_len, args.n_layers, args.num_params(), args.flops_per_token(seq_len)
     args.<key> for each of `spec.shape_keys`   set from the `model.<key>` config key when non-zero
@@ -27,9 +33,9 @@ from typing import Any
 
 from torch import nn
 
-from titanlite.config import JobConfig
 from titanlite.errors import CheckpointError, ConfigError
-from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.step_context import ExtraLoss
+from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
 
 BUILTIN = {"llama3": "titanlite.models.llama3"}
@@ -42,10 +48,13 @@ class ModelSpec:
     model_cls: Callable[..., nn.Module]
     flavors: dict[str, Any]
     """Flavor name -> model args (a dataclass with the protocol's fields)."""
-    parallelize: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module]
-    """The whole plan for this family: TP, AC, compile, data parallelism, in place."""
     units: Callable[[nn.Module], Units]
-    """The model's blocks and root modules (gather units for the memory plan)."""
+    """The model's blocks and root modules: the unit every parallelism works per (AC and compile wrap a
+    block, FSDP gathers one, a pipeline stage holds whole ones; the memory plan counts them)."""
+    tp_plan: TensorParallelPlanFn | None = None
+    """The family's tensor-parallel plan (data: module name -> torch `ParallelStyle`), given whether the
+    loss is vocab-parallel; None: no tensor parallelism (a degree above one is refused before any rank
+    starts)."""
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     """Sizes the tensor-parallel degree must divide (e.g. attention heads), checked in the plan."""
     hf_adapter: Any = None
@@ -58,6 +67,14 @@ class ModelSpec:
     shape_keys: tuple[str, ...] = ()
     """The args fields that the `model.*` config keys of the same name override: the one list behind the
     overrides, the start-up line and the resume policy (a change of any of them stops a resume)."""
+    tied_embeddings: Callable[[Any], bool] = field(default=lambda args: False)
+    """Whether the embedding and the output projection share one weight (a pipeline's first and last
+    stage cannot both hold it)."""
+    extra_loss: ExtraLoss | None = None
+    """A term added to each training microbatch's loss after the model's forward (e.g. a mixture of
+    experts' load-balancing loss, which the model records in its forward), a scalar on the model's
+    device; None: cross-entropy only. Validation reports the cross-entropy alone; pipeline parallelism
+    refuses a family with one (each stage would hold a part of it)."""
 
     def resolved_shape(self, args: Any) -> dict[str, Any]:
         """Shape key -> its value in `args` as built (`args.shape_value`, else the field)."""

@@ -2,7 +2,8 @@
 
     StagePlan.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
     keep_stage(model, units, plan, stage)                   on the meta device: delete what a stage lacks
-    Pipeline(plan, parts, dims, device, backwards)          PipelineStages + torch's schedule + the step
+    PipelineRunner(plan, parts, dims, device, context, backwards)
+                                                            PipelineStages + torch's schedule: the step runner
 
 Stage boundaries fall between transformer blocks. The first stage also holds the embedding and the last
 the final norm and output, so by default each of those counts as one block when the blocks are balanced
@@ -12,16 +13,17 @@ looped: pipeline rank r holds stages r, r + pp, r + 2 pp, ... (what torch's inte
 A stage is the whole model built on the meta device with the other stages' blocks deleted and the root
 modules it does not hold set to None. Parameter names do not change (`layers.12` stays `layers.12` on
 whichever stage holds it), so initialisation (seeded by name), checkpoints (DCP by FQN) and the compile,
-AC, TP and SimpleFSDP/FSDP2 plans, applied per stage by the model family's own parallelize function,
-work as on one process.
+AC, TP and SimpleFSDP/FSDP2 plans, applied per stage by the framework's `parallelize`, work as on one
+process.
 
 Data: every rank of a data-parallel replica reads that replica's batch (the loader is per dp rank, as
 without PP); the first stage feeds the tokens and the last stage the labels, the others read and drop it.
 
-The step runs the schedule once per gradient-accumulation batch. Each microbatch's loss is the mean
+The step runs the schedule once per gradient-accumulation batch, inside the step's `StepContext` (the
+loss, its scope and the gradient reduction the local runner uses too). Each microbatch's loss is the mean
 cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
-mean over the rank's batch, as `step.forward_backward` computes it without PP (torch's own division of
-the gradients, `scale_grads`, is off). The step's policy (`gradient_reduction.StepPolicy`, chosen from
+mean over the rank's batch, as the local runner computes it without PP (torch's own division of the
+gradients, `scale_grads`, is off). The step's policy (`gradient_reduction.StepPolicy`, chosen from
 the memory plan) spans all of its microbatches: gradients reduced once per step, after every schedule
 step's backwards (for FSDP2, torch's stage reduces once per schedule step itself), and the weights the
 first microbatch gathered kept for the others (`kept_gathers`). The last stage's loss is summed over the
@@ -31,22 +33,18 @@ norm over the pipeline group.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import Parallelism
 from titanlite.errors import ConfigError
 from titanlite.optim import clip_grad_norm_
-from titanlite.parallelisms.gradient_reduction import reduce_once
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.step_context import StepContext, replicated
 from titanlite.parallelisms.units import Units
 
 # torch.distributed.pipelining is imported when a pipeline is built: importing it pulls in Dynamo
@@ -214,8 +212,9 @@ class StageUnion(nn.Module):
                     self._modules[name] = child
 
 
-class Pipeline:
-    """This rank's pipeline stages and the schedule that runs them; `forward_backward` is the step.
+class PipelineRunner:
+    """This rank's pipeline stages and the schedule that runs them: the step runner under pipeline
+    parallelism (`step.StepRunner`), in the step's one `StepContext` like the local runner.
 
     `parts` maps stage index -> the stage's module (built by `keep_stage` and parallelized); `model` is
     the one module the rest of the trainer sees: the stage itself, or a `StageUnion` of several.
@@ -227,11 +226,13 @@ class Pipeline:
         parts: dict[int, nn.Module],
         dims: ParallelDims,
         device: torch.device,
+        context: StepContext,
         backwards_per_step: int,
     ):
         from torch.distributed import pipelining
 
-        self.plan, self.dims, self.device = plan, dims, device
+        assert context.extra_loss is None, "RunPlan.build refuses an extra loss term under pipeline parallelism"
+        self.plan, self.dims, self.device, self.context = plan, dims, device, context
         self.backwards_per_step = backwards_per_step
         assert dims.pp_mesh is not None
         self.group = dims.pp_mesh.get_group()
@@ -249,52 +250,47 @@ class Pipeline:
             self.schedule = getattr(pipelining, MULTI_STAGE[plan.schedule])(self.stages, **kwargs)
         modules = list(self.parts.values())
         self.model = modules[0] if len(modules) == 1 else StageUnion(modules)
-        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self._loss_scale = 1
+        self._step: tuple[StepContext, int] | None = None
+        """The context and backwards of the step the schedule is running (its loss hook reads them)."""
 
     def _loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        assert self._loss_fn is not None
-        return self._loss_fn(pred, labels) / self._loss_scale
+        assert self._step is not None
+        context, backwards = self._step
+        return context.microbatch_loss(pred, labels, backwards)
 
     def forward_backward(
         self,
         optimizer: torch.optim.Optimizer,
         batches: list[tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        use_loss_parallel: bool,
-        max_norm: float,
-        per_step_reduction: bool = True,
-        keep_gathers: bool = False,
+        context: StepContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
-        replica's mean loss, on every rank; the global grad norm), like `step.forward_backward`.
-        `per_step_reduction` and `keep_gathers` are the step's policy (`gradient_reduction.StepPolicy`)."""
+        replica's mean loss, on every rank; the global grad norm), like the local runner."""
+        ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
         backwards = self.backwards_per_step
         assert backwards == self.plan.microbatches * len(batches), "one step takes the plan's accumulation batches"
-        self._loss_fn, self._loss_scale = loss_fn, backwards
+        self._step = (ctx, backwards)
         total = torch.zeros((), device=self.device)
-        several = backwards > 1
-        with reduce_once(
-            self.model,
-            per_step_reduction and several,
-            pipelined=True,
-            keep=keep_gathers and several,
-            backwards=backwards,
-        ):
+        with ctx.reduction(self.model, backwards, pipelined=True):
             for inputs, labels in batches:
                 losses: list[torch.Tensor] = []
                 # Pinned host batches (the loader pins them on CUDA) copy without blocking the host. Contiguous:
                 # torch 2.11's stage checks strides against its contiguous example input.
                 args = (inputs.to(self.device, non_blocking=True).contiguous(),) if self.has_first else ()
                 target = labels.to(self.device, non_blocking=True) if self.has_last else None
-                with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+                with ctx.loss_scope():
                     self.schedule.step(
                         *args, target=target, losses=losses if self.has_last else None, return_outputs=False
                     )
                 for loss in losses:
-                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                    total += replicated(loss).detach()
         dist.all_reduce(total, group=self.group)
         params = [p for module in self.parts.values() for p in module.parameters()]
-        grad_norm = clip_grad_norm_(params, max_norm, group=self.group)
+        grad_norm = clip_grad_norm_(params, ctx.max_norm, group=self.group)
         return total, grad_norm
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Validation under pipeline parallelism is refused by the config (held-out batches would need a
+        forward-only schedule); this runner has none."""
+        raise NotImplementedError("validation with pipeline parallelism")

@@ -7,7 +7,7 @@ of about `REDUCE_BUCKET_BYTES`, planned in backward order per (dp mesh, mode, re
 
 A bucket is reduced as soon as its gradients are final, while the rest of the last backward runs: each
 sink reports every accumulation, and a sink is final in the backward its caller marks as the last
-(`before_backward(True)`, as `step.forward_backward` does), or at its `backwards`-th accumulation when the
+(`before_backward(True)`, as `step.LocalRunner` does), or at its `backwards`-th accumulation when the
 caller gives the count (a pipeline schedule, whose backwards the caller does not run one by one). Its
 gradients are packed in one copy (`torch._chunk_cat`: each cut along dim 0 into one zero-padded chunk
 per rank, as DTensor's `Shard(0)` cuts, cast to the reduce dtype) and the collective starts

@@ -1,0 +1,81 @@
+"""The order of the parallelisms, owned by the framework and written once.
+
+    tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
+    [context parallelism]   its place: after TP (it shards the sequence the TP plan's layouts assume)
+    activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
+    compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
+    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `apply_reshard`) or FSDP2
+    [expert parallelism]    its place: after data parallelism, which must not shard the experts' dim
+
+Why this order:
+- TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
+  the data-parallel dims (one joint mesh) and which FSDP2 expects to find already placed.
+- AC before compile, a contract the two share: `apply_ac` replaces a checkpointed block's `forward` with
+  a checkpoint around `CheckpointedBlock.body`; `apply_compile` reads what `apply_ac` returned. Per block
+  (compile scope `block`) it compiles either that `body` (a fully checkpointed block keeps its eager
+  checkpoint) or the block's new forward whole (selective AC, its checkpoint inside the graph). In one
+  whole-model graph (scope `model`) a fully checkpointed block is not a checkpoint at all: the compiler
+  sets `CheckpointedBlock.in_graph`, the block's forward calls `body` unwrapped, and recompute tags on
+  the joint graph do the checkpointing, so the recomputed blocks stay in the graph the scheduler orders.
+  Compiling first would leave AC wrapping a compiled forward the compiler never saw checkpointed.
+- Compile before data parallelism: compilation is lazy, and SimpleFSDP's gathers are module
+  parametrizations traced at the first call, so the compiled graphs contain them (and the graph passes
+  bucket them); FSDP2's hooks stay eager around the compiled blocks.
+
+A model family supplies data only (its `Units` and its TP plan, through `models.registry.ModelSpec`); the
+settings come from the config and the mesh from `ParallelDims`. The model is on the meta device.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titanlite.config import JobConfig
+from titanlite.dtypes import DTYPES
+from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.parallelisms.compile import apply_compile
+from titanlite.parallelisms.fsdp2 import apply_fsdp2
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, apply_reshard, data_parallel
+from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn, apply_tp
+from titanlite.parallelisms.units import Units
+
+
+def parallelize(
+    model: nn.Module, units: Units, tp_plan: TensorParallelPlanFn | None, dims: ParallelDims, cfg: JobConfig
+) -> nn.Module:
+    """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
+    the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
+    family's tensor-parallel plan (None: the family has none, and TP must be off)."""
+    if dims.tp_enabled:
+        assert tp_plan is not None, "RunPlan.build refuses tensor parallelism for a family without a plan"
+        apply_tp(model, units, tp_plan(dims.loss_parallel), dims.tp_mesh)
+    # Context parallelism goes here: after TP, before AC and compile wrap the blocks.
+    ac = apply_ac(units.blocks, cfg.activation_checkpoint)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_compile(model, units, ac, cfg, dims)
+    if dims.dp_enabled:
+        _data_parallel(model, units, dims, cfg)
+    # Expert parallelism goes here: after data parallelism, on the experts' own mesh dim.
+    return model
+
+
+def _data_parallel(model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig) -> None:
+    """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan."""
+    param_dtype = DTYPES[cfg.training.mixed_precision_param]
+    reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
+    reshard = ReshardPlan.of(
+        cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
+    )
+    if cfg.parallelism.dp_impl == "fsdp2":
+        apply_fsdp2(model, units, dims.submesh(dims.dp_dim_names), param_dtype, reduce_dtype, reshard)
+        return
+    data_parallel(
+        model,
+        dims.submesh(dims.dim_names),
+        dims.dp_mode,
+        MixedPrecisionPolicy(param_dtype, reduce_dtype),
+        dp_ndim=len(dims.dp_dim_names),
+    )
+    apply_reshard(model, units, reshard)

@@ -1,0 +1,93 @@
+"""What a training step runs inside, whoever runs the model: the one loss context and the one
+gradient-reduction context, shared by both step runners (`step.LocalRunner`, which calls the model once
+per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
+
+- The loss of a microbatch: `loss_fn(pred, labels)` plus the family's extra term (training only), over the
+  step's backwards, so the summed gradient is that of the mean over the rank's batch.
+- The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
+  the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain). A
+  parallelism that changes how the loss is computed (context parallelism: a sequence-sharded loss) adds
+  its context here, and both runners and validation get it.
+- The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
+  chosen from the memory plan), over all of the step's backwards.
+- Clipping: by the global gradient norm, after the last backward.
+
+It lives under `parallelisms/` because the pipeline runner (a parallelism) uses it and sits below the
+step module in the layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.parallelisms.gradient_reduction import reduce_once
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`loss_fn(pred, labels)`: the mean loss of one microbatch's logits against its labels."""
+ExtraLoss = Callable[[nn.Module], torch.Tensor]
+"""`extra_loss(model)`: a family's extra term of the forward that just ran (`ModelSpec.extra_loss`)."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The step's loss and reduction, the same for every runner."""
+
+    loss_fn: LossFn
+    loss_parallel: bool = False
+    """The logits are vocab-sharded (tensor parallelism with loss parallel): the loss runs under
+    `loss_parallel`."""
+    max_norm: float = 0.0
+    """Clip the gradients to this global norm; 0: no clipping (the norm is still returned)."""
+    reduce_once: bool = True
+    """Reduce the gradients once per step, after its last backward (else per backward)."""
+    keep_gathers: bool = False
+    """Gather the weights once per step, for all of its microbatches."""
+    extra_loss: ExtraLoss | None = None
+    """Added to each training microbatch's loss (`ModelSpec.extra_loss`); not to validation's."""
+
+    def with_loss(self, loss_fn: LossFn) -> StepContext:
+        """The same context with another loss (a test's injected fault)."""
+        return dataclasses.replace(self, loss_fn=loss_fn)
+
+    def loss_scope(self) -> contextlib.AbstractContextManager:
+        """Where a microbatch's forward-to-loss and its backward run (training and validation alike)."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def microbatch_loss(
+        self, pred: torch.Tensor, labels: torch.Tensor, backwards: int, model: nn.Module | None = None
+    ) -> torch.Tensor:
+        """One microbatch's share of the step's loss: its loss plus the extra term of `model` (the module
+        whose forward just ran), over the step's `backwards`."""
+        loss = self.loss_fn(pred, labels)
+        if self.extra_loss is not None:
+            assert model is not None, "the extra loss term needs the module whose forward ran"
+            loss = loss + self.extra_loss(model)
+        return loss / backwards
+
+    def reduction(
+        self, model: nn.Module, backwards: int, pipelined: bool = False
+    ) -> contextlib.AbstractContextManager[Callable[[bool], None]]:
+        """The step's `backwards` run inside; call the yielded `before_backward(last)` before each (a
+        pipeline schedule's backwards are torch's: `pipelined`, and the reduction is given their count,
+        since no caller marks the last one). The policy applies only to a step of several backwards."""
+        several = backwards > 1
+        return reduce_once(
+            model,
+            self.reduce_once and several,
+            pipelined=pipelined,
+            keep=self.keep_gathers and several,
+            backwards=backwards if pipelined else 0,
+        )
+
+
+def replicated(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: a vocab-parallel loss is a replicated DTensor, equal on the tp ranks."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,0 +1,44 @@
+"""Tensor parallelism from a family's plan: which module is split how, as data the framework applies.
+
+A family states its plan as a `TensorParallelPlan` (torch's `ParallelStyle`s by module name, for the
+root modules and for every block alike); `apply_tp` applies it with `parallelize_module`. The family
+never calls torch's tensor-parallel API itself, so the order of the parallelisms stays in one place
+(`parallelize.py`) and a family without a plan is refused with a tensor-parallel degree above one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from titanlite.parallelisms.units import Units
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """One model's tensor-parallel layout: module name -> torch `ParallelStyle`."""
+
+    roots: dict[str, ParallelStyle]
+    """Root modules (`Units.before`/`after`), by name; a pipeline stage plans only those it holds."""
+    block: dict[str, ParallelStyle]
+    """Submodules of one block, by name relative to the block; the same plan for every block."""
+
+
+TensorParallelPlanFn = Callable[[bool], TensorParallelPlan]
+"""A family's plan, given `loss_parallel` (True: the output projection keeps its logits vocab-sharded,
+for a loss run under `torch.distributed.tensor.parallel.loss_parallel`)."""
+
+
+def apply_tp(model: nn.Module, units: Units, plan: TensorParallelPlan, tp_mesh: DeviceMesh) -> None:
+    """Split `model`'s modules over `tp_mesh` as `plan` says, in place. Root modules a pipeline stage
+    does not hold (set to None) are skipped."""
+    children = dict(model.named_children())  # without the roots a stage set to None
+    held = {name: style for name, style in plan.roots.items() if name in children}
+    if held:
+        parallelize_module(model, tp_mesh, held)
+    for block in units.blocks.values():
+        parallelize_module(block, tp_mesh, plan.block)
