@@ -1,9 +1,9 @@
 """How a model divides into repeated blocks and the root modules around them.
 
 Every parallelism here works per unit: FSDP gathers and frees a block's weights together, activation
-checkpointing and compilation wrap each block, bucketing puts one block in one bucket. The model's
-parallelize plan names its block container once (`Units.of(model, "layers")`); the generic code never
-spells a model's module names.
+checkpointing and compilation wrap each block, bucketing puts one block in one bucket. A model
+family names its block container once (`ModelSpec.units`, e.g. `Units.of(model, "layers")`); the generic
+code never spells a model's module names.
 """
 
 from __future__ import annotations
