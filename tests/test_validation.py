@@ -20,8 +20,9 @@ from titanlite.config import load_config
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
-from titanlite.step import cross_entropy_loss
+from titanlite.step import LocalRunner, cross_entropy_loss
 from titanlite.validation import Validator, build_validation_loader
 
 TOK = build_tokenizer(None)
@@ -97,8 +98,9 @@ def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched
     plan = _plan(data, tmp_path)
     model = build_model(plan, torch.device("cpu"))
     validator = Validator.create(plan, dp_rank=0)
+    runner = LocalRunner(model, torch.device("cpu"), StepContext(cross_entropy_loss))
     rng = torch.get_rng_state()
-    first = validator.run(model, cross_entropy_loss, torch.device("cpu"))
+    first = validator.run(runner)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
 
@@ -112,11 +114,11 @@ def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched
     assert first.loss == pytest.approx(expected, rel=1e-6)
     assert first.perplexity == pytest.approx(math.exp(expected), rel=1e-6)
     assert first.tokens == 3 * 2 * 16
-    assert validator.run(model, cross_entropy_loss, torch.device("cpu")).loss == first.loss  # same batches each time
+    assert validator.run(runner).loss == first.loss  # same batches each time
 
     with torch.no_grad():  # negative control: another model gives another loss
         dict(model.named_parameters())["output.weight"].mul_(2.0)
-    assert validator.run(model, cross_entropy_loss, torch.device("cpu")).loss != first.loss
+    assert validator.run(runner).loss != first.loss
 
 
 @pytest.mark.parametrize(
