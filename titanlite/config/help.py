@@ -17,7 +17,7 @@ from titanlite.config.ranges import Range
 from titanlite.config.schema import sections
 
 USAGE = (
-    "usage: ./run_train.sh [--config FILE] [--dry-run] [--section.key VALUE | --section.key=VALUE | "
+    "usage: ./run_train.sh [--config FILE] [--dry-run | --plan] [--section.key VALUE | --section.key=VALUE | "
     "--section.flag | --no-section.flag ...]"
 )
 
@@ -64,7 +64,8 @@ def help_text() -> str:
         "",
         "Train a model from a TOML config (default train_configs/debug_model.toml) plus overrides of any key below;",
         "bad input stops with one line and exit code 2 before any process starts. --dry-run plans memory on a fake",
-        "process group instead of training. Environment: NGPU, NNODES, RDZV_ENDPOINT, LOG_RANK, MAX_RESTARTS",
+        "process group instead of training; --plan searches the parallel layouts for the fastest that fits.",
+        "Environment: NGPU, NNODES, RDZV_ENDPOINT, LOG_RANK, MAX_RESTARTS",
         "(see the header of run_train.sh). --job.print_config prints the merged config and exits.",
     ]
     for section, cls in sections().items():

@@ -354,6 +354,18 @@ class Comm:
 
 
 @dataclass
+class Plan:
+    """The layout search (`--plan`, titanlite/tools/layout_search.py)."""
+
+    gpu: str = "h100"
+    """GPU kind to plan for: h100, h200, a100, b200, h100-96gb-500w (titanlite/gpus.py lists their figures)."""
+    top: int = field(default=5, metadata=POSITIVE)
+    """Ranked layouts shown."""
+    confirm: int = field(default=1, metadata=POSITIVE)
+    """Fastest layouts planned again by the dry run itself (the best that fits is written)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -368,6 +380,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    plan: Plan = field(default_factory=Plan)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

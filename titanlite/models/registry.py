@@ -34,6 +34,7 @@ from typing import Any
 from torch import nn
 
 from titanlite.errors import CheckpointError, ConfigError
+from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.step_context import ExtraLoss
 from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
@@ -75,6 +76,9 @@ class ModelSpec:
     experts' load-balancing loss, which the model records in its forward), a scalar on the model's
     device; None: cross-entropy only. Validation reports the cross-entropy alone; pipeline parallelism
     refuses a family with one (each stage would hold a part of it)."""
+    step_cost: Callable[[Any, int, int], ModelCost] | None = None
+    """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
+    (`titanlite/models/cost.py`); None: no layout search."""
 
     def resolved_shape(self, args: Any) -> dict[str, Any]:
         """Shape key -> its value in `args` as built (`args.shape_value`, else the field)."""

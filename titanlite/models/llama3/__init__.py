@@ -1,5 +1,6 @@
 """Llama 3: the model, its flavors, its blocks and tensor-parallel plan, its HF adapter, its memory model."""
 
+from titanlite.models.llama3.cost import step_cost
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.memory import activation_bytes
@@ -32,6 +33,7 @@ SPEC = ModelSpec(
     check_args=check_args,
     shape_keys=SHAPE_KEYS,
     tied_embeddings=lambda args: args.tie_embeddings,
+    step_cost=step_cost,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

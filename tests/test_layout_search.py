@@ -1,0 +1,201 @@
+"""The layout search: its memory estimate against the dry run, its step-time model's parts, the plan it
+writes, and bad input.
+
+(a) The analytic memory of a layout (`layout_memory`) equals the dry run's (`tools/dry_run`) on layouts
+    that exercise each rule: TP, FSDP2 + HSDP, pure replication, reshard never/always, pipeline ranks of
+    1F1B and GPipe, gradients reduced per step and per microbatch; and on a sample of every layout a
+    small search enumerates. Negative control: another reshard policy's estimate differs.
+(b) The step-time model's parts: no collectives on one GPU, the schedule's bubble, prefetching hides
+    collectives, the zero-bubble share only with enough microbatches, NVLink vs network.
+(c) `--plan` through run_train.sh: the table with the `given` row, plan.toml, and `--dry-run` of it;
+    bad input is one line with exit code 2 (unknown GPU kind, a world no layout divides) or 1 (no layout
+    fits: the closest and what it needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, child_env
+from titanlite.config import load_config
+from titanlite.errors import run_cli
+from titanlite.gpus import GPU_KINDS, gpu_kind
+from titanlite.layout_memory import LayoutMemoryModel, ShapeTable
+from titanlite.memory_plan import Layout
+from titanlite.step_time import Link
+from titanlite.tools import layout_search
+from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group
+from titanlite.tools.layout_search import LayoutSearch, planned_config, toml_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+P = "--parallelism."
+CASES = {
+    "8B fsdp + compile": ("llama3_8b.toml", []),
+    "8B tp 2, reshard never": (
+        "llama3_8b.toml",
+        [P + "tensor_parallel_degree", "2", P + "fsdp_reshard_after_forward", "never"],
+    ),
+    "8B fsdp2 hsdp": (
+        "llama3_8b.toml",
+        [P + "dp_impl", "fsdp2", "--compile.bucketing", "none", P + "data_parallel_replicate_degree", "2"],
+    ),
+    "8B replicate": (
+        "llama3_8b.toml",
+        [P + "data_parallel_replicate_degree", "8", P + "data_parallel_shard_degree", "1"],
+    ),
+    "70B pp 1F1B per_step": ("llama3_70b_pp.toml", []),
+    "debug pp GPipe per_microbatch, reshard always": (
+        "debug_model.toml",
+        [
+            "--comm.fake_world_size",
+            "4",
+            P + "pipeline_parallel_degree",
+            "2",
+            P + "pipeline_parallel_schedule",
+            "GPipe",
+            "--training.local_batch_size",
+            "8",
+            P + "pipeline_parallel_microbatch_size",
+            "2",
+            P + "gradient_reduction",
+            "per_microbatch",
+            P + "fsdp_reshard_after_forward",
+            "always",
+        ],
+    ),
+}
+
+
+def analytic(cfg, world):
+    plan, _ = build_run_plan(cfg, world)
+    model = LayoutMemoryModel(ShapeTable(cfg, plan, fake_process_group))
+    return model, plan, model.estimate(plan, Layout.from_config(cfg, plan.dims, plan.backwards_per_step))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_analytic_memory_equals_the_dry_run(case):
+    config, overrides = CASES[case]
+    cfg = load_config(["--config", f"train_configs/{config}", *overrides])
+    exact = dry_run(cfg)
+    model, plan, est = analytic(cfg, exact.world_size)
+    assert est.peak_total == exact.peak_total
+    assert [r.total for r in est.ranks] == [r.total for r in exact.pipeline_ranks or [exact.memory]]
+    assert [r.memory.total for r in est.ranks] == [r.total for r in est.ranks]  # the fast total is the estimate's
+    # Negative control: the same comparison tells reshard policies apart.
+    other = "always" if cfg.parallelism.fsdp_reshard_after_forward != "always" else "never"
+    layout = Layout.from_config(cfg, plan.dims, plan.backwards_per_step)
+    if layout.dp_mode not in (None, "replicate"):
+        changed = model.estimate(plan, dataclasses.replace(layout, reshard=other))
+        assert changed.peak_total != exact.peak_total
+
+
+def test_a_sample_of_enumerated_layouts_matches_the_dry_run():
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "4"])
+    search = LayoutSearch(cfg, 4, gpu_kind("h100"))
+    fits, _, tried = search.run()
+    assert tried > 200 and len(fits) == tried  # the debug model fits everywhere
+    degrees = {e.layout.degrees for e in fits}
+    assert len(degrees) >= 8 and any(d.pp > 1 for d in degrees) and any(d.tp > 1 for d in degrees)
+    for est in fits[:: len(fits) // 12]:
+        out = planned_config(est.layout, cfg, 4, search.kind, search.global_batch())
+        assert dry_run(out).peak_total == est.memory.peak_total, est.layout.describe()
+
+
+def step_of(config: str, world: int, *overrides: str, kind: str = "h100"):
+    cfg = load_config(["--config", f"train_configs/{config}", *overrides])
+    est = LayoutSearch(cfg, world, gpu_kind(kind)).given()
+    assert not isinstance(est, str), est
+    return est.time
+
+
+def test_step_time_parts():
+    one = step_of("llama3_8b.toml", 1, "--model.n_layers", "2")
+    assert one.exposed_comm == 0 and one.bubble == 0 and one.step > one.compute > 0
+    # Same layout, FSDP2 (prefetches) against SimpleFSDP eager (each collective next to its compute).
+    eager = step_of("llama3_8b.toml", 8, "--no-compile.enable")
+    fsdp2 = step_of("llama3_8b.toml", 8, "--no-compile.enable", P + "dp_impl", "fsdp2", "--compile.bucketing", "none")
+    assert eager.dp_comm_total == pytest.approx(fsdp2.dp_comm_total, rel=0.2)
+    assert fsdp2.dp_comm < 0.2 * eager.dp_comm
+    # The pipeline's bubble is the schedule's; zero bubble takes a share only with >= pp microbatches.
+    pp = ["--comm.fake_world_size", "64"]
+    f1b = step_of("llama3_70b_pp.toml", 64, *pp)
+    assert f1b.bubble_fraction == pytest.approx(3 / (32 + 3))
+    zb = [P + "pipeline_parallel_schedule", "InterleavedZeroBubble", P + "gradient_reduction", "auto"]
+    assert step_of("llama3_70b_pp.toml", 64, *zb).bubble_fraction == pytest.approx(3 / (2 * 32 + 3) / 3)
+    few = [*zb, "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+    assert step_of("llama3_70b_pp.toml", 64, *few).bubble_fraction == pytest.approx(3 / (2 * 2 + 3))
+    # A group across nodes runs at the network's per-GPU bandwidth times its members per node.
+    kind = gpu_kind("h100")
+    assert Link.of(kind, 8, 1).bytes_per_s > Link.of(kind, 16, 8).bytes_per_s == Link(kind, 16, 1).bytes_per_s
+    assert Link.of(kind, 64, 1).bytes_per_s == pytest.approx(8 * kind.network_gbps * 1e9 * 0.8)  # 8 NICs < NVLink
+
+
+def test_the_plan_is_a_config_that_loads_back(tmp_path):
+    cfg = load_config(["--config", "train_configs/llama3_70b_pp.toml"])
+    search = LayoutSearch(cfg, 64, gpu_kind("h200"))
+    best = search.run()[0][0]
+    out = planned_config(best.layout, cfg, 64, search.kind, search.global_batch())
+    path = tmp_path / "plan.toml"
+    path.write_text(toml_text(out, "a header\nof two lines"))
+    tomllib.loads(path.read_text())
+    back = load_config(["--config", str(path)])
+    for key, value in best.layout.overrides().items():
+        section, name = key.split(".")
+        assert getattr(getattr(back, section), name) == value, key
+    assert back.training.global_batch_size == search.global_batch() == 64
+    assert back.comm.fake_world_size == 64 and back.comm.fake_gpu_memory_gib == GPU_KINDS["h200"].memory_gib
+    assert back.optimizer.lr == cfg.optimizer.lr and back.model.flavor == "70B"
+
+
+def run_plan(capsys, *argv):
+    rc = run_cli(layout_search.main, list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err.strip()
+
+
+def test_bad_input_is_one_line(capsys, tmp_path):
+    dump = ["--job.dump_folder", str(tmp_path)]
+    rc, _, err = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--plan.gpu", "x100", *dump)
+    assert rc == 2 and err == (
+        "titanlite: error: config key 'plan.gpu' = 'x100': expected one of h100, h100-96gb-500w, h200, a100, b200"
+    )
+    world7 = ["--comm.fake_world_size", "7", "--training.global_batch_size", "8"]
+    rc, _, err = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", *world7, *dump)
+    assert rc == 2 and err.startswith("titanlite: error: no valid layout of 8B on 7 GPUs") and "\n" not in err
+    rc, out, err = run_plan(capsys, "--config", "train_configs/llama3_405b.toml", "--comm.fake_world_size", "8", *dump)
+    assert rc == 1 and not out and "\n" not in err
+    assert (
+        err.startswith("titanlite: error: no layout fits 8 x h100: closest pp 8, AC full") and " GiB per GPU of " in err
+    )
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path):
+    def sh(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["./run_train.sh", *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+
+    proc = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--job.dump_folder", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("layout search: llama3 8B on 8 x h100")
+    header = next(i for i, line in enumerate(lines) if line.startswith("#"))
+    assert lines[header + 1].startswith("given  dp_shard 8, AC op, batch 1, reshard default")
+    assert lines[header + 2].startswith("1 ") and any(line.startswith("  given: ") for line in lines)
+    plan = tmp_path / "plan.toml"
+    assert f"wrote {plan}" in proc.stdout
+    check = sh("--config", str(plan), "--dry-run")
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip().splitlines()[-1].startswith("fits: ")
+    bad = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--plan.gpu", "x100")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "plan.gpu" in bad.stderr

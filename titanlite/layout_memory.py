@@ -1,0 +1,330 @@
+"""The dry run's memory estimate for many layouts at once, from parameter shapes instead of a model build.
+
+The dry run builds the parallelized model on the meta device and reads its shard shapes
+(`titanlite/memory_plan.py`). A layout search asks the same question for thousands of layouts, so the
+shapes are read once per tensor-parallel degree (`ShapeTable`: the model built on the meta device with
+TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
+SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over `dp_shard` (rank 0 holds the ceiling; pure
+replication shards nothing). Everything else follows the memory plan's rules, through its own objects
+where they take numbers (`Layout`, `ReshardPlan`, `pipeline_estimate`, the family's activation model):
+gathered weights held from forward to backward, gathers in flight (one unit, two for FSDP2), the
+reduce-scatter input or the unreduced gradients, activations of the microbatches each pipeline rank
+keeps in flight. Tests hold it equal to the dry run on the layouts they build.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from titanlite.build import RunPlan, build_model
+from titanlite.config import JobConfig
+from titanlite.memory_plan import Layout, MemoryEstimate, StageMemory, pipeline_estimate
+from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.units import Units
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    fqn: str
+    unit: str
+    """Its block's FQN, or "" outside the blocks."""
+    block: int
+    """Its block's index, or -1 outside the blocks."""
+    before: bool
+    """A root module before the blocks (the embedding): held by the first pipeline stage."""
+    shape: tuple[int, ...]
+    """The tensor-parallel local shape (what a data-parallel gather produces)."""
+    itemsize: int
+    trainable: bool
+
+    def local_numel(self, shard: int) -> int:
+        if not self.shape:
+            return 1
+        return math.ceil(self.shape[0] / shard) * math.prod(self.shape[1:])
+
+    @property
+    def gathered_numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ShapeTable:
+    """The model's parameters per tensor-parallel degree, read from meta-device builds (one per degree)."""
+
+    def __init__(self, cfg: JobConfig, plan: RunPlan, fake_process_group: Any):
+        self.cfg, self.plan, self.fake_process_group = cfg, plan, fake_process_group
+        self._tables: dict[int, list[ParamShape]] = {}
+
+    def params(self, tp: int) -> list[ParamShape]:
+        if tp not in self._tables:
+            self._tables[tp] = self._build(tp)
+        return self._tables[tp]
+
+    def _build(self, tp: int) -> list[ParamShape]:
+        cfg = copy.deepcopy(self.cfg)
+        p = cfg.parallelism
+        p.tensor_parallel_degree, p.data_parallel_shard_degree, p.data_parallel_replicate_degree = tp, 1, 1
+        p.pipeline_parallel_degree, p.pipeline_parallel_split_points = 1, []
+        p.pipeline_parallel_stages_per_rank = -1
+        cfg.compile.enable, cfg.activation_checkpoint.mode = False, "none"
+        cfg.training.global_batch_size = -1
+        plan = RunPlan.build(cfg, tp, tokenizer=self.plan.tokenizer, args=self.plan.model_args)
+        with self.fake_process_group(0, tp):
+            model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
+        units = plan.spec.units(model)
+        index = {fqn: i for i, fqn in enumerate(units.blocks)}
+        out = []
+        for fqn, param in model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            unit = units.unit_of(fqn)
+            before = not unit and any(fqn.startswith(b + ".") for b in units.before)
+            out.append(
+                ParamShape(
+                    fqn,
+                    unit,
+                    index.get(unit, -1),
+                    before,
+                    tuple(local.shape),
+                    local.element_size(),
+                    param.requires_grad,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class StageUnits:
+    """One pipeline stage (the whole model without PP): its gather units and what memory they take."""
+
+    stage: int
+    blocks: range
+    first: bool
+    last: bool
+    gathered: dict[str, int]
+    """Gather unit -> elements after the data-parallel gather (TP-local), in forward order."""
+    tensors: dict[str, int]
+    """Gather unit -> its parameters (one collective each where nothing buckets them)."""
+    block_units: tuple[str, ...]
+    """The units that are blocks, in order (one per block of `blocks`)."""
+    held: frozenset[str]
+    """Units whose gathered weights live from forward to backward (not gathered again in backward)."""
+    before: frozenset[str]
+    """Units before the blocks (the embedding): their backward needs no weights, so no re-gather."""
+    memory: MemoryEstimate
+    held_activations: int
+
+    @cached_property
+    def numel(self) -> tuple[int, ...]:
+        """Gathered elements per unit, in forward order."""
+        return tuple(self.gathered.values())
+
+    @cached_property
+    def n_tensors(self) -> tuple[int, ...]:
+        return tuple(self.tensors[u] for u in self.gathered)
+
+    @cached_property
+    def regathered(self) -> tuple[bool, ...]:
+        """Per unit: gathered again for backward (freed after forward, and its backward needs weights)."""
+        return tuple(u not in self.held and u not in self.before for u in self.gathered)
+
+    @cached_property
+    def block_positions(self) -> tuple[int, ...]:
+        """The position among the units of each block's unit, in block order."""
+        units = list(self.gathered)
+        return tuple(units.index(u) for u in self.block_units)
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank (the only one without PP): its stages and the microbatches in flight on it."""
+
+    stages: list[StageUnits]
+    in_flight: int = 1
+    unreduced_grads: bool = False
+    pipelined: bool = False
+
+    @cached_property
+    def memory(self) -> MemoryEstimate:
+        """The estimate as the dry run reports it (`memory_plan.pipeline_estimate` under PP)."""
+        if not self.pipelined:
+            return self.stages[0].memory
+        return pipeline_estimate(
+            [StageMemory(u.stage, u.memory, u.held_activations) for u in self.stages],
+            self.in_flight,
+            self.unreduced_grads,
+        )
+
+    @cached_property
+    def total(self) -> int:
+        """`memory.total` without building the estimate's parts (the search asks for thousands)."""
+        if not self.pipelined:
+            return self.stages[0].memory.total
+        ms = [u.memory for u in self.stages]
+        return (
+            sum(m.params + m.grads + m.optimizer + m.gather_held for m in ms)
+            + max(m.gather_in_flight for m in ms)
+            + (sum if self.unreduced_grads else max)(m.reduce_buffer for m in ms)
+            + sum(self.in_flight * u.held_activations for u in self.stages)
+            + max(u.memory.activations - u.held_activations for u in self.stages)
+        )
+
+    @property
+    def params(self) -> int:
+        return sum(u.memory.params for u in self.stages)
+
+
+@dataclass
+class LayoutMemory:
+    ranks: list[RankMemory]
+
+    @cached_property
+    def peak_rank(self) -> int:
+        return max(range(len(self.ranks)), key=lambda r: self.ranks[r].total)
+
+    @property
+    def peak_total(self) -> int:
+        return self.ranks[self.peak_rank].total
+
+    @property
+    def peak(self) -> MemoryEstimate:
+        return self.ranks[self.peak_rank].memory
+
+
+class LayoutMemoryModel:
+    """Memory per GPU of any layout of one model and config, from a `ShapeTable`."""
+
+    def __init__(self, shapes: ShapeTable):
+        self.shapes = shapes
+        self.spec, self.args = shapes.plan.spec, shapes.plan.model_args
+        self._stage_params: dict[tuple, _StageParams] = {}
+        self._activations: dict[Layout, dict[str, int]] = {}
+        self._stages: dict[tuple, StageUnits] = {}
+        self._stage_layouts: dict[tuple, Layout] = {}
+
+    def activations(self, layout: Layout) -> dict[str, int]:
+        if layout not in self._activations:
+            assert self.spec.activation_bytes is not None
+            self._activations[layout] = self.spec.activation_bytes(self.args, layout)
+        return self._activations[layout]
+
+    def _params(self, tp: int, shard: int, dp_impl: str, blocks: range, first: bool, last: bool) -> _StageParams:
+        key = (tp, shard, dp_impl, blocks.start, blocks.stop, first, last)
+        if key not in self._stage_params:
+            nbytes = trainable = 0
+            units: dict[str, int] = {}
+            tensors: dict[str, int] = {}
+            block_units, before, after = [], set(), set()
+            for p in self.shapes.params(tp):
+                if p.unit:
+                    if p.block not in blocks:
+                        continue
+                    unit = p.unit
+                    if unit not in units:
+                        block_units.append(unit)
+                elif (p.before and not first) or (not p.before and not last):
+                    continue
+                else:
+                    module = p.fqn.split(".")[0]
+                    (before if p.before else after).add(module)
+                    unit = "root" if dp_impl == "fsdp2" else p.fqn
+                n = p.local_numel(shard) * p.itemsize
+                nbytes += n
+                trainable += n if p.trainable else 0
+                units[unit] = units.get(unit, 0) + p.gathered_numel
+                tensors[unit] = tensors.get(unit, 0) + 1
+            self._stage_params[key] = _StageParams(
+                nbytes,
+                trainable,
+                units,
+                tensors,
+                Units(dict.fromkeys(block_units), tuple(before), tuple(after)),  # type: ignore[arg-type]
+            )
+        return self._stage_params[key]
+
+    def stage(self, layout: Layout, plan: RunPlan, stage: int, blocks: range, first: bool, last: bool) -> StageUnits:
+        dims = plan.dims
+        shard = dims.dp_shard if layout.dp_mode in ("fully_shard", "hybrid_shard") else 1
+        key = (layout, shard, stage, blocks.start, blocks.stop, first, last)
+        if key not in self._stages:
+            self._stages[key] = self._stage(layout, dims.tp, shard, stage, blocks, first, last)
+        return self._stages[key]
+
+    def _stage(self, layout: Layout, tp: int, shard: int, stage: int, blocks: range, first: bool, last: bool):
+        params = self._params(tp, shard, layout.dp_impl, blocks, first, last)
+        held, in_flight, reduce, held_units = self._buffers(layout, params)
+        acts = dict(self.activations(layout))
+        peak, held_acts = acts.pop("peak"), acts.pop("held", 0)
+        t = params.trainable
+        memory = MemoryEstimate({}, params.nbytes, t, 2 * t, held, in_flight, reduce, peak, acts)
+        before = frozenset(u for u in params.units if _under(u, params.model_units.before))
+        block_units = tuple(params.model_units.blocks)
+        return StageUnits(
+            stage, blocks, first, last, params.units, params.tensors, block_units, held_units, before, memory, held_acts
+        )
+
+    @staticmethod
+    def _buffers(layout: Layout, params: _StageParams) -> tuple[int, int, int, frozenset[str]]:
+        """`memory_plan._collective_buffers` from the units' gathered sizes: (held, in flight, reduce buffer
+        bytes; the held units)."""
+        units, model_units = params.units, params.model_units
+        if layout.dp_mode is None:
+            return 0, 0, 0, frozenset(units)
+        e = layout.compute_dtype.itemsize
+        kept = [u for u in units if not _under(u, model_units.before)]
+        if layout.dp_mode == "replicate":
+            if layout.compute_dtype == torch.float32:
+                return 0, 0, 0, frozenset(units)
+            held = set(kept)
+        else:
+            plan = ReshardPlan.of(layout.reshard, len(model_units.blocks))
+            prefixes = plan.kept(model_units) + (() if plan.root else ("root",))
+            held = {u for u in kept if _under(u, prefixes)}
+        free = sorted((n for u, n in units.items() if u not in held), reverse=True)
+        in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
+        if layout.unreduced_grads:
+            reduce_elems = sum(units.values())
+        else:
+            reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
+        held_bytes = sum(units[u] for u in held) * e
+        return held_bytes, in_flight * e, reduce_elems * layout.reduce_dtype.itemsize, frozenset(held)
+
+    def estimate(self, plan: RunPlan, layout: Layout) -> LayoutMemory:
+        """Every pipeline rank's memory (the one rank without PP) for `layout` built as `plan` says."""
+        sp = plan.pipeline
+        n_blocks = self.args.n_layers
+        if sp is None:
+            return LayoutMemory([RankMemory([self.stage(layout, plan, 0, range(n_blocks), True, True)])])
+        microbatch = plan.cfg.parallelism.pipeline_parallel_microbatch_size
+        ranks = []
+        for r in range(sp.degree):
+            stages = []
+            for s in sp.stages_of(r):
+                last = s == sp.n_stages - 1
+                key = (layout, sp.starts, s, microbatch)
+                if key not in self._stage_layouts:
+                    self._stage_layouts[key] = layout.stage(sp.blocks(s), last, microbatch)
+                stage_layout = self._stage_layouts[key]
+                stages.append(self.stage(stage_layout, plan, s, sp.blocks(s), s == 0, last))
+            ranks.append(RankMemory(stages, sp.in_flight(r), layout.unreduced_grads, pipelined=True))
+        return LayoutMemory(ranks)
+
+
+def _under(fqn: str, prefixes: tuple[str, ...] | frozenset[str]) -> bool:
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class _StageParams:
+    nbytes: int
+    trainable: int
+    units: dict[str, int]
+    """Gather unit -> gathered elements, in forward order."""
+    tensors: dict[str, int]
+    """Gather unit -> parameters in it."""
+    model_units: Units
+    """The stage's blocks (FQN keys only) and root modules, as `Units` names them."""

@@ -1,0 +1,257 @@
+"""The layouts a run could use: mesh degrees, activation checkpointing, batch split, pipeline schedule,
+reshard policy; which of them are valid; and how one becomes config keys.
+
+    ParallelLayout.of_config(cfg, plan)       the config's own layout
+    layout.apply(cfg)                         the config with this layout's keys set
+    candidates(cfg, world, gpus_per_node, global_batch)   every layout the search ranks
+
+Validity has one source: a layout is valid when `RunPlan.build` (mesh degrees against the world and the
+model, batch divisibility, the pipeline's stages and microbatch rules) and `config.validate` accept the
+config it produces. Two placement rules are the search's own: tensor parallelism stays within a node
+(its collectives run in every block), and the global batch (sequences per optimizer step) stays the
+config's, so the training recipe is unchanged; only its split into data-parallel ranks, accumulation
+batches and pipeline microbatches varies.
+
+A new mesh dim (context or expert parallelism) is a field of `Degrees` with its config key in
+`DEGREE_KEYS`: the factorisation of the world runs over every field, and `RunPlan.build` says which
+degrees the model and the config allow.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from titanlite.build import RunPlan
+from titanlite.config import JobConfig, validate
+from titanlite.errors import ConfigError
+from titanlite.parallelisms.pipeline import MULTI_STAGE, SINGLE_STAGE
+
+DEGREE_KEYS = {
+    "pp": "pipeline_parallel_degree",
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "tp": "tensor_parallel_degree",
+}
+"""`Degrees` field -> `parallelism.*` key, outermost mesh dim first."""
+
+AC_CHOICES: tuple[tuple[str, str], ...] = (
+    ("none", "op"),
+    ("selective", "op_all_mm"),
+    ("selective", "2"),
+    ("selective", "op"),
+    ("full", "op"),
+)
+"""(activation_checkpoint.mode, selective_ac_option) pairs searched, least recomputation first."""
+RESHARD_CHOICES = ("default", "always", "never")
+STAGES_PER_RANK = (2, 4)
+"""Stages per rank tried for the interleaved schedules."""
+SCHEDULES = ("1F1B", *MULTI_STAGE)
+"""Schedules searched. GPipe is left out: it has 1F1B's bubble and keeps every microbatch's activations
+(1F1B at most the pipeline depth), so it is never the faster or the smaller of the two."""
+
+
+@dataclass(frozen=True)
+class Degrees:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for f in dataclasses.fields(self):
+            out *= getattr(self, f.name)
+        return out
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        parts = [f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name) > 1]
+        return " x ".join(parts) or "one rank"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    degrees: Degrees
+    ac_mode: str
+    ac_option: str
+    local_batch: int
+    """Sequences per data-parallel rank per accumulation batch (one schedule step under PP)."""
+    microbatch: int
+    """Sequences per pipeline microbatch (= local_batch without PP)."""
+    schedule: str = ""
+    """Pipeline schedule ("" without PP)."""
+    stages_per_rank: int = 1
+    reshard: str = "default"
+    split_points: tuple[int, ...] = ()
+    """Pipeline stage boundaries (empty: balanced)."""
+
+    @classmethod
+    def of_config(cls, cfg: JobConfig, plan: RunPlan) -> ParallelLayout:
+        p, t, d = cfg.parallelism, cfg.training, plan.dims
+        sp = plan.pipeline
+        return cls(
+            Degrees(d.pp, d.dp_replicate, d.dp_shard, d.tp),
+            cfg.activation_checkpoint.mode,
+            cfg.activation_checkpoint.selective_ac_option,
+            t.local_batch_size,
+            p.pipeline_parallel_microbatch_size if sp else t.local_batch_size,
+            sp.schedule if sp else "",
+            sp.stages_per_rank if sp else 1,
+            p.fsdp_reshard_after_forward,
+            tuple(p.pipeline_parallel_split_points) if sp else (),
+        )
+
+    @property
+    def ac(self) -> str:
+        """AC in one word: none, full, op, op_all_mm, or `every k` (every k-th block)."""
+        if self.ac_mode != "selective":
+            return self.ac_mode
+        return self.ac_option if not self.ac_option.isdigit() else f"every {self.ac_option}"
+
+    def overrides(self) -> dict[str, Any]:
+        """`section.key` -> value of every config key this layout sets."""
+        out: dict[str, Any] = {f"parallelism.{DEGREE_KEYS[k]}": v for k, v in dataclasses.asdict(self.degrees).items()}
+        out |= {
+            "activation_checkpoint.mode": self.ac_mode,
+            "activation_checkpoint.selective_ac_option": self.ac_option,
+            "training.local_batch_size": self.local_batch,
+            "parallelism.fsdp_reshard_after_forward": self.reshard,
+        }
+        if self.degrees.pp > 1:
+            out |= {
+                "parallelism.pipeline_parallel_schedule": self.schedule,
+                "parallelism.pipeline_parallel_stages_per_rank": self.stages_per_rank,
+                "parallelism.pipeline_parallel_microbatch_size": self.microbatch,
+            }
+        out["parallelism.pipeline_parallel_split_points"] = list(self.split_points)
+        return out
+
+    def apply(self, cfg: JobConfig, global_batch: int) -> JobConfig:
+        """`cfg` with this layout's keys and `global_batch` sequences per step (sections copied, the rest
+        shared: treat the result as read-only)."""
+        out = copy.copy(cfg)
+        sections: dict[str, Any] = {}
+        for key, value in self.overrides().items():
+            section, name = key.split(".")
+            if section not in sections:
+                sections[section] = copy.copy(getattr(cfg, section))
+                setattr(out, section, sections[section])
+            setattr(sections[section], name, value)
+        if self.degrees.pp == 1:
+            sections["parallelism"].pipeline_parallel_stages_per_rank = -1
+        sections["training"].global_batch_size = global_batch
+        return out
+
+    def describe(self) -> str:
+        batch = f"batch {self.local_batch}"
+        if self.degrees.pp > 1:
+            v = f" x{self.stages_per_rank}" if self.schedule in MULTI_STAGE else ""
+            batch += f" in mb {self.microbatch}, {self.schedule}{v}"
+        return f"{self.degrees.describe()}, AC {self.ac}, {batch}, reshard {self.reshard}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(world: int) -> Iterator[Degrees]:
+    """Every assignment of degrees to `Degrees`' fields whose product is `world`."""
+    names = [f.name for f in dataclasses.fields(Degrees)]
+
+    def rest(n: int, k: int) -> Iterator[tuple[int, ...]]:
+        if k == 1:
+            yield (n,)
+            return
+        for d in divisors(n):
+            for tail in rest(n // d, k - 1):
+                yield (d, *tail)
+
+    for values in rest(world, len(names)):
+        yield Degrees(**dict(zip(names, values)))
+
+
+def pipeline_options(pp: int, local_batch: int) -> Iterator[tuple[str, int, int]]:
+    """(schedule, stages per rank, microbatch size) for `pp` pipeline ranks (one empty option without PP)."""
+    if pp == 1:
+        yield "", 1, local_batch
+        return
+    for mb in divisors(local_batch):
+        for schedule in SCHEDULES:
+            for v in (1,) if schedule in SINGLE_STAGE else STAGES_PER_RANK:
+                yield schedule, v, mb
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A layout without its AC and reshard choices: what decides validity, the batch split and the stages."""
+
+    layout: ParallelLayout
+    plan: RunPlan
+
+
+def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Any) -> Iterator[Structure]:
+    """Every valid (degrees, local batch, pipeline option) for `world` ranks at `global_batch` sequences
+    per step; `build(cfg)` is `RunPlan.build` with the tokenizer and model args already resolved."""
+    checked: dict[tuple, bool] = {}
+    for degrees in factorisations(world):
+        if degrees.tp > gpus_per_node or global_batch % degrees.dp or not _compiles(cfg, degrees):
+            continue
+        for local in divisors(global_batch // degrees.dp):
+            for schedule, v, mb in pipeline_options(degrees.pp, local):
+                layout = ParallelLayout(degrees, "none", "op", local, mb, schedule, v, "default")
+                trial = layout.apply(cfg, global_batch)
+                key = (degrees.pp > 1, schedule)
+                if key not in checked:
+                    checked[key] = _valid(trial)
+                if not checked[key]:
+                    continue
+                try:
+                    plan = build(trial)
+                except ConfigError:
+                    continue
+                yield Structure(layout, plan)
+
+
+def _compiles(cfg: JobConfig, degrees: Degrees) -> bool:
+    """The rule `parallelisms.compile.apply_compile` applies when it builds the model: bucketing needs
+    SimpleFSDP's data parallelism (a world of one has it)."""
+    c = cfg.compile
+    if not (c.enable and "model" in c.components and c.bucketing != "none"):
+        return True
+    dp_enabled = degrees.dp > 1 or degrees.world == 1
+    return dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp" and c.backend in ("aot_eager", "inductor")
+
+
+def _valid(cfg: JobConfig) -> bool:
+    try:
+        validate(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def with_choices(structure: Structure, ac: tuple[tuple[str, str], ...] = AC_CHOICES) -> Iterator[ParallelLayout]:
+    """The structure's layout under every AC (of `ac`) and reshard choice (full AC is refused by compile
+    scope `model`, as `apply_compile` refuses it)."""
+    c = structure.plan.cfg.compile
+    for (mode, option), reshard in itertools.product(ac, RESHARD_CHOICES):
+        if mode == "full" and c.enable and c.scope == "model" and "model" in c.components:
+            continue
+        yield dataclasses.replace(structure.layout, ac_mode=mode, ac_option=option, reshard=reshard)
+
+
+def least_memory(structure: Structure) -> Iterator[ParallelLayout]:
+    """The structure's layouts that keep the fewest activations (the most recomputation AC allows): if
+    none of them fits, no choice of the structure does."""
+    c = structure.plan.cfg.compile
+    scope_model = c.enable and c.scope == "model" and "model" in c.components
+    return with_choices(structure, (AC_CHOICES[-2] if scope_model else AC_CHOICES[-1],))

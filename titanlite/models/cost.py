@@ -1,0 +1,47 @@
+"""What one token costs a model family: the work the step-time model (`titanlite/step_time.py`) times.
+
+A family describes its repeated block and its output once (`ModelSpec.step_cost`), per token of one
+sequence of `seq_len` tokens and for the forward pass only; the step-time model multiplies out the
+backward, the recomputation of activation checkpointing, the tensor-parallel split and the batch.
+Parameter bytes (what data parallelism moves) come from the model's real shard shapes instead
+(`titanlite/layout_memory.py`), so they are not repeated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One transformer block's forward, per token."""
+
+    matmul_flops: float
+    """FLOPs of its weight matmuls (2 x the weights' elements)."""
+    attention_flops: float
+    """FLOPs of the attention scores and the weighted values as a causal kernel computes them (half of
+    the full s x s product)."""
+    op_recompute_flops: float
+    """Matmul FLOPs that selective AC `op` (every other matmul saved) runs again in backward."""
+    elementwise_bytes: float
+    """Memory traffic of the non-matmul ops as eager kernels run them (each op reads its inputs and
+    writes its output), at the compute dtype."""
+    fused_elementwise_bytes: float
+    """The same when compiled: fused regions read their inputs and write their outputs once."""
+    tp_collectives: int
+    """Activation collectives (all-gather or reduce-scatter of one hidden state) of its forward under
+    tensor parallelism with sequence parallelism; its backward issues as many."""
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    block: BlockCost
+    output_matmul_flops: float
+    """The output projection's forward FLOPs per token (the last pipeline stage)."""
+    loss_bytes: float
+    """Eager memory traffic of the loss over the logits, forward and backward, per token."""
+    fused_loss_bytes: float
+    hidden: int
+    """Elements of one token's hidden state: a pipeline stage's send, a TP activation collective."""
+    flops_per_token: float
+    """Training FLOPs per token as the trainer reports MFU (`args.flops_per_token`)."""

@@ -1,0 +1,348 @@
+"""How long one optimizer step takes on a GPU kind, for a layout: compute, recomputation, exposed
+communication, the pipeline bubble and the optimizer, from the model's cost per token
+(`models/cost.py`), the layout's gather units (`layout_memory.py`) and the GPU's figures (`gpus.py`).
+
+Compute, per microbatch and pipeline rank (tokens = microbatch x seq_len, every term over tp):
+    forward    matmuls / matmul rate + attention / attention rate + elementwise bytes / HBM bandwidth
+    backward   2 x the matmuls, 2.5 x the attention (flash attention's backward), 2 x the elementwise
+    recompute  full AC: the block's forward again; `op`: the matmuls it does not save; `op_all_mm` and
+               every AC mode: the elementwise forward again
+The last stage adds the output projection and the loss. Rates are the GPU's achievable ones times its
+calibrated training efficiency; eager kernels move `elementwise_bytes`, compiled ones the fused bytes.
+
+Collectives (ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an
+all-reduce twice that; plus a fixed latency). A group spans nodes when its ranks do (the mesh is laid
+out pp, dp_replicate, dp_shard, tp, innermost fastest); then it runs at the network's per-GPU bandwidth,
+else at NVLink's.
+    tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
+                      (forward, backward, and the forward again under full AC); exposed: they sit
+                      between the matmuls that need them
+    data parallel     per gather unit (a block, or a root parameter / FSDP2's root group): the forward
+                      all-gather, the backward re-gather of units resharded after forward, the gradient
+                      reduce-scatter (all-reduce when replicating; both under HSDP) in every backward,
+                      or once per step when gradients are reduced once per step
+    pipeline          one hidden state per microbatch and stage boundary, forward and backward, exposed
+Overlap follows what the implementation schedules (`prefetches`): FSDP2, and SimpleFSDP compiled as one
+graph with bucketing and reordering, gather the next unit while the current one computes and reduce a
+unit's gradients while the next computes (exposed = the first gather, the last reduction, and what a
+unit's collectives take beyond its neighbour's compute); SimpleFSDP eager or compiled per block issues
+each unit's collectives next to its compute (buckets cannot cross compiled blocks): all exposed.
+Reductions once per step after the last backward (SimpleFSDP) have nothing left to overlap.
+
+A schedule step of m microbatches on pipeline ranks whose slowest takes T per microbatch lasts
+m T / (1 - bubble) with the schedule's bubble (`StagePlan.bubble_fraction`; the zero-bubble schedule
+at `ZERO_BUBBLE_SHARE` of it). The step adds its accumulation batches, the once-per-step reductions
+and AdamW (reads parameter, gradient and both moments, writes three, reads the gradient for the norm:
+32 bytes per fp32 parameter, memory-bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titanlite.build import RunPlan
+from titanlite.config import ActivationCheckpoint, JobConfig
+from titanlite.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
+from titanlite.layout_memory import LayoutMemory, StageUnits
+from titanlite.memory_plan import Layout
+from titanlite.models.cost import ModelCost
+from titanlite.parallelisms.activation_checkpoint import block_ac
+
+ZERO_BUBBLE_SHARE = 1 / 3
+"""The zero-bubble schedule's bubble over interleaved 1F1B's: ZB-H1 (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024) leaves about a third of 1F1B's bubble when forward, input-backward and
+weight-backward take equal time. It fills the bubble with deferred weight gradients of later
+microbatches, so with fewer microbatches than pipeline ranks the interleaved bubble is kept."""
+FLASH_BACKWARD = 2.5
+"""Flash attention's backward FLOPs over its forward (five matmuls against two)."""
+ADAM_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True)
+class Features:
+    """Techniques titanlite does not have, for comparing with published runs that used them only."""
+
+    float8: bool = False
+    """Block matmuls at the GPU's fp8 rate (torchao float8 on `nn.Linear`, output layer excluded)."""
+    async_tp: bool = False
+    """Tensor-parallel collectives hidden behind the matmuls they feed (async TP)."""
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step and their parts (on the slowest pipeline rank)."""
+
+    step: float
+    compute: float
+    recompute: float
+    tp_comm: float
+    dp_comm: float
+    """Exposed data-parallel collectives."""
+    pp_comm: float
+    bubble: float
+    optimizer: float
+    bubble_fraction: float
+    tokens_per_gpu: float
+    """Tokens per GPU per step (global batch tokens over the world)."""
+    flops_per_token: float
+    peak_tflops: float
+    dp_comm_total: float = 0.0
+    """Every data-parallel collective, hidden or not."""
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_gpu / self.step
+
+    @property
+    def mfu(self) -> float:
+        return 100 * self.flops_per_token * self.tokens_per_s / (self.peak_tflops * 1e12)
+
+    @property
+    def exposed_comm(self) -> float:
+        return self.tp_comm + self.dp_comm + self.pp_comm
+
+
+def prefetches(cfg: JobConfig) -> bool:
+    """Whether the data-parallel implementation overlaps a unit's collectives with its neighbour's compute."""
+    if cfg.parallelism.dp_impl == "fsdp2":
+        return True
+    c = cfg.compile
+    return (
+        c.enable
+        and c.backend in ("aot_eager", "inductor")
+        and c.scope == "model"
+        and c.bucketing != "none"
+        and c.reorder
+    )
+
+
+class Link:
+    """Collective times over one mesh dim's group of `size` ranks, `per_node` of them on each node.
+
+    Within a node: NVLink. Across nodes NCCL runs one ring per NIC, so a group with k members per node
+    crosses the network through k NICs at once: min(NVLink, k x network) per GPU (nccl-tests' multi-node
+    bus bandwidth on 8-GPU nodes with a NIC per GPU is about eight times one NIC's)."""
+
+    def __init__(self, kind: GpuKind, size: int, per_node: int):
+        self.size = size
+        inter = size > per_node
+        bw = min(kind.nvlink_gbps, per_node * kind.network_gbps) if inter else kind.nvlink_gbps
+        self.bytes_per_s = bw * 1e9 * COLLECTIVE_EFFICIENCY
+        self.latency = kind.inter_latency_s if inter else kind.intra_latency_s
+
+    @classmethod
+    def of(cls, kind: GpuKind, size: int, stride: int) -> Link:
+        """The group of `size` ranks `stride` apart (ranks fill nodes of `kind.gpus_per_node` in order)."""
+        return cls(kind, size, max(1, min(size, kind.gpus_per_node // stride)))
+
+    def ring(self, nbytes: float, all_reduce: bool = False) -> float:
+        """An all-gather or reduce-scatter of `nbytes` unsharded bytes (an all-reduce: twice the traffic)."""
+        if self.size == 1 or nbytes == 0:
+            return 0.0
+        share = (self.size - 1) / self.size * (2 if all_reduce else 1)
+        return share * nbytes / self.bytes_per_s + self.latency
+
+    def send(self, nbytes: float) -> float:
+        return 0.0 if self.size == 1 else nbytes / self.bytes_per_s + self.latency
+
+
+def _overlapped(comm: list[float], compute: list[float]) -> float:
+    """Exposed time of per-unit collectives each needed before its unit's compute, each issued while the
+    previous unit computes (one ahead)."""
+    if not comm:
+        return 0.0
+    return comm[0] + sum(max(0.0, g - c) for g, c in zip(comm[1:], compute[:-1]))
+
+
+class StepTimeModel:
+    def __init__(self, cost: ModelCost, kind: GpuKind, features: Features = Features()):
+        self.cost, self.kind, self.features = cost, kind, features
+        self._block_modes: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    def estimate(self, plan: RunPlan, layout: Layout, memory: LayoutMemory) -> StepTime:
+        cfg, dims, kind, cost = plan.cfg, plan.dims, self.kind, self.cost
+        gpn, e = kind.gpus_per_node, layout.compute_dtype.itemsize
+        eff = kind.training_efficiency
+        fp32 = e == 4 and kind.fp32_matmul_tflops != kind.matmul_tflops
+        scale = kind.fp32_matmul_tflops / kind.matmul_tflops if fp32 else 1.0
+        mm_rate = kind.matmul_tflops * 1e12 * eff * scale
+        block_mm_rate = kind.float8_matmul_tflops * 1e12 * eff if self.features.float8 else mm_rate
+        attn_rate = kind.attention_tflops * 1e12 * eff * scale
+        hbm = kind.hbm_gbps * 1e9 * HBM_EFFICIENCY
+        compiled = cfg.compile.enable
+        fused_blocks = compiled and "model" in cfg.compile.components
+        fused_loss = compiled and "loss" in cfg.compile.components
+        tp = dims.tp
+        tp_link = Link.of(kind, tp, 1)
+        shard_link = Link.of(kind, dims.dp_shard, tp)
+        rep_link = Link.of(kind, dims.dp_replicate, tp * dims.dp_shard)
+        # Neighbouring stages are dp x tp ranks apart: one pair per send.
+        pp_link = Link(kind, dims.pp, 1 if dims.dp * tp >= gpn or dims.world_size > gpn else dims.pp)
+        sp = plan.pipeline
+        microbatch = cfg.parallelism.pipeline_parallel_microbatch_size if sp else cfg.training.local_batch_size
+        tokens = microbatch * cfg.training.seq_len
+        m = sp.microbatches if sp else 1
+        accum = plan.grad_accum
+        ac = ActivationCheckpoint(layout.ac_mode, layout.ac_option)
+        b = cost.block
+        blk_mm = tokens * b.matmul_flops / tp / block_mm_rate
+        blk_attn = tokens * b.attention_flops / tp / attn_rate
+        blk_ew = tokens * (b.fused_elementwise_bytes if fused_blocks else b.elementwise_bytes) / tp / hbm
+        blk_fwd = blk_mm + blk_attn + blk_ew
+        blk_bwd = 2 * blk_mm + FLASH_BACKWARD * blk_attn + 2 * blk_ew
+        recompute = {
+            "none": 0.0,
+            "full": blk_fwd,
+            "op": tokens * b.op_recompute_flops / tp / block_mm_rate + blk_ew,
+            "op_all_mm": blk_ew,
+        }
+        hidden_bytes = tokens * cost.hidden * e
+        tp_coll = 0.0 if self.features.async_tp else tp_link.ring(hidden_bytes)
+        out_mm = tokens * cost.output_matmul_flops / tp / mm_rate
+        loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
+        prefetch = prefetches(cfg) and kind.comm_overlaps_compute
+        dp_mode = layout.dp_mode
+        once = layout.unreduced_grads
+        fsdp2_pp = sp is not None and cfg.parallelism.dp_impl == "fsdp2"
+        # Reductions per step: every backward, once per schedule step (FSDP2 under PP), or once per step.
+        reductions = plan.backwards_per_step if not once else (accum if fsdp2_pp else 1)
+        reduce_in_graph = not once or cfg.parallelism.dp_impl == "fsdp2"
+        r_e = layout.reduce_dtype.itemsize
+
+        g_coef, g_lat = _linear(shard_link, e) if dp_mode not in (None, "replicate") else (0.0, 0.0)
+        if dp_mode is None:
+            r_coef, r_lat = 0.0, 0.0
+        elif dp_mode == "replicate":
+            r_coef, r_lat = _linear(rep_link, r_e, all_reduce=True)
+        else:
+            a, la = _linear(shard_link, r_e)
+            b_, lb = _linear(rep_link, r_e / dims.dp_shard, all_reduce=True)
+            r_coef, r_lat = a + b_, la + lb
+        modes = self._modes(ac, cost_blocks=memory.ranks)
+        # One collective per unit where something buckets them (FSDP2's groups, the compile passes), else
+        # one per parameter (SimpleFSDP eager or compiled without bucketing), as the compile report counts.
+        c = cfg.compile
+        bucketed = cfg.parallelism.dp_impl == "fsdp2" or (
+            c.enable and c.bucketing != "none" and "model" in c.components
+        )
+        per_mb_reduce = reduce_in_graph and reductions == m * accum
+        p2p = 2 * pp_link.send(hidden_bytes / tp) if sp is not None else 0.0
+
+        worst = None
+        busy: list[float] = []
+        for rank in memory.ranks:
+            compute = rec = tp_t = pp_t = 0.0
+            dp_mb = dp_sched = dp_step = dp_total = 0.0
+            for st in rank.stages:
+                fwd_c, bwd_c, comp, recs, tps = self._stage_compute(
+                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll
+                )
+                compute += comp
+                rec += recs
+                tp_t += tps
+                pp_t += p2p
+                counts = [1] * len(st.numel) if bucketed else st.n_tensors
+                g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
+                regather = [x if again else 0.0 for x, again in zip(g, st.regathered)]
+                red_counts = counts if per_mb_reduce else [1] * len(counts)  # once per step: ~64 MiB buckets
+                red = [r_coef * n + r_lat * k for n, k in zip(st.numel, red_counts)] if r_coef else [0.0] * len(counts)
+                dp_total += (
+                    sum(g) * (accum if fsdp2_pp else m * accum) + sum(regather) * m * accum + sum(red) * reductions
+                )
+                bwd_comm = [a + r for a, r in zip(regather, red)] if per_mb_reduce else regather
+                if prefetch:
+                    fwd_exp = _overlapped(g, fwd_c)
+                    bwd_exp = _overlapped(bwd_comm[::-1], bwd_c[::-1])
+                else:
+                    fwd_exp, bwd_exp = sum(g), sum(bwd_comm)
+                if fsdp2_pp:
+                    dp_sched += fwd_exp
+                    fwd_exp = 0.0
+                dp_mb += fwd_exp + bwd_exp
+                if not per_mb_reduce and r_coef:
+                    step_red = sum(red) * reductions / (accum if fsdp2_pp else 1)
+                    if reduce_in_graph and prefetch:  # overlapped with the last backward like any reduction
+                        step_red = max(0.0, step_red - sum(bwd_c)) + red[0]
+                    if fsdp2_pp:
+                        dp_sched += step_red
+                    else:
+                        dp_step += step_red
+            per_mb = compute + rec + tp_t + pp_t + dp_mb
+            row = (per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_sched, dp_step, dp_total)
+            busy.append(accum * (m * per_mb + dp_sched) + dp_step)
+            if worst is None or per_mb > worst[0]:
+                worst = row
+        assert worst is not None
+        per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_sched, dp_step, dp_total = worst
+        bubble_fraction = 0.0
+        if sp is not None:
+            zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
+            bubble_fraction = sp.bubble_fraction * (ZERO_BUBBLE_SHARE if zero_bubble else 1)
+        bubble = m * per_mb * bubble_fraction / (1 - bubble_fraction)
+        optimizer = max(r.params for r in memory.ranks) / 4 * ADAM_BYTES_PER_PARAM / hbm
+        n = m * accum
+        step = accum * (m * per_mb + bubble + dp_sched) + dp_step + optimizer
+        share = min(dims.world_size, kind.gpus_per_node) / kind.shared_processors if kind.shared_processors else 1
+        if share > 1:
+            # Ranks share processors: a waiting rank's share goes to the others, so a step takes the node's
+            # work over its processors, or the critical path at the speed of a rank running alone.
+            step = max(sum(busy) / len(busy) + optimizer, step / share)
+            bubble = max(0.0, step - optimizer - max(busy)) / accum
+        return StepTime(
+            step=step,
+            compute=n * compute,
+            recompute=n * rec,
+            tp_comm=n * tp_t,
+            dp_comm=n * dp_mb + accum * dp_sched + dp_step,
+            pp_comm=n * pp_t,
+            bubble=accum * bubble,
+            optimizer=optimizer,
+            bubble_fraction=bubble_fraction,
+            tokens_per_gpu=plan.tokens_per_gpu_step,
+            flops_per_token=cost.flops_per_token,
+            peak_tflops=kind.peak_tflops,
+            dp_comm_total=dp_total,
+        )
+
+    def _modes(self, ac: ActivationCheckpoint, cost_blocks) -> tuple[str, ...]:
+        """How each block is checkpointed (`activation_checkpoint.block_ac`), by block index."""
+        key = (ac.mode, ac.selective_ac_option)
+        if key not in self._block_modes:
+            n = max(st.blocks.stop for r in cost_blocks for st in r.stages)
+            self._block_modes[key] = tuple(block_ac(ac, i) for i in range(n))
+        return self._block_modes[key]
+
+    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll):
+        """For one microbatch through stage `st`: per gather unit, in forward order, the forward and the
+        backward (+ recompute) compute it feeds; and the stage's compute, recompute and tensor-parallel
+        times. Blocks carry the block compute; the output projection and the loss go with the last unit."""
+        n = len(st.numel)
+        fwd_c, bwd_c = [0.0] * n, [0.0] * n
+        rec = 0.0
+        full = 0
+        for i, j in zip(st.blocks, st.block_positions):
+            mode = modes[i]
+            r = recompute[mode]
+            fwd_c[j], bwd_c[j] = blk_fwd, blk_bwd + r
+            rec += r
+            full += mode == "full"
+        nb = len(st.block_positions)
+        compute = nb * (blk_fwd + blk_bwd)
+        tp_n = self.cost.block.tp_collectives * (2 * nb + full)
+        if st.last:
+            compute += 3 * out_mm + loss_ew
+            fwd_c[-1] += out_mm
+            bwd_c[-1] += 2 * out_mm + loss_ew
+            tp_n += 2
+        if st.first:
+            tp_n += 2
+        return fwd_c, bwd_c, compute, rec, tp_n * tp_coll
+
+
+def _linear(link: Link, bytes_per_elem: float, all_reduce: bool = False) -> tuple[float, float]:
+    """(seconds per element, latency) of `link.ring` on a unit of elements of `bytes_per_elem` bytes."""
+    if link.size == 1:
+        return 0.0, 0.0
+    share = (link.size - 1) / link.size * (2 if all_reduce else 1)
+    return share * bytes_per_elem / link.bytes_per_s, link.latency

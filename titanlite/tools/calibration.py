@@ -1,0 +1,271 @@
+"""The step-time and memory estimates against TorchTitan's published Llama 3 runs.
+
+    python -m titanlite.tools.calibration          the table of docs/layout_search.md
+
+Sources: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B / 70B / 405B,
+8 to 512 H100s of 96 GB HBM2e at 500 W, 8 per host on NVLink, 400 Gb/s RDMA per GPU between hosts,
+seq 8192 unless noted, FSDP2, tokens/s per GPU and peak memory in GiB) and docs/performance.md (64 A100
+80GB, FSDP2, local batch 1, seq 8192; no memory published). Each row is evaluated as titanlite would run
+it: the shipped config of its model with the row's degrees, batch, sequence, AC and compile, FSDP2 (the
+runs' implementation) with TorchTitan's reshard policy (every block but the last; nothing under PP) and
+fp32 gradient reduction.
+
+Rows with Float8 or async TP, which titanlite lacks, are estimated with those techniques in the model
+(`step_time.Features`: block matmuls at the GPU's fp8 matmul rate; tensor-parallel collectives hidden)
+and reported apart from the bf16 rows. Rows with context parallelism > 1 cannot be expressed (titanlite
+has no CP yet) and are listed as not comparable. `fit()` solves for the training efficiency that makes
+a calibration row exact; `titanlite/gpus.py` holds the fitted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+from titanlite.config import load_config
+from titanlite.gpus import GPU_KINDS, GpuKind, gpu_kind
+from titanlite.step_time import Features
+from titanlite.tools.layout_search import Estimate, LayoutSearch
+
+CONFIGS = {
+    "8B": "train_configs/llama3_8b.toml",
+    "70B": "train_configs/llama3_70b.toml",
+    "405B": "train_configs/llama3_405b.toml",
+}
+H100_TT = "h100-96gb-500w"
+FSDP2 = [
+    "--parallelism.dp_impl",
+    "fsdp2",
+    "--compile.bucketing",
+    "none",
+    "--training.mixed_precision_reduce",
+    "float32",
+]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    flavor: str
+    world: int
+    overrides: list[str]
+    tps: float
+    """Published tokens/s per GPU."""
+    gib: float | None
+    """Published peak memory per GPU (None: not published)."""
+    gpu: str = H100_TT
+    features: Features = Features()
+    comparable: str = ""
+    """Why the row cannot be estimated ("" = it can)."""
+    calibrates: bool = False
+    """The row fixes its GPU kind's training efficiency."""
+    tags: tuple[str, ...] = field(default=())
+
+
+def _args(
+    local: int,
+    global_: int,
+    ac: str,
+    compile_: bool,
+    seq: int = 8192,
+    degrees: tuple[int, int, int] = (1, -1, 1),
+    reshard: str = "default",
+) -> list[str]:
+    pp, dp, tp = degrees
+    mode, option = ("selective", ac) if ac in ("op", "2") else (ac, "op")
+    out = [*FSDP2, "--training.seq_len", str(seq), "--training.local_batch_size", str(local)]
+    out += ["--training.global_batch_size", str(global_), "--activation_checkpoint.mode", mode]
+    out += ["--activation_checkpoint.selective_ac_option", option, "--parallelism.fsdp_reshard_after_forward", reshard]
+    out += ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.data_parallel_shard_degree", str(dp)]
+    out += ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree", "1"]
+    return out + ["--compile.enable" if compile_ else "--no-compile.enable"]
+
+
+F8 = Features(float8=True)
+F8_ATP = Features(float8=True, async_tp=True)
+NO_CP = "context parallelism (titanlite has none yet)"
+
+
+def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192) -> list[str]:
+    """TorchTitan's pipeline of that time split the local batch into as many microbatches as stages
+    (`experimental.pipeline_parallel_microbatches` defaulted to the stage count)."""
+    out = _args(local, global_, "full", True, seq, (8, 8, 8), reshard="never")
+    out += ["--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_stages_per_rank"]
+    microbatch = local // (8 * v)
+    return out + [
+        str(v),
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(microbatch),
+        "--parallelism.gradient_reduction",
+        "per_step",
+    ]
+
+
+ROWS: tuple[Row, ...] = (
+    Row("8B, 8 GPUs, FSDP", "8B", 8, _args(2, 16, "op", False), 5762, 82.4),
+    Row("8B, 8 GPUs, FSDP + compile", "8B", 8, _args(2, 16, "op", True), 6667, 77.0, calibrates=True),
+    Row("8B, 8 GPUs, FSDP + compile + Float8", "8B", 8, _args(2, 16, "op", True), 8532, 76.8, features=F8),
+    Row(
+        "8B, 8 GPUs, FSDP 8 CP 1, seq 32768, full AC, + compile + Float8",
+        "8B",
+        8,
+        _args(1, 8, "full", True, 32768),
+        3890,
+        83.9,
+        features=F8,
+    ),
+    Row("8B, 8 GPUs, FSDP 4 CP 2, seq 65536", "8B", 8, [], 2540, 84.2, comparable=NO_CP),
+    Row("8B, 8 GPUs, FSDP 2 CP 4, seq 131072", "8B", 8, [], 1071, 84.0, comparable=NO_CP),
+    Row("8B, 8 GPUs, FSDP 1 CP 8, seq 262144", "8B", 8, [], 548, 84.5, comparable=NO_CP),
+    Row("8B, 128 GPUs, FSDP", "8B", 128, _args(2, 256, "op", False), 5605, 67.0),
+    Row("8B, 128 GPUs, FSDP + compile", "8B", 128, _args(2, 256, "op", True), 6514, 62.0),
+    Row("8B, 128 GPUs, FSDP + compile + Float8", "8B", 128, _args(2, 256, "op", True), 8380, 61.8, features=F8),
+    Row(
+        "70B, 256 GPUs, FSDP 32 TP 8, full AC, compile + Float8",
+        "70B",
+        256,
+        _args(16, 512, "full", True, degrees=(1, 32, 8)),
+        829,
+        71.9,
+        features=F8,
+    ),
+    Row(
+        "70B, 256 GPUs, FSDP 32 TP 8, full AC, compile + Float8 + async TP",
+        "70B",
+        256,
+        _args(16, 512, "full", True, degrees=(1, 32, 8)),
+        876,
+        67.6,
+        features=F8_ATP,
+    ),
+    Row(
+        "405B, 512 GPUs, FSDP 8 TP 8 PP 8, 1F1B, full AC, compile + Float8 + async TP",
+        "405B",
+        512,
+        _pp("1F1B", 1, 32, 256),
+        100,
+        82.5,
+        features=F8_ATP,
+    ),
+    Row(
+        "405B, 512 GPUs, FSDP 8 TP 8 PP 8, Interleaved 1F1B, full AC, compile + Float8 + async TP",
+        "405B",
+        512,
+        _pp("Interleaved1F1B", 2, 32, 256),
+        128,
+        72.7,
+        features=F8_ATP,
+    ),
+    Row(
+        "405B, 512 GPUs, FSDP 8 TP 8 PP 8 CP 1, seq 32768, 1F1B, compile + Float8 + async TP",
+        "405B",
+        512,
+        _pp("1F1B", 1, 8, 64, seq=32768),
+        76,
+        75.3,
+        features=F8_ATP,
+    ),
+    Row("405B, 512 GPUs, FSDP 4 CP 2, seq 65536", "405B", 512, [], 47, 75.9, comparable=NO_CP),
+    Row("405B, 512 GPUs, FSDP 2 CP 4, seq 131072", "405B", 512, [], 31, 77.1, comparable=NO_CP),
+    Row("405B, 512 GPUs, FSDP 1 CP 8, seq 262144", "405B", 512, [], 16, 84.9, comparable=NO_CP),
+    Row("A100: 8B, 64 GPUs, FSDP, selective layer AC", "8B", 64, _args(1, 64, "2", False), 2904, None, gpu="a100"),
+    Row(
+        "A100: 8B, 64 GPUs, FSDP, selective op AC",
+        "8B",
+        64,
+        _args(1, 64, "op", False),
+        2973,
+        None,
+        gpu="a100",
+        calibrates=True,
+    ),
+    Row("A100: 70B, 64 GPUs, FSDP, full AC", "70B", 64, _args(1, 64, "full", False), 331, None, gpu="a100"),
+)
+
+
+@dataclass
+class Result:
+    row: Row
+    tps: float
+    gib: float
+
+    @property
+    def tps_error(self) -> float:
+        return self.tps / self.row.tps - 1
+
+    @property
+    def gib_error(self) -> float | None:
+        return None if self.row.gib is None else self.gib / self.row.gib - 1
+
+
+def kind_of(row: Row, efficiency: float | None = None) -> GpuKind:
+    kind = gpu_kind(row.gpu)
+    return kind if efficiency is None else dataclasses.replace(kind, training_efficiency=efficiency)
+
+
+def evaluate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Result:
+    """The row as titanlite's estimates see it (the given layout of the layout search); `shapes` shares
+    the parameter shapes read between rows of one model."""
+    cfg = load_config(["--config", CONFIGS[row.flavor], *row.overrides])
+    search = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes)
+    est = search.given()
+    if not isinstance(est, Estimate):
+        raise ValueError(f"{row.name}: {est}")
+    return Result(row, est.time.tokens_per_s, est.gib)
+
+
+def fit(row: Row, shapes: dict | None = None) -> float:
+    """The training efficiency at which `row`'s estimate equals its published tokens/s (bisection: the
+    estimate grows with the efficiency)."""
+    shapes = {} if shapes is None else shapes
+    low, high = 0.05, 1.5
+    for _ in range(40):
+        mid = (low + high) / 2
+        if evaluate(row, mid, shapes).tps < row.tps:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def results(shapes: dict | None = None) -> list[Result | None]:
+    """Every row's estimate (None where the row is not comparable)."""
+    shapes = {} if shapes is None else shapes
+    return [None if row.comparable else evaluate(row, shapes=shapes) for row in ROWS]
+
+
+def table(shapes: dict | None = None) -> str:
+    lines = [
+        "| run | published tok/s | estimated | error | published GiB | estimated | error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row, r in zip(ROWS, results(shapes)):
+        if r is None:
+            gib = f"{row.gib:.1f}" if row.gib is not None else "-"
+            lines.append(f"| {row.name} | {row.tps:,.0f} | not comparable: {row.comparable} | | {gib} | | |")
+            continue
+        tag = " (calibration)" if row.calibrates else ""
+        gib_pub = f"{row.gib:.1f}" if row.gib is not None else "-"
+        gib_err = f"{100 * r.gib_error:+.0f}%" if r.gib_error is not None else "-"
+        lines.append(
+            f"| {row.name}{tag} | {row.tps:,.0f} | {r.tps:,.0f} | {100 * r.tps_error:+.0f}% | {gib_pub} | "
+            f"{r.gib:.1f} | {gib_err} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if "--fit" in argv:
+        shapes: dict = {}
+        for row in ROWS:
+            if row.calibrates:
+                print(f"{row.gpu}: training_efficiency {fit(row, shapes):.3f} ({row.name})")
+        return 0
+    print(f"GPU kinds: {', '.join(GPU_KINDS)}")
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

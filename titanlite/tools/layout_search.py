@@ -1,0 +1,332 @@
+"""Layout search: which parallel layout should this config use on N GPUs of a kind? One CPU process.
+
+    ./run_train.sh --config FILE --plan [--comm.fake_world_size N] [--plan.gpu h100|h200|a100|b200|...]
+    python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
+
+Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, activation checkpointing,
+batch split, pipeline schedule, reshard policy) is estimated for peak memory per GPU (the dry run's
+model applied to parameter shapes: `titanlite/layout_memory.py`) and step time
+(`titanlite/step_time.py`, with the GPU kind's figures from `titanlite/gpus.py`). Layouts within
+`TIGHT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
+estimated first (the `given` row); the `plan.confirm` fastest and the given one are then planned by the
+dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
+`<dump_folder>/plan.toml`, which `--dry-run` accepts as is.
+
+Exit codes: 0 = a layout fits and plan.toml is written; 1 = no layout fits (one line naming the closest
+and what it needs); 2 = bad input (config, GPU kind, a world size no layout divides).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from titanlite.build import RunPlan
+from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
+from titanlite.errors import ConfigError, run_cli
+from titanlite.gpus import GpuKind, gpu_kind
+from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
+from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
+from titanlite.memory_plan import GiB, Layout
+from titanlite.step_time import Features, StepTime, StepTimeModel
+from titanlite.tools.dry_run import TIGHT_FRACTION, build_run_plan, dry_run, fake_process_group, world_size_of
+
+PLAN_NAME = "plan.toml"
+
+
+@dataclass
+class Estimate:
+    layout: ParallelLayout
+    plan: RunPlan
+    memory: LayoutMemory
+    time: StepTime
+    given: bool = False
+    exact_gib: float | None = None
+    """The dry run's peak for this layout, once confirmed."""
+
+    @property
+    def gib(self) -> float:
+        return self.memory.peak_total / GiB
+
+
+class LayoutSearch:
+    """Estimates of any layout of `cfg` on `world` GPUs of `kind`; `run()` ranks all of them."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        world: int,
+        kind: GpuKind,
+        features: Features | None = None,
+        shapes: dict[str, ShapeTable] | None = None,
+    ):
+        """`shapes`: parameter shapes already read, by model flavor (shared between searches of one model)."""
+        self.cfg, self.world, self.kind = cfg, world, kind
+        self.capacity = kind.memory_gib * GiB
+        plan, self.notes = _plan_for(cfg, world)
+        self.base_plan = plan
+        spec = plan.spec
+        if spec.step_cost is None or spec.activation_bytes is None:
+            raise ConfigError(f"model {spec.name!r} has no step-cost or activation model: no layout search")
+        shapes = {} if shapes is None else shapes
+        key = repr(plan.model_args)
+        if key not in shapes:
+            shapes[key] = ShapeTable(cfg, plan, fake_process_group)
+        self.memory_model = LayoutMemoryModel(shapes[key])
+        features = features or Features()
+        self._time = {
+            e: StepTimeModel(spec.step_cost(plan.model_args, cfg.training.seq_len, e), kind, features) for e in (2, 4)
+        }
+        self._tokenizer, self._args = plan.tokenizer, plan.model_args
+
+    def build(self, cfg: JobConfig) -> RunPlan:
+        return RunPlan.build(cfg, self.world, tokenizer=self._tokenizer, args=self._args)
+
+    def estimate(self, plan: RunPlan, layout: ParallelLayout, given: bool = False) -> Estimate:
+        base = Layout.from_config(plan.cfg, plan.dims, plan.backwards_per_step)
+        mem_layout = dataclasses.replace(
+            base, ac_mode=layout.ac_mode, ac_option=layout.ac_option, reshard=layout.reshard
+        )
+        memory = self.memory_model.estimate(plan, mem_layout)
+        step = self._time[mem_layout.compute_dtype.itemsize].estimate(plan, mem_layout, memory)
+        return Estimate(layout, plan, memory, step, given)
+
+    def given(self) -> Estimate | str:
+        """The config's own layout, or why it cannot run on this world."""
+        try:
+            plan = self.build(self.cfg)
+        except ConfigError as e:
+            return str(e)
+        return self.estimate(plan, ParallelLayout.of_config(self.cfg, plan), given=True)
+
+    def global_batch(self) -> int:
+        t = self.cfg.training
+        if t.global_batch_size > 0:
+            return t.global_batch_size
+        return t.local_batch_size * self.base_plan.dims.dp
+
+    def run(self) -> tuple[list[Estimate], Estimate | None, int]:
+        """(layouts that fit, fastest first; the closest that does not fit when none does; layouts tried)."""
+        fits: list[Estimate] = []
+        closest: Estimate | None = None
+        tried = 0
+        limit = self.capacity * TIGHT_FRACTION
+        for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
+            smallest = [self.estimate(structure.plan, layout) for layout in least_memory(structure)]
+            if min(e.memory.peak_total for e in smallest) > limit:
+                tried += len(smallest)
+                closest = min([*smallest, *([closest] if closest else [])], key=lambda e: e.memory.peak_total)
+                continue
+            for layout in with_choices(structure):
+                tried += 1
+                est = self.estimate(structure.plan, layout)
+                if est.memory.peak_total <= limit:
+                    fits.append(est)
+                elif closest is None or est.memory.peak_total < closest.memory.peak_total:
+                    closest = est
+        fits.sort(key=lambda e: (e.time.step, e.memory.peak_total))
+        return fits, closest, tried
+
+
+def distinct(fits: list[Estimate]) -> list[Estimate]:
+    """The fastest of each structure (degrees, batch split, schedule): AC and reshard variants of a
+    structure above would repeat one row with small differences."""
+    seen, out = set(), []
+    for e in fits:
+        key = dataclasses.replace(e.layout, ac_mode="", ac_option="", reshard="")
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _plan_for(cfg: JobConfig, world: int) -> tuple[RunPlan, list[str]]:
+    """A plan of the config's model for `world` ranks: the config's own layout when it is valid there, else
+    the same model on plain data parallelism (the search only needs the model and its tokenizer)."""
+    try:
+        return build_run_plan(cfg, world)
+    except ConfigError:
+        trial = copy.deepcopy(cfg)
+        p = trial.parallelism
+        p.tensor_parallel_degree = p.pipeline_parallel_degree = p.data_parallel_replicate_degree = 1
+        p.data_parallel_shard_degree, p.pipeline_parallel_split_points = -1, []
+        p.pipeline_parallel_stages_per_rank = -1
+        trial.training.global_batch_size = -1
+        return build_run_plan(trial, world)
+
+
+def confirm(est: Estimate, cfg: JobConfig, world: int, kind: GpuKind, global_batch: int) -> JobConfig:
+    """Plan `est` with the dry run itself; sets `est.exact_gib` and returns the layout's config."""
+    out = planned_config(est.layout, cfg, world, kind, global_batch)
+    est.exact_gib = dry_run(out).peak_total / GiB
+    return out
+
+
+def planned_config(layout: ParallelLayout, cfg: JobConfig, world: int, kind: GpuKind, global_batch: int) -> JobConfig:
+    out = copy.deepcopy(layout.apply(cfg, global_batch))
+    out.comm.fake_world_size, out.comm.fake_gpu_memory_gib = world, kind.memory_gib
+    out.comm.mode = "default"
+    return out
+
+
+def why_slower(est: Estimate, best: Estimate) -> str:
+    """One line: how much slower than the best and the part of the step that costs it most."""
+    a, b = est.time, best.time
+    parts = {
+        "compute": a.compute - b.compute,
+        "AC recompute": a.recompute - b.recompute,
+        "exposed tp collectives": a.tp_comm - b.tp_comm,
+        "exposed dp collectives": a.dp_comm - b.dp_comm,
+        "pipeline send/recv": a.pp_comm - b.pp_comm,
+        "pipeline bubble": a.bubble - b.bubble,
+        "optimizer": a.optimizer - b.optimizer,
+    }
+    ratio = b.tokens_per_s / a.tokens_per_s - 1
+    if ratio <= 1e-9:
+        return "as fast as the best"
+    costs = sorted(((d, n) for n, d in parts.items() if d > 0.005 * b.step), reverse=True)[:2]
+    what = ", ".join(f"{n} +{d:.2f} s" for d, n in costs) or "small differences everywhere"
+    return f"{ratio:.1%} slower per step: {what}"
+
+
+def _row(rank: str, e: Estimate) -> list[str]:
+    exact = f"{e.exact_gib:.1f}" if e.exact_gib is not None else ""
+    t = e.time
+    return [
+        rank,
+        e.layout.describe(),
+        f"{e.gib:.1f}",
+        exact,
+        f"{t.tokens_per_s:,.0f}",
+        f"{t.mfu:.1f}",
+        f"{100 * t.bubble_fraction:.1f}",
+        f"{t.exposed_comm:.2f}",
+        f"{t.step:.2f}",
+    ]
+
+
+HEADER = ["#", "layout", "GiB", "exact", "tok/s/GPU", "MFU %", "bubble %", "exposed comm s", "step s"]
+
+
+def format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    lines = []
+    for r in [HEADER, *rows]:
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)
+
+
+def toml_text(cfg: JobConfig, header: str) -> str:
+    """`cfg` as TOML: every key that differs from the defaults, plus the layout's keys (always written)."""
+    default, current = JobConfig().to_dict(), cfg.to_dict()
+    forced = {"parallelism", "activation_checkpoint"}
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for section, body in current.items():
+        keys = {k: v for k, v in body.items() if k != "config_file" and (section in forced or v != default[section][k])}
+        if section == "training":
+            keys.setdefault("local_batch_size", body["local_batch_size"])
+            keys.setdefault("global_batch_size", body["global_batch_size"])
+        if not keys:
+            continue
+        lines += ["", f"[{section}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML form for {v!r}")
+
+
+def main(argv: list[str]) -> int:
+    started = time.perf_counter()
+    cfg = load_config(argv, default_config=DEFAULT_CONFIG)
+    world = world_size_of(cfg)
+    kind = gpu_kind(cfg.plan.gpu)
+    search = LayoutSearch(cfg, world, kind)
+    given = search.given()
+    global_batch = search.global_batch()
+    fits, closest, tried = search.run()
+    ranked = distinct(fits)
+    if not fits:
+        if closest is None:
+            raise ConfigError(
+                f"no valid layout of {cfg.model.flavor} on {world} GPUs at a global batch of {global_batch} "
+                "sequences (degrees must divide the world, the model's heads and the global batch)"
+            )
+        print(
+            f"titanlite: error: no layout fits {world} x {kind.name}: closest {closest.layout.describe()} needs "
+            f"{closest.gib:.1f} GiB per GPU of {kind.memory_gib:g} (within {TIGHT_FRACTION:.0%}: "
+            f"{kind.memory_gib * TIGHT_FRACTION:.1f})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    best = None
+    for est in ranked[: cfg.plan.confirm]:
+        planned = confirm(est, cfg, world, kind, global_batch)
+        if best is None and est.exact_gib is not None and est.exact_gib * GiB <= search.capacity * TIGHT_FRACTION:
+            best, best_cfg = est, planned
+    if isinstance(given, Estimate):
+        confirm(given, cfg, world, kind, global_batch)
+    if best is None:
+        raise RuntimeError("the dry run rejected every confirmed layout the estimate accepted")
+    elapsed = time.perf_counter() - started
+    out = os.path.join(cfg.job.dump_folder, PLAN_NAME)
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    header = (
+        f"Written by ./run_train.sh --config {cfg.job.config_file or DEFAULT_CONFIG} --plan: the fastest of "
+        f"{len(fits):,} layouts that fit {world} x {kind.name} (estimated)\n"
+        f"{best.layout.describe()}\n"
+        f"estimated {best.time.tokens_per_s:,.0f} tokens/s per GPU, MFU {best.time.mfu:.1f}%, "
+        f"{best.exact_gib:.1f} GiB per GPU (dry run)"
+    )
+    with open(out, "w") as f:
+        f.write(toml_text(best_cfg, header))
+    print(report(cfg, world, kind, given, ranked, len(fits), tried, best, out, elapsed, search.notes), flush=True)
+    return 0
+
+
+def report(cfg, world, kind, given, ranked, n_fit, tried, best, out, elapsed, notes) -> str:
+    lines = [
+        f"layout search: {cfg.model.name} {cfg.model.flavor} on {world} x {kind.name} ({kind.description}, "
+        f"{kind.memory_gib:g} GiB), seq {cfg.training.seq_len}",
+        f"  {tried:,} layouts estimated, {n_fit:,} fit within {TIGHT_FRACTION:.0%} of memory; the fastest of each "
+        "mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's",
+        *(f"  note: {n}" for n in notes),
+        "",
+    ]
+    rows = []
+    if isinstance(given, Estimate):
+        rows.append(_row("given", given))
+    top = ranked[: cfg.plan.top]
+    rows += [_row(str(i + 1), e) for i, e in enumerate(top)]
+    lines.append(format_table(rows))
+    lines.append("")
+    if isinstance(given, Estimate):
+        fit = given.exact_gib is not None and given.exact_gib * GiB <= kind.memory_gib * GiB * TIGHT_FRACTION
+        lines.append(f"  given: {why_slower(given, best)}" + ("" if fit else "; does not fit"))
+    else:
+        lines.append(f"  given: not valid on {world} GPUs ({given})")
+    for i, e in enumerate(top[1:], start=2):
+        lines.append(f"  {i}: {why_slower(e, best)}")
+    lines += ["", f"best: {best.layout.describe()}", f"wrote {out} (check it: ./run_train.sh --config {out} --dry-run)"]
+    lines.append(f"searched in {elapsed:.1f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
