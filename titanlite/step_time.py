@@ -15,8 +15,8 @@ all-reduce twice that; plus a fixed latency). A group spans nodes when its ranks
 out pp, dp_replicate, dp_shard, tp, innermost fastest); then it runs at the network's per-GPU bandwidth,
 else at NVLink's.
     tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
-                      (forward, backward, and the forward again under full AC); exposed: they sit
-                      between the matmuls that need them
+                      (forward, backward, and the forward again under full AC; selective AC repeats
+                      `tp_recomputed_selective`); exposed: they sit between the matmuls that need them
     data parallel     per gather unit (a block, or a root parameter / FSDP2's root group): the forward
                       all-gather, the backward re-gather of units resharded after forward, the gradient
                       reduce-scatter (all-reduce when replicating; both under HSDP) in every backward,
@@ -320,16 +320,18 @@ class StepTimeModel:
         n = len(st.numel)
         fwd_c, bwd_c = [0.0] * n, [0.0] * n
         rec = 0.0
-        full = 0
+        full = selective = 0
         for i, j in zip(st.blocks, st.block_positions):
             mode = modes[i]
             r = recompute[mode]
             fwd_c[j], bwd_c[j] = blk_fwd, blk_bwd + r
             rec += r
             full += mode == "full"
+            selective += mode in ("op", "op_all_mm")
         nb = len(st.block_positions)
         compute = nb * (blk_fwd + blk_bwd)
-        tp_n = self.cost.block.tp_collectives * (2 * nb + full)
+        b = self.cost.block
+        tp_n = b.tp_collectives * (2 * nb + full) + b.tp_recomputed_selective * selective
         if st.last:
             compute += 3 * out_mm + loss_ew
             fwd_c[-1] += out_mm

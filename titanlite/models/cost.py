@@ -31,6 +31,9 @@ class BlockCost:
     tp_collectives: int
     """Activation collectives (all-gather or reduce-scatter of one hidden state) of its forward under
     tensor parallelism with sequence parallelism; its backward issues as many."""
+    tp_recomputed_selective: int
+    """Of those, the ones selective AC runs again in backward (it saves matmul, attention and
+    reduce-scatter outputs, not all-gathers, whose outputs the saved matmuls' weight gradients need)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ bytes, fp32 = 4):
 The loss: the logits cast to fp32, log-softmax and its gradient, the cast back (about 32 bytes per
 vocabulary entry eager, 12 fused). Under tensor parallelism with sequence parallelism a block's forward
 runs four activation collectives: all-gathers before attention and the FFN, reduce-scatters after wo
-and w2 (`parallelize.py`).
+and w2 (`parallelize.py`); selective AC recomputes the two all-gathers.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def step_cost(args: ModelArgs, seq_len: int, compute_bytes: int) -> ModelCost:
         elementwise_bytes=eager,
         fused_elementwise_bytes=fused,
         tp_collectives=4,
+        tp_recomputed_selective=2,
     )
     return ModelCost(
         block=block,
