@@ -6,10 +6,11 @@ shapes are read once per tensor-parallel degree (`ShapeTable`: the model built o
 TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
 SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over `dp_shard` (rank 0 holds the ceiling; pure
 replication shards nothing). Everything else follows the memory plan's rules, through its own objects
-where they take numbers (`Layout`, `ReshardPlan`, `pipeline_estimate`, the family's activation model):
-gathered weights held from forward to backward, gathers in flight (one unit, two for FSDP2), the
-reduce-scatter input or the unreduced gradients, activations of the microbatches each pipeline rank
-keeps in flight. Tests hold it equal to the dry run on the layouts they build.
+where they take numbers (`Layout`, `ReshardPlan`, `pipeline_estimate`, `step_candidates` and
+`choose_step`, the family's activation model): gathered weights held from forward to backward or kept
+for the step, gathers in flight (one unit, two for FSDP2), the reduce-scatter input or the unreduced
+gradients and their packing, activations of the microbatches each pipeline rank keeps in flight, and
+the step policy the memory plan picks. Tests hold it equal to the dry run on the layouts they build.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import torch
 
 from titanlite.build import RunPlan, build_model
 from titanlite.config import JobConfig
-from titanlite.memory_plan import Layout, MemoryEstimate, StageMemory, pipeline_estimate
+from titanlite.memory_plan import Layout, MemoryEstimate, StageMemory, StepChoice, choose_step, pipeline_estimate
+from titanlite.parallelisms.gradient_reduction import step_candidates
 from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.simple_fsdp import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
 
 
@@ -144,8 +147,9 @@ class RankMemory:
     """One pipeline rank (the only one without PP): its stages and the microbatches in flight on it."""
 
     stages: list[StageUnits]
+    layout: Layout
+    """The whole model's layout (`memory_plan.pipeline_estimate` reads its step policy)."""
     in_flight: int = 1
-    unreduced_grads: bool = False
     pipelined: bool = False
 
     @cached_property
@@ -154,9 +158,7 @@ class RankMemory:
         if not self.pipelined:
             return self.stages[0].memory
         return pipeline_estimate(
-            [StageMemory(u.stage, u.memory, u.held_activations) for u in self.stages],
-            self.in_flight,
-            self.unreduced_grads,
+            [StageMemory(u.stage, u.memory, u.held_activations) for u in self.stages], self.in_flight, self.layout
         )
 
     @cached_property
@@ -164,11 +166,13 @@ class RankMemory:
         """`memory.total` without building the estimate's parts (the search asks for thousands)."""
         if not self.pipelined:
             return self.stages[0].memory.total
-        ms = [u.memory for u in self.stages]
+        ms, lay = [u.memory for u in self.stages], self.layout
+        copies = 1 if lay.keep_gathers or lay.dp_impl == "fsdp2" else self.in_flight
         return (
-            sum(m.params + m.grads + m.optimizer + m.gather_held for m in ms)
+            sum(m.params + m.grads + m.optimizer + copies * m.gather_held for m in ms)
             + max(m.gather_in_flight for m in ms)
-            + (sum if self.unreduced_grads else max)(m.reduce_buffer for m in ms)
+            + (sum if lay.unreduced_grads else max)(m.reduce_buffer for m in ms)
+            + max(m.reduce_transient for m in ms)
             + sum(self.in_flight * u.held_activations for u in self.stages)
             + max(u.memory.activations - u.held_activations for u in self.stages)
         )
@@ -181,6 +185,13 @@ class RankMemory:
 @dataclass
 class LayoutMemory:
     ranks: list[RankMemory]
+    step: StepChoice | None = None
+    """The step policy the memory plan chose for this layout (`memory_plan.choose_step`)."""
+
+    @property
+    def layout(self) -> Layout:
+        """The whole model's layout, step policy included."""
+        return self.ranks[0].layout
 
     @cached_property
     def peak_rank(self) -> int:
@@ -218,6 +229,7 @@ class LayoutMemoryModel:
             nbytes = trainable = 0
             units: dict[str, int] = {}
             tensors: dict[str, int] = {}
+            largest = 0
             block_units, before, after = [], set(), set()
             for p in self.shapes.params(tp):
                 if p.unit:
@@ -237,11 +249,13 @@ class LayoutMemoryModel:
                 trainable += n if p.trainable else 0
                 units[unit] = units.get(unit, 0) + p.gathered_numel
                 tensors[unit] = tensors.get(unit, 0) + 1
+                largest = max(largest, p.gathered_numel)
             self._stage_params[key] = _StageParams(
                 nbytes,
                 trainable,
                 units,
                 tensors,
+                largest,
                 Units(dict.fromkeys(block_units), tuple(before), tuple(after)),  # type: ignore[arg-type]
             )
         return self._stage_params[key]
@@ -256,11 +270,11 @@ class LayoutMemoryModel:
 
     def _stage(self, layout: Layout, tp: int, shard: int, stage: int, blocks: range, first: bool, last: bool):
         params = self._params(tp, shard, layout.dp_impl, blocks, first, last)
-        held, in_flight, reduce, held_units = self._buffers(layout, params)
+        held, in_flight, reduce, transient, held_units = self._buffers(layout, params, blocks)
         acts = dict(self.activations(layout))
         peak, held_acts = acts.pop("peak"), acts.pop("held", 0)
         t = params.trainable
-        memory = MemoryEstimate({}, params.nbytes, t, 2 * t, held, in_flight, reduce, peak, acts)
+        memory = MemoryEstimate({}, params.nbytes, t, 2 * t, held, in_flight, reduce, peak, acts, transient)
         before = frozenset(u for u in params.units if _under(u, params.model_units.before))
         block_units = tuple(params.model_units.blocks)
         return StageUnits(
@@ -268,37 +282,66 @@ class LayoutMemoryModel:
         )
 
     @staticmethod
-    def _buffers(layout: Layout, params: _StageParams) -> tuple[int, int, int, frozenset[str]]:
-        """`memory_plan._collective_buffers` from the units' gathered sizes: (held, in flight, reduce buffer
-        bytes; the held units)."""
+    def _buffers(layout: Layout, params: _StageParams, blocks: range) -> tuple[int, int, int, int, frozenset[str]]:
+        """`memory_plan._collective_buffers` from the units' gathered sizes: (held, in flight, reduce buffer,
+        packing transient bytes; the held units)."""
         units, model_units = params.units, params.model_units
         if layout.dp_mode is None:
-            return 0, 0, 0, frozenset(units)
+            return 0, 0, 0, 0, frozenset(units)
         e = layout.compute_dtype.itemsize
         kept = [u for u in units if not _under(u, model_units.before)]
-        if layout.dp_mode == "replicate":
+        replicate = layout.dp_mode == "replicate"
+        if replicate:
             if layout.compute_dtype == torch.float32:
-                return 0, 0, 0, frozenset(units)
+                return 0, 0, 0, 0, frozenset(units)
             held = set(kept)
+        elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
+            held = set(units)
         else:
             plan = ReshardPlan.of(layout.reshard, len(model_units.blocks))
             prefixes = plan.kept(model_units) + (() if plan.root else ("root",))
             held = {u for u in kept if _under(u, prefixes)}
+            if layout.dp_impl == "simple_fsdp":
+                held -= {fqn for fqn, i in zip(model_units.blocks, blocks) if layout.block_ac(i) == "full"}
         free = sorted((n for u, n in units.items() if u not in held), reverse=True)
         in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
+        transient = 0
         if layout.unreduced_grads:
-            reduce_elems = sum(units.values())
+            total = sum(units.values())
+            if layout.dp_impl == "fsdp2":
+                sink = layout.reduce_dtype.itemsize
+                transient = max(units.values()) * sink
+            else:
+                sink = 4
+                bucket = max(min(REDUCE_BUCKET_BYTES, total * sink), params.largest * sink)
+                transient = bucket + (0 if replicate else bucket // layout.shard_ranks)
+            reduce_bytes = total * sink
         else:
-            reduce_elems = 0 if layout.dp_mode == "replicate" else max(units.values())
-        held_bytes = sum(units[u] for u in held) * e
-        return held_bytes, in_flight * e, reduce_elems * layout.reduce_dtype.itemsize, frozenset(held)
+            reduce_bytes = 0 if replicate else max(units.values()) * layout.reduce_dtype.itemsize
+        return sum(units[u] for u in held) * e, in_flight * e, reduce_bytes, transient, frozenset(held)
 
-    def estimate(self, plan: RunPlan, layout: Layout) -> LayoutMemory:
-        """Every pipeline rank's memory (the one rank without PP) for `layout` built as `plan` says."""
+    def estimate(self, plan: RunPlan, capacity: int) -> LayoutMemory:
+        """Every pipeline rank's memory (the one rank without PP) for the run `plan` describes, under the
+        step policy the memory plan chooses for a GPU of `capacity` bytes (`build.choose_step_policy`:
+        the first of the config's candidates whose largest rank fits comfortably)."""
+        dims, backwards = plan.dims, plan.backwards_per_step
+        candidates, fixed = step_candidates(plan.cfg, dims.dp_mode if dims.dp_enabled else None, backwards)
+        if len(candidates) == 1:
+            memory = self.of_layout(plan, Layout.from_config(plan.cfg, dims, backwards, candidates[0]))
+            memory.step = choose_step(candidates, [0], capacity, fixed)
+            return memory
+        estimates = [self.of_layout(plan, Layout.from_config(plan.cfg, dims, backwards, c)) for c in candidates]
+        step = choose_step(candidates, [e.peak_total for e in estimates], capacity, fixed)
+        memory = estimates[candidates.index(step.policy)]
+        memory.step = step
+        return memory
+
+    def of_layout(self, plan: RunPlan, layout: Layout) -> LayoutMemory:
+        """Every pipeline rank's memory for `layout` (its step policy already set)."""
         sp = plan.pipeline
         n_blocks = self.args.n_layers
         if sp is None:
-            return LayoutMemory([RankMemory([self.stage(layout, plan, 0, range(n_blocks), True, True)])])
+            return LayoutMemory([RankMemory([self.stage(layout, plan, 0, range(n_blocks), True, True)], layout)])
         microbatch = plan.cfg.parallelism.pipeline_parallel_microbatch_size
         ranks = []
         for r in range(sp.degree):
@@ -310,7 +353,7 @@ class LayoutMemoryModel:
                     self._stage_layouts[key] = layout.stage(sp.blocks(s), last, microbatch)
                 stage_layout = self._stage_layouts[key]
                 stages.append(self.stage(stage_layout, plan, s, sp.blocks(s), s == 0, last))
-            ranks.append(RankMemory(stages, sp.in_flight(r), layout.unreduced_grads, pipelined=True))
+            ranks.append(RankMemory(stages, layout, sp.in_flight(r), pipelined=True))
         return LayoutMemory(ranks)
 
 
@@ -326,5 +369,7 @@ class _StageParams:
     """Gather unit -> gathered elements, in forward order."""
     tensors: dict[str, int]
     """Gather unit -> parameters in it."""
+    largest: int
+    """Gathered elements of the stage's largest parameter."""
     model_units: Units
     """The stage's blocks (FQN keys only) and root modules, as `Units` names them."""

@@ -47,7 +47,8 @@ AC_CHOICES: tuple[tuple[str, str], ...] = (
     ("full", "op"),
 )
 """(activation_checkpoint.mode, selective_ac_option) pairs searched, least recomputation first."""
-RESHARD_CHOICES = ("default", "always", "never")
+RESHARD_CHOICES = ("auto", "always", "never")
+"""`auto` is `default` unless the step policy keeps the gathers (when they fit), so `default` is not searched."""
 STAGES_PER_RANK = (2, 4)
 """Stages per rank tried for the interleaved schedules."""
 SCHEDULES = ("1F1B", *MULTI_STAGE)
@@ -90,7 +91,7 @@ class ParallelLayout:
     schedule: str = ""
     """Pipeline schedule ("" without PP)."""
     stages_per_rank: int = 1
-    reshard: str = "default"
+    reshard: str = "auto"
     split_points: tuple[int, ...] = ()
     """Pipeline stage boundaries (empty: balanced)."""
 
@@ -207,7 +208,7 @@ def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int
             continue
         for local in divisors(global_batch // degrees.dp):
             for schedule, v, mb in pipeline_options(degrees.pp, local):
-                layout = ParallelLayout(degrees, "none", "op", local, mb, schedule, v, "default")
+                layout = ParallelLayout(degrees, "none", "op", local, mb, schedule, v, "auto")
                 trial = layout.apply(cfg, global_batch)
                 key = (degrees.pp > 1, schedule)
                 if key not in checked:

@@ -203,13 +203,23 @@ class StepTimeModel:
         loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
         prefetch = prefetches(cfg) and kind.comm_overlaps_compute
         dp_mode = layout.dp_mode
+        mb_total = m * accum
+        fsdp2 = cfg.parallelism.dp_impl == "fsdp2"
+        # How often a step gathers each unit forward and again backward: every microbatch; once per schedule
+        # step for FSDP2 under torch's pipeline stage (unsharded from the first backward to the last); once
+        # per step when the step policy keeps the gathers (nothing is gathered again).
+        if sp is not None and fsdp2:
+            n_fwd = n_regather = accum
+        elif layout.keep_gathers:
+            n_fwd, n_regather = 1, 0
+        else:
+            n_fwd = n_regather = mb_total
+        # Reductions: every backward; or once per step (per schedule step for FSDP2 under PP), inside the
+        # last backward for FSDP2, after it for SimpleFSDP.
         once = layout.unreduced_grads
-        fsdp2_pp = sp is not None and cfg.parallelism.dp_impl == "fsdp2"
-        # Reductions per step: every backward, once per schedule step (FSDP2 under PP), or once per step.
-        reductions = plan.backwards_per_step if not once else (accum if fsdp2_pp else 1)
-        reduce_in_graph = not once or cfg.parallelism.dp_impl == "fsdp2"
+        reductions = mb_total if not once else (accum if sp is not None and fsdp2 else 1)
+        reduce_in_graph = not once or fsdp2
         r_e = layout.reduce_dtype.itemsize
-
         g_coef, g_lat = _linear(shard_link, e) if dp_mode not in (None, "replicate") else (0.0, 0.0)
         if dp_mode is None:
             r_coef, r_lat = 0.0, 0.0
@@ -223,17 +233,17 @@ class StepTimeModel:
         # One collective per unit where something buckets them (FSDP2's groups, the compile passes), else
         # one per parameter (SimpleFSDP eager or compiled without bucketing), as the compile report counts.
         c = cfg.compile
-        bucketed = cfg.parallelism.dp_impl == "fsdp2" or (
-            c.enable and c.bucketing != "none" and "model" in c.components
-        )
-        per_mb_reduce = reduce_in_graph and reductions == m * accum
+        bucketed = fsdp2 or (c.enable and c.bucketing != "none" and "model" in c.components)
         p2p = 2 * pp_link.send(hidden_bytes / tp) if sp is not None else 0.0
+
+        def exposed(comm: list[float], compute: list[float]) -> float:
+            return _overlapped(comm, compute) if prefetch else sum(comm)
 
         worst = None
         busy: list[float] = []
         for rank in memory.ranks:
             compute = rec = tp_t = pp_t = 0.0
-            dp_mb = dp_sched = dp_step = dp_total = 0.0
+            dp_mb = dp_step = dp_total = 0.0
             for st in rank.stages:
                 fwd_c, bwd_c, comp, recs, tps = self._stage_compute(
                     st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll
@@ -245,36 +255,35 @@ class StepTimeModel:
                 counts = [1] * len(st.numel) if bucketed else st.n_tensors
                 g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
                 regather = [x if again else 0.0 for x, again in zip(g, st.regathered)]
-                red_counts = counts if per_mb_reduce else [1] * len(counts)  # once per step: ~64 MiB buckets
+                red_counts = counts if not once else [1] * len(counts)  # once per step: ~64 MiB buckets
                 red = [r_coef * n + r_lat * k for n, k in zip(st.numel, red_counts)] if r_coef else [0.0] * len(counts)
-                dp_total += (
-                    sum(g) * (accum if fsdp2_pp else m * accum) + sum(regather) * m * accum + sum(red) * reductions
-                )
-                bwd_comm = [a + r for a, r in zip(regather, red)] if per_mb_reduce else regather
-                if prefetch:
-                    fwd_exp = _overlapped(g, fwd_c)
-                    bwd_exp = _overlapped(bwd_comm[::-1], bwd_c[::-1])
+                dp_total += sum(g) * n_fwd + sum(regather) * n_regather + sum(red) * reductions
+                # Forward gathers, backward re-gathers and (when every backward reduces) reductions: in
+                # every microbatch, or in as many of the step's passes as they happen in.
+                fwd_exp = exposed(g, fwd_c)
+                per_mb_red = reduce_in_graph and reductions == mb_total
+                bwd = [a + r for a, r in zip(regather, red)] if per_mb_red else regather
+                bwd_exp = exposed(bwd[::-1], bwd_c[::-1])
+                if n_fwd == mb_total:
+                    dp_mb += fwd_exp
                 else:
-                    fwd_exp, bwd_exp = sum(g), sum(bwd_comm)
-                if fsdp2_pp:
-                    dp_sched += fwd_exp
-                    fwd_exp = 0.0
-                dp_mb += fwd_exp + bwd_exp
-                if not per_mb_reduce and r_coef:
-                    step_red = sum(red) * reductions / (accum if fsdp2_pp else 1)
-                    if reduce_in_graph and prefetch:  # overlapped with the last backward like any reduction
+                    dp_step += n_fwd * fwd_exp
+                if n_regather == mb_total:
+                    dp_mb += bwd_exp
+                else:
+                    dp_step += n_regather * bwd_exp
+                if not per_mb_red and r_coef:
+                    step_red = sum(red)
+                    if reduce_in_graph and prefetch:  # inside the last backward, overlapped like any reduction
                         step_red = max(0.0, step_red - sum(bwd_c)) + red[0]
-                    if fsdp2_pp:
-                        dp_sched += step_red
-                    else:
-                        dp_step += step_red
+                    dp_step += reductions * step_red
             per_mb = compute + rec + tp_t + pp_t + dp_mb
-            row = (per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_sched, dp_step, dp_total)
-            busy.append(accum * (m * per_mb + dp_sched) + dp_step)
-            if worst is None or per_mb > worst[0]:
+            row = (per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_step, dp_total)
+            busy.append(mb_total * per_mb + dp_step)
+            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[6] / mb_total:
                 worst = row
         assert worst is not None
-        per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_sched, dp_step, dp_total = worst
+        per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_step, dp_total = worst
         bubble_fraction = 0.0
         if sp is not None:
             zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
@@ -282,7 +291,7 @@ class StepTimeModel:
         bubble = m * per_mb * bubble_fraction / (1 - bubble_fraction)
         optimizer = max(r.params for r in memory.ranks) / 4 * ADAM_BYTES_PER_PARAM / hbm
         n = m * accum
-        step = accum * (m * per_mb + bubble + dp_sched) + dp_step + optimizer
+        step = accum * (m * per_mb + bubble) + dp_step + optimizer
         share = min(dims.world_size, kind.gpus_per_node) / kind.shared_processors if kind.shared_processors else 1
         if share > 1:
             # Ranks share processors: a waiting rank's share goes to the others, so a step takes the node's
@@ -294,7 +303,7 @@ class StepTimeModel:
             compute=n * compute,
             recompute=n * rec,
             tp_comm=n * tp_t,
-            dp_comm=n * dp_mb + accum * dp_sched + dp_step,
+            dp_comm=n * dp_mb + dp_step,
             pp_comm=n * pp_t,
             bubble=accum * bubble,
             optimizer=optimizer,

@@ -7,7 +7,7 @@ Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, act
 batch split, pipeline schedule, reshard policy) is estimated for peak memory per GPU (the dry run's
 model applied to parameter shapes: `titanlite/layout_memory.py`) and step time
 (`titanlite/step_time.py`, with the GPU kind's figures from `titanlite/gpus.py`). Layouts within
-`TIGHT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
+`COMFORT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
 estimated first (the `given` row); the `plan.confirm` fastest and the given one are then planned by the
 dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
 `<dump_folder>/plan.toml`, which `--dry-run` accepts as is.
@@ -33,9 +33,9 @@ from titanlite.errors import ConfigError, run_cli
 from titanlite.gpus import GpuKind, gpu_kind
 from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
 from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
-from titanlite.memory_plan import GiB, Layout
+from titanlite.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.step_time import Features, StepTime, StepTimeModel
-from titanlite.tools.dry_run import TIGHT_FRACTION, build_run_plan, dry_run, fake_process_group, world_size_of
+from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
 
 PLAN_NAME = "plan.toml"
 
@@ -89,12 +89,12 @@ class LayoutSearch:
         return RunPlan.build(cfg, self.world, tokenizer=self._tokenizer, args=self._args)
 
     def estimate(self, plan: RunPlan, layout: ParallelLayout, given: bool = False) -> Estimate:
-        base = Layout.from_config(plan.cfg, plan.dims, plan.backwards_per_step)
-        mem_layout = dataclasses.replace(
-            base, ac_mode=layout.ac_mode, ac_option=layout.ac_option, reshard=layout.reshard
-        )
-        memory = self.memory_model.estimate(plan, mem_layout)
-        step = self._time[mem_layout.compute_dtype.itemsize].estimate(plan, mem_layout, memory)
+        """`layout` (the structure of `plan` with its AC and reshard choices; `given`: `plan` is the
+        config's own) estimated under the step policy the memory plan chooses for it."""
+        if not given:
+            plan = dataclasses.replace(plan, cfg=layout.apply(plan.cfg, plan.global_batch))
+        memory = self.memory_model.estimate(plan, int(self.capacity))
+        step = self._time[memory.layout.compute_dtype.itemsize].estimate(plan, memory.layout, memory)
         return Estimate(layout, plan, memory, step, given)
 
     def given(self) -> Estimate | str:
@@ -116,7 +116,7 @@ class LayoutSearch:
         fits: list[Estimate] = []
         closest: Estimate | None = None
         tried = 0
-        limit = self.capacity * TIGHT_FRACTION
+        limit = self.capacity * COMFORT_FRACTION
         for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
             smallest = [self.estimate(structure.plan, layout) for layout in least_memory(structure)]
             if min(e.memory.peak_total for e in smallest) > limit:
@@ -269,8 +269,8 @@ def main(argv: list[str]) -> int:
             )
         print(
             f"titanlite: error: no layout fits {world} x {kind.name}: closest {closest.layout.describe()} needs "
-            f"{closest.gib:.1f} GiB per GPU of {kind.memory_gib:g} (within {TIGHT_FRACTION:.0%}: "
-            f"{kind.memory_gib * TIGHT_FRACTION:.1f})",
+            f"{closest.gib:.1f} GiB per GPU of {kind.memory_gib:g} (within {COMFORT_FRACTION:.0%}: "
+            f"{kind.memory_gib * COMFORT_FRACTION:.1f})",
             file=sys.stderr,
             flush=True,
         )
@@ -278,7 +278,7 @@ def main(argv: list[str]) -> int:
     best = None
     for est in ranked[: cfg.plan.confirm]:
         planned = confirm(est, cfg, world, kind, global_batch)
-        if best is None and est.exact_gib is not None and est.exact_gib * GiB <= search.capacity * TIGHT_FRACTION:
+        if best is None and est.exact_gib is not None and est.exact_gib * GiB <= search.capacity * COMFORT_FRACTION:
             best, best_cfg = est, planned
     if isinstance(given, Estimate):
         confirm(given, cfg, world, kind, global_batch)
@@ -304,7 +304,7 @@ def report(cfg, world, kind, given, ranked, n_fit, tried, best, out, elapsed, no
     lines = [
         f"layout search: {cfg.model.name} {cfg.model.flavor} on {world} x {kind.name} ({kind.description}, "
         f"{kind.memory_gib:g} GiB), seq {cfg.training.seq_len}",
-        f"  {tried:,} layouts estimated, {n_fit:,} fit within {TIGHT_FRACTION:.0%} of memory; the fastest of each "
+        f"  {tried:,} layouts estimated, {n_fit:,} fit within {COMFORT_FRACTION:.0%} of memory; the fastest of each "
         "mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's",
         *(f"  note: {n}" for n in notes),
         "",
@@ -317,7 +317,7 @@ def report(cfg, world, kind, given, ranked, n_fit, tried, best, out, elapsed, no
     lines.append(format_table(rows))
     lines.append("")
     if isinstance(given, Estimate):
-        fit = given.exact_gib is not None and given.exact_gib * GiB <= kind.memory_gib * GiB * TIGHT_FRACTION
+        fit = given.exact_gib is not None and given.exact_gib * GiB <= kind.memory_gib * GiB * COMFORT_FRACTION
         lines.append(f"  given: {why_slower(given, best)}" + ("" if fit else "; does not fit"))
     else:
         lines.append(f"  given: not valid on {world} GPUs ({given})")
