@@ -4,7 +4,7 @@
 # (exit 0; Ctrl-C twice: at once, exit 130); a rank's error is printed once (exit 2 bad input, 3
 # divergence, 1 crash); if the launcher is killed, its ranks die with it.
 #
-#   ./run_train.sh [--config FILE] [--dry-run] [--section.key value ...]
+#   ./run_train.sh [--config FILE] [--dry-run | --plan] [--section.key value ...]
 #   ./run_train.sh --help                       every config key: type, default, description
 #   ./run_train.sh --job.print_config           the merged config as JSON; nothing is launched
 #
@@ -12,6 +12,8 @@
 # world of NGPU x NNODES ranks (titanlite/tools/dry_run.py). When NGPU is unset (even on a GPU node),
 # the config's comm.fake_world_size is planned for (the 70B/405B configs name their intended size), else
 # the visible GPUs (or 2) x NNODES.
+# --plan: the same world, searched for the fastest parallel layout that fits (titanlite/tools/layout_search.py,
+# --plan.gpu h100|h200|a100|b200|...): a ranked table and <dump_folder>/plan.toml, no torchrun.
 #
 # Environment:
 #   NGPU         processes per node (default: the CUDA GPUs torch sees, honouring CUDA_VISIBLE_DEVICES;
@@ -31,6 +33,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
 ARGS=()
 DRY_RUN=0
+PLAN=0
 # The environment and the command line are input too: one line and exit code 2 before anything starts.
 bad_env() { echo "titanlite: error: $1" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -39,6 +42,7 @@ while [ $# -gt 0 ]; do
               CONFIG="$2"; shift 2 ;;
     --config=*) CONFIG="${1#--config=}"; [ -n "$CONFIG" ] || bad_env "--config needs a TOML file"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --plan) PLAN=1; shift ;;
     -h|--help) exec "$PYTHON" -m titanlite.config --help ;;
     *) ARGS+=("$1"); shift ;;
   esac
@@ -67,19 +71,21 @@ fi
 # Ranks per node: NGPU, else the CUDA GPUs torch sees (CUDA_VISIBLE_DEVICES, MIG; not nvidia-smi's lines),
 # else 2 CPU processes. A launch refuses a node whose GPUs torch cannot use (a CPU build of torch) unless
 # TITANLITE_DEVICE=cpu says CPU on purpose, which also hides the GPUs from the ranks:
-# titanlite/tools/visible_gpus.py. A dry run plans on any machine.
+# titanlite/tools/visible_gpus.py. A dry run or a plan runs on any machine.
 # Counting the GPUs imports torch (seconds): the config is checked first, so a mistyped key is one line at
 # once (with NGPU given, the launcher checks it before importing torch).
 [ -n "$GIVEN_NGPU" ] || "$PYTHON" -m titanlite.config --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" >/dev/null
 CHECK=()
-[ "$DRY_RUN" = 1 ] && CHECK=(--no-check)
+{ [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; } && CHECK=(--no-check)
 NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}")
 [ "${TITANLITE_DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
-if [ "$DRY_RUN" = 1 ]; then
+if [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; then
   # NGPU x NNODES when the user set NGPU; else the config's comm.fake_world_size, else WORLD_SIZE.
   FAKE_WORLD=()
   [ -n "$GIVEN_NGPU" ] && FAKE_WORLD=(--comm.fake_world_size $((NGPU * NNODES)))
-  WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanlite.tools.dry_run --config "$CONFIG" \
+  TOOL=titanlite.tools.dry_run
+  [ "$PLAN" = 1 ] && TOOL=titanlite.tools.layout_search
+  WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m "$TOOL" --config "$CONFIG" \
     "${FAKE_WORLD[@]+"${FAKE_WORLD[@]}"}" "${ARGS[@]+"${ARGS[@]}"}"
 fi
 
