@@ -33,6 +33,9 @@ def test_stage_plan_ranks_stages_and_bubble():
     assert p.stages_of(0) == (0, 2) and p.stages_of(1) == (1, 3)
     assert [list(p.blocks(s)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
     assert p.bubble_fraction == pytest.approx(1 / 9)
+    # One microbatch crosses the 4 stages in turn: each rank computes 2 of a step of 4, interleaved or not.
+    one = plan(degree=2, schedule="Interleaved1F1B", microbatch_size=8)
+    assert one.microbatches == 1 and one.bubble_fraction == pytest.approx(1 / 2)
     g = plan(degree=2, schedule="GPipe", split_points=[4])
     assert list(g.blocks(0)) == [0, 1, 2, 3] and g.in_flight(0) == 8
     assert plan(degree=4, n_blocks=8).in_flight(1) == 3  # 1F1B warm-up: p - rank

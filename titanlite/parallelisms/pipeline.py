@@ -127,11 +127,15 @@ class StagePlan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle fraction of a schedule step with equal stage times: (p - 1) / (v m + p - 1) for p ranks,
-        v stages per rank and m microbatches (GPipe, 1F1B: v = 1; interleaving divides the bubble by v).
-        For the zero-bubble schedule this is the interleaved 1F1B bound it improves on (an upper bound)."""
+        """Idle fraction of a schedule step with equal stage times, for p ranks, v stages per rank and m
+        microbatches: a rank computes v m stage passes in a step of v max(m, p) + min(m, p) - 1, that is
+        (p - 1) / (v m + p - 1) once m >= p (GPipe, 1F1B: v = 1; interleaving divides the bubble by v).
+        With fewer microbatches than ranks a microbatch crosses all v p stages one after another, so
+        interleaving cannot shorten the step. For the zero-bubble schedule this is the interleaved 1F1B
+        bound it improves on (an upper bound)."""
         p, v, m = self.degree, self.stages_per_rank, self.microbatches
-        return (p - 1) / (v * m + p - 1)
+        span = v * max(m, p) + min(m, p) - 1
+        return 1 - v * m / span
 
     def in_flight(self, pp_rank: int) -> int:
         """Microbatches whose activations a rank holds at once at its peak, per stage it runs: all of them
