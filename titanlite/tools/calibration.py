@@ -13,7 +13,7 @@ fp32 gradient reduction.
 Rows with Float8 or async TP, which titanlite lacks, are estimated with those techniques in the model
 (`step_time.Features`: block matmuls at the GPU's fp8 matmul rate; tensor-parallel collectives hidden)
 and reported apart from the bf16 rows. Rows with context parallelism > 1 cannot be expressed (titanlite
-has no CP yet) and are listed as not comparable. `fit()` solves for the training efficiency that makes
+has no CP) and are listed as not comparable. `fit()` solves for the training efficiency that makes
 a calibration row exact; `titanlite/gpus.py` holds the fitted values.
 """
 
@@ -84,7 +84,7 @@ def _args(
 
 F8 = Features(float8=True)
 F8_ATP = Features(float8=True, async_tp=True)
-NO_CP = "context parallelism (titanlite has none yet)"
+NO_CP = "context parallelism (titanlite has none)"
 
 
 def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192) -> list[str]:
@@ -235,6 +235,11 @@ def results(shapes: dict | None = None) -> list[Result | None]:
     return [None if row.comparable else evaluate(row, shapes=shapes) for row in ROWS]
 
 
+def _modelled(f: Features) -> str:
+    """How a row's Float8 / async TP enters the estimate."""
+    return " + ".join(n for n, on in (("fp8 block matmuls", f.float8), ("TP collectives hidden", f.async_tp)) if on)
+
+
 def table(shapes: dict | None = None) -> str:
     lines = [
         "| run | published tok/s | estimated | error | published GiB | estimated | error |",
@@ -246,6 +251,8 @@ def table(shapes: dict | None = None) -> str:
             lines.append(f"| {row.name} | {row.tps:,.0f} | not comparable: {row.comparable} | | {gib} | | |")
             continue
         tag = " (calibration)" if row.calibrates else ""
+        if row.features.float8 or row.features.async_tp:
+            tag += f" [modelled: {_modelled(row.features)}]"
         gib_pub = f"{row.gib:.1f}" if row.gib is not None else "-"
         gib_err = f"{100 * r.gib_error:+.0f}%" if r.gib_error is not None else "-"
         lines.append(
