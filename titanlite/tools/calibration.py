@@ -240,12 +240,13 @@ def _modelled(f: Features) -> str:
     return " + ".join(n for n, on in (("fp8 block matmuls", f.float8), ("TP collectives hidden", f.async_tp)) if on)
 
 
-def table(shapes: dict | None = None) -> str:
+def table(estimates: list[Result | None]) -> str:
+    """The markdown table of every row against `estimates` (`results()`)."""
     lines = [
         "| run | published tok/s | estimated | error | published GiB | estimated | error |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row, r in zip(ROWS, results(shapes)):
+    for row, r in zip(ROWS, estimates):
         if r is None:
             gib = f"{row.gib:.1f}" if row.gib is not None else "-"
             lines.append(f"| {row.name} | {row.tps:,.0f} | not comparable: {row.comparable} | | {gib} | | |")
@@ -270,7 +271,7 @@ def main(argv: list[str]) -> int:
                 print(f"{row.gpu}: training_efficiency {fit(row, shapes):.3f} ({row.name})")
         return 0
     print(f"GPU kinds: {', '.join(GPU_KINDS)}")
-    print(table())
+    print(table(results()))
     return 0
 
 
