@@ -205,7 +205,7 @@ def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("layout search: llama3 8B on 8 x h100")
     header = next(i for i, line in enumerate(lines) if line.startswith("#"))
-    assert lines[header + 1].startswith("given  dp_shard 8, AC op, batch 1, reshard default")
+    assert lines[header + 1].startswith("given  dp_shard 8, AC op, batch 1, reshard auto")
     assert lines[header + 2].startswith("1 ") and any(line.startswith("  given: ") for line in lines)
     plan = tmp_path / "plan.toml"
     assert f"wrote {plan}" in proc.stdout
@@ -214,3 +214,6 @@ def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path)
     assert check.stdout.strip().splitlines()[-1].startswith("fits: ")
     bad = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--plan.gpu", "x100")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "plan.gpu" in bad.stderr
+    full = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--comm.fake_world_size", "1")
+    assert full.returncode == 1 and not full.stdout and full.stderr.strip().count("\n") == 0
+    assert full.stderr.startswith("titanlite: error: no layout fits 1 x h100: closest ")
