@@ -12,6 +12,8 @@ import pytest
 from harness import ROOT
 from titanlite.tools import calibration
 
+pytestmark = pytest.mark.slow  # a second of arithmetic over 8B, 70B and 405B shapes
+
 
 @pytest.fixture(scope="module")
 def results():

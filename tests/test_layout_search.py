@@ -18,14 +18,16 @@ import copy
 import dataclasses
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from harness import ROOT, child_env
-from titanlite.config import load_config
+from titanlite.config import GpuName, load_config
 from titanlite.errors import run_cli
 from titanlite.gpus import GPU_KINDS, gpu_kind
 from titanlite.layout_memory import LayoutMemoryModel, ShapeTable
+from titanlite.layout_space import Degrees
 from titanlite.memory_plan import GiB
 from titanlite.step_time import Link
 from titanlite.tools import layout_search
@@ -38,22 +40,26 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 P = "--parallelism."
-CASES = {
-    "8B fsdp + compile": ("llama3_8b.toml", []),
-    "8B tp 2, reshard never": (
+CASES = [
+    pytest.param("llama3_8b.toml", [], id="8B fsdp + compile"),
+    pytest.param(
         "llama3_8b.toml",
         [P + "tensor_parallel_degree", "2", P + "fsdp_reshard_after_forward", "never"],
+        id="8B tp 2, reshard never",
     ),
-    "8B fsdp2 hsdp": (
+    pytest.param(
         "llama3_8b.toml",
         [P + "dp_impl", "fsdp2", "--compile.bucketing", "none", P + "data_parallel_replicate_degree", "2"],
+        id="8B fsdp2 hsdp",
+        marks=pytest.mark.slow,
     ),
-    "8B replicate": (
+    pytest.param(
         "llama3_8b.toml",
         [P + "data_parallel_replicate_degree", "8", P + "data_parallel_shard_degree", "1"],
+        id="8B replicate",
     ),
-    "70B pp 1F1B per_step": ("llama3_70b_pp.toml", []),
-    "debug pp GPipe per_microbatch, reshard always": (
+    pytest.param("llama3_70b_pp.toml", [], id="70B pp 1F1B per_step", marks=pytest.mark.slow),
+    pytest.param(
         "debug_model.toml",
         [
             "--comm.fake_world_size",
@@ -71,8 +77,9 @@ CASES = {
             P + "fsdp_reshard_after_forward",
             "always",
         ],
+        id="debug pp GPipe per_microbatch, reshard always",
     ),
-}
+]
 
 
 def analytic(cfg, world):
@@ -81,9 +88,8 @@ def analytic(cfg, world):
     return model, plan, model.estimate(plan, int(cfg.comm.fake_gpu_memory_gib * GiB))
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_analytic_memory_equals_the_dry_run(case):
-    config, overrides = CASES[case]
+@pytest.mark.parametrize("config, overrides", CASES)
+def test_analytic_memory_equals_the_dry_run(config, overrides):
     cfg = load_config(["--config", f"train_configs/{config}", *overrides])
     exact = dry_run(cfg)
     model, plan, est = analytic(cfg, exact.world_size)
@@ -112,9 +118,23 @@ def test_a_sample_of_enumerated_layouts_matches_the_dry_run(debug_search):
     assert tried > 200 and len(fits) == tried  # the debug model fits everywhere
     degrees = {e.layout.degrees for e in fits}
     assert len(degrees) >= 8 and any(d.pp > 1 for d in degrees) and any(d.tp > 1 for d in degrees)
-    for est in fits[:: len(fits) // 12]:
+    for est in fits[:: len(fits) // 6]:
         out = planned_config(est.layout, cfg, 4, search.kind, search.global_batch())
         assert dry_run(out).peak_total == est.memory.peak_total, est.layout.describe()
+
+
+def test_the_search_offers_only_layouts_the_run_plan_accepts():
+    """Compiled as one graph, full AC needs SimpleFSDP's passes (data parallelism) and a split-backward
+    schedule cannot run compiled blocks: the search leaves out what the launch would refuse."""
+    compiled = ["--compile.enable", "--compile.scope", "model", "--compile.backend", "aot_eager"]
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2", *compiled])
+    fits = LayoutSearch(cfg, 2, gpu_kind("h200")).run()[0]
+    full = {e.layout.degrees for e in fits if e.layout.ac in ("full", "every 2")}  # blocks under full AC
+    assert Degrees(dp_shard=2) in full and all(d.dp > 1 for d in full)
+    tp = {e.layout.ac for e in fits if e.layout.degrees == Degrees(tp=2)}
+    assert tp == {"none", "op", "op_all_mm"}  # the AC choices without fully checkpointed blocks remain
+    schedules = {e.layout.schedule for e in fits if e.layout.degrees.pp > 1}
+    assert "Interleaved1F1B" in schedules and "InterleavedZeroBubble" not in schedules
 
 
 def step_of(config: str, world: int, *overrides: str, kind: str = "h100"):
@@ -124,6 +144,7 @@ def step_of(config: str, world: int, *overrides: str, kind: str = "h100"):
     return est.time
 
 
+@pytest.mark.slow
 def test_step_time_parts():
     one = step_of("llama3_8b.toml", 1, "--model.n_layers", "2")
     assert one.exposed_comm == 0 and one.bubble == 0 and one.step > one.compute > 0
@@ -168,6 +189,11 @@ def test_a_planned_layout_is_a_config_that_loads_back(tmp_path, debug_search):
     assert back.training.global_batch_size == search.global_batch() == 16
     assert back.comm.fake_world_size == 4 and back.comm.fake_gpu_memory_gib == GPU_KINDS["h200"].memory_gib
     assert back.optimizer.lr == cfg.optimizer.lr and back.model.flavor == "debugmodel"
+
+
+def test_every_plannable_gpu_kind_has_figures():
+    assert list(GPU_KINDS) == list(typing.get_args(GpuName))
+    assert all(gpu_kind(name).training_efficiency > 0 for name in GPU_KINDS)
 
 
 def run_plan(capsys, *argv):

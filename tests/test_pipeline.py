@@ -3,6 +3,8 @@ test_parallel_parity, through the trainer's own step)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import StagePlan, StageUnion, balanced_starts, keep_stage
+from titanlite.tools.dry_run import fake_process_group
 
 
 def plan(n_blocks: int = 6, local_batch: int = 8, **p) -> StagePlan:
@@ -88,3 +91,14 @@ def test_mesh_layout_puts_pp_outermost():
     assert dims.dim_names == ("dp_shard", "tp")
     assert [dims.pp_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.dp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_the_flattened_dp_mesh_is_kept_not_sliced_from_the_world_mesh():
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=16, pp=2)
+    with fake_process_group(0, 16), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a flattened dim is sliced from the root mesh
+        dims.build_mesh("cpu")
+        assert dims.dp_mesh.mesh_dim_names == ("dp",) and dims.dp_mesh.size() == 4
+        assert set(dims.process_groups()) == {"pp", "dp_replicate", "dp_shard", "tp", "dp"}
+        with pytest.warns(UserWarning, match="flattened"):  # negative control: what the kept mesh avoids
+            dims.world_mesh["dp"]

@@ -9,7 +9,7 @@ step-time model (`titanlite/step_time.py`) reads them as:
     collectives      ring bytes / (nvlink_gbps or network_gbps x COLLECTIVE_EFFICIENCY) + latency
 
 Sources:
-  [peak]  NVIDIA data sheets, dense bf16 (`metrics.GPU_PEAK_TFLOPS`, the trainer's MFU denominator); fp32
+  [peak]  NVIDIA data sheets, dense bf16 (`mfu.GPU_PEAK_TFLOPS`, the trainer's MFU denominator); fp32
           without tensor cores: A100 19.5, H100/H200 SXM 67, B200 80 TFLOP/s.
   [mamf]  Maximum achievable matmul FLOPS, bf16 and fp8, best shape, mean of 100 runs: S. Bekman,
           "Machine Learning Engineering", compute/accelerator/README.md (github.com/stas00/ml-engineering):
@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.metrics import GPU_PEAK_TFLOPS
+from titanlite.mfu import GPU_PEAK_TFLOPS
 
 COLLECTIVE_EFFICIENCY = 0.8
 """Ring bus bandwidth NCCL reaches over the link rate at large messages: nccl-tests on 8 x A100 NVLink
@@ -162,7 +162,8 @@ GPU_KINDS: dict[str, GpuKind] = {
         float8_matmul_tflops=3432.5,
     ),
 }
-"""`--plan.gpu` names: [peak], [mamf], [fa], [hbm], [link], [mem], [cal] in the module docstring."""
+"""One kind per `config.GpuName` (the `plan.gpu` choices): [peak], [mamf], [fa], [hbm], [link], [mem], [cal] in
+the module docstring."""
 
 
 def gpu_kind(name: str) -> GpuKind:

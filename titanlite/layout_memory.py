@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from titanlite.build import RunPlan, build_model
+from titanlite.build import build_model
 from titanlite.config import JobConfig
 from titanlite.memory_plan import Layout, MemoryEstimate, StageMemory, StepChoice, choose_step, pipeline_estimate
-from titanlite.parallelisms.gradient_reduction import step_candidates
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import REDUCE_BUCKET_BYTES
+from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
+from titanlite.plan import RunPlan
 
 
 @dataclass(frozen=True)
@@ -324,13 +324,12 @@ class LayoutMemoryModel:
         """Every pipeline rank's memory (the one rank without PP) for the run `plan` describes, under the
         step policy the memory plan chooses for a GPU of `capacity` bytes (`build.choose_step_policy`:
         the first of the config's candidates whose largest rank fits comfortably)."""
-        dims, backwards = plan.dims, plan.backwards_per_step
-        candidates, fixed = step_candidates(plan.cfg, dims.dp_mode if dims.dp_enabled else None, backwards)
+        candidates, fixed = plan.step_candidates, plan.step_fixed
         if len(candidates) == 1:
-            memory = self.of_layout(plan, Layout.from_config(plan.cfg, dims, backwards, candidates[0]))
+            memory = self.of_layout(plan, plan.layout(candidates[0]))
             memory.step = choose_step(candidates, [0], capacity, fixed)
             return memory
-        estimates = [self.of_layout(plan, Layout.from_config(plan.cfg, dims, backwards, c)) for c in candidates]
+        estimates = [self.of_layout(plan, plan.layout(c)) for c in candidates]
         step = choose_step(candidates, [e.peak_total for e in estimates], capacity, fixed)
         memory = estimates[candidates.index(step.policy)]
         memory.step = step

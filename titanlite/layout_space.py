@@ -2,12 +2,14 @@
 reshard policy; which of them are valid; and how one becomes config keys.
 
     ParallelLayout.of_config(cfg, plan)       the config's own layout
-    layout.apply(cfg)                         the config with this layout's keys set
-    candidates(cfg, world, gpus_per_node, global_batch)   every layout the search ranks
+    layout.apply(cfg, global_batch)           the config with this layout's keys set
+    structures(cfg, world, ...)               every mesh, batch split and pipeline option the plan accepts
+    with_choices(structure, build)            its AC and reshard choices the plan accepts, with their plans
 
-Validity has one source: a layout is valid when `RunPlan.build` (mesh degrees against the world and the
-model, batch divisibility, the pipeline's stages and microbatch rules) and `config.validate` accept the
-config it produces. Two placement rules are the search's own: tensor parallelism stays within a node
+Validity has one source: a layout is valid when `RunPlan.build` accepts the config it produces (mesh
+degrees against the world and the model, batch divisibility, the pipeline's stages and microbatch rules,
+the rules between keys and the compile rules), as the launch's preflight checks it. Two placement rules
+are the search's own: tensor parallelism stays within a node
 (its collectives run in every block), and the global batch (sequences per optimizer step) stays the
 config's, so the training recipe is unchanged; only its split into data-parallel ranks, accumulation
 batches and pipeline microbatches varies.
@@ -22,14 +24,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from titanlite.build import RunPlan
-from titanlite.config import JobConfig, validate
+from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.pipeline import MULTI_STAGE, SINGLE_STAGE
+from titanlite.plan import RunPlan
 
 DEGREE_KEYS = {
     "pp": "pipeline_parallel_degree",
@@ -193,66 +195,55 @@ def pipeline_options(pp: int, local_batch: int) -> Iterator[tuple[str, int, int]
 
 @dataclass(frozen=True)
 class Structure:
-    """A layout without its AC and reshard choices: what decides validity, the batch split and the stages."""
+    """A layout without its AC and reshard choices: what decides the batch split and the stages."""
 
     layout: ParallelLayout
     plan: RunPlan
 
 
-def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Any) -> Iterator[Structure]:
-    """Every valid (degrees, local batch, pipeline option) for `world` ranks at `global_batch` sequences
-    per step; `build(cfg)` is `RunPlan.build` with the tokenizer and model args already resolved."""
-    checked: dict[tuple, bool] = {}
+Build = Callable[[JobConfig], RunPlan]
+"""`RunPlan.build` for the search's world, with the tokenizer and model args already resolved."""
+
+
+def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Build) -> Iterator[Structure]:
+    """Every (degrees, local batch, pipeline option) for `world` ranks at `global_batch` sequences per step
+    that the run plan accepts without activation checkpointing."""
     for degrees in factorisations(world):
-        if degrees.tp > gpus_per_node or global_batch % degrees.dp or not _compiles(cfg, degrees):
+        if degrees.tp > gpus_per_node or global_batch % degrees.dp:
             continue
         for local in divisors(global_batch // degrees.dp):
             for schedule, v, mb in pipeline_options(degrees.pp, local):
                 layout = ParallelLayout(degrees, "none", "op", local, mb, schedule, v, "auto")
-                trial = layout.apply(cfg, global_batch)
-                key = (degrees.pp > 1, schedule)
-                if key not in checked:
-                    checked[key] = _valid(trial)
-                if not checked[key]:
-                    continue
-                try:
-                    plan = build(trial)
-                except ConfigError:
-                    continue
-                yield Structure(layout, plan)
+                plan = _plan(build, layout.apply(cfg, global_batch))
+                if plan is not None:
+                    yield Structure(layout, plan)
 
 
-def _compiles(cfg: JobConfig, degrees: Degrees) -> bool:
-    """The rule `parallelisms.compile.apply_compile` applies when it builds the model: bucketing needs
-    SimpleFSDP's data parallelism (a world of one has it)."""
-    c = cfg.compile
-    if not (c.enable and "model" in c.components and c.bucketing != "none"):
-        return True
-    dp_enabled = degrees.dp > 1 or degrees.world == 1
-    return dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp" and c.backend in ("aot_eager", "inductor")
-
-
-def _valid(cfg: JobConfig) -> bool:
+def _plan(build: Build, cfg: JobConfig) -> RunPlan | None:
+    """The run plan of `cfg`, or None where a launch would refuse it (one of the plan's rules)."""
     try:
-        validate(cfg)
+        return build(cfg)
     except ConfigError:
-        return False
-    return True
+        return None
 
 
-def with_choices(structure: Structure, ac: tuple[tuple[str, str], ...] = AC_CHOICES) -> Iterator[ParallelLayout]:
-    """The structure's layout under every AC (of `ac`) and reshard choice (full AC is refused by compile
-    scope `model`, as `apply_compile` refuses it)."""
-    c = structure.plan.cfg.compile
+def with_choices(
+    structure: Structure, build: Build, ac: tuple[tuple[str, str], ...] = AC_CHOICES
+) -> Iterator[tuple[ParallelLayout, RunPlan]]:
+    """The structure's layout under every AC (of `ac`) and reshard choice that the run plan accepts (the
+    compile rules refuse some AC choices: `compile.check_compile`), each with its plan."""
+    cfg, global_batch = structure.plan.cfg, structure.plan.global_batch
     for (mode, option), reshard in itertools.product(ac, RESHARD_CHOICES):
-        if mode == "full" and c.enable and c.scope == "model" and "model" in c.components:
-            continue
-        yield dataclasses.replace(structure.layout, ac_mode=mode, ac_option=option, reshard=reshard)
+        layout = dataclasses.replace(structure.layout, ac_mode=mode, ac_option=option, reshard=reshard)
+        plan = _plan(build, layout.apply(cfg, global_batch))
+        if plan is not None:
+            yield layout, plan
 
 
-def least_memory(structure: Structure) -> Iterator[ParallelLayout]:
-    """The structure's layouts that keep the fewest activations (the most recomputation AC allows): if
-    none of them fits, no choice of the structure does."""
-    c = structure.plan.cfg.compile
-    scope_model = c.enable and c.scope == "model" and "model" in c.components
-    return with_choices(structure, (AC_CHOICES[-2] if scope_model else AC_CHOICES[-1],))
+def least_memory(structure: Structure, build: Build) -> list[tuple[ParallelLayout, RunPlan]]:
+    """The structure's layouts that keep the fewest activations (the most recomputation the run plan
+    accepts): if none of them fits, no choice of the structure does."""
+    for choice in reversed(AC_CHOICES):
+        if out := list(with_choices(structure, build, (choice,))):
+            return out
+    return []

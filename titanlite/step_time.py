@@ -40,13 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanlite.build import RunPlan
-from titanlite.config import ActivationCheckpoint, JobConfig
+from titanlite.config import ActivationCheckpoint
 from titanlite.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
 from titanlite.layout_memory import LayoutMemory, StageUnits
 from titanlite.memory_plan import Layout
 from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.activation_checkpoint import block_ac
+from titanlite.parallelisms.compile import compile_scope
+from titanlite.plan import RunPlan
 
 ZERO_BUBBLE_SHARE = 1 / 3
 """The zero-bubble schedule's bubble over interleaved 1F1B's: ZB-H1 (Qi et al., "Zero Bubble Pipeline
@@ -103,18 +104,13 @@ class StepTime:
         return self.tp_comm + self.dp_comm + self.pp_comm
 
 
-def prefetches(cfg: JobConfig) -> bool:
-    """Whether the data-parallel implementation overlaps a unit's collectives with its neighbour's compute."""
-    if cfg.parallelism.dp_impl == "fsdp2":
+def prefetches(plan: RunPlan) -> bool:
+    """Whether the data-parallel implementation overlaps a unit's collectives with its neighbour's compute:
+    FSDP2, or SimpleFSDP compiled as one graph (`compile_scope` model) whose passes bucket and reorder."""
+    if plan.cfg.parallelism.dp_impl == "fsdp2":
         return True
-    c = cfg.compile
-    return (
-        c.enable
-        and c.backend in ("aot_eager", "inductor")
-        and c.scope == "model"
-        and c.bucketing != "none"
-        and c.reorder
-    )
+    c = plan.cfg.compile
+    return plan.compile_passes and compile_scope(plan.cfg, plan.dims) == "model" and c.bucketing != "none" and c.reorder
 
 
 class Link:
@@ -201,7 +197,7 @@ class StepTimeModel:
         tp_coll = 0.0 if self.features.async_tp else tp_link.ring(hidden_bytes)
         out_mm = tokens * cost.output_matmul_flops / tp / mm_rate
         loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
-        prefetch = prefetches(cfg) and kind.comm_overlaps_compute
+        prefetch = prefetches(plan) and kind.comm_overlaps_compute
         dp_mode = layout.dp_mode
         mb_total = m * accum
         fsdp2 = cfg.parallelism.dp_impl == "fsdp2"

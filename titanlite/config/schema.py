@@ -25,6 +25,9 @@ SHAPE = {**NON_NEGATIVE, "shape": True}
 DtypeName = Literal["float32", "bfloat16", "float16"]
 """The dtypes a config can name; `titanlite.dtypes.DTYPES` maps them to torch's."""
 
+GpuName = Literal["h100", "h100-96gb-500w", "h200", "a100", "b200"]
+"""The GPU kinds the layout search can plan for; `titanlite.gpus.GPU_KINDS` holds their figures."""
+
 
 @dataclass
 class Job:
@@ -357,8 +360,8 @@ class Comm:
 class Plan:
     """The layout search (`--plan`, titanlite/tools/layout_search.py)."""
 
-    gpu: str = "h100"
-    """GPU kind to plan for: h100, h200, a100, b200, h100-96gb-500w (titanlite/gpus.py lists their figures)."""
+    gpu: GpuName = "h100"
+    """GPU kind to plan for (titanlite/gpus.py lists their figures and sources)."""
     top: int = field(default=5, metadata=POSITIVE)
     """Ranked layouts shown."""
     confirm: int = field(default=1, metadata=POSITIVE)

@@ -205,9 +205,7 @@ def _model_plans(units: Units) -> tuple:
 
 def _group_labels(dims: ParallelDims) -> dict[str, str]:
     """Process-group name -> `dp` or `tp`, for every named dim of the mesh (and the flattened dp dim)."""
-    mesh = dims.world_mesh
-    names = list(dims.dim_names) + (["dp"] if len(dims.dp_dim_names) > 1 else [])
-    return {mesh[n].get_group().group_name: "tp" if n == "tp" else "dp" for n in names}
+    return {g.group_name: "tp" if n == "tp" else "dp" for n, g in dims.process_groups().items() if n != "pp"}
 
 
 def _cost_model(c: Any, dims: ParallelDims) -> CostModel | None:

@@ -34,6 +34,9 @@ class ParallelDims:
     dp_impl: str = "simple_fsdp"
     disable_loss_parallel: bool = False
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat_dp: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """The data-parallel dims flattened into one (`dp`) when there are two: kept here, since slicing a
+    flattened dim from the world mesh is deprecated by torch."""
 
     def __post_init__(self) -> None:
         pp_text = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
@@ -128,7 +131,7 @@ class ParallelDims:
         names = self.mesh_dim_names or ("dp_shard",)
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         if len(self.dp_dim_names) > 1:
-            mesh[self.dp_dim_names]._flatten("dp")
+            self._flat_dp = mesh[self.dp_dim_names]._flatten("dp")
         self._mesh = mesh
         return mesh
 
@@ -150,7 +153,8 @@ class ParallelDims:
         """The flattened data-parallel mesh: data loading and loss averaging."""
         if not self.dp_enabled:
             return None
-        return self.world_mesh["dp"] if len(self.dp_dim_names) > 1 else self.world_mesh[self.dp_dim_names[0]]
+        mesh = self.world_mesh
+        return self._flat_dp if self._flat_dp is not None else mesh[self.dp_dim_names[0]]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -163,10 +167,10 @@ class ParallelDims:
     def process_groups(self) -> dict[str, dist.ProcessGroup]:
         """Every process group of the mesh by dim name (and the flattened `dp`): what a collective can run on."""
         mesh = self.world_mesh
-        names = list(mesh.mesh_dim_names or ())
-        if len(self.dp_dim_names) > 1:
-            names.append("dp")
-        return {name: mesh[name].get_group() for name in names}
+        groups = {name: mesh[name].get_group() for name in mesh.mesh_dim_names or ()}
+        if self._flat_dp is not None:
+            groups["dp"] = self._flat_dp.get_group()
+        return groups
 
     def dp_rank_of(self, rank: int) -> int:
         """Global `rank`'s index on the flattened dp mesh (ranks are laid out pp, dp_replicate, dp_shard,

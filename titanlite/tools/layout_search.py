@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from titanlite.build import RunPlan
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.errors import ConfigError, run_cli
 from titanlite.gpus import GpuKind, gpu_kind
 from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
 from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
 from titanlite.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.plan import RunPlan
 from titanlite.step_time import Features, StepTime, StepTimeModel
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
 
@@ -89,10 +89,8 @@ class LayoutSearch:
         return RunPlan.build(cfg, self.world, tokenizer=self._tokenizer, args=self._args)
 
     def estimate(self, plan: RunPlan, layout: ParallelLayout, given: bool = False) -> Estimate:
-        """`layout` (the structure of `plan` with its AC and reshard choices; `given`: `plan` is the
-        config's own) estimated under the step policy the memory plan chooses for it."""
-        if not given:
-            plan = dataclasses.replace(plan, cfg=layout.apply(plan.cfg, plan.global_batch))
+        """`layout`, whose run plan is `plan` (`given`: the config's own), estimated under the step policy
+        the memory plan chooses for it."""
         memory = self.memory_model.estimate(plan, int(self.capacity))
         step = self._time[memory.layout.compute_dtype.itemsize].estimate(plan, memory.layout, memory)
         return Estimate(layout, plan, memory, step, given)
@@ -118,14 +116,16 @@ class LayoutSearch:
         tried = 0
         limit = self.capacity * COMFORT_FRACTION
         for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
-            smallest = [self.estimate(structure.plan, layout) for layout in least_memory(structure)]
+            smallest = [self.estimate(plan, layout) for layout, plan in least_memory(structure, self.build)]
+            if not smallest:
+                continue
             if min(e.memory.peak_total for e in smallest) > limit:
                 tried += len(smallest)
                 closest = min([*smallest, *([closest] if closest else [])], key=lambda e: e.memory.peak_total)
                 continue
-            for layout in with_choices(structure):
+            for layout, plan in with_choices(structure, self.build):
                 tried += 1
-                est = self.estimate(structure.plan, layout)
+                est = self.estimate(plan, layout)
                 if est.memory.peak_total <= limit:
                     fits.append(est)
                 elif closest is None or est.memory.peak_total < closest.memory.peak_total:
