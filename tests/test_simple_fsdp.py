@@ -106,11 +106,23 @@ def test_state_dict_apis_do_not_gather_under_sharded_view(fake_world):
     model = build("default")
     with CountCollectives() as plain:
         get_model_state_dict(model)
-    with CountCollectives() as viewed, sharded_view():
+    with CountCollectives() as viewed, sharded_view(model):
         sd = get_model_state_dict(model)
     assert plain.counts["all_gather_into_tensor"] > 0  # what the view avoids
     assert sum(viewed.counts.values()) == 0
     assert all(isinstance(v, DTensor) for v in sd.values())
+
+
+def test_sharded_view_is_scoped_to_the_model_it_wraps(fake_world):
+    """Each wrapped model owns its SimpleFSDP state: viewing one model's shards leaves another gathering."""
+    from titanlite.parallelisms.simple_fsdp import sharded_view, simple_fsdp_states
+
+    a, b = build("default"), build("default")
+    assert len(simple_fsdp_states([a, b])) == 2
+    with sharded_view(a):
+        assert isinstance(a.output.weight, DTensor)
+        assert not isinstance(b.output.weight, DTensor)  # gathered to a plain tensor
+    assert not isinstance(a.output.weight, DTensor)
 
 
 # --- gradient accumulation: reductions per step -------------------------------------------------------

@@ -99,11 +99,12 @@ def _test_kill(step: int, point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _sharded(fn, *args, **kwargs):
-    """Call a torch state-dict API with SimpleFSDP parameters seen as shards (it resolves names by
-    attribute access, which would otherwise all-gather every parameter)."""
-    with sharded_view():
-        return fn(*args, **kwargs)
+def _sharded(fn, model, *args, **kwargs):
+    """Call a torch state-dict API on `model` (a module or a list of pipeline parts) with its SimpleFSDP
+    parameters seen as shards (it resolves names by attribute access, which would otherwise all-gather
+    every parameter)."""
+    with sharded_view(model):
+        return fn(model, *args, **kwargs)
 
 
 def check_compatible(path: str, state: dict) -> None:

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +34,6 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_leaves
-
-from titanlite.parallelisms.simple_fsdp import is_unreduced
 
 logger = logging.getLogger("titanlite")
 
@@ -124,9 +123,10 @@ class CompileReport:
 
     `labels` maps process-group names to mesh-dim labels (`dp`, `tp`); `eager_params` is the number of
     SimpleFSDP parameters outside every compiled unit (each still costs its own eager all-gather and
-    reduce-scatter per step, which the counts here do not include). `compile_seconds` is the time spent
-    in the compile backends (AOTAutograd, partitioning, graph passes, codegen; lazily compiled backwards
-    included), not Dynamo's bytecode tracing.
+    reduce-scatter per step, which the counts here do not include). `routing_to_sinks` says whether the
+    model's gathers now route their gradients to sinks (`SimpleFSDPState.unreduced`), read as each graph
+    is recorded. `compile_seconds` is the time spent in the compile backends (AOTAutograd, partitioning,
+    graph passes, codegen; lazily compiled backwards included), not Dynamo's bytecode tracing.
     """
 
     def __init__(
@@ -136,9 +136,11 @@ class CompileReport:
         eager_params: int,
         path: str | None,
         cost_model: dict[str, float] | None,
+        routing_to_sinks: Callable[[], bool] = lambda: False,
     ):
         self.labels, self.settings, self.eager_params = labels, settings, eager_params
         self.path, self.cost_model = path, cost_model
+        self.routing_to_sinks = routing_to_sinks
         self.units: list[Unit] = []
         self.compile_seconds = 0.0
         self.written = False
@@ -154,7 +156,7 @@ class CompileReport:
 
     def record(self, unit: Unit, phase: str, before: list[Collective], after: list[Collective]) -> None:
         unit.graphs[phase] = (before, after)
-        self.reduced_outside |= is_unreduced()
+        self.reduced_outside |= self.routing_to_sinks()
 
     def compiled(self, seconds: float) -> None:
         """Account one finished compile; once every unit has its forward and backward, log and write."""

@@ -48,6 +48,7 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.partitioner import Partitioner
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
 from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.units import Units
 
 REPORT_NAME = "compile_report.json"
@@ -101,6 +102,7 @@ def apply_compile(
         eager_params=0 if scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
+        routing_to_sinks=lambda: any(s.unreduced for s in simple_fsdp_states(model)),
     )
     bucketing = None
     if c.bucketing != "none":

@@ -31,12 +31,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.simple_fsdp import (
-    ReplicateComputation,
-    _RouteGradient,
-    is_unreduced,
-    set_reshard_after_forward,
-)
+from titanlite.parallelisms.eager_reshard import set_reshard_after_forward
+from titanlite.parallelisms.replicate_compute import ReplicateComputation, RouteGradient
 
 
 def keep_for_step(model: nn.Module) -> None:
@@ -60,8 +56,8 @@ class StepCache:
                 full = self.full[gather] = gather._gather_local(x)
         if not (x.requires_grad and torch.is_grad_enabled()):
             return gather._as_tp(full)
-        if is_unreduced():
-            return gather._as_tp(_RouteGradient.apply(full, gather.sink))
+        if gather.state.unreduced:
+            return gather._as_tp(RouteGradient.apply(full, gather.sink))
         return gather._as_tp(_ReduceToShard.apply(full, x, gather))
 
 

@@ -4,7 +4,7 @@
     [context parallelism]   its place: after TP (it shards the sequence the TP plan's layouts assume)
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
-    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `apply_reshard`) or FSDP2
+    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2
     [expert parallelism]    its place: after data parallelism, which must not shard the experts' dim
 
 Why this order:
@@ -34,10 +34,11 @@ from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.compile import apply_compile
+from titanlite.parallelisms.eager_reshard import apply_reshard
 from titanlite.parallelisms.fsdp2 import apply_fsdp2
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, apply_reshard, data_parallel
+from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn, apply_tp
 from titanlite.parallelisms.units import Units
 

@@ -6,7 +6,7 @@ backward. Three passes act on those graphs:
 * `RecomputeTagPass` (joint graph, before partitioning): tags the parameter all-gathers, their waits and
   the casts/views around them `MUST_RECOMPUTE`, so the partitioner frees gathered weights after forward
   and gathers them again in backward (reshard-after-forward); `MUST_SAVE` keeps them instead. This is
-  the compiled counterpart of the eager saved-tensor hooks in `simple_fsdp.py`. In a whole-model graph
+  the compiled counterpart of the eager saved-tensor hooks in `eager_reshard.py`. In a whole-model graph
   it also tags fully checkpointed blocks for recomputation (full activation checkpointing as tags).
 * `BucketingPass` (forward/backward graphs, after partitioning): merges the FSDP collectives into
   buckets and, with `reorder`, moves them to overlap with compute. `auto` is torch's overlap scheduler

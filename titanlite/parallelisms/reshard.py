@@ -10,7 +10,7 @@ One policy (`parallelism.fsdp_reshard_after_forward`) for every implementation:
               gathered weight for the whole step (`gradient_reduction.StepPolicy`, `kept_gathers`)
 
 Pure replication gathers nothing, so nothing is resharded. The plan is read by SimpleFSDP eager
-(saved-tensor hooks, `simple_fsdp.apply_reshard`), SimpleFSDP compiled (recompute tags,
+(saved-tensor hooks, `eager_reshard.apply_reshard`), SimpleFSDP compiled (recompute tags,
 `passes.ReshardTagPass`), FSDP2 (`reshard_after_forward` of each `fully_shard`), and the memory plan.
 """
 

@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.simple_fsdp import ReplicateComputation, parametrized, routing_to_sinks
+from titanlite.parallelisms.replicate_compute import ReplicateComputation
+from titanlite.parallelisms.simple_fsdp import parametrized, simple_fsdp_states
 
 REDUCE_BUCKET_BYTES = 64 * 2**20
 """Unreduced gradients are reduced in buckets of about this many bytes (in the reduce dtype): one
@@ -51,7 +52,9 @@ def unreduced(model: nn.Module, backwards: int = 0) -> Iterator[Callable[[bool],
     """
     reduction = _StepReduction(parametrized(model), backwards)
     try:
-        with routing_to_sinks():
+        with contextlib.ExitStack() as routing:
+            for state in simple_fsdp_states(model):
+                routing.enter_context(state.routing_to_sinks())
             yield reduction.before_backward
     except BaseException:
         reduction.abandon()
