@@ -69,7 +69,7 @@ from titanlite.config import load_config
 from titanlite.errors import ConfigError, run_cli
 from titanlite.memory_plan import GiB
 from titanlite.metrics import peak_tflops
-from titanlite.parallelisms.compile import REPORT_NAME
+from titanlite.parallelisms.compile_report import REPORT_NAME
 from titanlite.tools.dry_run import dry_run, format_report
 
 ROOT = Path(__file__).resolve().parents[1]

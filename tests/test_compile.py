@@ -120,12 +120,15 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
 def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
     """Six blocks compile once (Dynamo frames and traced graphs counted): they share SimpleFSDP's
     parametrized class and one backend. Under reshard "default" the last block keeps its gathered
-    weights, a different graph: two traces (the control that the counters do count per block)."""
+    weights, a different graph: two traces (the control that the counters do count per block). The
+    blocks' recompile limit is set per compiled function: Dynamo's global limits stay unchanged."""
     from torch._dynamo.utils import counters
 
     counters.clear()
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
     cfg = config(tmp_path, "transformer_block", parallelism__fsdp_reshard_after_forward=reshard)
     report = compile_report(cfg, 2, tiny_args(n_layers=6))
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == limits
     assert counters["stats"]["unique_graphs"] == traces
     assert report["traces"] == traces and report["units"] == 6
     # The counts are per step, all six blocks included.
@@ -138,8 +141,8 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
-    from titanlite.parallelisms.collectives import CompileReport
     from titanlite.parallelisms.compile import BUCKETING_INDUCTOR_CONFIG, _Backend
+    from titanlite.parallelisms.compile_report import CompileReport
 
     seen = []
     monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, **kw: seen.append(kw["config_patches"]))

@@ -105,3 +105,52 @@ def test_nan_step_is_skipped_within_limit(tmp_path, uninterrupted):
     got = losses(tmp_path)
     assert got[3] != got[3]  # NaN logged for the skipped step
     assert got[2] == uninterrupted[2] and all(got[s] == got[s] for s in (4, 5, 6))
+
+
+class _StopAt:
+    """A stop signal that arrives while step `at` runs (stands in for `signals.Preemption`)."""
+
+    def __init__(self, at: int):
+        self.at, self.received, self.name = at, None, "SIGTERM"
+
+
+@pytest.mark.parametrize("ending", ["stop_signal", "error"])
+def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, process_group, monkeypatch, ending):
+    """The loop runs with the collector off; a stop signal's clean return and an error both turn it back on
+    (the control: it is off while a step runs)."""
+    import gc
+    import signal
+
+    from harness import tiny_args
+    from titanlite.build import RunPlan
+    from titanlite.config import JobConfig
+    from titanlite.trainer import Trainer
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = 8, 2, 4
+    cfg.metrics.enable_tensorboard = False
+    cfg.checkpoint.enable = True
+    stop = _StopAt(2)
+    trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)), preemption=stop)
+    step, enabled_in_step = trainer.train_step, []
+
+    def train_step(batches):
+        enabled_in_step.append(gc.isenabled())
+        if trainer.step == stop.at:
+            if ending == "error":
+                raise RuntimeError("a failing step")
+            stop.received = signal.SIGTERM
+        return step(batches)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    try:
+        if ending == "error":
+            with pytest.raises(RuntimeError, match="a failing step"):
+                trainer.train()
+        else:
+            trainer.train()
+            assert trainer.step == 2 and trainer.preempted
+    finally:
+        trainer.close()
+    assert enabled_in_step == [False, False] and gc.isenabled()

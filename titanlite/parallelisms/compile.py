@@ -21,7 +21,7 @@ With SimpleFSDP and the `aot_eager` or `inductor` backend every compile unit get
 `_Backend`): AOTAutograd with the min-cut partitioner (which honours the recompute tags of
 `RecomputeTagPass`; `partitioner.py`), the bucketing pass, and a recorder feeding the `CompileReport`. The
 report is logged and written to `<dump_folder>/compile_report.json` once every unit's forward and
-backward are compiled.
+backward are compiled (`compile_report.py`).
 """
 
 from __future__ import annotations
@@ -43,15 +43,14 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
-from titanlite.parallelisms.collectives import CompileReport, Unit, graph_collectives
+from titanlite.parallelisms.collectives import graph_collectives
+from titanlite.parallelisms.compile_report import REPORT_NAME, CompileReport, Unit
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.partitioner import Partitioner
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.units import Units
-
-REPORT_NAME = "compile_report.json"
 
 
 def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
@@ -171,18 +170,27 @@ def _compile_units(
         return
     # Identical blocks share one Dynamo cache entry of the shared `forward` code (SimpleFSDP's parametrized
     # class is shared, `backend` hands them one backend object), so a model compiles each distinct block
-    # once (twice at most: under reshard "default" the last block keeps its gathered weights). Room for a
-    # few more entries (eval/no-grad variants, other backends) is added per compiled model, as one process
-    # may build several (benchmarks, tests); a per-block recompile would still exceed it and fail loudly.
-    torch._dynamo.config.recompile_limit += 4
-    torch._dynamo.config.accumulated_recompile_limit += 4
+    # once (twice at most: under reshard "default" the last block keeps its gathered weights).
     for i, (fqn, block) in enumerate(units.blocks.items()):
         checkpointed = ac.get(fqn)
-        if checkpointed is not None and checkpointed.mode == "full":
-            checkpointed.body = torch.compile(checkpointed.body, backend=backend(fqn, i), fullgraph=True)
+        full = checkpointed is not None and checkpointed.mode == "full"
+        fn = checkpointed.body if full else block.forward
+        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=True, recompile_limit=_recompile_limit(fn))
+        if full:
+            checkpointed.body = compiled
         else:
-            block.forward = torch.compile(block.forward, backend=backend(fqn, i), fullgraph=True)
+            block.forward = compiled
         block.register_forward_pre_hook(_await_collective_inputs)
+
+
+def _recompile_limit(fn: Callable[..., Any]) -> int:
+    """The recompile limit of this model's compiled `fn`, set on its own `torch.compile` call (Dynamo's
+    global limits stay as they are): the entries the code of `fn` already holds (other models in this
+    process compile the same block code, and their entries count against this one's limit), plus
+    Dynamo's default, plus room for a few variants (eval/no-grad, other backends). A recompile per
+    block would still exceed it and fail loudly (`fullgraph=True`)."""
+    existing = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+    return existing + torch._dynamo.config.recompile_limit + 4
 
 
 def _await_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -59,7 +59,7 @@ from titanlite.errors import ConfigError, run_cli
 from titanlite.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
-from titanlite.parallelisms.compile import REPORT_NAME
+from titanlite.parallelisms.compile_report import REPORT_NAME
 from titanlite.parallelisms.pipeline import StageUnion
 from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss
