@@ -122,8 +122,8 @@ def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, 
     import signal
 
     from harness import tiny_args
-    from titanlite.build import RunPlan
     from titanlite.config import JobConfig
+    from titanlite.plan import RunPlan
     from titanlite.trainer import Trainer
 
     cfg = JobConfig()
