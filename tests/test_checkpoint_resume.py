@@ -3,7 +3,7 @@
 Every run trains the debug model for 4 steps (seq_len 64, global batch 8) and checkpoints every 2 steps,
 so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses come from metrics.jsonl.
 
-The kill -9 test uses the test hook TITANLITE_TEST_KILL_AT (manager.py) and restarts in the same dump
+The kill -9 test uses the test hook TITANLITE_FAULT_KILL_AT (titanlite/faults.py) and restarts in the same dump
 folder, as a relaunch would.
 
 Validation: every run holds out the corpus's last documents (the same training stream for all); the
@@ -28,7 +28,7 @@ import pytest
 from harness import LOSS_REL, SMALL, RunResult, assert_ok
 from harness import train as run_trainer
 from titanlite.checkpoint import folders, rank_state
-from titanlite.checkpoint.manager import TEST_KILL_ENV
+from titanlite.faults import KILL_AT as TEST_KILL_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ Each case starts `run_train.sh` in a session of its own (as a job is), waits for
 signals the launcher or its whole process group the way SLURM, Kubernetes or a terminal do, and checks
 the exit code, what the user sees on stderr besides the ranks' own log (`[rankN]:` lines), the
 checkpoint folder, and that no rank process outlives the run. Failures inside ranks come from the
-test-only `TITANLITE_FAULT_*` variables (titanlite/resilience.py).
+test-only `TITANLITE_FAULT_*` variables (titanlite/faults.py).
 """
 
 from __future__ import annotations

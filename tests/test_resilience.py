@@ -1,6 +1,6 @@
 """Fault injection: preemption (and determinism), a crashed rank with restarts, non-finite losses.
 
-Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/resilience.py).
+Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/faults.py).
 Runs use the debug model with seq_len 64 and metrics every step, so each is a few seconds.
 """
 

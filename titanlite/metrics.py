@@ -19,7 +19,6 @@ on. (Profiler traces follow the same rule; checkpoints have their own policy, `c
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import json
 import logging
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titanlite import faults
 from titanlite.errors import ConfigError
 from titanlite.mfu import Peak, mfu_pct, peak_tflops
 
@@ -197,10 +197,6 @@ COLORS = dict(
 )
 
 
-FULL_DISK_FAULT = "TITANLITE_FAULT_METRICS_DISK_FULL"
-"""Test hook (where no small disk can be mounted): set, every write of every output fails as on a full disk."""
-
-
 class Output:
     """One output of the logger: written until its first failure, which is warned about once; then it is
     left alone for the rest of the run (the policy in the module docstring)."""
@@ -212,8 +208,7 @@ class Output:
         if not self.ok:
             return
         try:
-            if os.environ.get(FULL_DISK_FAULT):
-                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({FULL_DISK_FAULT})")
+            faults.metrics_write()
             fn()
         except Exception as e:  # OSError, or an output's own wrapper of it
             self.ok = False

@@ -1,4 +1,4 @@
-"""Preemption, non-finite steps, what a rank owes its launcher, and fault injection.
+"""Preemption, non-finite steps, and what a rank owes its launcher.
 
 Preemption (`signals.Preemption`): SIGTERM and SIGUSR1 (and in a command-line run the first Ctrl-C) only
 set a flag. Once per step every rank contributes its flag (and whether its loss is finite) to one small
@@ -9,11 +9,6 @@ while it started, before it trains anything.
 Under the launcher (`titanlite.launch`, which sets `LAUNCHER_PID_ENV`) a rank dies with the launcher
 (Linux parent-death signal) and reports its failure into the error file torch elastic gives it
 (`TORCHELASTIC_ERROR_FILE`) instead of its own stderr, so the launcher prints the root cause once.
-
-Fault injection is for tests: environment variables that make a run fail in a chosen way at a chosen
-step (`TITANLITE_FAULT_*`). A fault with `TITANLITE_FAULT_ONCE=<file>` fires only if that file does not
-exist yet (it is created first), so a restarted run goes on normally. (Two hooks live where they act:
-`TITANLITE_FAULT_METRICS_DISK_FULL` in `metrics.py`, `TITANLITE_TEST_KILL_AT` in `checkpoint/manager.py`.)
 """
 
 from __future__ import annotations
@@ -148,48 +143,3 @@ def run_rank(main: Callable[[list[str]], int], argv: list[str] | None = None) ->
     except KeyboardInterrupt:
         print("titanlite: interrupted", file=sys.stderr, flush=True)
         return 130
-
-
-# --- test-only fault injection ---------------------------------------------------------------------------
-
-
-def _fault_step(name: str) -> int | None:
-    value = os.environ.get(f"TITANLITE_FAULT_{name}")
-    return int(value) if value else None
-
-
-def _claim_once() -> bool:
-    """True if this fault may fire: no TITANLITE_FAULT_ONCE file, or we are the first to create it."""
-    path = os.environ.get("TITANLITE_FAULT_ONCE")
-    if not path:
-        return True
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.close(fd)
-    return True
-
-
-def inject_before_step(step: int, rank: int) -> None:
-    """`TITANLITE_FAULT_EXIT_AT=k` (with `TITANLITE_FAULT_RANK`, default 0): that rank dies at step k;
-    `TITANLITE_FAULT_SIGTERM_AT=k`: that rank sends itself SIGTERM at step k; `TITANLITE_FAULT_USER_ERROR_AT=k`
-    / `TITANLITE_FAULT_CRASH_AT=k`: that rank alone raises a `UserError` (bad input only it can see, such
-    as an unreadable shard on its host) / a `RuntimeError` (a bug) at step k."""
-    if rank != int(os.environ.get("TITANLITE_FAULT_RANK", "0")):
-        return
-    if step == _fault_step("EXIT_AT") and _claim_once():
-        logger.error(f"fault injection: rank {rank} exits abruptly at step {step}")
-        os._exit(17)
-    if step == _fault_step("SIGTERM_AT") and _claim_once():
-        os.kill(os.getpid(), signal.SIGTERM)
-    if step == _fault_step("USER_ERROR_AT") and _claim_once():
-        raise UserError(f"fault injection: rank {rank} found bad input at step {step}")
-    if step == _fault_step("CRASH_AT") and _claim_once():
-        raise RuntimeError(f"fault injection: rank {rank} crashed at step {step}")
-
-
-def nan_injection(step: int) -> bool:
-    """`TITANLITE_FAULT_NAN_AT=k[,k2...]`: the loss of those steps is made NaN (every rank)."""
-    value = os.environ.get("TITANLITE_FAULT_NAN_AT")
-    return bool(value) and str(step) in value.split(",")

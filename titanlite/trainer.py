@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from titanlite import faults
 from titanlite.build import (
     apply_train_timeout,
     build_loader,
@@ -38,8 +39,6 @@ from titanlite.resilience import (
     LAUNCHER_PID_ENV,
     StepVerdict,
     agree,
-    inject_before_step,
-    nan_injection,
     stop_agreed,
 )
 from titanlite.signals import Preemption
@@ -168,7 +167,7 @@ class Trainer:
         One host sync: the agreement's single read (`resilience.agree`), which also brings the logged
         loss and grad norm to the host (`self.verdict`); nothing else in the step waits for the device."""
         context = self.runner.context
-        if nan_injection(self.step):
+        if faults.nan_loss_at(self.step):
             loss_fn = context.loss_fn
             context = context.with_loss(lambda pred, labels: loss_fn(pred, labels) * float("nan"))
         loss, grad_norm = self.runner.forward_backward(self.optimizer, batches, context)
@@ -236,7 +235,7 @@ class Trainer:
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1
-                inject_before_step(self.step, self.rank)
+                faults.before_step(self.step, self.rank)
                 t0 = time.perf_counter()
                 batches = [next(data_iter) for _ in range(self.grad_accum)]
                 window_data += time.perf_counter() - t0

@@ -29,17 +29,13 @@ rank verifies its share; a mismatch is reported in one line and the previous che
 that no setting changed that cannot change (`resume_policy.py`: which keys stop a resume, which are
 resharded, which take the new value); changed settings are listed in one log line.
 
-Test hook: `TITANLITE_TEST_KILL_AT=N` makes every rank SIGKILL itself after `save(N)` returns (a crash
-between saves); `TITANLITE_TEST_KILL_AT=N:mid_save` makes rank 0 SIGKILL itself while finalising the
-save of step N, after all data is written and before the completion marker (a crash inside a save).
+Tests kill a save between and inside saves with `faults.checkpoint_kill` (`TITANLITE_FAULT_KILL_AT`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import signal
 import time
 import warnings
 from concurrent.futures import Future
@@ -62,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanlite import faults
 from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.fingerprint import dataset_fingerprint, edge_fingerprint, tokenizer_fingerprint
 from titanlite.checkpoint.hf import import_hf
@@ -76,7 +73,6 @@ from titanlite.plan import RunPlan
 
 logger = logging.getLogger("titanlite")
 
-TEST_KILL_ENV = "TITANLITE_TEST_KILL_AT"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -86,17 +82,6 @@ def _quiet_single_process_dcp() -> None:
     is process-wide; installed when checkpoint I/O is first set up, never by importing this module (adding
     the same filter again replaces it)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _test_kill(step: int, point: str) -> None:
-    """SIGKILL this process at a named point if the test hook asks for it (module docstring)."""
-    spec = os.environ.get(TEST_KILL_ENV)
-    if not spec:
-        return
-    at, _, where = spec.partition(":")
-    if int(at) == step and (where or "after_save") == point:
-        logger.warning(f"{TEST_KILL_ENV}={spec}: killing this process ({point} of step {step})")
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sharded(fn, model, *args, **kwargs):
@@ -312,7 +297,7 @@ class CheckpointManager:
                 model_only, dtype = True, DTYPES[self.cfg.export_dtype]
             self._wait_pending()
             self._save(step, model_only, dtype)
-        _test_kill(step, "after_save")
+        faults.checkpoint_kill(step, "after_save")
 
     def _save(self, step: int, model_only: bool, dtype: torch.dtype | None) -> None:
         """Collective. Rank 0 prepares `step-N.partial`; every rank writes its rank-state file, then DCP
@@ -379,7 +364,7 @@ class CheckpointManager:
         """Rank 0 publishes the written folder (marker + rename), then prunes old checkpoints."""
         if self.rank != 0:
             return
-        _test_kill(step, "mid_save")
+        faults.checkpoint_kill(step, "mid_save")
         try:
             final = folders.complete(self.root, step, info)
             removed = folders.prune(self.root, self.cfg.keep_latest_k)
