@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import config, loader
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
@@ -28,8 +29,6 @@ from harness import ROOT, child_env, tiny_args
 from titanlite.checkpoint import folders, lock, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
-from titanlite.config import JobConfig
-from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
 from titanlite.models.llama3 import SPEC, ModelArgs
@@ -53,19 +52,13 @@ class Run:
 
     def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, over: dict | None = None, **ckpt):
         """`ckpt`: checkpoint keys; `over`: any other `section.key` values."""
-        cfg = JobConfig()
-        cfg.job.dump_folder = str(dump)
-        cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = SEQ, LBS, 20
-        cfg.training.seed = seed
-        cfg.training.mixed_precision_param = "float32"
-        cfg.metrics.enable_tensorboard = False
-        cfg.checkpoint.enable = True
-        cfg.checkpoint.interval = 1
-        for key, value in ckpt.items():
-            setattr(cfg.checkpoint, key, value)
-        for key, value in (over or {}).items():
-            section, name = key.split(".")
-            setattr(getattr(cfg, section), name, value)
+        cfg = config(
+            dump,
+            {"training__seq_len": SEQ, "training__local_batch_size": LBS, "training__steps": 20},
+            {"training__seed": seed, "checkpoint__enable": True, "checkpoint__interval": 1},
+            {f"checkpoint__{key}": value for key, value in ckpt.items()},
+            {key.replace(".", "__"): value for key, value in (over or {}).items()},
+        )
         self.cfg = cfg
         self.trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=args))
         self.model, self.sched, self.loader = self.trainer.model, self.trainer.lr_scheduler, self.trainer.dataloader
@@ -619,19 +612,6 @@ def test_another_tokenizer_stops_the_same_one_elsewhere_resumes(tmp_path):
 # --- the data loader's resharding rule, at the loader level -----------------------------------------------
 
 
-def _loader(dp_rank: int, dp: int, gbs: int = 8, lbs: int = 2):
-    return build_dataloader(
-        tokenizer=TOK,
-        dataset_path="",
-        text_field="text",
-        seq_len=16,
-        local_batch_size=lbs,
-        global_batch_size=gbs,
-        dp_rank=dp_rank,
-        dp_degree=dp,
-    )
-
-
 def _step_samples(iters: list, accum: int) -> list[tuple[int, ...]]:
     """The samples of one optimizer step over all dp ranks, each as its token window."""
     out = []
@@ -647,9 +627,9 @@ def test_loader_state_reshards_without_repeats_or_gaps(tmp_path, old_dp, old_tp,
     """Steps 1-3 on old_dp ranks, checkpoint through rank_state, steps 4-6 on new_dp: the global batches of
     every step equal an uninterrupted single-rank run's (nothing repeated, nothing skipped)."""
     gbs, lbs = 8, 2
-    reference = iter(_loader(0, 1))
+    reference = iter(loader("", lbs=lbs, seq_len=16))
     expected = [_step_samples([reference], gbs // lbs) for _ in range(6)]
-    loaders = [_loader(d, old_dp) for d in range(old_dp)]
+    loaders = [loader("", rank=d, dp=old_dp, lbs=lbs, seq_len=16) for d in range(old_dp)]
     iters = [iter(x) for x in loaders]
     got = [_step_samples(iters, gbs // (lbs * old_dp)) for _ in range(3)]
     for rank in range(old_dp * old_tp):  # every tp rank of a dp rank saves the same loader state
@@ -657,7 +637,7 @@ def test_loader_state_reshards_without_repeats_or_gaps(tmp_path, old_dp, old_tp,
             loaders[rank // old_tp], rank=rank, dp_rank=rank // old_tp, dp_degree=old_dp, device=torch.device("cpu")
         )
         rank_state.write(tmp_path, rank, state)
-    new = [_loader(d, new_dp) for d in range(new_dp)]
+    new = [loader("", rank=d, dp=new_dp, lbs=lbs, seq_len=16) for d in range(new_dp)]
     for d, x in enumerate(new):
         x.load_state_dict(
             rank_state.loader_state_for(d, new_dp, old_dp, old_tp, lambda r: rank_state.read(tmp_path, r))

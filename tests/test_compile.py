@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from builders import config
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._ordered_set import OrderedSet
@@ -37,16 +38,16 @@ PER_BLOCK = 9  # wq wk wv wo w1 w2 w3 + two norms
 ROOT = 3  # tok_embeddings, norm, output
 
 
-def config(tmp_path, bucketing: str, scope: str = "block", **over) -> JobConfig:
-    cfg = JobConfig()
-    cfg.training.mixed_precision_param = "float32"
-    cfg.compile.enable, cfg.compile.backend = True, "aot_eager"
-    cfg.compile.bucketing, cfg.compile.scope = bucketing, scope
-    cfg.job.dump_folder = str(tmp_path)
-    for key, value in over.items():
-        section, name = key.split("__")
-        setattr(getattr(cfg, section), name, value)
-    return cfg
+def compiled(tmp_path, bucketing: str, scope: str = "block", **over) -> JobConfig:
+    """Compiled with aot_eager, `bucketing` and `scope`."""
+    return config(
+        tmp_path,
+        compile__enable=True,
+        compile__backend="aot_eager",
+        compile__bucketing=bucketing,
+        compile__scope=scope,
+        **over,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,7 @@ def inductor_cache(tmp_path, monkeypatch):
 @pytest.mark.slow  # compiles (seconds each): the fast tier keeps the auto-bucketing structure test
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope):
-    report = compile_report(config(tmp_path, "transformer_block", scope), 2, ARGS)
+    report = compile_report(compiled(tmp_path, "transformer_block", scope), 2, ARGS)
     dp = report["dp"]
     assert (tmp_path / "compile_report.json").exists()
     if scope == "model":  # buckets: [tok_embeddings], each block, [norm, output]
@@ -104,7 +105,7 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
         return fw, bw
 
     monkeypatch.setattr(partitioner, "min_cut_rematerialization_partition", partition)
-    cfg = config(tmp_path, "transformer_block", scope, activation_checkpoint__mode=ac)
+    cfg = compiled(tmp_path, "transformer_block", scope, activation_checkpoint__mode=ac)
     report = compile_report(cfg, 2, ARGS)
     if scope == "block":
         assert report["scope"] == "block"
@@ -126,7 +127,7 @@ def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
 
     counters.clear()
     limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
-    cfg = config(tmp_path, "transformer_block", parallelism__fsdp_reshard_after_forward=reshard)
+    cfg = compiled(tmp_path, "transformer_block", parallelism__fsdp_reshard_after_forward=reshard)
     report = compile_report(cfg, 2, tiny_args(n_layers=6))
     assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == limits
     assert counters["stats"]["unique_graphs"] == traces
@@ -164,7 +165,7 @@ needs_auto_bucketing = pytest.mark.skipif(not AUTO_BUCKETING, reason="compile.bu
 @needs_auto_bucketing
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
-    cfg = config(tmp_path, "auto", scope, compile__cost_model="config")
+    cfg = compiled(tmp_path, "auto", scope, compile__cost_model="config")
     report = compile_report(cfg, 2, ARGS)
     dp = report["dp"]
     limit = N if scope == "block" else N + 2
@@ -180,7 +181,7 @@ def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
 def test_reshard_after_forward_policy_under_compile(tmp_path, policy, regathered, reorder):
     """`always` re-gathers everything saved for backward (not the embedding); `never` nothing. Without
     reordering the buckets are the same, only left where the first collective of each was."""
-    cfg = config(
+    cfg = compiled(
         tmp_path, "transformer_block", "model", parallelism__fsdp_reshard_after_forward=policy, compile__reorder=reorder
     )
     dp = compile_report(cfg, 2, ARGS)["dp"]
@@ -192,7 +193,7 @@ def test_reshard_after_forward_policy_under_compile(tmp_path, policy, regathered
 
 @pytest.mark.slow
 def test_counts_are_split_by_mesh_dim_under_tensor_parallelism(tmp_path):
-    cfg = config(tmp_path, "transformer_block", parallelism__tensor_parallel_degree=2)
+    cfg = compiled(tmp_path, "transformer_block", parallelism__tensor_parallel_degree=2)
     report = compile_report(cfg, 4, ARGS)
     assert report["dp"]["all_gather"] == {"before": N * PER_BLOCK, "after": N}
     # Sequence parallelism's activation collectives are not FSDP's: counted under tp, never bucketed.
@@ -273,15 +274,13 @@ def test_invalid_combinations_are_config_errors():
         model = Transformer(ARGS, seq_len=8)
     units = llama_units(model)
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
-    cfg = JobConfig()
-    cfg.compile.enable, cfg.compile.bucketing = True, "auto"
-    cfg.parallelism.dp_impl = "fsdp2"
+    cfg = config(compile__enable=True, compile__bucketing="auto", parallelism__dp_impl="fsdp2")
     with pytest.raises(ConfigError, match="SimpleFSDP"):
         apply_compile(model, units, {}, cfg, dims)
     # Full checkpointing in a whole-model graph is recompute tags, which need SimpleFSDP's passes.
-    cfg = JobConfig()
-    cfg.compile.enable, cfg.compile.scope, cfg.activation_checkpoint.mode = True, "model", "full"
-    cfg.parallelism.dp_impl = "fsdp2"
+    cfg = config(
+        compile__enable=True, compile__scope="model", activation_checkpoint__mode="full", parallelism__dp_impl="fsdp2"
+    )
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     assert set(ac) == set(units.blocks) and all(a.mode == "full" for a in ac.values())
     with pytest.raises(ConfigError, match="scope=model with full activation checkpointing"):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from builders import config
 
 import titanlite.trainer as trainer_module
 from harness import ROOT, child_env, tiny_args
@@ -40,16 +41,8 @@ def _process_group(process_group):
     """As a single-process run: a one-rank process group."""
 
 
-def config(dump: Path, **training) -> JobConfig:
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(dump)
-    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = 8, 2, 3
-    cfg.training.mixed_precision_param = "float32"
-    for key, value in training.items():
-        setattr(cfg.training, key, value)
-    cfg.metrics.enable_tensorboard = False
-    cfg.metrics.log_freq = 1
-    return cfg
+RUN = dict(training__seq_len=8, training__local_batch_size=2, training__steps=3, metrics__log_freq=1)
+"""The runs of this file: 3 steps of 2 x 8 tokens, every step logged."""
 
 
 def trainer_of(cfg: JobConfig) -> Trainer:
@@ -87,7 +80,7 @@ class SyncCounter:
 def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonfinite_step(
     tmp_path, monkeypatch, caplog
 ):
-    trainer = trainer_of(config(tmp_path, skip_nonfinite_steps=1))
+    trainer = trainer_of(config(tmp_path, RUN, training__skip_nonfinite_steps=1))
     monkeypatch.setenv("TITANLITE_FAULT_NAN_AT", "3")
     copies = []
     real_to = torch.Tensor.to
@@ -114,17 +107,19 @@ def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonf
 
 
 def test_cuda_loader_pins_batches_and_gets_workers(tmp_path):
-    cfg = config(tmp_path)
+    cfg = config(tmp_path, RUN)
     plan = RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056))
     assert build_loader(plan, 0, "cuda").pin_memory and not build_loader(plan, 0, "cpu").pin_memory
     expected = {(1, "cuda"): 1, (2, "cuda"): 2, (3, "cuda"): 1, (4, "cuda"): 2, (2, "cpu"): 0}
     for (accum, device), workers in expected.items():
-        cfg = config(tmp_path, global_batch_size=2 * accum)
+        cfg = config(tmp_path, RUN, training__global_batch_size=2 * accum)
         assert loader_workers(RunPlan.build(cfg, 1, args=tiny_args()), device) == workers, (accum, device)
-    cfg = config(tmp_path, global_batch_size=4, dataloader_num_workers=0)
+    cfg = config(tmp_path, RUN, training__global_batch_size=4, training__dataloader_num_workers=0)
     assert loader_workers(RunPlan.build(cfg, 1, args=tiny_args()), "cuda") == 0  # the user's choice
     # A microbatch that cannot hold whole virtual-shard contributions: no workers rather than an error.
-    cfg = config(tmp_path, global_batch_size=12, local_batch_size=3, dataset_virtual_shards=2)
+    cfg = config(
+        tmp_path, RUN, training__global_batch_size=12, training__local_batch_size=3, training__dataset_virtual_shards=2
+    )
     assert loader_workers(RunPlan.build(cfg, 1, args=tiny_args()), "cuda") == 0
 
 
@@ -156,15 +151,15 @@ def test_seed_checkpoint_is_built_on_the_cpu_on_a_gpu_node_and_equals_the_traine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(trainer_module, "init_device", touched)
     with pytest.raises(AssertionError, match="accelerator"):  # the negative control: a training run uses it
-        trainer_of(config(tmp_path / "train", seed=5))
-    cfg = config(tmp_path / "seed", seed=5)
+        trainer_of(config(tmp_path / "train", RUN, training__seed=5))
+    cfg = config(tmp_path / "seed", RUN, training__seed=5)
     cfg.checkpoint.create_seed_checkpoint = True
     seed = trainer_of(cfg)
     assert {p.device.type for p in seed.model.parameters()} == {"cpu"} and seed.dataloader is None
     monkeypatch.undo()  # (DCP asks CUDA for its device where torch says there is one)
     seed.train()
     seed.close()
-    reference = trainer_of(config(tmp_path / "train", seed=5))
+    reference = trainer_of(config(tmp_path / "train", RUN, training__seed=5))
     expected = {k: v.full_tensor() for k, v in reference.model.state_dict().items()}
     reference.close()
     loaded = {k: torch.empty_like(v) for k, v in expected.items()}
@@ -265,7 +260,7 @@ def test_the_flight_recorders_folder_exists_before_nccl_could_write_to_it(tmp_pa
 @pytest.mark.parametrize("resumed_at", [0, 3], ids=["fresh", "resumed"])
 def test_the_train_timeout_is_set_after_the_first_step_this_process_runs(tmp_path, monkeypatch, resumed_at):
     """Step 1 of a fresh run, and the first step after a resume (or an elastic restart, which resumes)."""
-    trainer = trainer_of(config(tmp_path, steps=5))
+    trainer = trainer_of(config(tmp_path, RUN, training__steps=5))
     monkeypatch.setattr(trainer.checkpointer, "load", lambda: resumed_at)
     applied = []
     monkeypatch.setattr(trainer_module, "apply_train_timeout", lambda cfg, dims: applied.append(trainer.step))

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import loader
 
-from titanlite.data.loader import build_dataloader, merge_loader_states
+from titanlite.data.loader import merge_loader_states
 from titanlite.data.sources import open_source
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
@@ -38,21 +39,6 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 def write_txt(path: Path, docs: list[str]) -> Path:
     path.write_text("\n\n".join(docs) + "\n")
     return path
-
-
-def loader(path, *, rank=0, dp=1, gbs=8, lbs=1, shards=0, workers=0, field="text", seq_len=SEQ):
-    return build_dataloader(
-        tokenizer=TOK,
-        dataset_path=str(path),
-        text_field=field,
-        seq_len=seq_len,
-        local_batch_size=lbs,
-        global_batch_size=gbs,
-        dp_rank=rank,
-        dp_degree=dp,
-        virtual_shards=shards,
-        num_workers=workers,
-    )
 
 
 def windows(batch) -> list[tuple[int, ...]]:
@@ -113,16 +99,7 @@ def test_a_rank_tokenizes_only_its_own_documents(data, docs):
             return TOK.encode(text, bos=bos, eos=eos)
 
     spy = SpyTokenizer()
-    dl = build_dataloader(
-        tokenizer=spy,
-        dataset_path=str(data),
-        text_field="text",
-        seq_len=SEQ,
-        local_batch_size=1,
-        global_batch_size=8,
-        dp_rank=1,
-        dp_degree=2,
-    )
+    dl = loader(data, rank=1, dp=2, tokenizer=spy)
     take(iter(dl), 40)
     assert spy.seen and {docs.index(t) % 8 for t in spy.seen} <= {1, 3, 5, 7}
 

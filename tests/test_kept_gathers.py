@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from builders import config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,16 +52,17 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto") -> JobConfig:
-    cfg = JobConfig()
-    cfg.job.dump_folder = "/nonexistent"  # nothing is written
-    cfg.training.mixed_precision_param = "float32"
-    cfg.training.seq_len, cfg.training.local_batch_size = 8, 1
-    cfg.training.global_batch_size = 2 * MICROBATCHES  # dp 2 x 4 accumulated microbatches
-    cfg.parallelism.dp_impl = dp_impl
-    cfg.parallelism.fsdp_reshard_after_forward = reshard
-    cfg.parallelism.gradient_reduction = reduction
-    return cfg
+def step_config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto") -> JobConfig:
+    """dp 2 x 4 accumulated microbatches of 8 tokens; nothing is written."""
+    return config(
+        "/nonexistent",
+        training__seq_len=8,
+        training__local_batch_size=1,
+        training__global_batch_size=2 * MICROBATCHES,
+        parallelism__dp_impl=dp_impl,
+        parallelism__fsdp_reshard_after_forward=reshard,
+        parallelism__gradient_reduction=reduction,
+    )
 
 
 def step_counts(cfg: JobConfig) -> tuple[StepPolicy, Counter, int]:
@@ -82,8 +84,8 @@ def test_simple_fsdp_gathers_each_weight_once_per_step_when_kept(fake_world, red
     gathered again per microbatch (reshard `default`, the negative control) it is 4 forwards' gathers plus
     the backward's regathers of the blocks resharded after forward. The reductions are the policy's: per
     microbatch, a reduce-scatter per parameter per backward, also from the kept weights."""
-    kept, counts, n = step_counts(config(reduction=reduction))
-    again, again_counts, _ = step_counts(config(reshard="default", reduction=reduction))
+    kept, counts, n = step_counts(step_config(reduction=reduction))
+    again, again_counts, _ = step_counts(step_config(reshard="default", reduction=reduction))
     assert kept.keep_gathers and not again.keep_gathers
     assert counts["all_gather"] == n
     regathered = (ARGS.n_layers - 1) * 9  # every block but the last: 9 parameters each
@@ -95,8 +97,8 @@ def test_simple_fsdp_gathers_each_weight_once_per_step_when_kept(fake_world, red
 def test_fsdp2_gathers_each_unit_once_per_step_when_kept(fake_world):
     """FSDP2 (one all-gather per block and one for the root): kept, reshard-after-forward and -backward are
     off until the last backward."""
-    kept, counts, _ = step_counts(config("fsdp2"))
-    again, again_counts, _ = step_counts(config("fsdp2", reshard="default"))
+    kept, counts, _ = step_counts(step_config("fsdp2"))
+    again, again_counts, _ = step_counts(step_config("fsdp2", reshard="default"))
     units = ARGS.n_layers + 1
     assert kept.keep_gathers and counts["all_gather"] == units
     assert not again.keep_gathers and again_counts["all_gather"] == MICROBATCHES * (units + ARGS.n_layers - 1)
@@ -137,7 +139,7 @@ def test_the_first_policy_that_fits_in_the_margin_wins_else_the_one_that_holds_l
 
 
 def test_the_trainers_plan_line_says_which_policy_and_why(process_group, tmp_path):
-    cfg = config()
+    cfg = step_config()
     cfg.job.dump_folder = str(tmp_path)
     cfg.training.global_batch_size = MICROBATCHES
     trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=ARGS))

@@ -121,16 +121,15 @@ def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, 
     import gc
     import signal
 
+    from builders import config
+
     from harness import tiny_args
-    from titanlite.config import JobConfig
     from titanlite.plan import RunPlan
     from titanlite.trainer import Trainer
 
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
-    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = 8, 2, 4
-    cfg.metrics.enable_tensorboard = False
-    cfg.checkpoint.enable = True
+    cfg = config(
+        tmp_path, training__seq_len=8, training__local_batch_size=2, training__steps=4, checkpoint__enable=True
+    )
     stop = _StopAt(2)
     trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)), preemption=stop)
     step, enabled_in_step = trainer.train_step, []

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from builders import config
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,12 +46,13 @@ def fake_world():
 
 
 def build(reshard: str, mode_shard: int = 2, rep: int = 1, reduce_dtype: str = "float32") -> Transformer:
-    cfg = JobConfig()
-    cfg.training.mixed_precision_param = "float32"
-    cfg.training.mixed_precision_reduce = reduce_dtype
-    cfg.parallelism.fsdp_reshard_after_forward = reshard
-    cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree = rep, mode_shard
-    cfg.training.seq_len = 8
+    cfg = config(
+        training__mixed_precision_reduce=reduce_dtype,
+        training__seq_len=8,
+        parallelism__fsdp_reshard_after_forward=reshard,
+        parallelism__data_parallel_replicate_degree=rep,
+        parallelism__data_parallel_shard_degree=mode_shard,
+    )
     return build_model(RunPlan.build(cfg, 2, args=ARGS), torch.device("cpu"))
 
 

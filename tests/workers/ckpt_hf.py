@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from builders import config  # noqa: E402
+
 from harness import tiny_args  # noqa: E402
 from titanlite.build import build_model  # noqa: E402
 from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
-from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 
@@ -35,11 +36,13 @@ ADAPTER = SPEC.hf_adapter
 
 
 def build(dp_shard: int, tp: int, dp_impl: str, seed: int) -> torch.nn.Module:
-    cfg = JobConfig()
-    cfg.parallelism.dp_impl = dp_impl
-    cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree = dp_shard, tp
-    cfg.training.mixed_precision_param = "float32"
-    cfg.training.seq_len, cfg.training.seed = SEQ, seed
+    cfg = config(
+        parallelism__dp_impl=dp_impl,
+        parallelism__data_parallel_shard_degree=dp_shard,
+        parallelism__tensor_parallel_degree=tp,
+        training__seq_len=SEQ,
+        training__seed=seed,
+    )
     return build_model(RunPlan.build(cfg, dist.get_world_size(), args=dataclasses.replace(ARGS)), torch.device("cpu"))
 
 
