@@ -3,11 +3,11 @@
 Run by tests through torchrun (`harness.parity`). Each case builds the trainer as a run does
 (`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
 tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
-one-process reference itself (the plain module, the whole global batch, the same step runner,
-AdamW and LR schedule), once per model depth, shared by all cases. Rank 0 writes one JSON record per
-case: max relative loss difference over the steps, and max abs difference of gradients and updated
-parameters after step 1 over every rank's parameters (a pipeline stage holds only some; `missing`
-lists reference parameters no rank held).
+one-process reference itself (the plain module, the whole global batch, a plain PyTorch loop written
+in `reference`, independent of the trainer's step code), once per model depth, shared by all cases.
+Rank 0 writes one JSON record per case: max relative loss difference over the steps, and max abs
+difference of gradients and updated parameters after step 1 over every rank's parameters (a pipeline
+stage holds only some; `missing` lists reference parameters no rank held).
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from builders import config  # noqa: E402
+
 from harness import TINY, tiny_args  # noqa: E402
 from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
-from titanlite.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from titanlite.parallelisms.step_context import StepContext  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
-from titanlite.step import LocalRunner, cross_entropy_loss  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 4, 1234
@@ -49,15 +48,13 @@ def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def base_config() -> JobConfig:
-    cfg = JobConfig()
-    cfg.optimizer.lr = 1e-2
-    cfg.lr_scheduler.warmup_steps = 1
-    cfg.training.steps = STEPS
-    cfg.training.seed = SEED
-    cfg.training.seq_len = SEQ
-    cfg.training.mixed_precision_param = "float32"
-    cfg.metrics.enable_tensorboard = False
-    return cfg
+    """What every case shares; `reference` writes out this schedule (linear warmup, linear decay to 0)."""
+    return config(
+        None,
+        {"optimizer__lr": 1e-2, "training__steps": STEPS, "training__seed": SEED, "training__seq_len": SEQ},
+        {"lr_scheduler__warmup_steps": 1, "lr_scheduler__decay_type": "linear", "lr_scheduler__decay_ratio": 1.0},
+        {"lr_scheduler__min_lr_factor": 0.0},
+    )
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -71,16 +68,25 @@ def snapshot(model: torch.nn.Module) -> tuple[dict, dict]:
 
 
 def reference(batches, args):
-    """One process, plain module, whole global batch: the same step functions the trainer calls."""
+    """One process, plain module, whole global batch, a plain PyTorch loop written here (none of the
+    trainer's step code): mean token cross-entropy, clipping by the total norm, AdamW, and the schedule
+    `base_config` sets (linear warmup from 1/(warmup+1), then linear decay to 0 at the last step)."""
     cfg = base_config()
+    o, warmup = cfg.optimizer, cfg.lr_scheduler.warmup_steps
     model = Transformer(args, seq_len=SEQ)
     model.init_weights(seed=SEED)
-    opt = build_optimizer(model, cfg.optimizer)
-    sched = build_lr_scheduler(opt, cfg.lr_scheduler, STEPS)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / (warmup + 1) if s < warmup else 1 - (s - warmup) / (STEPS - warmup)
+    )
     losses, first = [], None
     for x, y in batches:
-        context = StepContext(cross_entropy_loss, max_norm=cfg.training.max_norm)
-        loss, _ = LocalRunner(model, torch.device("cpu"), context).forward_backward(opt, [(x, y)])
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
         opt.step()
         sched.step()
         losses.append(loss.item())
