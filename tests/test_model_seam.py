@@ -11,28 +11,26 @@ import re
 
 import pytest
 import torch
+from builders import config
 from torch.distributed.fsdp import FSDPModule
 from workers.mlp_lm import SPEC
 
 from harness import SMALL, assert_ok, torchrun
 from titanlite.build import build_model
 from titanlite.checkpoint import folders
-from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.registry import register_model
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss
 
-
-def mlp_config(tmp_path, **parallelism) -> JobConfig:
-    cfg = JobConfig()
-    cfg.model.name, cfg.model.flavor = "mlp_lm", "tiny"
-    cfg.job.dump_folder = str(tmp_path)
-    cfg.training.seq_len = 16
-    for key, value in parallelism.items():
-        setattr(cfg.parallelism, key, value)
-    return cfg
+MLP = {
+    "model__name": "mlp_lm",
+    "model__flavor": "tiny",
+    "training__seq_len": 16,
+    "training__mixed_precision_param": "bfloat16",
+}
+"""The test family, tiny, computing in bf16 (the shipped default)."""
 
 
 def test_the_framework_gives_a_data_only_family_fsdp2_compile_and_ac(process_group, tmp_path):
@@ -42,7 +40,7 @@ def test_the_framework_gives_a_data_only_family_fsdp2_compile_and_ac(process_gro
     register_model(SPEC)
     graphs = []
     for enable in (True, False):
-        cfg = mlp_config(tmp_path, dp_impl="fsdp2")
+        cfg = config(tmp_path, MLP, parallelism__dp_impl="fsdp2")
         cfg.compile.enable, cfg.compile.backend = enable, "eager"
         cfg.activation_checkpoint.mode = "full"
         model = build_model(RunPlan.build(cfg, 1), torch.device("cpu"))
@@ -59,7 +57,7 @@ def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_grou
     parameters it reads) and leaves it out of `evaluate`; pipeline parallelism refuses it."""
     spec = dataclasses.replace(SPEC, name="mlp_lm_extra", extra_loss=lambda m: 3.0 * m.norm.weight.sum())
     register_model(spec)
-    cfg = mlp_config(tmp_path)
+    cfg = config(tmp_path, MLP)
     cfg.model.name = spec.name
     plan = RunPlan.build(cfg, 1)
     torch.manual_seed(0)
@@ -88,7 +86,7 @@ def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_grou
 def test_a_family_without_a_tensor_parallel_plan_refuses_tp():
     register_model(SPEC)
     with pytest.raises(ConfigError, match="no tensor-parallel plan"):
-        RunPlan.build(mlp_config(".", tensor_parallel_degree=2), 2)
+        RunPlan.build(config(".", MLP, parallelism__tensor_parallel_degree=2), 2)
 
 
 @pytest.mark.slow
