@@ -38,7 +38,7 @@ from torch import nn
 
 from titanlite.build import init_device, init_distributed
 from titanlite.checkpoint.hf import import_hf
-from titanlite.checkpoint.manager import load_tool_weights
+from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import ConfigError, run_cli
 from titanlite.plan import RunPlan

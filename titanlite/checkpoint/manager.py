@@ -9,13 +9,12 @@ What a checkpoint holds (one DCP state dict, so every tensor reshards to any lay
     train_state           {"step": N}
 
 plus per-rank files for the data loader and RNG states (`rank_state.py`, with the resharding rule),
-inside a folder that appears only when complete (`folders.py`, with the atomicity protocol).
+inside a folder that appears only when complete (`folders.py`, with the atomicity protocol). A resume
+takes the LR schedule's position with this run's hyperparameters (`lr_schedule.py`); model-only loads
+(tools, `initial_load_path`, model-only checkpoints) are `weights.py`'s.
 
-Async saves (`async_mode = async`) stage a CPU copy of the state (so training may change the
-parameters at once) and write it from a background thread over a gloo process group of their own: a
-second thread must not issue collectives on the training process group. The save is finalised (marker,
-rename, pruning) by rank 0 when it polls a finished save, at the next `save()` call or in `close()`.
-`async_with_pinned_mem` stages into reused pinned host memory on CUDA; on CPU it is plain `async`.
+Async saves (`async_mode = async`) write in the background (`async_save.py`); one is finalised when
+the next `save()` or `close()` finds it finished.
 
 A save that fails (full disk, permissions, a file size limit, an I/O error on any rank, sync or async)
 removes its `.partial` folder and logs one warning; training goes on with the previous checkpoint as the
@@ -37,138 +36,41 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-import warnings
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
 from titanlite import faults
 from titanlite.checkpoint import folders, rank_state
-from titanlite.checkpoint.fingerprint import dataset_fingerprint, edge_fingerprint, tokenizer_fingerprint
-from titanlite.checkpoint.hf import import_hf
-from titanlite.checkpoint.resume_policy import ResumeCheck, compare_settings
+from titanlite.checkpoint.async_save import AsyncWriter, Pending
+from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
+from titanlite.checkpoint.resume_policy import RunRecord
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
-from titanlite.config import JobConfig
+from titanlite.checkpoint.weights import (
+    check_compatible,
+    load_initial_weights,
+    load_model_weights,
+    quiet_single_process_dcp,
+    sharded,
+    verify_checksums,
+)
 from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, RunNotSaved
-from titanlite.parallelisms.simple_fsdp import sharded_view
 from titanlite.plan import RunPlan
 
 logger = logging.getLogger("titanlite")
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _quiet_single_process_dcp() -> None:
-    """A single process has no process group; DCP then saves and loads alone, as intended, but warns each
-    time (also from the async writer thread, where a local catch_warnings would not apply), so the filter
-    is process-wide; installed when checkpoint I/O is first set up, never by importing this module (adding
-    the same filter again replaces it)."""
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def _sharded(fn, model, *args, **kwargs):
-    """Call a torch state-dict API on `model` (a module or a list of pipeline parts) with its SimpleFSDP
-    parameters seen as shards (it resolves names by attribute access, which would otherwise all-gather
-    every parameter)."""
-    with sharded_view(model):
-        return fn(model, *args, **kwargs)
-
-
-def check_compatible(path: str, state: dict) -> None:
-    """Every tensor of `state` exists in checkpoint `path` with the same global shape, before anything loads.
-
-    DCP would otherwise fail half-way (or load a prefix of the keys); a model of another shape must be
-    reported as such, naming the folder and the first mismatching key.
-    """
-    try:
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
-    flat, _ = flatten_state_dict(state)
-    for key, value in flat.items():
-        stored = metadata.get(key)
-        if stored is None:
-            raise CheckpointError(f"checkpoint {path} has no entry {key!r} (another model or optimizer?)")
-        if isinstance(value, torch.Tensor):
-            if not isinstance(stored, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
-            if tuple(stored.size) != tuple(value.shape):
-                raise CheckpointError(
-                    f"checkpoint {path}: {key!r} has shape {tuple(stored.size)}, this model {tuple(value.shape)} "
-                    "(another model flavor?)"
-                )
-
-
-def load_model_weights(model: torch.nn.Module, path: str) -> None:
-    """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
-    _quiet_single_process_dcp()
-    state = _sharded(get_model_state_dict, model)
-    check_compatible(path, state)
-    dcp.load(state, checkpoint_id=path)
-    _sharded(set_model_state_dict, model, state)
-
-
-def load_tool_weights(model: torch.nn.Module, cfg: JobConfig, checkpoint: str = "", step: int = -1) -> Path:
-    """Load the model weights a tool (HF export, generation) asks for: the explicit `checkpoint` folder, else
-    step `step` (newest if < 0) of the run's `<dump_folder>/<checkpoint.folder>`. The folder is verified
-    (sizes and checksums); a damaged one is refused in one line, never replaced by an older one behind the
-    user's back. Returns the folder."""
-    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    if checkpoint:
-        path: Path | None = Path(checkpoint)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} is not a folder")
-    else:
-        path = folders.newest(root) if step < 0 else folders.step_dir(root, step)
-        if path is None:
-            raise CheckpointError(f"no complete checkpoint in {root} (job.dump_folder = {cfg.job.dump_folder!r})")
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} does not exist")
-    if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
-        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
-    load_model_weights(model, str(path))
-    return path
-
-
-def verify_checksums(path: str, marker: dict) -> str | None:
-    """Collective over the default process group, if there is one: every rank verifies the checksums of its
-    share of the files of checkpoint `path` (`folders.checksum_problem`); the first problem found, or None."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    why = folders.checksum_problem(Path(path), marker, rank, world)
-    if world == 1:
-        return why
-    found: list[str | None] = [None] * world
-    dist.all_gather_object(found, why)
-    return next((w for w in found if w), None)
-
-
-@dataclass
-class _Pending:
-    """An async save in flight."""
-
-    step: int
-    path: Path
-    info: dict
-    future: Future
-    started: float
 
 
 class CheckpointManager:
@@ -190,54 +92,34 @@ class CheckpointManager:
         device: torch.device,
     ):
         cfg = plan.cfg
-        self.plan, self.cfg, self.job = plan, cfg.checkpoint, cfg
+        self.plan, self.cfg = plan, cfg.checkpoint
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.dims, self.rank, self.world_size, self.device = plan.dims, rank, plan.dims.world_size, device
         self.root = Path(cfg.job.dump_folder) / self.cfg.folder
         self.dp_rank, self.dp_degree = self.dims.dp_rank_of(rank), self.dims.dp
-        _quiet_single_process_dcp()
-        self._pending: _Pending | None = None
+        quiet_single_process_dcp()
+        self._pending: Pending | None = None
         self._last_saved = -1
         self._final = -1  # the step of a save whose failure ends the run (the last step's, a stop signal's)
         self._failures: dict[int, str] = {}  # step -> why its save failed
         self._verify_seconds = 0.0
-        # Fingerprints of the inputs, once per run on rank 0 (it writes the markers and compares on resume).
-        self._dataset = self._tokenizer = None
-        if rank == 0 and dataloader is not None:
-            t = cfg.training
-            self._dataset = dataset_fingerprint(
-                dataloader.dataset.source, t.dataset_text_field, holdout_documents=cfg.validation.holdout_documents
-            )
-            self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
+        self._record = RunRecord(plan, dataloader, rank)
         if self.cfg.enable:
             check_shared(self.root, rank, self.world_size)
-        self._async = self.cfg.enable and self.cfg.async_mode != "disabled"
-        self._async_pg = dist.new_group(backend="gloo") if self._async and dist.is_initialized() else None
-        self._stager: DefaultStager | None = None
-        if self.cfg.enable and self.cfg.async_mode == "async_with_pinned_mem":
-            if device.type == "cuda":
-                self._stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=True,
-                        use_shared_memory=False,
-                        use_async_staging=False,
-                        use_non_blocking_copy=False,
-                    )
-                )
-            elif rank == 0:
-                logger.info("checkpoint.async_mode async_with_pinned_mem: no pinned memory on CPU, using async")
+        async_save = self.cfg.enable and self.cfg.async_mode != "disabled"
+        self._writer = AsyncWriter(self.cfg, device, rank) if async_save else None
 
     # --- state ------------------------------------------------------------------------------------------
 
     def _model_state(self, dtype: torch.dtype | None = None) -> dict:
-        model_sd = _sharded(get_model_state_dict, self.model)
+        model_sd = sharded(get_model_state_dict, self.model)
         if dtype is not None:
             model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
         return model_sd
 
     def _full_state(self, step: int) -> tuple[dict, dict, dict]:
         """(the DCP state dict, its model part, its optimizer part): DCP loads into the latter two in place."""
-        model_sd, optim_sd = _sharded(get_state_dict, self.model, self.optimizer, options=_OPTIONS)
+        model_sd, optim_sd = sharded(get_state_dict, self.model, self.optimizer, options=_OPTIONS)
         state = {
             **model_sd,
             "optimizer": optim_sd,
@@ -245,26 +127,6 @@ class CheckpointManager:
             "train_state": {"step": step},
         }
         return state, model_sd, optim_sd
-
-    def _layout(self) -> dict:
-        p = self.job.parallelism
-        return {
-            "world_size": self.world_size,
-            "dp_degree": self.dp_degree,
-            "tp_degree": self.dims.tp,
-            "dp_impl": p.dp_impl,
-            "flavor": self.job.model.flavor,
-        }
-
-    def _inputs(self) -> dict:
-        """What a resume compares with (module docstring); rank 0 records it in the completion marker."""
-        return {
-            "config": self.job.to_dict(),
-            "global_batch": self.plan.global_batch,
-            "virtual_shards": self.plan.virtual_shards,
-            "dataset": self._dataset,
-            "tokenizer": self._tokenizer,
-        }
 
     # --- collectives on the training process group (main thread only) -------------------------------
 
@@ -334,20 +196,18 @@ class CheckpointManager:
         info = {
             "model_only": model_only,
             "dtype": self.cfg.export_dtype if dtype is not None else "float32",
-            **self._layout(),
-            **(self._inputs() if self.rank == 0 else {}),
+            **self._record.layout(),
+            **(self._record.inputs() if self.rank == 0 else {}),
         }
         self._last_saved = step
         writer = folders.ChecksummingWriter(str(path))
-        if self._async:
+        if self._writer is not None:
             try:
-                future = dcp.async_save(
-                    state, storage_writer=writer, process_group=self._async_pg, async_stager=self._stager
-                )
+                future = self._writer.start(state, writer)
             except (Exception, CheckpointException) as e:
                 self._failed(step, path, e)
                 return
-            self._pending = _Pending(step, path, info, future, start)
+            self._pending = Pending(step, path, info, future, start)
             if self.rank == 0:
                 logger.info(
                     f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing in background"
@@ -433,9 +293,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for an async save in flight and finalise it."""
         self._wait_pending()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self._writer is not None:
+            self._writer.close()
 
     # --- load -------------------------------------------------------------------------------------------
 
@@ -453,7 +312,7 @@ class CheckpointManager:
                 return 0
             return self._load_full(choice.path, choice.marker)
         if self.cfg.initial_load_path:
-            self._load_initial(self.cfg.initial_load_path)
+            load_initial_weights(self.model, self.plan, self.cfg.initial_load_path, self._log)
         return 0
 
     def _choose(self) -> folders.Choice:
@@ -476,67 +335,22 @@ class CheckpointManager:
             if self.cfg.load_step < 0 and self.rank == 0:
                 logger.warning(f"checkpoint {choice.path} is unusable: {why}; trying the previous one")
 
-    def _compare(self, path: str, marker: dict) -> ResumeCheck:
-        """This run's settings against the ones `marker` recorded (rank 0; `resume_policy.py`)."""
-        t = self.job.training
-        holdout = self.job.validation.holdout_documents
-        return compare_settings(
-            path,
-            marker,
-            self._inputs(),
-            t.allow_dataset_change,
-            lambda: edge_fingerprint(t.dataset_path, t.dataset_text_field, holdout_documents=holdout),
-        )
-
-    def _restore_schedule(self, saved: dict, fresh: list[dict]) -> None:
-        """Load the LR schedule's position with this run's hyperparameters.
-
-        `set_state_dict` put the saved param groups back (lr, betas, eps, weight decay, ...) and the saved
-        schedule holds the old base LR: both are replaced by `fresh`, the groups as this run's config
-        built them, and the current LR is recomputed at the restored step as the scheduler's own step
-        computes it (so an unchanged config restores it bitwise).
-        """
-        base = [group["initial_lr"] for group in fresh]
-        lrs = [b * fn(saved["last_epoch"]) for b, fn in zip(base, self.lr_scheduler.lr_lambdas)]
-        self.lr_scheduler.load_state_dict({**saved, "base_lrs": base, "_last_lr": lrs})
-        for group, new, lr in zip(self.optimizer.param_groups, fresh, lrs):
-            group.update(new, lr=lr)
-
     def _log(self, message: str) -> None:
         if self.rank == 0:
             logger.info(message)
-
-    def _load_initial(self, path: str) -> None:
-        """Model weights only, from a DCP folder (seed or any checkpoint) or an HF safetensors folder."""
-        if self.cfg.initial_load_in_hf:
-            adapter = self.plan.spec.require_hf_adapter()
-            self._log(f"checkpoint: loading Hugging Face weights from {path}")
-            what = f"model.flavor {self.job.model.flavor!r}"
-            config = import_hf(self.model, path, adapter=adapter, what=what)
-            if config.get("tie_word_embeddings") and not getattr(self.model.args, "tie_embeddings", True):
-                self._log("checkpoint: the checkpoint ties its embeddings: copied into the untied output layer")
-            return
-        if not Path(path).is_dir():
-            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
-        if (Path(path) / folders.MARKER).exists() and (
-            why := folders.problem(Path(path)) or verify_checksums(path, folders.read_marker(Path(path)))
-        ):
-            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
-        self._log(f"checkpoint: loading initial model weights from {path}")
-        load_model_weights(self.model, path)
 
     def _load_full(self, path: str, marker: dict) -> int:
         """Shapes are checked and the data loader state is taken (resharding rule in rank_state.py) before
         any tensor is loaded, so an incompatible checkpoint fails with the model untouched."""
         start = time.perf_counter()
-        resume = self._broadcast(self._compare(path, marker) if self.rank == 0 else None)
+        resume = self._broadcast(self._record.compare(path, marker) if self.rank == 0 else None)
         if resume.error:
             raise CheckpointError(resume.error)
         if resume.changed:
             self._log(f"checkpoint: settings changed since {path}: {', '.join(resume.changed)} (the new values apply)")
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
-        fresh = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        fresh = config_groups(self.optimizer)
         old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
         cache: dict[int, dict] = {}
 
@@ -554,7 +368,7 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
         dcp.load(state, checkpoint_id=path)
-        _sharded(
+        sharded(
             set_state_dict,
             self.model,
             self.optimizer,
@@ -562,7 +376,7 @@ class CheckpointManager:
             optim_state_dict=optim_sd,
             options=_OPTIONS,
         )
-        self._restore_schedule(state["lr_scheduler"], fresh)
+        restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
         step = int(state["train_state"]["step"])
         resharded = (old_world, old_dp, old_tp) != (self.world_size, self.dp_degree, self.dims.tp)

@@ -1,8 +1,8 @@
 """Which settings may change when a run resumes from a checkpoint, decided before anything loads.
 
-A checkpoint's completion marker records what the run trained with (`CheckpointManager._inputs`: the
-config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effective global batch and
-virtual shards). `compare_settings` holds a resuming run against it:
+A checkpoint's completion marker records the layout that wrote it and what the run trained with
+(`RunRecord`: the config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effective
+global batch and virtual shards of the run plan). `compare_settings` holds a resuming run against it:
 
 - cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
   `model.name`, `model.flavor`, its shape overrides (the family's `shape_keys`: `model.dim`, `n_layers`,
@@ -26,8 +26,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titanlite.checkpoint.fingerprint import describe_dataset
+from titanlite.checkpoint.fingerprint import (
+    dataset_fingerprint,
+    describe_dataset,
+    edge_fingerprint,
+    tokenizer_fingerprint,
+)
 from titanlite.models.registry import ModelSpec, get_model_spec
+from titanlite.plan import RunPlan
 
 # Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
 _NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
@@ -65,7 +71,7 @@ def model_shape(flat: dict, spec: ModelSpec) -> list:
 def compare_settings(
     path: str, marker: dict, inputs: dict, allow_dataset_change: bool, legacy_dataset: Callable[[], dict] | None = None
 ) -> ResumeCheck:
-    """This run's `inputs` (as `CheckpointManager._inputs` records them) against checkpoint `path`'s
+    """This run's `inputs` (as `RunRecord.inputs` records them) against checkpoint `path`'s
     `marker` (module docstring). `legacy_dataset` computes this run's dataset fingerprint the way a
     checkpoint without a fingerprint `method` recorded it (`fingerprint.edge_fingerprint`)."""
     if "config" not in marker:
@@ -124,3 +130,54 @@ def compare_settings(
         dataset_changed=f"checkpoint {path}: {what}; training.allow_dataset_change = true: the data stream "
         "restarts from the beginning of the new dataset (model and optimizer state are resumed)",
     )
+
+
+class RunRecord:
+    """What a completion marker records of the run that wrote it (module docstring), and the check of a
+    resuming run against a marker. The fingerprints of the inputs are taken once per run, on rank 0 (it
+    writes the markers and compares on resume)."""
+
+    def __init__(self, plan: RunPlan, dataloader, rank: int) -> None:
+        self.plan = plan
+        cfg = plan.cfg
+        self._dataset = self._tokenizer = None
+        if rank == 0 and dataloader is not None:
+            self._dataset = dataset_fingerprint(
+                dataloader.dataset.source,
+                cfg.training.dataset_text_field,
+                holdout_documents=cfg.validation.holdout_documents,
+            )
+            self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
+
+    def layout(self) -> dict:
+        """The parallel layout that wrote a checkpoint: a resume on another one reshards."""
+        dims, cfg = self.plan.dims, self.plan.cfg
+        return {
+            "world_size": dims.world_size,
+            "dp_degree": dims.dp,
+            "tp_degree": dims.tp,
+            "dp_impl": cfg.parallelism.dp_impl,
+            "flavor": cfg.model.flavor,
+        }
+
+    def inputs(self) -> dict:
+        """What a resume compares with (module docstring)."""
+        return {
+            "config": self.plan.cfg.to_dict(),
+            "global_batch": self.plan.global_batch,
+            "virtual_shards": self.plan.virtual_shards,
+            "dataset": self._dataset,
+            "tokenizer": self._tokenizer,
+        }
+
+    def compare(self, path: str, marker: dict) -> ResumeCheck:
+        """This run's settings against the ones `marker` recorded (rank 0)."""
+        t = self.plan.cfg.training
+        holdout = self.plan.cfg.validation.holdout_documents
+        return compare_settings(
+            path,
+            marker,
+            self.inputs(),
+            t.allow_dataset_change,
+            lambda: edge_fingerprint(t.dataset_path, t.dataset_text_field, holdout_documents=holdout),
+        )

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from titanlite.build import build_model, init_device, init_distributed, world_from_env
 from titanlite.checkpoint.hf import export_hf
-from titanlite.checkpoint.manager import load_tool_weights
+from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, ConfigError, UserError, run_cli

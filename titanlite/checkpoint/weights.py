@@ -1,0 +1,143 @@
+"""Model weights alone from a checkpoint: the tools' loads, `initial_load_path` and model-only resumes.
+
+Protocol: every DCP checkpoint (seed, full or model-only) stores the model's parameters at the top level
+under their FQNs, so one model-only load reads any of them. Before a tensor is read, a folder is
+verified (sizes and checksums, each rank its share of the files, `verify_checksums`) and every entry of
+the model's state dict must exist in it with the same global shape (`check_compatible`), so a damaged
+folder or another model's checkpoint fails in one line with the model untouched. State dicts are taken
+with SimpleFSDP parameters seen as shards (`sharded`): DCP then reshards them to any layout.
+
+A tool (HF export, generation) names a folder or a step of the run (`load_tool_weights`); a damaged one
+is refused, never replaced by an older one behind the user's back. `initial_load_path` reads a DCP
+folder or, with `initial_load_in_hf`, a Hugging Face safetensors folder (`load_initial_weights`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from titanlite.checkpoint import folders
+from titanlite.checkpoint.hf import import_hf
+from titanlite.config import JobConfig
+from titanlite.errors import CheckpointError
+from titanlite.parallelisms.simple_fsdp import sharded_view
+from titanlite.plan import RunPlan
+
+logger = logging.getLogger("titanlite")
+
+
+def quiet_single_process_dcp() -> None:
+    """A single process has no process group; DCP then saves and loads alone, as intended, but warns each
+    time (also from the async writer thread, where a local catch_warnings would not apply), so the filter
+    is process-wide; installed when checkpoint I/O is first set up, never by importing this module (adding
+    the same filter again replaces it)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def sharded(fn, model, *args, **kwargs):
+    """Call a torch state-dict API on `model` (a module or a list of pipeline parts) with its SimpleFSDP
+    parameters seen as shards (it resolves names by attribute access, which would otherwise all-gather
+    every parameter)."""
+    with sharded_view(model):
+        return fn(model, *args, **kwargs)
+
+
+def check_compatible(path: str, state: dict) -> None:
+    """Every tensor of `state` exists in checkpoint `path` with the same global shape, before anything loads.
+
+    DCP would otherwise fail half-way (or load a prefix of the keys); a model of another shape must be
+    reported as such, naming the folder and the first mismatching key.
+    """
+    try:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    flat, _ = flatten_state_dict(state)
+    for key, value in flat.items():
+        stored = metadata.get(key)
+        if stored is None:
+            raise CheckpointError(f"checkpoint {path} has no entry {key!r} (another model or optimizer?)")
+        if isinstance(value, torch.Tensor):
+            if not isinstance(stored, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+            if tuple(stored.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"checkpoint {path}: {key!r} has shape {tuple(stored.size)}, this model {tuple(value.shape)} "
+                    "(another model flavor?)"
+                )
+
+
+def verify_checksums(path: str, marker: dict) -> str | None:
+    """Collective over the default process group, if there is one: every rank verifies the checksums of its
+    share of the files of checkpoint `path` (`folders.checksum_problem`); the first problem found, or None."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    why = folders.checksum_problem(Path(path), marker, rank, world)
+    if world == 1:
+        return why
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, why)
+    return next((w for w in found if w), None)
+
+
+def load_model_weights(model: torch.nn.Module, path: str) -> None:
+    """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
+    quiet_single_process_dcp()
+    state = sharded(get_model_state_dict, model)
+    check_compatible(path, state)
+    dcp.load(state, checkpoint_id=path)
+    sharded(set_model_state_dict, model, state)
+
+
+def load_tool_weights(model: torch.nn.Module, cfg: JobConfig, checkpoint: str = "", step: int = -1) -> Path:
+    """Load the model weights a tool (HF export, generation) asks for: the explicit `checkpoint` folder, else
+    step `step` (newest if < 0) of the run's `<dump_folder>/<checkpoint.folder>`. The folder is verified
+    (sizes and checksums); a damaged one is refused in one line, never replaced by an older one behind the
+    user's back. Returns the folder."""
+    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    if checkpoint:
+        path: Path | None = Path(checkpoint)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} is not a folder")
+    else:
+        path = folders.newest(root) if step < 0 else folders.step_dir(root, step)
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {root} (job.dump_folder = {cfg.job.dump_folder!r})")
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist")
+    if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
+        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    load_model_weights(model, str(path))
+    return path
+
+
+def load_initial_weights(model: torch.nn.Module, plan: RunPlan, path: str, log: Callable[[str], None]) -> None:
+    """`checkpoint.initial_load_path`: model weights only, from a DCP folder (seed or any checkpoint) or an
+    HF safetensors folder (`initial_load_in_hf`); `log` writes rank 0's lines."""
+    cfg = plan.cfg
+    if cfg.checkpoint.initial_load_in_hf:
+        adapter = plan.spec.require_hf_adapter()
+        log(f"checkpoint: loading Hugging Face weights from {path}")
+        what = f"model.flavor {cfg.model.flavor!r}"
+        config = import_hf(model, path, adapter=adapter, what=what)
+        if config.get("tie_word_embeddings") and not getattr(model.args, "tie_embeddings", True):
+            log("checkpoint: the checkpoint ties its embeddings: copied into the untied output layer")
+        return
+    if not Path(path).is_dir():
+        raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
+    if (Path(path) / folders.MARKER).exists() and (
+        why := folders.problem(Path(path)) or verify_checksums(path, folders.read_marker(Path(path)))
+    ):
+        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    log(f"checkpoint: loading initial model weights from {path}")
+    load_model_weights(model, path)
