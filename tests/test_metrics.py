@@ -144,7 +144,7 @@ def test_step_line_shows_progress_elapsed_and_eta_without_colour_off_a_terminal(
 
 def test_eta_is_the_mean_step_time_after_the_first_log(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     logger = MetricsLogger(Metrics(enable_tensorboard=False), "", torch.device("cpu"), 1e6, enabled=False)
     logger.begin(0, 100)
     assert logger._eta(1, window_step_s=5.0) == pytest.approx(99 * 5.0)  # compile-heavy first window
@@ -281,11 +281,11 @@ def test_an_output_that_fails_is_warned_about_once_and_training_goes_on(tmp_path
     """W&B fails at once, metrics.jsonl at its second row (a short write, then ENOSPC): one warning each,
     no torn row, and TensorBoard goes on."""
     logger = MetricsLogger(Metrics(peak_tflops=0.5), str(tmp_path), torch.device("cpu"), 1e6, enabled=True)
-    logger.wandb_run = wandb = FailingWandb()
+    logger.sinks.wandb_run = wandb = FailingWandb()
     write, writes = os.write, []
 
     def full_after_one_row(fd, data):
-        if fd == logger.jsonl.fd and writes:
+        if fd == logger.sinks.jsonl.fd and writes:
             if len(writes) == 1:
                 writes.append(data)
                 return write(fd, bytes(data[:7]))  # a short write, as a disk filling up gives

@@ -24,7 +24,7 @@ end of training is dropped.
   (`times_us`, `allocated_bytes`), the peak, and the operators that allocated most.
 
 A profile that cannot be written (a full disk, a file size limit) is one warning, and no profile is
-written after it in this run; training goes on (the policy of every output, `metrics.py`).
+written after it in this run; training goes on (the policy of every output, `metrics/sinks.py`).
 """
 
 from __future__ import annotations

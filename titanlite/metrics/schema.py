@@ -1,0 +1,98 @@
+"""What the metrics are: every logged scalar declared once, and the records the trainer hands the logger.
+
+Protocol: `METRICS` declares each scalar (name, group, display name, unit, description); the metrics.jsonl
+key, the TensorBoard tag and its custom layout, and the W&B key all come from it, so a scalar has one name
+everywhere. A step is logged from a `StepStats`, a held-out evaluation from a `ValidationResult`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """One evaluation's result (`validation.Validator.run`), as `MetricsLogger.log_validation` records it."""
+
+    loss: float
+    """Mean token cross-entropy over the held-out batches and the data-parallel ranks."""
+    seconds: float
+    """Wall time of the evaluation (the trainer leaves it out of the training throughput)."""
+    tokens: int
+    """Tokens evaluated, all data-parallel ranks together."""
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))  # exp overflows a float beyond ~709
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: float
+    """Tokens per GPU since the last log: the global batch's tokens over the world size."""
+    elapsed: float
+    data_time: float
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One logged scalar: its name (the metrics.jsonl key), chart group, display name, unit, description.
+
+    The TensorBoard tag and the W&B key are `<group>/<name>`: one name per metric everywhere."""
+
+    name: str
+    group: str
+    title: str
+    unit: str
+    description: str
+    cuda_only: bool = False
+    validation: bool = False
+    """Written by a held-out evaluation (its own metrics.jsonl row), not by the step line."""
+
+    @property
+    def tag(self) -> str:
+        return f"{self.group}/{self.name}"
+
+    @property
+    def display_name(self) -> str:
+        return f"{self.title} ({self.unit})" if self.unit else self.title
+
+
+METRICS = (
+    Metric("loss", "loss", "Training loss", "nats/token", "Cross-entropy of the step's batch, mean over dp ranks."),
+    Metric("grad_norm", "loss", "Gradient norm", "", "Global L2 norm of the gradients, before clipping."),
+    Metric("lr", "loss", "Learning rate", "", "The learning rate of the step (after warmup/decay)."),
+    Metric(
+        "tps",
+        "throughput",
+        "Throughput",
+        "tokens/s per GPU",
+        "The global batch's tokens over the world size and the step time (tp ranks share their tokens).",
+    ),
+    Metric("tflops", "throughput", "Achieved compute", "TFLOP/s per GPU", "Model FLOPs (6N + attention) per second."),
+    Metric("mfu_pct", "throughput", "MFU", "% of peak", "Achieved TFLOP/s over the device's peak (see the log)."),
+    Metric("mem_peak_gib", "memory", "Peak memory", "GiB", "CUDA max allocated, or CPU peak RSS, since last log."),
+    Metric("mem_reserved_gib", "memory", "Peak reserved", "GiB", "CUDA caching allocator's peak reserved.", True),
+    Metric("mem_pct", "memory", "Peak reserved", "% of GPU memory", "Peak reserved over the GPU's capacity.", True),
+    Metric("data_pct", "time", "Data loading", "% of step time", "Time spent waiting for the next batch."),
+    Metric("step_time_s", "time", "Step time", "s", "Wall time per optimizer step, averaged since the last log."),
+    Metric(
+        "val_loss",
+        "validation",
+        "Validation loss",
+        "nats/token",
+        "Mean cross-entropy of the held-out batches.",
+        validation=True,
+    ),
+    Metric("val_ppl", "validation", "Validation perplexity", "", "exp(validation loss).", validation=True),
+)
+"""Every scalar the logger writes, in chart order; the TensorBoard custom layout is built from it."""
+
+RENAMED = {"mfu": "mfu_pct", "data_time_pct": "data_pct"}
+"""metrics.jsonl keys renamed to the shared names; the old keys are still written (same values) for one
+release, then dropped."""
