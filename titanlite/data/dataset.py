@@ -49,7 +49,7 @@ def virtual_shard_count(virtual_shards: int, global_batch_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """Which virtual shards a data-parallel rank (and each of its workers) reads, per step."""
 
     global_batch_size: int
@@ -68,7 +68,7 @@ class Layout:
         dp_rank: int,
         dp_degree: int,
         num_workers: int = 0,
-    ) -> Layout:
+    ) -> ShardLayout:
         """Validated layout; `virtual_shards` 0 means one shard per sample of the global batch.
 
         `num_workers` is only checked: workers can split a rank's shards without changing its stream
@@ -219,7 +219,7 @@ class PackedShards(IterableDataset):
     merged), so the dp degree can change between runs at a step boundary.
     """
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: Layout) -> None:
+    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: ShardLayout) -> None:
         if seq_len < 1:
             raise ConfigError(f"training.seq_len must be positive, got {seq_len}")
         self.source = source

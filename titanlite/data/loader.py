@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.data.dataset import STATE_VERSION, Layout, PackedShards
+from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
 from titanlite.data.sources import LocalSource, open_source
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, DataError
@@ -140,7 +140,7 @@ def build_dataloader(
     the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
     keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
     launch does)."""
-    layout = Layout.create(
+    layout = ShardLayout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
         virtual_shards=virtual_shards,
