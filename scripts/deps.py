@@ -31,7 +31,6 @@ import os
 import platform
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ except ImportError:  # pip carries its own copy
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from titanlite import torch_support  # noqa: E402  (stdlib only; the checkout is not installed)
+from titanlite.tools.visible_gpus import listed_gpus  # noqa: E402  (stdlib only)
 
 STAMP = ".titanlite-deps"
 QUICK = ["--timeout", "5", "--retries", "0"]
@@ -126,17 +126,6 @@ def torch_build() -> dict[str, str | None] | None:
         return {"torch": installed_version("torch") or "unknown", "cuda": None, "hip": None}
     v = runpy.run_path(str(version))
     return {"torch": v.get("__version__", "unknown"), "cuda": v.get("cuda"), "hip": v.get("hip")}
-
-
-def gpus_listed() -> int:
-    """GPUs that `nvidia-smi -L` lists on this machine (0 without nvidia-smi)."""
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
 
 
 def overlay_dir() -> Path:
@@ -269,7 +258,7 @@ def install_torch(source: list[str]) -> None:
     choice = os.environ.get("TITANLITE_TORCH", "auto")
     if choice not in ("auto", "cpu", "cuda"):
         raise SetupError(f"TITANLITE_TORCH must be auto, cpu or cuda, got '{choice}'")
-    cuda = choice == "cuda" or (choice == "auto" and gpus_listed() > 0)
+    cuda = choice == "cuda" or (choice == "auto" and listed_gpus() > 0)
     v = torch_support.SETUP_VERSION
     say(f"installing torch {v} ({'CUDA' if cuda else 'CPU'} build) into {sys.prefix}")
     install = ["install", "--quiet"]
