@@ -35,7 +35,14 @@ OFFLINE = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9", "PIP_FIND
 def checkout(tmp_path: Path, dependencies: list[str] | None = None) -> Path:
     """The set-up's files in a fresh folder; `dependencies` replace pyproject.toml's runtime requirements."""
     root = tmp_path / "checkout"
-    for rel in ("scripts/env.sh", "scripts/deps.py", "titanlite/__init__.py", "titanlite/torch_support.py"):
+    for rel in (
+        "scripts/env.sh",
+        "scripts/deps.py",
+        "titanlite/__init__.py",
+        "titanlite/torch_support.py",
+        "titanlite/tools/__init__.py",
+        "titanlite/tools/visible_gpus.py",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, root / rel)
     shutil.copy(ROOT / "titanlite" / "errors.py", root / "titanlite" / "errors.py")
