@@ -24,6 +24,7 @@ import time
 import torch
 
 from titanlite.config import load_config
+from titanlite.errors import run_cli
 from titanlite.memory_plan import GiB, estimate
 from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
 from titanlite.trainer import Trainer
@@ -65,8 +66,10 @@ def run(argv: list[str]) -> dict:
         loss, _ = trainer.train_step(batches)
         return loss.item()  # waits for the device
 
+    warm = time.perf_counter()
     for _ in range(args.warmup):
         step()
+    warmup_s = time.perf_counter() - warm  # compilation happens in the first step
     memory = MemoryMonitor(device)
     start = time.perf_counter()
     losses = [step() for _ in range(args.steps)]
@@ -101,6 +104,7 @@ def run(argv: list[str]) -> dict:
         estimate_gib=planned.total / GiB,
         estimate_activations_gib=planned.activations / GiB,
         final_loss=losses[-1],
+        warmup_s=warmup_s,
         json=args.json,
     )
 
@@ -111,7 +115,8 @@ def report(r: dict) -> str:
             f"gpu_check: {r['device']} | llama3 {r['flavor']} ({r['params'] / 1e9:.2f}B params) | "
             f"{r['dtype']} compute, "
             f"compile {r['compile']}, AC {r['ac']} | batch {r['local_batch']} x {r['seq_len']}",
-            f"{r['steps']} timed steps after {r['warmup']} warm-up: {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{r['steps']} timed steps after {r['warmup']} warm-up ({r['warmup_s']:.1f} s): "
+            f"{r['tokens_per_s']:,.0f} tokens/s, "
             f"{r['tflops']:.1f} TFLOP/s, MFU "
             + (f"{r['mfu_pct']:.1f}% of {r['peak_tflops']:.0f} TFLOP/s " if r["mfu_pct"] is not None else "n/a ")
             + f"({r['peak_source']})",
@@ -133,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -112,7 +112,9 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
         assert report["prefetched_all_gathers"] == report["overlapped_reduce_scatters"] == 0
         return
     assert report["scope"] == "model" and report["dp"]["backward_all_gather"]["after"] == N - 1
-    assert report["prefetched_all_gathers"] == N + (N - 1) and report["overlapped_reduce_scatters"] == N
+    # torch 2.11 and 2.12 keep one reduce-scatter fewer in flight (measured: N - 1; 2.13 and 2.15: N).
+    overlapped = N if torch_support.release(torch.__version__) >= (2, 13) else N - 1
+    assert report["prefetched_all_gathers"] == N + (N - 1) and report["overlapped_reduce_scatters"] == overlapped
     projections = N * 7 + 1  # each block's seven, and the output
     assert backward_mm == [2 * projections + (N * 6 if ac == "full" else 0)]
 
@@ -134,6 +136,25 @@ def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
     assert report["traces"] == traces and report["units"] == 6
     # The counts are per step, all six blocks included.
     assert report["dp"]["all_gather"] == {"before": 6 * PER_BLOCK, "after": 6}
+
+
+def test_blocks_compile_where_torch_compile_takes_no_recompile_limit(tmp_path, monkeypatch):
+    """torch 2.11's `torch.compile` has no `recompile_limit` keyword: per-block compile then leaves it out
+    and Dynamo's global limit applies (one model's identical blocks share one entry)."""
+    real = torch.compile
+    seen: list[dict] = []
+
+    def compile_2_11(
+        model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None, disable=False
+    ):
+        seen.append({"fullgraph": fullgraph})
+        return real(
+            model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options, disable=disable
+        )
+
+    monkeypatch.setattr(torch, "compile", compile_2_11)
+    report = compile_report(compiled(tmp_path, "transformer_block"), 2, ARGS)
+    assert len(seen) == N and report["units"] == N and report["dp"]["all_gather"]["after"] == N
 
 
 def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):

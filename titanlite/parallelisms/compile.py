@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -175,7 +176,7 @@ def _compile_units(
         checkpointed = ac.get(fqn)
         full = checkpointed is not None and checkpointed.mode == "full"
         fn = checkpointed.body if full else block.forward
-        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=True, recompile_limit=_recompile_limit(fn))
+        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=True, **_recompile_limit(fn))
         if full:
             checkpointed.body = compiled
         else:
@@ -183,14 +184,20 @@ def _compile_units(
         block.register_forward_pre_hook(_await_collective_inputs)
 
 
-def _recompile_limit(fn: Callable[..., Any]) -> int:
+def _recompile_limit(fn: Callable[..., Any]) -> dict[str, int]:
     """The recompile limit of this model's compiled `fn`, set on its own `torch.compile` call (Dynamo's
     global limits stay as they are): the entries the code of `fn` already holds (other models in this
     process compile the same block code, and their entries count against this one's limit), plus
     Dynamo's default, plus room for a few variants (eval/no-grad, other backends). A recompile per
-    block would still exceed it and fail loudly (`fullgraph=True`)."""
+    block would still exceed it and fail loudly (`fullgraph=True`).
+
+    Returned as `torch.compile`'s keyword, or none where `torch.compile` takes no `recompile_limit`
+    (torch 2.11 and 2.12): there Dynamo's global limit applies, which one model per process stays under
+    (identical blocks share one entry); only a process that builds many models (a test) can reach it."""
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        return {}
     existing = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
-    return existing + torch._dynamo.config.recompile_limit + 4
+    return {"recompile_limit": existing + torch._dynamo.config.recompile_limit + 4}
 
 
 def _await_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
