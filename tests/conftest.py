@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from harness import one_rank_group
@@ -12,3 +14,11 @@ def process_group():
     """A one-rank gloo process group for the test (as a single-process run has one)."""
     with one_rank_group():
         yield
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background by a shell without job control (`cmd &` in a script) inherits
+    SIGINT ignored, and so would every launch under test, which then never sees the Ctrl-C that the
+    launcher tests send. A caught SIGINT is reset to the default in each child at exec."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -53,21 +53,16 @@ COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager"
                     "ac": "selective"}  # fmt: skip
 CASES_4 = [
     {"shard": 4},
-    {"rep": 4},
     {"rep": 2, "shard": 2},
     {"shard": 2, "tp": 2},
     {"shard": 2, "tp": 2, "accum": 2},
-    {"rep": 2, "shard": 2, "accum": 2},
     {"rep": 2, "shard": 1, "tp": 2},
-    {"rep": 2, "shard": 2, "ac": "selective"},
-    {"shard": 2, "tp": 2, "ac": "selective"},
     {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
     # Pipeline x dp, 4 microbatches: weights kept for the step (auto) or gathered again per microbatch.
     {"pp": 2, "shard": 2},
     {"pp": 2, "shard": 2, "reshard": "default"},
     {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
-    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
     # Kept weights reduced in every backward, over dp x tp and HSDP.
     {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
     {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
