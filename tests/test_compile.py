@@ -184,7 +184,7 @@ needs_auto_bucketing = pytest.mark.skipif(not AUTO_BUCKETING, reason="compile.bu
 
 
 @needs_auto_bucketing
-@pytest.mark.parametrize("scope", ["block", "model"])
+@pytest.mark.parametrize("scope", [pytest.param("block", marks=pytest.mark.slow), "model"])
 def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
     cfg = compiled(tmp_path, "auto", scope, compile__cost_model="config")
     report = compile_report(cfg, 2, ARGS)

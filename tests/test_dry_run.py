@@ -357,7 +357,7 @@ def test_pipeline_activations_follow_the_microbatches_in_flight():
     "config,world,ranks,bubble",
     [
         ("llama3_70b_pp", "pp 4 x dp_shard 2 x tp 8", 4, "8.6%"),
-        ("llama3_405b_pp", "pp 8 x dp_shard 8 x tp 8", 8, "17.9%"),
+        pytest.param("llama3_405b_pp", "pp 8 x dp_shard 8 x tp 8", 8, "17.9%", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_configs_plan_every_pipeline_rank_and_fit(capsys, config, world, ranks, bubble):
