@@ -8,6 +8,7 @@ test_parallel_parity (accumulation and pipeline cases run it by default).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -52,7 +53,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def step_config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto") -> JobConfig:
+def step_config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto", **over) -> JobConfig:
     """dp 2 x 4 accumulated microbatches of 8 tokens; nothing is written."""
     return config(
         "/nonexistent",
@@ -62,20 +63,24 @@ def step_config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: 
         parallelism__dp_impl=dp_impl,
         parallelism__fsdp_reshard_after_forward=reshard,
         parallelism__gradient_reduction=reduction,
+        **over,
     )
 
 
-def step_counts(cfg: JobConfig) -> tuple[StepPolicy, Counter, int]:
-    """(the policy chosen, the collectives of one accumulated step, parameters)."""
+def step_counts(cfg: JobConfig, steps: int = 1) -> tuple[StepPolicy, Counter, int]:
+    """(the policy chosen, the collectives of `steps` accumulated steps, parameters). A compiled model's
+    collectives are not counted: Dynamo refuses to trace under a dispatch mode."""
     plan = RunPlan.build(cfg, 2, args=ARGS)
     built = build_training(plan, torch.device("cpu"))
     policy = built.step.policy
     batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 1, 9))]
     opt = torch.optim.SGD(built.model.parameters(), lr=0.0)
-    with CountCollectives() as c:
+    counter = CountCollectives()
+    with contextlib.nullcontext() if cfg.compile.enable else counter:
         context = StepContext(cross_entropy_loss, reduce_once=policy.reduce_once, keep_gathers=policy.keep_gathers)
-        LocalRunner(built.model, torch.device("cpu"), context).forward_backward(opt, batches)
-    return policy, c.counts, len(list(built.model.parameters()))
+        for _ in range(steps):
+            LocalRunner(built.model, torch.device("cpu"), context).forward_backward(opt, batches)
+    return policy, counter.counts, len(list(built.model.parameters()))
 
 
 @pytest.mark.parametrize("reduction", ["per_step", "per_microbatch"])
@@ -92,6 +97,37 @@ def test_simple_fsdp_gathers_each_weight_once_per_step_when_kept(fake_world, red
     assert again_counts["all_gather"] == MICROBATCHES * (n + regathered)
     rs = MICROBATCHES * n if reduction == "per_microbatch" else 1  # per_step: the tiny model is one bucket
     assert counts["reduce_scatter"] == again_counts["reduce_scatter"] == rs
+
+
+def test_compiled_blocks_read_the_kept_weights_gathered_once_per_step(fake_world, tmp_path, monkeypatch):
+    """Compiled blocks (aot_eager, transformer_block bucketing) under 4 accumulated microbatches, two steps:
+    kept, each step gathers each parameter once, eagerly, and the graphs trace no gather (they read the
+    kept weights as inputs); the second step reuses the graph. Gathered again per microbatch (reshard
+    `default`, the negative control), the graphs gather, so every forward does. Gathers are counted
+    where they are made: eagerly (run once per call) or while Dynamo traces (run by every call of the
+    graph)."""
+    from torch._dynamo.utils import counters
+
+    from titanlite.parallelisms.replicate_compute import ReplicateComputation
+
+    made: Counter[str] = Counter()
+    gather_local = ReplicateComputation._gather_local
+
+    def counted(self, x):
+        made["traced" if torch.compiler.is_compiling() else "eager"] += 1
+        return gather_local(self, x)
+
+    monkeypatch.setattr(ReplicateComputation, "_gather_local", counted)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    compiled = {"compile__enable": True, "compile__backend": "aot_eager", "compile__bucketing": "transformer_block"}
+    counters.clear()
+    kept, _, n = step_counts(step_config(**compiled), steps=2)
+    assert kept == StepPolicy(reduce_once=True, keep_gathers=True)
+    assert made == {"eager": 2 * n}
+    assert counters["stats"]["unique_graphs"] == 1  # one block graph, shared by the blocks and both steps
+    made.clear()
+    again, _, _ = step_counts(step_config(reshard="default", **compiled))
+    assert not again.keep_gathers and made["traced"] > 0
 
 
 def test_fsdp2_gathers_each_unit_once_per_step_when_kept(fake_world):
@@ -111,7 +147,16 @@ def test_fsdp2_gathers_each_unit_once_per_step_when_kept(fake_world):
         ({"fsdp_reshard_after_forward": "default"}, [(1, 0), (0, 0)], "fsdp_reshard_after_forward = default"),
         ({"fsdp_reshard_after_forward": "never"}, [(1, 1), (0, 1)], "fsdp_reshard_after_forward = never"),
         ({"gradient_reduction": "per_microbatch"}, [(0, 1), (0, 0)], "gradient_reduction = per_microbatch"),
-        ({"compile": True}, [(1, 0), (0, 0)], "compiled SimpleFSDP blocks gather inside their graphs"),
+        (
+            {"compile": True},
+            [(1, 1), (1, 0), (0, 0)],
+            "compiled SimpleFSDP keeps gathered weights only with the per_step reduction",
+        ),
+        (
+            {"compile": True, "gradient_reduction": "per_microbatch", "fsdp_reshard_after_forward": "never"},
+            [(0, 0)],
+            "compiled SimpleFSDP keeps gathered weights only with the per_step reduction",
+        ),
         ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}, [(1, 0), (0, 0)], ""),
     ],
 )

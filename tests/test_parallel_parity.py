@@ -32,6 +32,8 @@ CASES_2 = [
     {"shard": 2, "accum": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "accum": 2, "reshard": "always"},
     {"shard": 2, "accum": 2, "ac": "full"},
+    # The same in one compiled, bucketed graph: the graph reads the weights kept for the step.
+    {"shard": 2, "accum": 2, "ac": "full", "compile": True, "backend": "aot_eager", "bucketing": "transformer_block"},
     {"shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
@@ -48,6 +50,7 @@ CASES_2 = [
     {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "mb": 2, "ac": "selective"},
 ]
+_COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 # Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
 COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
                     "ac": "selective"}  # fmt: skip
@@ -63,6 +66,7 @@ CASES_4 = [
     {"pp": 2, "shard": 2},
     {"pp": 2, "shard": 2, "reshard": "default"},
     {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
+    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
     # Kept weights reduced in every backward, over dp x tp and HSDP.
     {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
     {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
@@ -127,6 +131,8 @@ def test_accumulated_simple_fsdp_cases_reduced_once_per_step(records):
     assert unreduced[case_id({"shard": 2, "accum": 2})] and unreduced[case_id({"rep": 2, "accum": 2})]
     assert not unreduced[case_id({"shard": 2, "accum": 2, "reduction": "per_microbatch"})]
     assert not unreduced[case_id({"shard": 2})]
+    compiled = recs[case_id(_COMPILED_KEPT)]
+    assert compiled["unreduced"] and compiled["step"]["policy"]["keep_gathers"]
     # A pipeline's microbatches are accumulated too (pp 2 x dp_shard 2: 4 microbatches per step).
     recs4 = records(4, CASES_4)
     assert recs4[case_id({"pp": 2, "shard": 2})]["unreduced"]

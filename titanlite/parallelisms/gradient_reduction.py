@@ -24,7 +24,8 @@ resharding after backward off for all but the schedule step's last backward: per
 schedule step), so there only SimpleFSDP is handled here; config validation refuses `per_microbatch`
 for FSDP2 with PP rather than ignore it. A zero-bubble schedule differentiates the parameters
 themselves in its weight backward, so SimpleFSDP reduces per microbatch there (`auto`; `per_step` is
-refused). Compiled SimpleFSDP blocks gather inside their graphs: their weights are not kept.
+refused). Compiled SimpleFSDP keeps weights only with per_step: its graphs read the kept weights and
+route their gradients to the unreduced sinks; reducing them in each backward happens in eager code.
 """
 
 from __future__ import annotations
@@ -82,18 +83,22 @@ def step_candidates(cfg: JobConfig, dp_mode: str | None, backwards: int) -> tupl
         why.append("torch's pipeline stage reduces FSDP2 once per schedule step")
     else:
         reduce = [True, False]
-    compiled_gathers = simple and cfg.compile.enable and "model" in cfg.compile.components
     if dp_mode == "replicate":
         keep = [False]
-    elif compiled_gathers:
-        keep = [False]
-        why.append("compiled SimpleFSDP blocks gather inside their graphs")
     elif p.fsdp_reshard_after_forward == "auto":
         keep = [True, False]
     else:
         keep = [p.fsdp_reshard_after_forward == "never"]
         why.append(f"fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward}")
-    return [StepPolicy(r, k) for k in keep for r in reduce], why
+    policies = [StepPolicy(r, k) for k in keep for r in reduce]
+    if simple and cfg.compile.enable and "model" in cfg.compile.components:
+        # A compiled graph reads kept weights as inputs and routes their gradients to the unreduced
+        # sinks; reducing them to the shards in each backward (per_microbatch) happens in eager code only.
+        allowed = [q for q in policies if q.reduce_once or not q.keep_gathers]
+        if len(allowed) < len(policies):
+            why.append("compiled SimpleFSDP keeps gathered weights only with the per_step reduction")
+        policies = allowed or [StepPolicy(r, False) for r in reduce]
+    return policies, why
 
 
 def _noop(last: bool) -> None:

@@ -11,13 +11,15 @@ is the rank's gathered weights, in the compute dtype, for the whole step; `memor
                                 backward uses); FSDP2: `set_reshard_after_forward(False)`
     kept_gathers(model)         around a step's backwards (SimpleFSDP): the step-scoped cache
 
-SimpleFSDP (eager): each `ReplicateComputation` asks its `step_cache` first. The cache gathers once
-without autograd and hands out the kept tensor through a function whose backward routes the gradient
-as the plain gather would: into the unreduced sink (`gradient_reduction` per_step) or through a
-reduce-scatter (all-reduce for replicate dims) to the sharded parameter (per_microbatch). FSDP2 keeps
-its own unsharded parameters: reshard-after-backward is off for all but the last backward
-(`gradient_reduction.reduce_once`; under pipeline parallelism torch's pipeline stage does this itself).
-Compiled SimpleFSDP blocks gather inside their graphs, so they are not kept (`step_candidates`).
+SimpleFSDP: entering the step gathers every weight once without autograd; each `ReplicateComputation`
+then hands out its kept tensor (`hand_out`) through a function whose backward routes the gradient as
+the plain gather would: into the unreduced sink (`gradient_reduction` per_step) or through a
+reduce-scatter (all-reduce for replicate dims) to the sharded parameter (per_microbatch, eager only).
+Compiled blocks trace the same hand-out: their graphs read the kept weights as inputs and hold no
+all-gathers, so the step's gathers are not overlapped with compute; what is saved is every later
+microbatch's gathers. FSDP2 keeps its own unsharded parameters: reshard-after-backward is off for all
+but the last backward (`gradient_reduction.reduce_once`; under pipeline parallelism torch's pipeline
+stage does this itself).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.parallelisms.eager_reshard import set_reshard_after_forward
 from titanlite.parallelisms.replicate_compute import ReplicateComputation, RouteGradient
+from titanlite.parallelisms.simple_fsdp import parametrized
 
 
 def keep_for_step(model: nn.Module) -> None:
@@ -43,22 +46,17 @@ def keep_for_step(model: nn.Module) -> None:
     set_reshard_after_forward(model, False)
 
 
-class StepCache:
-    """The weights gathered in this step, by gather module; `ReplicateComputation.forward` calls it."""
-
-    def __init__(self) -> None:
-        self.full: dict[ReplicateComputation, torch.Tensor] = {}
-
-    def __call__(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
-        full = self.full.get(gather)
-        if full is None:
-            with torch.no_grad():
-                full = self.full[gather] = gather._gather_local(x)
-        if not (x.requires_grad and torch.is_grad_enabled()):
-            return gather._as_tp(full)
-        if gather.state.unreduced:
-            return gather._as_tp(RouteGradient.apply(full, gather.sink))
-        return gather._as_tp(_ReduceToShard.apply(full, x, gather))
+def hand_out(gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
+    """`gather`'s weight for this forward, from its kept gather (`ReplicateComputation.forward` calls it
+    inside `kept_gathers`). Under torch.compile this is what a block's graph traces: the kept weight is a
+    graph input, so the graph holds no all-gather, and one function (never a per-step object) is what
+    Dynamo guards on, so later steps reuse the graph."""
+    full = gather.kept
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return gather._as_tp(full)
+    if gather.state.unreduced:
+        return gather._as_tp(RouteGradient.apply(full, gather.sink))
+    return gather._as_tp(_ReduceToShard.apply(full, x, gather))
 
 
 class _ReduceToShard(torch.autograd.Function):
@@ -86,14 +84,17 @@ class _ReduceToShard(torch.autograd.Function):
 
 @contextlib.contextmanager
 def kept_gathers(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside, every SimpleFSDP gather of `model` is made once and kept; leaving frees them all."""
-    gathers = [m for m in model.modules() if isinstance(m, ReplicateComputation)] if enabled else []
-    cache = StepCache()
-    for gather in gathers:
-        gather.step_cache = cache
+    """Inside, every SimpleFSDP gather of `model` that takes gradients is made once, on entering, and
+    handed out by `hand_out`; leaving frees them all. Gathering on entry (rather than at first use) is
+    what lets compiled blocks use the kept weights: their graphs read them as inputs."""
+    pairs = parametrized(model) if enabled else []
     try:
+        with torch.no_grad():
+            for gather, param in pairs:
+                gather.kept = gather._gather_local(param)
+                gather.step_cache = hand_out
         yield
     finally:
-        for gather in gathers:
+        for gather, _ in pairs:
             gather.step_cache = None
-        cache.full.clear()
+            gather.kept = None

@@ -108,8 +108,10 @@ class ReplicateComputation(nn.Module):
         self.reshard_after_forward = False
         self.sink: torch.Tensor | None = None
         """Gradient accumulation leaf of `routing_to_sinks` mode (zero strides: one element of storage)."""
-        self.step_cache: Any = None
-        """Set inside `kept_gathers.kept_gathers`: makes this gather once per step and hands it out."""
+        self.step_cache: Callable[[ReplicateComputation, DTensor], torch.Tensor] | None = None
+        """Set inside `kept_gathers.kept_gathers`: hands out `kept` instead of gathering."""
+        self.kept: torch.Tensor | None = None
+        """This step's gathered weight, inside `kept_gathers.kept_gathers`."""
         self.on_sink_grad: Callable[[ReplicateComputation], None] | None = None
         """Called after each backward's accumulation into the sink (the step's reduction starts buckets)."""
 
