@@ -53,10 +53,13 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def step_config(dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto", **over) -> JobConfig:
-    """dp 2 x 4 accumulated microbatches of 8 tokens; nothing is written."""
+def step_config(
+    dp_impl: str = "simple_fsdp", reshard: str = "auto", reduction: str = "auto", dump: str = "/nonexistent", **over
+) -> JobConfig:
+    """dp 2 x 4 accumulated microbatches of 8 tokens; nothing is written unless compiled (the compile
+    report goes to `dump`)."""
     return config(
-        "/nonexistent",
+        dump,
         training__seq_len=8,
         training__local_batch_size=1,
         training__global_batch_size=2 * MICROBATCHES,
@@ -119,7 +122,12 @@ def test_compiled_blocks_read_the_kept_weights_gathered_once_per_step(fake_world
 
     monkeypatch.setattr(ReplicateComputation, "_gather_local", counted)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    compiled = {"compile__enable": True, "compile__backend": "aot_eager", "compile__bucketing": "transformer_block"}
+    compiled = {
+        "compile__enable": True,
+        "compile__backend": "aot_eager",
+        "compile__bucketing": "transformer_block",
+        "dump": str(tmp_path),
+    }
     counters.clear()
     kept, _, n = step_counts(step_config(**compiled), steps=2)
     assert kept == StepPolicy(reduce_once=True, keep_gathers=True)
