@@ -1,0 +1,128 @@
+"""Qwen3-MoE's mixture-of-experts feed-forward: a softmax router, top-k experts, SwiGLU experts.
+
+Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits in the compute dtype, softmax in
+fp32, the top-k probabilities as combine weights, renormalised to sum to one when `norm_topk_prob`.
+
+Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
+(`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
+run, as a loop over the experts (`grouped=False`). Grouped GEMM needs rows whose byte strides are
+multiples of 16 (`grouped_mm_fits`), so a width that is not a multiple of 16 bytes takes the loop. Its
+backward rejects a gradient with zero strides (an expanded scalar, as `y.sum().backward()` gives), so
+the combine step makes the incoming gradient contiguous first (`_Contiguous`).
+
+Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
+expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
+loss combines them over the layers as Hugging Face's `load_balancing_loss_func` does. The counts are
+also accumulated (no gradient) in the `tokens_per_expert` buffer, which the metrics read and reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing over the last microbatch: what the auxiliary loss needs."""
+
+    counts: torch.Tensor
+    """[experts] float: how many (token, slot) pairs chose each expert (no gradient)."""
+    prob_sum: torch.Tensor
+    """[experts] fp32: the router's softmax probability of each expert, summed over the tokens."""
+    tokens: int
+
+
+def grouped_mm_fits(*widths: int, dtype: torch.dtype) -> bool:
+    """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16)."""
+    return hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: grouped GEMM's backward rejects zero strides."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU FFNs, stored as Hugging Face stores them: `gate_up_proj` [E, 2I, H] (gate rows
+    then up rows), `down_proj` [E, H, I]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts, self.hidden_dim = num_experts, hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x [rows, H] sorted by expert, `counts` [E] rows per expert -> [rows, H]."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if grouped and grouped_mm_fits(x.shape[-1], 2 * self.hidden_dim, self.hidden_dim, dtype=x.dtype):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)
+            gate, up = h.chunk(2, dim=-1)
+            h = (F.silu(gate) * up).contiguous()
+            return torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+        outs = []
+        # The loop needs the counts on the host: one sync per layer.
+        for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
+            gate, up = (rows @ gate_up[e].T).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ down[e].T)
+        return torch.cat(outs, dim=0)
+
+
+class MoE(nn.Module):
+    """Router + experts: x [b, s, H] -> [b, s, H]; records `stats` and accumulates `tokens_per_expert`."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, grouped: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob, self.grouped = num_experts, top_k, norm_topk_prob, grouped
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = Experts(num_experts, dim, hidden_dim)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.stats: RouterStats | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k experts [T, k])."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs, weights, experts = self.route(x)
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
+        # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
+        order = torch.argsort(flat, stable=True)
+        token = order // self.top_k
+        out = self.experts(x[token], counts, self.grouped)
+        out = _Contiguous.apply(out) * weights.flatten()[order, None]
+        combined = torch.zeros_like(x).index_add_(0, token, out)
+        return combined.reshape(shape)
+
+
+def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """Hugging Face's `load_balancing_loss_func` over the layers' stats: E * sum_e f_e * P_e, with f_e the
+    share of (token, slot) pairs routed to expert e and P_e its mean router probability, both over every
+    layer's tokens together (1 when perfectly balanced, as computed by its definition with top-k counts
+    divided by the token count: k at uniform routing)."""
+    rows = sum(s.tokens for s in stats)
+    f = torch.stack([s.counts for s in stats]).sum(0) / rows
+    p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
+    return num_experts * (f * p).sum()
