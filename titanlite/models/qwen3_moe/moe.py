@@ -6,9 +6,9 @@ fp32, the top-k probabilities as combine weights, renormalised to sum to one whe
 Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
 (`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
 run, as a loop over the experts (`grouped=False`). Grouped GEMM needs rows whose byte strides are
-multiples of 16 (`grouped_mm_fits`), so a width that is not a multiple of 16 bytes takes the loop. Its
-backward rejects a gradient with zero strides (an expanded scalar, as `y.sum().backward()` gives), so
-the combine step makes the incoming gradient contiguous first (`_Contiguous`).
+multiples of 16 and, on CUDA, bf16 (`grouped_mm_fits`); elsewhere the loop runs. It is called through
+an opaque op (`grouped_mm`) whose backward makes the incoming gradient contiguous (torch's rejects a
+zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not trace into.
 
 Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
 expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
@@ -36,21 +36,41 @@ class RouterStats:
     tokens: int
 
 
-def grouped_mm_fits(*widths: int, dtype: torch.dtype) -> bool:
-    """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16)."""
-    return hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths)
+def grouped_mm_fits(*widths: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16) in this dtype
+    (CUDA's kernel takes bf16 only; the CPU one fp32 too)."""
+    if not hasattr(torch, "_grouped_mm") or (device.type == "cuda" and dtype != torch.bfloat16):
+        return False
+    return all(w * dtype.itemsize % 16 == 0 for w in widths)
 
 
-class _Contiguous(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: grouped GEMM's backward rejects zero strides."""
+@torch.library.custom_op("titanlite::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` as an opaque op: a [M, K] x b [E, K, N] -> [M, N] (rows grouped by `offs`), or
+    a [K, M] x b [M, N] -> [E, K, N] (the weight gradient, the shared dim grouped). Compiled graphs call
+    it without tracing into it: torch's fake-tensor rule for `_grouped_mm` accepts bf16 only, which
+    would break an fp32 graph that the CPU kernel runs."""
+    return torch._grouped_mm(a, b, offs=offs)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()  # an expanded (zero-stride) gradient is rejected by the kernel
+    return grouped_mm(grad, b.transpose(-2, -1), offs), grouped_mm(a.t(), grad, offs), None
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 class Experts(nn.Module):
@@ -66,12 +86,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x [rows, H] sorted by expert, `counts` [E] rows per expert -> [rows, H]."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if grouped and grouped_mm_fits(x.shape[-1], 2 * self.hidden_dim, self.hidden_dim, dtype=x.dtype):
+        widths = (x.shape[-1], 2 * self.hidden_dim, self.hidden_dim)
+        if grouped and grouped_mm_fits(*widths, dtype=x.dtype, device=x.device):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)
-            gate, up = h.chunk(2, dim=-1)
-            h = (F.silu(gate) * up).contiguous()
-            return torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+            gate, up = grouped_mm(x, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+            return grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offsets)
         outs = []
         # The loop needs the counts on the host: one sync per layer.
         for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
@@ -104,17 +123,18 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs, weights, experts = self.route(x)
         flat = experts.flatten()
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # Counted with a fixed-size scatter (bincount's output size depends on the data: a graph break).
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
         # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
         order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
-        out = self.experts(x[token], counts, self.grouped)
-        out = _Contiguous.apply(out) * weights.flatten()[order, None]
-        combined = torch.zeros_like(x).index_add_(0, token, out)
-        return combined.reshape(shape)
+        out = self.experts(x[order // self.top_k], counts, self.grouped)
+        # Back to (token, slot) order, weighted and summed over the slots: a gather, no scatter-add, so
+        # the combine is deterministic on every device.
+        out = out[torch.argsort(order)].view(-1, self.top_k, shape[-1])
+        return (out * weights[..., None]).sum(dim=1).reshape(shape)
 
 
 def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
