@@ -125,3 +125,41 @@ def test_transformers_loads_the_export(tmp_path):
     hf.import_hf(dst, tmp_path / "hf", adapter=SPEC.hf_adapter)
     with torch.no_grad():
         assert torch.equal(dst(x), ours)
+
+
+@pytest.mark.slow
+def test_the_debug_config_trains_on_two_ranks_matches_one_and_resumes_compiled(tmp_path):
+    """`run_train.sh --config train_configs/qwen3_moe_debug.toml` on 2 ranks (SimpleFSDP): the MoE
+    metrics on the step line, in metrics.jsonl and TensorBoard; one process accumulating the same two
+    microbatches gives the same losses (the auxiliary loss is per microbatch); a resume at step 2,
+    compiled under FSDP2 and full AC, continues the same losses."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from harness import SMALL, train
+
+    config = "train_configs/qwen3_moe_debug.toml"
+    common = [*SMALL[:-1], "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    two = train(tmp_path / "two", 2, *common, config=config, launcher="run_train").ok()
+    assert "moe_load_imbalance: " in two.log and "moe_aux_loss: " in two.log
+    rows = two.metrics
+    assert len(rows) == 4 and all(r["moe_load_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 for r in rows)
+    [run] = (tmp_path / "two" / "tb").iterdir()
+    board = EventAccumulator(str(run))
+    board.Reload()
+    assert {"moe/moe_aux_loss", "moe/moe_load_imbalance"} <= set(board.Tags()["tensors"])
+    one = train(tmp_path / "one", 1, *SMALL[:-1], "--training.steps", "4", "--training.global_batch_size", "4",
+                config=config).ok()  # fmt: skip
+    assert "accum 2" in one.log
+    assert one.losses == pytest.approx(two.losses, rel=1e-5)
+    (tmp_path / "two" / "checkpoint" / "step-4").rename(tmp_path / "step-4")
+    resumed = train(
+        tmp_path / "two", 2, *common, "--parallelism.dp_impl", "fsdp2", "--compile.enable",
+        "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full", config=config,
+    ).ok()  # fmt: skip
+    assert "resumed from" in resumed.log
+    again = [(r["step"], r["loss"]) for r in resumed.metrics if r["run"] == 2]
+    assert again == [(3, pytest.approx(two.losses[2], rel=1e-5)), (4, pytest.approx(two.losses[3], rel=1e-5))], (
+        again,
+        two.losses,
+        resumed.log[-3000:],
+    )
