@@ -3,6 +3,7 @@
 from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics
 from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
+from titanlite.models.qwen3_moe.memory import activation_bytes
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.registry import ModelSpec
 from titanlite.parallelisms.units import Units
@@ -26,6 +27,7 @@ SPEC = ModelSpec(
     flavors=qwen3_moe_configs,
     units=lambda model: Units.of(model, "layers"),
     hf_adapter=Qwen3MoeHFAdapter(),
+    activation_bytes=activation_bytes,
     check_args=check_args,
     shape_keys=SHAPE_KEYS,
     extra_loss=aux_loss_term,
