@@ -10,11 +10,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import config
 
 from titanlite.checkpoint import hf
+from titanlite.errors import ConfigError
 from titanlite.generate import generate
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.moe import MoE
+from titanlite.plan import RunPlan
 
 ARGS = dataclasses.replace(
     SPEC.flavors["debugmodel"], dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
@@ -125,6 +128,21 @@ def test_transformers_loads_the_export(tmp_path):
     hf.import_hf(dst, tmp_path / "hf", adapter=SPEC.hf_adapter)
     with torch.no_grad():
         assert torch.equal(dst(x), ours)
+
+
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        ({"parallelism__expert_parallel_degree": 2}, "expert parallelism is not implemented"),
+        ({"parallelism__tensor_parallel_degree": 2}, "no tensor-parallel plan"),
+        ({"parallelism__pipeline_parallel_degree": 2}, "extra loss term"),
+        ({"model__top_k": 9}, "top_k 9 must be between 1 and num_experts 8"),
+    ],
+)
+def test_what_the_family_does_not_support_is_refused_before_any_rank_starts(keys, error):
+    cfg = config(None, {"model__name": "qwen3_moe"}, **keys)
+    with pytest.raises(ConfigError, match=error):
+        RunPlan.build(cfg, 2)
 
 
 @pytest.mark.slow
