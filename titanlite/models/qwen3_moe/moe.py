@@ -38,8 +38,11 @@ class RouterStats:
 
 def grouped_mm_fits(*widths: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16) in this dtype
-    (CUDA's kernel takes bf16 only; the CPU one fp32 too)."""
-    if not hasattr(torch, "_grouped_mm") or (device.type == "cuda" and dtype != torch.bfloat16):
+    (CUDA's kernel takes bf16 only, and is used from compute capability 9.0 (Hopper) on; the CPU one
+    takes fp32 too)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
         return False
     return all(w * dtype.itemsize % 16 == 0 for w in widths)
 
