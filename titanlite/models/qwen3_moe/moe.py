@@ -13,7 +13,8 @@ zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not
 Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
 expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
 loss combines them over the layers as Hugging Face's `load_balancing_loss_func` does. The counts are
-also accumulated (no gradient) in the `tokens_per_expert` buffer, which the metrics read and reset.
+also accumulated (no gradient, in training mode only) in the `tokens_per_expert` buffer, which the
+metrics read and reset.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ class MoE(nn.Module):
         flat = experts.flatten()
         # Counted with a fixed-size scatter (bincount's output size depends on the data: a graph break).
         counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        if self.training:  # validation and generation are not part of the training's load
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
         # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
         order = torch.argsort(flat, stable=True)
