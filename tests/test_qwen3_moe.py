@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from builders import config
 
 from titanlite.checkpoint import hf
-from titanlite.errors import ConfigError
+from titanlite.errors import CheckpointError, ConfigError
 from titanlite.generate import generate
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.moe import MoE
@@ -130,6 +130,33 @@ def test_transformers_loads_the_export(tmp_path):
         assert torch.equal(dst(x), ours)
 
 
+def test_aux_loss_free_balancing_routes_with_the_bias_and_moves_it_towards_the_mean(tmp_path):
+    """The bias chooses the experts, the probabilities weight them; after a step the bias of an expert
+    below the mean count rises by the rate, above it falls; it is in the state dict (checkpoints) and
+    the export is refused."""
+    args = dataclasses.replace(ARGS, router_bias_update_rate=0.25)
+    m = model(args)
+    moe = m.layers["1"].moe
+    moe.expert_bias[3] = 10.0
+    x = torch.randn(40, ARGS.dim)
+    probs, weights, experts = moe.route(x)
+    assert (experts == 3).any(dim=-1).all()
+    chosen = probs.gather(-1, experts)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+    m(tokens())
+    counts = moe.step_tokens.clone()
+    assert counts[3] == 2 * SEQ * 1  # every token of both sequences picked expert 3 once
+    before = moe.expert_bias.clone()
+    SPEC.after_step(m)
+    expected = before + 0.25 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(moe.expert_bias, expected)
+    assert moe.step_tokens.sum() == 0 and "layers.1.moe.expert_bias" in m.state_dict()
+    with pytest.raises(CheckpointError, match="router_bias_update_rate"):
+        hf.export_hf(m, tmp_path / "hf", adapter=SPEC.hf_adapter, bos_id=1, eos_id=2)
+    plain = model()
+    assert plain.layers["1"].moe.expert_bias is None and "layers.1.moe.expert_bias" not in plain.state_dict()
+
+
 @pytest.mark.parametrize(
     ("keys", "error"),
     [
@@ -149,14 +176,17 @@ def test_what_the_family_does_not_support_is_refused_before_any_rank_starts(keys
 def test_the_debug_config_trains_on_two_ranks_matches_one_and_resumes_compiled(tmp_path):
     """`run_train.sh --config train_configs/qwen3_moe_debug.toml` on 2 ranks (SimpleFSDP): the MoE
     metrics on the step line, in metrics.jsonl and TensorBoard; one process accumulating the same two
-    microbatches gives the same losses (the auxiliary loss is per microbatch); a resume at step 2,
-    compiled under FSDP2 and full AC, continues the same losses."""
+    microbatches gives the same losses (the auxiliary loss is per microbatch), with aux-loss-free
+    balancing on; a resume at step 2, compiled under FSDP2 and full AC, continues the same losses."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from harness import SMALL, train
 
     config = "train_configs/qwen3_moe_debug.toml"
-    common = [*SMALL[:-1], "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    # Aux-loss-free balancing on, with a rate large enough to change the routing within 4 steps: the
+    # counts all-reduced over the ranks, the bias saved and resumed.
+    bias = ["--model.router_bias_update_rate", "0.05"]
+    common = [*SMALL[:-1], *bias, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
     two = train(tmp_path / "two", 2, *common, config=config, launcher="run_train").ok()
     assert "moe_load_imbalance: " in two.log and "moe_aux_loss: " in two.log
     rows = two.metrics
@@ -165,7 +195,7 @@ def test_the_debug_config_trains_on_two_ranks_matches_one_and_resumes_compiled(t
     board = EventAccumulator(str(run))
     board.Reload()
     assert {"moe/moe_aux_loss", "moe/moe_load_imbalance"} <= set(board.Tags()["tensors"])
-    one = train(tmp_path / "one", 1, *SMALL[:-1], "--training.steps", "4", "--training.global_batch_size", "4",
+    one = train(tmp_path / "one", 1, *SMALL[:-1], *bias, "--training.steps", "4", "--training.global_batch_size", "4",
                 config=config).ok()  # fmt: skip
     assert "accum 2" in one.log
     assert one.losses == pytest.approx(two.losses, rel=1e-5)

@@ -178,6 +178,8 @@ class Trainer:
         if self.verdict.finite:
             self.optimizer.step()
             self.lr_scheduler.step()
+            if self.plan.spec.after_step is not None:
+                self.plan.spec.after_step(self.model)
         else:
             self._on_nonfinite(self.verdict)
         return loss, grad_norm

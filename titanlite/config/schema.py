@@ -81,6 +81,9 @@ class Model:
     """Mixture of experts: hidden width of each expert's SwiGLU; 0 = the flavor's."""
     router_aux_loss_coef: float = field(default=0.0, metadata=SHAPE)
     """Mixture of experts: weight of the load-balancing loss in the training loss; 0 = the flavor's."""
+    router_bias_update_rate: float = field(default=0.0, metadata=SHAPE)
+    """Mixture of experts: aux-loss-free balancing, the step of each expert's routing bias after every
+    optimizer step (DeepSeek-V3: 0.001); 0 = the flavor's (off in every built-in flavor)."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Qwen3-MoE: the model, its mixture-of-experts layer, flavors, load balancing and HF adapter."""
 
-from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics
+from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from titanlite.models.qwen3_moe.memory import activation_bytes
@@ -32,6 +32,7 @@ SPEC = ModelSpec(
     shape_keys=SHAPE_KEYS,
     extra_loss=aux_loss_term,
     step_metrics=routing_metrics,
+    after_step=update_routing_bias,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "qwen3_moe_configs"]

@@ -7,6 +7,11 @@ Face's load-balancing loss over the MoE layers of the forward that just ran (`mo
 tokens routed to each expert since the last log, summed over all ranks (one all-reduce), give the load
 imbalance (max / mean tokens per expert, the worst MoE layer's); the auxiliary loss is the last
 microbatch's (this rank's, unweighted). The counters are reset.
+
+`update_routing_bias(model)` is the family's `ModelSpec.after_step` (aux-loss-free balancing, DeepSeek-V3):
+after every optimizer step, the step's token counts per expert, summed over all ranks (one all-reduce
+for every layer together), move each expert's routing bias by `router_bias_update_rate` towards the mean:
+up where the expert got fewer tokens than the mean, down where more. Every rank computes the same bias.
 """
 
 from __future__ import annotations
@@ -43,3 +48,17 @@ def routing_metrics(model: nn.Module) -> dict[str, float]:
     stats = [m.stats for m in layers if m.stats is not None]
     aux = aux_loss(stats, layers[0].num_experts).item() if stats else float("nan")
     return {"moe_aux_loss": aux, "moe_load_imbalance": imbalance.item()}
+
+
+@torch.no_grad()
+def update_routing_bias(model: nn.Module) -> None:
+    layers = [m for m in _moe_layers(model) if m.expert_bias is not None]
+    if not layers:
+        return
+    counts = torch.stack([m.step_tokens for m in layers])
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    step = model.args.router_bias_update_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
+    for m, delta in zip(layers, step):
+        m.expert_bias.add_(delta)
+        m.step_tokens.zero_()

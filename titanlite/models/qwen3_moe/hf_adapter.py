@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite.errors import CheckpointError
 from titanlite.models.llama3.hf_adapter import DTYPE_NAMES, _hf_rope
 from titanlite.models.qwen3_moe.model import ModelArgs
 
@@ -126,6 +127,13 @@ class Qwen3MoeHFAdapter:
 
     @staticmethod
     def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the state dict; a model with aux-loss-free routing biases is refused: Hugging
+        Face's Qwen3-MoE routes without one, so its logits would differ."""
+        if model.args.router_bias_update_rate > 0:
+            raise CheckpointError(
+                "a Qwen3-MoE model trained with router_bias_update_rate > 0 routes with a per-expert bias "
+                "that Hugging Face's Qwen3MoeForCausalLM does not have: no export or import"
+            )
         return list(model.state_dict().items())
 
     @staticmethod

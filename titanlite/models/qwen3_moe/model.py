@@ -35,6 +35,7 @@ SHAPE_KEYS = (
     "top_k",
     "moe_ffn_dim",
     "router_aux_loss_coef",
+    "router_bias_update_rate",
 )
 """The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
 
@@ -60,6 +61,9 @@ class ModelArgs:
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss in the training loss (HF's `router_aux_loss_coef`)."""
+    router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by this much after every
+    optimizer step, up for experts that got fewer tokens than the mean, down for more; 0: off."""
     grouped_mm: bool = True
     """Experts as grouped GEMMs (`torch._grouped_mm`) where they fit; False: a loop over the experts."""
     norm_eps: float = 1e-6
@@ -147,6 +151,8 @@ class DecoderBlock(nn.Module):
         if args.is_moe(layer_id):
             a = args
             self.moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm)
+            if a.router_bias_update_rate > 0:
+                self.moe.enable_routing_bias()
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
@@ -200,3 +206,5 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.args, self.seq_len, device=device)
         for moe in self.moe_layers():
             moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
+            if moe.expert_bias is not None:
+                moe.expert_bias, moe.step_tokens = (torch.zeros(moe.num_experts, device=device) for _ in range(2))

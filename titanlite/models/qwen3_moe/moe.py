@@ -112,12 +112,25 @@ class MoE(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("expert_bias", None)
+        self.register_buffer("step_tokens", None, persistent=False)
         self.stats: RouterStats | None = None
+
+    def enable_routing_bias(self) -> None:
+        """Aux-loss-free balancing: a per-expert bias added to the router's probabilities for choosing the
+        experts only (the combine weights stay the probabilities), saved in checkpoints, and the step's
+        token counts it is updated from (`balance.update_routing_bias`)."""
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        self.register_buffer("step_tokens", torch.zeros(self.num_experts), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k experts [T, k])."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            experts = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts
@@ -132,6 +145,8 @@ class MoE(nn.Module):
         if self.training:  # validation and generation are not part of the training's load
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+                if self.step_tokens is not None:
+                    self.step_tokens.add_(counts.to(self.step_tokens.dtype))
         self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
         # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
         order = torch.argsort(flat, stable=True)
