@@ -1,7 +1,8 @@
 """Qwen3-MoE's mixture-of-experts feed-forward: a softmax router, top-k experts, SwiGLU experts.
 
 Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits in the compute dtype, softmax in
-fp32, the top-k probabilities as combine weights, renormalised to sum to one when `norm_topk_prob`.
+fp32, the top-k probabilities as combine weights, renormalised to sum to one when `norm_topk_prob`. With
+aux-loss-free balancing (`enable_routing_bias`) a per-expert bias is added for choosing the experts only.
 
 Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
 (`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
@@ -159,9 +160,8 @@ class MoE(nn.Module):
 
 def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
     """Hugging Face's `load_balancing_loss_func` over the layers' stats: E * sum_e f_e * P_e, with f_e the
-    share of (token, slot) pairs routed to expert e and P_e its mean router probability, both over every
-    layer's tokens together (1 when perfectly balanced, as computed by its definition with top-k counts
-    divided by the token count: k at uniform routing)."""
+    (token, slot) pairs routed to expert e per token and P_e its mean router probability, both over every
+    layer's tokens together; top_k when the routing is uniform."""
     rows = sum(s.tokens for s in stats)
     f = torch.stack([s.counts for s in stats]).sum(0) / rows
     p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
