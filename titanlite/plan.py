@@ -172,6 +172,11 @@ class RunPlan:
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
+        if cfg.parallelism.expert_parallel_degree > 1:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree {cfg.parallelism.expert_parallel_degree}: expert parallelism "
+                "is not implemented; set it to 1 (the experts are sharded with the other weights by data parallelism)"
+            )
         if dims.tp_enabled and spec.tp_plan is None:
             raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
         t = cfg.training

@@ -30,7 +30,7 @@ from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
-from titanlite.metrics import MetricsLogger, StepStats
+from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.plan import RunPlan, describe_shape
@@ -45,6 +45,7 @@ from titanlite.signals import Preemption
 from titanlite.validation import Validator
 
 logger = logging.getLogger("titanlite")
+FAMILY_METRICS = tuple(m.name for m in METRICS if m.family)
 
 
 def init_logging(rank: int) -> None:
@@ -140,6 +141,7 @@ class Trainer:
             enabled=self.rank == 0,
             run_config=cfg.to_dict(),
             validation=self.validator is not None,
+            family_metrics=FAMILY_METRICS if self.plan.spec.step_metrics is not None else (),
         )
 
     # --- set-up helpers ---------------------------------------------------------------------------------
@@ -176,6 +178,8 @@ class Trainer:
         if self.verdict.finite:
             self.optimizer.step()
             self.lr_scheduler.step()
+            if self.plan.spec.after_step is not None:
+                self.plan.spec.after_step(self.model)
         else:
             self._on_nonfinite(self.verdict)
         return loss, grad_norm
@@ -256,6 +260,7 @@ class Trainer:
                             tokens=tokens_per_step * window_steps,
                             elapsed=elapsed,
                             data_time=window_data,
+                            family=self.plan.spec.step_metrics(self.model) if self.plan.spec.step_metrics else {},
                         ),
                         window_steps,
                     )

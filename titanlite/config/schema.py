@@ -48,9 +48,10 @@ class Model:
     """Which model: a family, a named flavor, optional overrides of the flavor's shape, the tokenizer."""
 
     name: str = "llama3"
-    """Model family: llama3, or one registered with titanlite.models.registry.register_model."""
+    """Model family: llama3, qwen3_moe, or one registered with titanlite.models.registry.register_model."""
     flavor: str = "debugmodel"
-    """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B); the keys below override parts of it."""
+    """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B; qwen3_moe: debugmodel, 30B-A3B,
+    235B-A22B); the keys below override parts of it."""
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
     # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts against the
@@ -72,6 +73,17 @@ class Model:
     """RoPE base frequency; 0 = the flavor's."""
     max_seq_len: int = field(default=0, metadata=SHAPE)
     """The longest sequence the model supports (training.seq_len must fit); 0 = the flavor's."""
+    num_experts: int = field(default=0, metadata=SHAPE)
+    """Mixture of experts (qwen3_moe): experts per MoE layer; 0 = the flavor's."""
+    top_k: int = field(default=0, metadata=SHAPE)
+    """Mixture of experts: experts each token is routed to; 0 = the flavor's."""
+    moe_ffn_dim: int = field(default=0, metadata=SHAPE)
+    """Mixture of experts: hidden width of each expert's SwiGLU; 0 = the flavor's."""
+    router_aux_loss_coef: float = field(default=0.0, metadata=SHAPE)
+    """Mixture of experts: weight of the load-balancing loss in the training loss; 0 = the flavor's."""
+    router_bias_update_rate: float = field(default=0.0, metadata=SHAPE)
+    """Mixture of experts: aux-loss-free balancing, the step of each expert's routing bias after every
+    optimizer step (DeepSeek-V3: 0.001); 0 = the flavor's (off in every built-in flavor)."""
 
 
 @dataclass
@@ -202,6 +214,9 @@ class Parallelism:
     parameters in the autograd graph)."""
     disable_loss_parallel: bool = False
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
+    expert_parallel_degree: int = field(default=1, metadata=POSITIVE)
+    """Expert parallelism is not implemented: only 1 is accepted (a mixture's experts are sharded with the
+    other weights by data parallelism; docs/moe.md)."""
     pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
     """Pipeline stages' rank groups: the outermost mesh dim (pp, dp_replicate, dp_shard, tp). 1 = no PP."""
     pipeline_parallel_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"

@@ -44,7 +44,8 @@ class MetricsLogger:
     """Rank 0's console step line, metrics.jsonl, TensorBoard events and (optionally) W&B run.
 
     `run_config` (the whole config as a dict) is recorded with the W&B run; `validation` adds the
-    held-out metrics to the TensorBoard layout."""
+    held-out metrics to the TensorBoard layout, `family_metrics` the names of the model family's own
+    scalars (`StepStats.family`, on the step line after the data share)."""
 
     def __init__(
         self,
@@ -55,11 +56,13 @@ class MetricsLogger:
         enabled: bool,
         run_config: dict | None = None,
         validation: bool = False,
+        family_metrics: tuple[str, ...] = (),
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.memory = MemoryMonitor(device)
         self.peak = Peak(cfg.peak_tflops, device) if enabled else None
-        self.metrics = [m for m in METRICS if (device.type == "cuda" or not m.cuda_only) and not m.validation]
+        shown = [m for m in METRICS if not m.family or m.name in family_metrics]
+        self.metrics = [m for m in shown if (device.type == "cuda" or not m.cuda_only) and not m.validation]
         self.val_metrics = [m for m in METRICS if m.validation] if validation else []
         self.sinks: Sinks | None = None
         self.total_steps = 0
@@ -118,6 +121,7 @@ class MetricsLogger:
             data_pct=100.0 * s.data_time / max(s.elapsed, 1e-9),
             step_time_s=s.elapsed / max(n_steps, 1),
         )
+        record.update(s.family)
         if reserved is not None:
             record["mem_reserved_gib"] = reserved
             record["mem_pct"] = 100.0 * reserved * 2**30 / self.memory.capacity
@@ -128,13 +132,14 @@ class MetricsLogger:
         total = self.total_steps or s.step
         elapsed = time.perf_counter() - self.began
         eta = self._eta(s.step, record["step_time_s"])
+        family = "".join(f"{name}: {value:.4f}  " for name, value in s.family.items())
         mfu = "n/a" if record["mfu_pct"] is None else format(record["mfu_pct"], ".2f") + "%"
         logger.info(
             f"{c['red']}step {s.step:>{len(str(total))}d}/{total}  {c['green']}loss: {s.loss:8.4f}  "
             f"{c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
             f"{c['cyan']}lr: {s.lr:.3e}  {c['blue']}memory: {mem:5.2f}GiB  "
             f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  mfu: {mfu}  "
-            f"data: {record['data_pct']:.1f}%{c['reset']}  elapsed {clock(elapsed)}  eta {clock(eta)}"
+            f"data: {record['data_pct']:.1f}%{c['reset']}  {family}elapsed {clock(elapsed)}  eta {clock(eta)}"
         )
         legacy = {old: record[new] for old, new in RENAMED.items()}
         assert self.sinks is not None

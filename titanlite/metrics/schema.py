@@ -8,7 +8,7 @@ everywhere. A step is logged from a `StepStats`, a held-out evaluation from a `V
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class StepStats:
     """Tokens per GPU since the last log: the global batch's tokens over the world size."""
     elapsed: float
     data_time: float
+    family: dict[str, float] = field(default_factory=dict)
+    """The model family's own scalars (`ModelSpec.step_metrics`), by metric name."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Metric:
     cuda_only: bool = False
     validation: bool = False
     """Written by a held-out evaluation (its own metrics.jsonl row), not by the step line."""
+    family: bool = False
+    """Reported by the model family (`ModelSpec.step_metrics`): logged only for a family that reports it."""
 
     @property
     def tag(self) -> str:
@@ -81,6 +85,22 @@ METRICS = (
     Metric("mem_pct", "memory", "Peak reserved", "% of GPU memory", "Peak reserved over the GPU's capacity.", True),
     Metric("data_pct", "time", "Data loading", "% of step time", "Time spent waiting for the next batch."),
     Metric("step_time_s", "time", "Step time", "s", "Wall time per optimizer step, averaged since the last log."),
+    Metric(
+        "moe_aux_loss",
+        "moe",
+        "Router auxiliary loss",
+        "",
+        "Load-balancing loss of the last microbatch on rank 0, before its coefficient (top_k when balanced).",
+        family=True,
+    ),
+    Metric(
+        "moe_load_imbalance",
+        "moe",
+        "Expert load imbalance",
+        "max/mean",
+        "Tokens of the busiest expert over the mean, all ranks since the last log, the worst MoE layer.",
+        family=True,
+    ),
     Metric(
         "val_loss",
         "validation",

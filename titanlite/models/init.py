@@ -58,12 +58,17 @@ def _chunk_jobs(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> li
     if local.numel() == 0:
         return []
     if param.dim() > 2:
-        raise ValueError(f"{name}: layout-independent init supports 1D and 2D parameters")
-    rows = param.shape[0]
-    cols = param.shape[1] if param.dim() == 2 else 1
+        # Stacked parameters (a mixture's experts) are drawn as [rows, the rest] and sharded by rows only.
+        if tuple(local.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"{name}: layout-independent init shards parameters of 3 or more dims by rows only")
+        local, offset, shape = local.flatten(1), (offset[0], 0), (param.shape[0], param[0].numel())
+    else:
+        shape = tuple(param.shape)
+    rows = shape[0]
+    cols = shape[1] if len(shape) == 2 else 1
     row0, n_rows = offset[0], local.shape[0]
-    col0 = offset[1] if param.dim() == 2 else 0
-    n_cols = local.shape[1] if param.dim() == 2 else 1
+    col0 = offset[1] if len(shape) == 2 else 0
+    n_cols = local.shape[1] if len(shape) == 2 else 1
     rows_per_chunk = max(1, CHUNK_ELEMENTS // cols)
     base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
     local2d = local.view(n_rows, n_cols)

@@ -39,7 +39,7 @@ from titanlite.parallelisms.step_context import ExtraLoss
 from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
 
-BUILTIN = {"llama3": "titanlite.models.llama3"}
+BUILTIN = {"llama3": "titanlite.models.llama3", "qwen3_moe": "titanlite.models.qwen3_moe"}
 _MODELS: dict[str, ModelSpec] = {}
 
 
@@ -76,6 +76,13 @@ class ModelSpec:
     experts' load-balancing loss, which the model records in its forward), a scalar on the model's
     device; None: cross-entropy only. Validation reports the cross-entropy alone; pipeline parallelism
     refuses a family with one (each stage would hold a part of it)."""
+    after_step: Callable[[nn.Module], None] | None = None
+    """Called by every rank after each optimizer step (it may run a collective), e.g. to update a router's
+    balancing bias from the step's token counts; None: nothing."""
+    step_metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    """The family's own scalars for the step line, metrics.jsonl and TensorBoard (names declared in
+    `metrics/schema.py` with `family=True`, e.g. a router's load imbalance), since the last log; every
+    rank calls it at each log (it may run a collective); None: none."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
     (`titanlite/models/cost.py`); None: no layout search."""

@@ -1,0 +1,38 @@
+"""Qwen3-MoE: the model, its mixture-of-experts layer, flavors, load balancing and HF adapter."""
+
+from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics, update_routing_bias
+from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
+from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
+from titanlite.models.qwen3_moe.memory import activation_bytes
+from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
+from titanlite.models.registry import ModelSpec
+from titanlite.parallelisms.units import Units
+
+
+def check_args(args: ModelArgs) -> str | None:
+    """Shapes the model cannot build: heads that do not divide each other, an odd head dim (RoPE rotates
+    halves), more experts per token than experts."""
+    if args.n_heads % args.kv_heads:
+        return f"n_heads {args.n_heads} is not a multiple of n_kv_heads {args.kv_heads}"
+    if args.head_dim % 2:
+        return f"head dim {args.head_dim} must be even for RoPE"
+    if not 0 < args.top_k <= args.num_experts:
+        return f"top_k {args.top_k} must be between 1 and num_experts {args.num_experts}"
+    return None
+
+
+SPEC = ModelSpec(
+    name="qwen3_moe",
+    model_cls=Transformer,
+    flavors=qwen3_moe_configs,
+    units=lambda model: Units.of(model, "layers"),
+    hf_adapter=Qwen3MoeHFAdapter(),
+    activation_bytes=activation_bytes,
+    check_args=check_args,
+    shape_keys=SHAPE_KEYS,
+    extra_loss=aux_loss_term,
+    step_metrics=routing_metrics,
+    after_step=update_routing_bias,
+)
+
+__all__ = ["SPEC", "ModelArgs", "Transformer", "qwen3_moe_configs"]

@@ -1,0 +1,165 @@
+"""Qwen3-MoE <-> Hugging Face `transformers` (`Qwen3MoeForCausalLM`): names and `config.json`.
+
+The model mirrors HF's module tree and RoPE layout (`model.py`), so every tensor converts by name only.
+Names (titanlite -> HF): `tok_embeddings` -> `model.embed_tokens`, `layers.{i}.attention.w{q,k,v,o}` ->
+`model.layers.{i}.self_attn.{q,k,v,o}_proj`, `attention.{q,k}_norm` -> `self_attn.{q,k}_norm`,
+`moe.gate` -> `mlp.gate`, `moe.experts.{gate_up_proj,down_proj}` -> `mlp.experts.{gate_up_proj,down_proj}`
+(the stacked [experts, ...] tensors of transformers 5), `feed_forward.w1/w3/w2` (dense layers) ->
+`mlp.gate/up/down_proj`, `attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`,
+`norm` -> `model.norm`, `output` -> `lm_head`.
+
+Import reads the same names: a checkpoint that stores one tensor per expert (`mlp.experts.{j}.gate_proj`,
+as the published Qwen3 checkpoints do) is refused with the missing tensor's name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlite.errors import CheckpointError
+from titanlite.models.llama3.hf_adapter import DTYPE_NAMES, _hf_rope
+from titanlite.models.qwen3_moe.model import ModelArgs
+
+_BLOCK = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
+    "moe.gate": "mlp.gate",
+    "moe.experts": "mlp.experts",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(fqn: str) -> str:
+    """The HF name of titanlite parameter `fqn`."""
+    roots = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    if fqn in roots:
+        return roots[fqn]
+    if fqn == "norm.weight":
+        return "model.norm.weight"
+    _, layer, rest = fqn.split(".", 2)
+    module, _, leaf = rest.rpartition(".")
+    return f"model.layers.{layer}.{_BLOCK[module]}.{leaf}"
+
+
+def _differ(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return not math.isclose(a, b, rel_tol=1e-9)
+    return a != b
+
+
+def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
+    """(HF field, checkpoint value, model value) for every field that changes what the weights compute."""
+    theta, scaling = _hf_rope(config)
+    fields: list[tuple[str, Any, Any]] = [
+        ("model_type", config.get("model_type"), "qwen3_moe"),
+        ("hidden_size", config.get("hidden_size"), args.dim),
+        ("num_hidden_layers", config.get("num_hidden_layers"), args.n_layers),
+        ("num_attention_heads", config.get("num_attention_heads"), args.n_heads),
+        ("num_key_value_heads", config.get("num_key_value_heads"), args.kv_heads),
+        ("head_dim", config.get("head_dim"), args.head_dim),
+        ("intermediate_size", config.get("intermediate_size"), args.ffn_dim),
+        ("moe_intermediate_size", config.get("moe_intermediate_size"), args.moe_ffn_dim),
+        ("num_experts", config.get("num_experts"), args.num_experts),
+        ("num_experts_per_tok", config.get("num_experts_per_tok"), args.top_k),
+        ("norm_topk_prob", config.get("norm_topk_prob", False), args.norm_topk_prob),
+        ("decoder_sparse_step", config.get("decoder_sparse_step", 1), args.decoder_sparse_step),
+        ("mlp_only_layers", sorted(config.get("mlp_only_layers") or []), sorted(args.mlp_only_layers)),
+        ("vocab_size", config.get("vocab_size"), args.vocab_size),
+        ("rope_theta", theta, float(args.rope_theta)),
+        ("rope_scaling", scaling, None),
+        ("rms_norm_eps", config.get("rms_norm_eps", 1e-6), args.norm_eps),
+        ("hidden_act", config.get("hidden_act", "silu"), "silu"),
+        ("attention_bias", config.get("attention_bias", False), False),
+        ("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), False),
+    ]
+    return [(name, theirs, ours) for name, theirs, ours in fields if _differ(theirs, ours)]
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
+    """A `config.json` that `transformers.Qwen3MoeForCausalLM` accepts for this model."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "moe_intermediate_size": args.moe_ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "num_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "norm_topk_prob": args.norm_topk_prob,
+        "decoder_sparse_step": args.decoder_sparse_step,
+        "mlp_only_layers": list(args.mlp_only_layers),
+        "router_aux_loss_coef": args.router_aux_loss_coef,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+
+
+class Qwen3MoeHFAdapter:
+    """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
+
+    @staticmethod
+    def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the state dict; a model with aux-loss-free routing biases is refused: Hugging
+        Face's Qwen3-MoE routes without one, so its logits would differ."""
+        if model.args.router_bias_update_rate > 0:
+            raise CheckpointError(
+                "a Qwen3-MoE model trained with router_bias_update_rate > 0 routes with a per-expert bias "
+                "that Hugging Face's Qwen3MoeForCausalLM does not have: no export or import"
+            )
+        return list(model.state_dict().items())
+
+    @staticmethod
+    def hf_name(fqn: str, args: ModelArgs) -> str:
+        return hf_name(fqn)
+
+    @staticmethod
+    def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
+        return hf_name(fqn)
+
+    @staticmethod
+    def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
+        return config_mismatches(config, args)
+
+    @staticmethod
+    def to_hf(fqn: str, full: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+        return full
+
+    @staticmethod
+    def row_group(fqn: str, args: ModelArgs) -> int:
+        return 1
+
+    @staticmethod
+    def from_hf(fqn: str, rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+        return rows
+
+    @staticmethod
+    def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
+        return hf_config(args, dtype, bos_id, eos_id)

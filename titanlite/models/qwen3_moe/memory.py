@@ -1,0 +1,51 @@
+"""Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/memory_plan.py`).
+
+Per token of one microbatch, with the eager kernels (tensor parallelism is not offered for this family,
+so nothing is divided by tp). Attention as Llama's (`models/llama3/memory.py`) plus the q/k RMSNorms and
+the fp32 RoPE copies. A MoE layer saves the router's logits and fp32 probabilities and, per routed
+(token, expert) pair (top_k of them), the gathered input, the gate/up output, the SwiGLU product, the
+down output and its weighted copy; a dense layer four FFN-wide tensors. Selective AC is counted as no AC
+(an upper bound). The peak is the larger of the start of backward and the last block's backward, as for
+Llama.
+"""
+
+from __future__ import annotations
+
+from titanlite.memory_plan import Layout
+from titanlite.models.qwen3_moe.model import ModelArgs
+
+
+def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
+    """Peak activation bytes of one microbatch and its parts, and what it holds from its forward to its
+    backward ("held"); `layout.blocks` and `layout.output` restrict both to a pipeline stage."""
+    d, h, kv, hd, e = args.dim, args.n_heads, args.kv_heads, args.head_dim, layout.compute_dtype.itemsize
+    k, i, experts = args.top_k, args.moe_ffn_dim, args.num_experts
+    tokens = layout.local_batch * layout.seq_len
+    norm = 8 * d + 4 + d * e
+    attention = (h + 2 * kv) * hd * e + (h + kv) * hd * (8 + e + 8) + h * hd * e + 4 * h
+    ffn = {True: experts * (e + 4) + k * (4 * d * e + 4 * i * e), False: 4 * args.ffn_dim * e}
+    full = {layer: 2 * norm + attention + ffn[args.is_moe(layer)] for layer in range(args.n_layers)}
+    grads = {layer: (max(4 * k * i, 2 * args.ffn_dim) + 2 * d) * e for layer in range(args.n_layers)}
+    blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
+    saved = [d * e if layout.block_ac(b) == "full" else full[b] for b in blocks]
+    vocab = args.vocab_size
+    final_norm = norm if layout.output else 0
+    logits = vocab * e if layout.output else 0
+    loss = vocab * 12 if layout.output else 0
+    last = blocks[-1] if len(blocks) else 0
+    start_of_backward = sum(saved) + final_norm + logits + loss
+    last_block_backward = sum(saved[:-1]) + full[last] + grads[last] + logits
+    parts = {f"saved by {len(saved)} blocks": sum(saved)}
+    if layout.output:
+        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
+    if last_block_backward > start_of_backward:
+        parts = {
+            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
+            "last block in backward (recomputed + grads)": full[last] + grads[last],
+        }
+        if layout.output:
+            parts["logits"] = logits
+    out = {name: round(v * tokens) for name, v in parts.items()}
+    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens)
+    out["held"] = round((sum(saved) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
+    return out

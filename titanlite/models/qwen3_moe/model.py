@@ -1,0 +1,210 @@
+"""Qwen3-MoE: GQA attention with RMSNorm on each head's q and k, RoPE, and decoder blocks whose feed-forward
+is a mixture of experts (`moe.py`), or a dense SwiGLU in the layers `decoder_sparse_step` and
+`mlp_only_layers` leave dense (Hugging Face's rule).
+
+The module tree mirrors Hugging Face's `Qwen3MoeForCausalLM` one to one (`tok_embeddings` ->
+`model.embed_tokens`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`, `layers.{i}.moe.{gate,experts}`
+or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`), and RoPE rotates halves of each head as
+Hugging Face does (`rotate_half`), so the export is a renaming (`hf_adapter.py`).
+
+Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name
+(`models/init.py`) and zeroes the routing counters, so every parallel layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.init import InitSpec, init_parameters_
+from titanlite.models.llama3.model import FeedForward, RMSNorm
+from titanlite.models.qwen3_moe.moe import MoE
+
+SHAPE_KEYS = (
+    "n_layers",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "rope_theta",
+    "max_seq_len",
+    "num_experts",
+    "top_k",
+    "moe_ffn_dim",
+    "router_aux_loss_coef",
+    "router_bias_update_rate",
+)
+"""The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    head_dim: int = 128
+    """Qwen3 sets the head width on its own (not dim / n_heads)."""
+    vocab_size: int = 151936
+    ffn_dim: int = 6144
+    """Hidden width of the dense layers' SwiGLU (HF `intermediate_size`)."""
+    moe_ffn_dim: int = 768
+    """Hidden width of each expert's SwiGLU (HF `moe_intermediate_size`)."""
+    num_experts: int = 128
+    top_k: int = 8
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    """Layer i is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss in the training loss (HF's `router_aux_loss_coef`)."""
+    router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by this much after every
+    optimizer step, up for experts that got fewer tokens than the mean, down for more; 0: off."""
+    grouped_mm: bool = True
+    """Experts as grouped GEMMs (`torch._grouped_mm`) where they fit; False: a loop over the experts."""
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 40960
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    def is_moe(self, layer: int) -> bool:
+        sparse = self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        return sparse and layer not in self.mlp_only_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
+
+    def expert_params(self) -> int:
+        """Parameters of every MoE layer's experts (what expert parallelism would shard)."""
+        return self.moe_layers * self.num_experts * 3 * self.dim * self.moe_ffn_dim
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """All parameters, or (`active`) those one token uses: top_k of the experts."""
+        d, hd, v = self.dim, self.head_dim, self.vocab_size
+        attn = d * hd * (2 * self.n_heads + 2 * self.kv_heads) + 2 * hd + 2 * d
+        experts = self.top_k if active else self.num_experts
+        moe = d * self.num_experts + experts * 3 * d * self.moe_ffn_dim
+        dense = 3 * d * self.ffn_dim
+        blocks = self.n_layers * attn + self.moe_layers * moe + (self.n_layers - self.moe_layers) * dense
+        total = blocks + d + 2 * v * d
+        return total - (v * d if exclude_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x the active parameters plus the attention scores."""
+        n = self.num_params(exclude_embedding=True, active=True)
+        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim] in Hugging Face's layout (the half-width frequencies twice)."""
+    hd = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), freqs)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, h, d] by the position's angle, channel i paired with i + d/2 (HF's `rotate_half`)."""
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_norm(self.wq(x).view(bsz, seq, -1, self.head_dim))
+        k = self.k_norm(self.wk(x).view(bsz, seq, -1, self.head_dim))
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if args.is_moe(layer_id):
+            a = args
+            self.moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm)
+            if a.router_bias_update_rate > 0:
+                self.moe.enable_routing_bias()
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, seq_len: int | None = None):
+        super().__init__()
+        self.args = args
+        self.seq_len = seq_len or args.max_seq_len
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args, self.seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] (hidden states in and out of a pipeline stage's part)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def init_spec(self, fqn: str) -> InitSpec:
+        """How the parameter named `fqn` is initialised: TorchTitan's scheme, experts like linear layers."""
+        if fqn.startswith("tok_embeddings."):
+            return InitSpec("normal", std=1.0)
+        if fqn.startswith("output."):
+            std = self.args.dim**-0.5
+            return InitSpec("trunc_normal", std=std, cutoff=3 * std)
+        if fqn.endswith("norm.weight"):
+            return InitSpec("ones")
+        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.down_proj")):
+            depth = int(fqn.split(".")[1]) + 1
+            return InitSpec("trunc_normal", std=0.02 / (2 * depth) ** 0.5)
+        return InitSpec("trunc_normal", std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        init_parameters_([(fqn, p, self.init_spec(fqn)) for fqn, p in self.named_parameters()], seed)
+        device = buffer_device or self.rope_cos.device
+        self.rope_cos, self.rope_sin = rope_tables(self.args, self.seq_len, device=device)
+        for moe in self.moe_layers():
+            moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
+            if moe.expert_bias is not None:
+                moe.expert_bias, moe.step_tokens = (torch.zeros(moe.num_experts, device=device) for _ in range(2))

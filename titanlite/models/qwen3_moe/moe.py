@@ -1,0 +1,168 @@
+"""Qwen3-MoE's mixture-of-experts feed-forward: a softmax router, top-k experts, SwiGLU experts.
+
+Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits in the compute dtype, softmax in
+fp32, the top-k probabilities as combine weights, renormalised to sum to one when `norm_topk_prob`. With
+aux-loss-free balancing (`enable_routing_bias`) a per-expert bias is added for choosing the experts only.
+
+Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
+(`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
+run, as a loop over the experts (`grouped=False`). Grouped GEMM needs rows whose byte strides are
+multiples of 16 and, on CUDA, bf16 (`grouped_mm_fits`); elsewhere the loop runs. It is called through
+an opaque op (`grouped_mm`) whose backward makes the incoming gradient contiguous (torch's rejects a
+zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not trace into.
+
+Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
+expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
+loss combines them over the layers as Hugging Face's `load_balancing_loss_func` does. The counts are
+also accumulated (no gradient, in training mode only) in the `tokens_per_expert` buffer, which the
+metrics read and reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing over the last microbatch: what the auxiliary loss needs."""
+
+    counts: torch.Tensor
+    """[experts] float: how many (token, slot) pairs chose each expert (no gradient)."""
+    prob_sum: torch.Tensor
+    """[experts] fp32: the router's softmax probability of each expert, summed over the tokens."""
+    tokens: int
+
+
+def grouped_mm_fits(*widths: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16) in this dtype
+    (CUDA's kernel takes bf16 only, and is used from compute capability 9.0 (Hopper) on; the CPU one
+    takes fp32 too)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
+        return False
+    return all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
+@torch.library.custom_op("titanlite::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm` as an opaque op: a [M, K] x b [E, K, N] -> [M, N] (rows grouped by `offs`), or
+    a [K, M] x b [M, N] -> [E, K, N] (the weight gradient, the shared dim grouped). Compiled graphs call
+    it without tracing into it: torch's fake-tensor rule for `_grouped_mm` accepts bf16 only, which
+    would break an fp32 graph that the CPU kernel runs."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()  # an expanded (zero-stride) gradient is rejected by the kernel
+    return grouped_mm(grad, b.transpose(-2, -1), offs), grouped_mm(a.t(), grad, offs), None
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU FFNs, stored as Hugging Face stores them: `gate_up_proj` [E, 2I, H] (gate rows
+    then up rows), `down_proj` [E, H, I]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts, self.hidden_dim = num_experts, hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x [rows, H] sorted by expert, `counts` [E] rows per expert -> [rows, H]."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        widths = (x.shape[-1], 2 * self.hidden_dim, self.hidden_dim)
+        if grouped and grouped_mm_fits(*widths, dtype=x.dtype, device=x.device):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate, up = grouped_mm(x, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+            return grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offsets)
+        outs = []
+        # The loop needs the counts on the host: one sync per layer.
+        for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
+            gate, up = (rows @ gate_up[e].T).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ down[e].T)
+        return torch.cat(outs, dim=0)
+
+
+class MoE(nn.Module):
+    """Router + experts: x [b, s, H] -> [b, s, H]; records `stats` and accumulates `tokens_per_expert`."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, grouped: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob, self.grouped = num_experts, top_k, norm_topk_prob, grouped
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = Experts(num_experts, dim, hidden_dim)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("expert_bias", None)
+        self.register_buffer("step_tokens", None, persistent=False)
+        self.stats: RouterStats | None = None
+
+    def enable_routing_bias(self) -> None:
+        """Aux-loss-free balancing: a per-expert bias added to the router's probabilities for choosing the
+        experts only (the combine weights stay the probabilities), saved in checkpoints, and the step's
+        token counts it is updated from (`balance.update_routing_bias`)."""
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        self.register_buffer("step_tokens", torch.zeros(self.num_experts), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k experts [T, k])."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        if self.expert_bias is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            experts = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs, weights, experts = self.route(x)
+        flat = experts.flatten()
+        # Counted with a fixed-size scatter (bincount's output size depends on the data: a graph break).
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        if self.training:  # validation and generation are not part of the training's load
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+                if self.step_tokens is not None:
+                    self.step_tokens.add_(counts.to(self.step_tokens.dtype))
+        self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
+        # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
+        order = torch.argsort(flat, stable=True)
+        out = self.experts(x[order // self.top_k], counts, self.grouped)
+        # Back to (token, slot) order, weighted and summed over the slots: a gather, no scatter-add, so
+        # the combine is deterministic on every device.
+        out = out[torch.argsort(order)].view(-1, self.top_k, shape[-1])
+        return (out * weights[..., None]).sum(dim=1).reshape(shape)
+
+
+def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """Hugging Face's `load_balancing_loss_func` over the layers' stats: E * sum_e f_e * P_e, with f_e the
+    (token, slot) pairs routed to expert e per token and P_e its mean router probability, both over every
+    layer's tokens together; top_k when the routing is uniform."""
+    rows = sum(s.tokens for s in stats)
+    f = torch.stack([s.counts for s in stats]).sum(0) / rows
+    p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
+    return num_experts * (f * p).sum()
