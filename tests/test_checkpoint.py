@@ -617,7 +617,7 @@ def _step_samples(iters: list, accum: int) -> list[tuple[int, ...]]:
     out = []
     for it in iters:
         for _ in range(accum):
-            inputs, labels = next(it)
+            inputs, labels, _ = next(it)
             out += [tuple(r) + (lab[-1],) for r, lab in zip(inputs.tolist(), labels.tolist())]
     return sorted(out)
 

@@ -42,15 +42,25 @@ def write_txt(path: Path, docs: list[str]) -> Path:
 
 
 def windows(batch) -> list[tuple[int, ...]]:
-    """Each sample as its full window of seq_len + 1 tokens."""
-    inputs, labels = batch
-    assert inputs.shape == labels.shape and inputs.dtype == torch.long
+    """Each sample as its full window of seq_len + 1 tokens; its positions restart at each BOS and count
+    up by one elsewhere (their values at the window's start are checked by `take`'s comparisons)."""
+    inputs, labels, positions = batch
+    assert inputs.shape == labels.shape == positions.shape and inputs.dtype == positions.dtype == torch.long
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    assert torch.equal(positions == 0, inputs == TOK.bos_id)
+    continued = inputs[:, 1:] != TOK.bos_id
+    assert torch.equal(positions[:, 1:][continued], positions[:, :-1][continued] + 1)
     return [tuple(row) + (last,) for row, last in zip(inputs.tolist(), labels[:, -1].tolist())]
 
 
 def take(it, n: int) -> list[tuple[int, ...]]:
-    return [w for _ in range(n) for w in windows(next(it))]
+    """`n` batches' samples, each its token window followed by its positions: layouts and resumes compare
+    both."""
+    out = []
+    for _ in range(n):
+        batch = next(it)
+        out += [w + tuple(p) for w, p in zip(windows(batch), batch.positions.tolist())]
+    return out
 
 
 def global_steps(loaders, n_steps: int, accum: int) -> list[list[tuple[int, ...]]]:
@@ -108,10 +118,16 @@ def test_packing_concatenates_bos_doc_eos_per_shard(tmp_path, docs):
     """Rank 0 of dp=2 with 2 shards reads shard 0 alone: documents 0, 2, 4, ... packed, cycling."""
     path = write_txt(tmp_path / "docs.txt", docs)
     it = iter(loader(path, dp=2, gbs=2, shards=2))
-    stream = [t for w in take(it, 120) for t in w]
+    batches = [next(it) for _ in range(120)]
+    stream = [t for b in batches for w in windows(b) for t in w]
     epoch = [t for d in docs[0::2] for t in TOK.encode(d, bos=True, eos=True)]
     assert len(stream) > 1.5 * len(epoch)  # the shard wrapped around into its second epoch
     assert stream == (epoch * 2)[: len(stream)]
+    # Positions: each token's offset in its document, also where a window starts inside one.
+    offsets = [i for d in docs[0::2] for i in range(len(TOK.encode(d, bos=True, eos=True)))] * 2
+    window = SEQ + 1
+    for k, b in enumerate(batches):
+        assert b.positions[0].tolist() == offsets[k * window : k * window + SEQ]
 
 
 @pytest.mark.parametrize("consumed", [3, 8])  # mid-step and at a step boundary

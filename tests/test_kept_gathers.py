@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness import tiny_args
 from titanlite.build import build_training
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
 from titanlite.memory_plan import COMFORT_FRACTION, GiB, choose_step
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.step_context import StepContext
@@ -76,7 +77,7 @@ def step_counts(cfg: JobConfig, steps: int = 1) -> tuple[StepPolicy, Counter, in
     plan = RunPlan.build(cfg, 2, args=ARGS)
     built = build_training(plan, torch.device("cpu"))
     policy = built.step.policy
-    batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 1, 9))]
+    batches = [Batch.of_windows(t) for t in torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 1, 9))]
     opt = torch.optim.SGD(built.model.parameters(), lr=0.0)
     counter = CountCollectives()
     with contextlib.nullcontext() if cfg.compile.enable else counter:

@@ -18,6 +18,7 @@ from workers.mlp_lm import SPEC
 from harness import SMALL, assert_ok, torchrun
 from titanlite.build import build_model
 from titanlite.checkpoint import folders
+from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.models.registry import register_model
 from titanlite.parallelisms.step_context import StepContext
@@ -63,15 +64,14 @@ def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_grou
     torch.manual_seed(0)
     model = spec.model_cls(plan.model_args)
     model.init_weights(seed=0)
-    batch = torch.randint(0, 100, (2, 17))
-    inputs, labels = batch[:, :-1], batch[:, 1:]
+    batch = Batch.of_windows(torch.randint(0, 100, (2, 17)))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def run(extra):
         context = StepContext(cross_entropy_loss, extra_loss=extra)
         runner = LocalRunner(model, torch.device("cpu"), context)
-        loss, _ = runner.forward_backward(opt, [(inputs, labels)])
-        return loss, model.norm.weight.grad.clone(), runner.evaluate(inputs, labels)
+        loss, _ = runner.forward_backward(opt, [batch])
+        return loss, model.norm.weight.grad.clone(), runner.evaluate(batch)
 
     plain, plain_grad, plain_eval = run(None)
     extra, extra_grad, extra_eval = run(spec.extra_loss)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness import tiny_args
 from titanlite.build import build_model
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
 from titanlite.models.llama3 import Transformer
 from titanlite.plan import RunPlan
 
@@ -144,7 +145,7 @@ def accumulated_step(model: torch.nn.Module, per_step: bool, microbatches: int =
     from titanlite.parallelisms.step_context import StepContext
     from titanlite.step import LocalRunner, cross_entropy_loss
 
-    batches = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, ARGS.vocab_size, (microbatches, 1, 9))]
+    batches = [Batch.of_windows(t) for t in torch.randint(0, ARGS.vocab_size, (microbatches, 1, 9))]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with CountAllCollectives() as c:
         runner = LocalRunner(model, torch.device("cpu"), StepContext(cross_entropy_loss, reduce_once=per_step))

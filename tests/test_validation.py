@@ -107,9 +107,8 @@ def test_validation_loss_is_the_mean_cross_entropy_and_leaves_training_untouched
     # The reference: the same held-out batches, through the model by hand.
     batches = iter(build_validation_loader(plan, dp_rank=0))
     with torch.no_grad():
-        losses = [
-            F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) for x, y in (next(batches) for _ in range(3))
-        ]
+        held_out = [next(batches) for _ in range(3)]
+        losses = [F.cross_entropy(model(b.inputs).flatten(0, 1).float(), b.labels.flatten()) for b in held_out]
     expected = torch.stack(losses).mean().item()
     assert first.loss == pytest.approx(expected, rel=1e-6)
     assert first.perplexity == pytest.approx(math.exp(expected), rel=1e-6)

@@ -242,6 +242,7 @@ def choose_step_policy(
     ranks: dict[int, dict[int | None, nn.Module]],
     capacity: int,
     agree: Callable[[list[int]], list[int]] | None = None,
+    device_type: str = "cuda",
 ) -> StepChoice:
     """The step policy of the run (`memory_plan.choose_step`), the one decision the trainer and the dry
     run share: every candidate the config allows (`plan.step_candidates`) is estimated on each planned rank
@@ -252,7 +253,8 @@ def choose_step_policy(
     if len(candidates) == 1 or plan.spec.activation_bytes is None:
         return choose_step(candidates, [0] * len(candidates), capacity, fixed)
     totals = [
-        max(rank_estimate(plan, parts, plan.layout(c), r).total for r, parts in ranks.items()) for c in candidates
+        max(rank_estimate(plan, parts, plan.layout(c, device_type), r).total for r, parts in ranks.items())
+        for c in candidates
     ]
     return choose_step(candidates, agree(totals) if agree else totals, capacity, fixed)
 
@@ -310,14 +312,14 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return worst.tolist()
 
-    step = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), agree)
+    step = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), agree, device.type)
     for part in parts.values():
         if step.policy.keep_gathers:
             keep_for_step(part)
         _materialise(plan, part, device)
     context = step_context(plan, step)
     if plan.pipeline is None:
-        return TrainingModel(LocalRunner(parts[None], device, context), step)
+        return TrainingModel(LocalRunner(parts[None], device, context, plan.cfg.model.attn_mask_type), step)
     stage_parts = {s: m for s, m in parts.items() if s is not None}
     runner = PipelineRunner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
     return TrainingModel(runner, step)

@@ -86,6 +86,10 @@ class Layout:
     """Gathered weights are kept from the step's first forward to its last backward (`StepPolicy.keep_gathers`)."""
     shard_ranks: int = 1
     """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
+    attn_mask: str = "causal"
+    """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/attention.py`)."""
+    device_type: str = "cuda"
+    """Where the step runs: the mask is a flex BlockMask on CUDA, a dense boolean matrix elsewhere."""
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
         """The layout of one pipeline stage, one microbatch at a time."""

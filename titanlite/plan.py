@@ -122,6 +122,19 @@ def check_combinations(cfg: JobConfig, data: DataSource) -> None:
         )
 
 
+def check_mask(cfg: JobConfig, spec: ModelSpec) -> None:
+    """`model.attn_mask_type` needs a family whose forward takes positions and a mask, and a step that can
+    hand them to every block: the pipeline schedule passes only hidden states between stages."""
+    mask = cfg.model.attn_mask_type
+    if mask not in spec.attn_mask_types:
+        raise ConfigError(f"model.attn_mask_type {mask} is not supported by model {spec.name} (only causal)")
+    if mask != "causal" and cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"model.attn_mask_type {mask} is not supported with pipeline_parallel_degree > 1 yet (the stages "
+            "after the first would need the batch's positions): use causal or no pipeline parallelism"
+        )
+
+
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:
     """A seed checkpoint is written by one process (on a GPU node NGPU defaults to every GPU)."""
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -169,6 +182,7 @@ class RunPlan:
         data = DataSource.parse(cfg.training.dataset_path)
         check_combinations(cfg, data)
         spec = get_model_spec(cfg.model.name)
+        check_mask(cfg, spec)
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
@@ -251,8 +265,9 @@ class RunPlan:
             return policy
         return StepPolicy()
 
-    def layout(self, policy: StepPolicy | None = None) -> Layout:
-        """The memory plan's view of this run under step policy `policy` (the trainer's build)."""
+    def layout(self, policy: StepPolicy | None = None, device_type: str = "cuda") -> Layout:
+        """The memory plan's view of this run under step policy `policy` (the trainer's build), on
+        `device_type` (the dry run plans GPUs)."""
         p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
         step = self.effective(policy or StepPolicy())
         return Layout(
@@ -270,6 +285,8 @@ class RunPlan:
             unreduced_grads=step.reduce_once,
             keep_gathers=step.keep_gathers,
             shard_ranks=dims.dp_shard,
+            attn_mask=self.cfg.model.attn_mask_type,
+            device_type=device_type,
         )
 
     def describe(self, step: StepChoice) -> str:

@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
+from titanlite.models.attention import AttnMaskType, build_mask
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""(inputs, labels) of one microbatch, token ids [batch, seq], on the host."""
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,21 +53,33 @@ class StepRunner(Protocol):
         (non-finite loss, stop signal). `context` replaces the runner's for this step."""
         ...
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, batch: Batch) -> torch.Tensor:
         """The loss of one held-out batch (the caller runs it under `no_grad`), a plain tensor."""
         ...
 
 
+def model_forward(model: nn.Module, batch: Batch, mask_type: AttnMaskType) -> torch.Tensor:
+    """The model's output for one batch already on its device. Under `block_causal` the batch's positions
+    go to RoPE and its document mask is built here, once for every block and outside any compiled code
+    (`models/attention.py`); under `causal` the model sees the tokens alone."""
+    if mask_type == "causal":
+        return model(batch.inputs)
+    return model(batch.inputs, positions=batch.positions, mask=build_mask(mask_type, batch.positions))
+
+
 class LocalRunner:
-    """The step of a model held whole by this rank (data and tensor parallelism included)."""
+    """The step of a model held whole by this rank (data and tensor parallelism included); `mask_type` is
+    `model.attn_mask_type`."""
 
-    def __init__(self, model: nn.Module, device: torch.device, context: StepContext) -> None:
-        self.model, self.device, self.context = model, device, context
+    def __init__(
+        self, model: nn.Module, device: torch.device, context: StepContext, mask_type: AttnMaskType = "causal"
+    ) -> None:
+        self.model, self.device, self.context, self.mask_type = model, device, context, mask_type
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, ctx: StepContext, backwards: int) -> torch.Tensor:
-        # Pinned host batches (the loader pins them on CUDA) copy without blocking the host.
-        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-        return ctx.microbatch_loss(self.model(inputs), labels, backwards, self.model)
+    def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
+        batch = batch.to(self.device)
+        pred = model_forward(self.model, batch, self.mask_type)
+        return ctx.microbatch_loss(pred, batch.labels, backwards, self.model)
 
     def forward_backward(
         self, optimizer: torch.optim.Optimizer, batches: list[Batch], context: StepContext | None = None
@@ -81,16 +92,16 @@ class LocalRunner:
         total = torch.zeros((), device=self.device)
         n = len(batches)
         with ctx.reduction(self.model, n) as before_backward:
-            for i, (inputs, labels) in enumerate(batches):
+            for i, batch in enumerate(batches):
                 with ctx.loss_scope():
-                    loss = self._loss(inputs, labels, ctx, n)
+                    loss = self._loss(batch, ctx, n)
                     before_backward(i == n - 1)
                     loss.backward()
                 total += replicated(loss).detach()
         grad_norm = clip_grad_norm_(list(self.model.parameters()), ctx.max_norm)
         return total, grad_norm
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+    def evaluate(self, batch: Batch) -> torch.Tensor:
+        batch = batch.to(self.device)
         with self.context.loss_scope():
-            return replicated(self.context.loss_fn(self.model(inputs), labels))
+            return replicated(self.context.loss_fn(model_forward(self.model, batch, self.mask_type), batch.labels))

@@ -83,8 +83,7 @@ class Validator:
             self.loader.load_state_dict(self._start)  # the same batches at every evaluation
             batches = iter(self.loader)
             for _ in range(self.cfg.steps):
-                inputs, labels = next(batches)
-                total += runner.evaluate(inputs, labels).float()
+                total += runner.evaluate(next(batches)).float()
         total /= self.cfg.steps
         mesh = self.plan.dims.dp_mesh
         if mesh is not None:

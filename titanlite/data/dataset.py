@@ -3,7 +3,8 @@
 Documents are numbered in one global order (see `sources.py`); document d belongs to virtual shard
 `d % V` (V = `virtual_shards`, default the global batch size). Each shard is an independent stream:
 it tokenizes its own documents (BOS + text + EOS), concatenates them and cuts windows of
-`seq_len + 1` tokens (inputs = window[:-1], labels = window[1:]); a document longer than a window
+`seq_len + 1` tokens (inputs = window[:-1], labels = window[1:], with the inputs' positions in their
+documents: `batch.py`); a document longer than a window
 spans several, a remainder carries over to the next window, and when the shard runs out of
 documents it starts over (epoch + 1). Nothing about a shard stream depends on the layout.
 
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from titanlite.data.batch import Batch
 from titanlite.data.sources import DocumentSource
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
@@ -191,14 +193,17 @@ class ShardStream:
         """Picklable (spawned workers): the document iterator is reopened from the cursor."""
         return {**self.__dict__, "_docs": None, "_tokens": None}
 
-    def take(self, n: int) -> list[int]:
-        """The next `n` tokens, across document boundaries."""
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """The next `n` tokens, across document boundaries, and each one's position in its document (its
+        offset in the tokenized document, so a cursor restores positions as exactly as tokens)."""
         out: list[int] = []
+        positions: list[int] = []
         while len(out) < n:
             tokens = self._current()
             c = self.cursor
             piece = tokens[c.offset : c.offset + n - len(out)]
             out += piece
+            positions += range(c.offset, c.offset + len(piece))
             c.offset += len(piece)
             if c.offset >= len(tokens):
                 c.doc, c.offset = c.doc + 1, 0
@@ -206,11 +211,11 @@ class ShardStream:
                 position = getattr(self._docs, "position", None)
                 if position is not None:  # a stream: where the next document begins
                     c.source = position()
-        return out
+        return out, positions
 
 
 class PackedShards(IterableDataset):
-    """Endless (inputs, labels) samples of one data-parallel rank, with a portable state.
+    """Endless `Batch` samples (inputs, labels, positions) of one data-parallel rank, with a portable state.
 
     `state_dict()` = {"version", "V", "dp_rank", "dp_degree", "global_batch_size", "local_batch_size",
     "round_pos": samples already produced in the current step, "step": completed steps (None if a state
@@ -236,25 +241,25 @@ class PackedShards(IterableDataset):
     def _stream(self, shard: int, cursor: ShardCursor) -> ShardStream:
         return ShardStream(shard, self.source, self.tokenizer, self.layout.num_shards, cursor)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self._round, self._round_pos = self.layout.worker_round(worker, num_workers, self._round_pos)
         self._log_epochs = worker == 0
         return self._samples()
 
-    def _samples(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _samples(self) -> Iterator[Batch]:
         k, window = self.layout.samples_per_shard, self.seq_len + 1
         while True:
             shard = self._round[self._round_pos // k]
-            tokens = self._streams[shard].take(window)
+            tokens, positions = self._streams[shard].take(window)
             if self._streams[shard].cursor.epoch > self._epoch:
                 self._new_epoch(shard)
             self._round_pos = (self._round_pos + 1) % (len(self._round) * k)  # state first: it is read after yield
             if self._round_pos == 0 and self._step is not None:
                 self._step += 1
             sample = torch.tensor(tokens, dtype=torch.long)
-            yield sample[:-1], sample[1:]
+            yield Batch(sample[:-1], sample[1:], torch.tensor(positions[:-1], dtype=torch.long))
 
     def _new_epoch(self, shard: int) -> None:
         stream = self._streams[shard]

@@ -1,8 +1,8 @@
 """The training data loader: `build_dataloader` and its portable, reshardable state.
 
 `build_dataloader(...)` returns a `TokenLoader`, a torchdata `StatefulDataLoader` over
-`PackedShards` (see `dataset.py` for the virtual-shard layout). It yields `(inputs, labels)`
-LongTensors of shape `[local_batch_size, seq_len]`.
+`PackedShards` (see `dataset.py` for the virtual-shard layout). It yields `Batch(inputs, labels,
+positions)` (`batch.py`), LongTensors of shape `[local_batch_size, seq_len]`.
 
 State. `loader.state_dict()` returns the dataset's portable state directly (not StatefulDataLoader's
 wrapper, which is specific to one worker count):
@@ -32,20 +32,15 @@ import logging
 import warnings
 from collections.abc import Iterator
 
-import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
 from titanlite.data.sources import LocalSource, open_source
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, DataError
 
 logger = logging.getLogger("titanlite")
-
-
-def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs, labels = zip(*samples)
-    return torch.stack(inputs), torch.stack(labels)
 
 
 class TokenLoader(StatefulDataLoader):
@@ -75,7 +70,7 @@ class TokenLoader(StatefulDataLoader):
         super().load_state_dict({})  # drop any iterator; the next one starts from the dataset's state
         self.dataset.load_state_dict(state)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         if self.num_workers and self._iterator is not None and not self._initial_iter_for_state_dict:
             # New workers would start from the state they were first given: move it forward first.
             self.load_state_dict(self.state_dict())

@@ -10,6 +10,8 @@ The model it builds follows a small protocol:
     spec.model_cls(args, seq_len=...)   builds the model (called under `torch.device("meta")`)
     model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
+    model(tokens, positions=, mask=)    with `block_causal` in `attn_mask_types`: each token's position in
+                                        its document and the batch's mask (`models/attention.py`)
     model.args                          the args it was built from (the checkpoint code reads the shape
                                         of the model it loads into, e.g. for Hugging Face weights)
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
@@ -83,6 +85,9 @@ class ModelSpec:
     """The family's own scalars for the step line, metrics.jsonl and TensorBoard (names declared in
     `metrics/schema.py` with `family=True`, e.g. a router's load imbalance), since the last log; every
     rank calls it at each log (it may run a collective); None: none."""
+    attn_mask_types: tuple[str, ...] = ("causal",)
+    """The `model.attn_mask_type` values the family's forward takes (module docstring); others are
+    refused before any rank starts."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
     (`titanlite/models/cost.py`); None: no layout search."""

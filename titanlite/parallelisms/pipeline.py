@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config import Parallelism
+from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.parallel_dims import ParallelDims
@@ -265,7 +266,7 @@ class PipelineRunner:
     def forward_backward(
         self,
         optimizer: torch.optim.Optimizer,
-        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        batches: list[Batch],
         context: StepContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
@@ -277,7 +278,7 @@ class PipelineRunner:
         self._step = (ctx, backwards)
         total = torch.zeros((), device=self.device)
         with ctx.reduction(self.model, backwards, pipelined=True):
-            for inputs, labels in batches:
+            for inputs, labels, _ in batches:  # positions: the plan refuses block_causal masks under PP
                 losses: list[torch.Tensor] = []
                 # Pinned host batches (the loader pins them on CUDA) copy without blocking the host. Contiguous:
                 # torch 2.11's stage checks strides against its contiguous example input.
@@ -294,7 +295,7 @@ class PipelineRunner:
         grad_norm = clip_grad_norm_(params, ctx.max_norm, group=self.group)
         return total, grad_norm
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, batch: Batch) -> torch.Tensor:
         """Validation under pipeline parallelism is refused by the config (held-out batches would need a
         forward-only schedule); this runner has none."""
         raise NotImplementedError("validation with pipeline parallelism")

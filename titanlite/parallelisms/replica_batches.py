@@ -7,7 +7,8 @@ tokenization on every rank. The reader is the replica's lowest global rank (pipe
 0), whose data loader state is the one a resume reads (`checkpoint/rank_state.py`: old rank `d * tp`);
 the other ranks' loaders are built (a bad dataset is still reported before training) but never iterated,
 so their saved loader state stays at its start and is never read. Each microbatch costs one broadcast of
-its token ids over the replica's ranks ([2, local batch, seq_len] int64, on the device the step runs on).
+its token ids, labels and positions over the replica's ranks ([3, local batch, seq_len] int64, on the
+device the step runs on).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlite.data.batch import Batch
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
 
@@ -31,8 +33,8 @@ def replica_ranks(dims: ParallelDims) -> list[list[int]]:
 
 def replica_batches(
     loader: Iterable, dims: ParallelDims, device: torch.device, shape: tuple[int, int], timeout_seconds: float
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's (inputs, labels) batches of `shape` (local batch, seq_len): read from `loader` on the
+) -> Iterator[Batch]:
+    """This rank's batches (`Batch`) of `shape` (local batch, seq_len): read from `loader` on the
     replica's reader, received from it elsewhere. Collective: every rank calls it, and takes as many
     batches as its replica's peers."""
     if dims.world_size == dims.dp or not dist.is_initialized():  # one rank per replica: it reads
@@ -45,9 +47,8 @@ def replica_batches(
     batches = iter(loader) if rank == reader else None
     while True:
         if batches is not None:
-            inputs, labels = next(batches)
-            both = torch.stack([inputs, labels]).to(device)
+            rows = torch.stack(next(batches)).to(device)
         else:
-            both = torch.empty((2, *shape), dtype=torch.long, device=device)
-        dist.broadcast(both, src=reader, group=group)
-        yield both[0], both[1]
+            rows = torch.empty((len(Batch._fields), *shape), dtype=torch.long, device=device)
+        dist.broadcast(rows, src=reader, group=group)
+        yield Batch(*rows)

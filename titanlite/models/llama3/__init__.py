@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     shape_keys=SHAPE_KEYS,
     tied_embeddings=lambda args: args.tie_embeddings,
     step_cost=step_cost,
+    attn_mask_types=("causal", "block_causal"),
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

@@ -8,13 +8,16 @@ log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss 
 parallelism divides the norm and residual parts by tp, head and FFN parts are divided by tp, and the
 all-gathered inputs of the projections are full size. The peak is the larger of the start of backward
 (everything saved, loss gradients live) and the last block's backward (the block's full activations,
-recomputed under AC, plus gradients of its activations). Compiled blocks usually save less (fused norms
+recomputed under AC, plus gradients of its activations). Under block_causal every block reads the batch's
+one attention mask, alive from the forward to the backward (`models/attention.mask_bytes`). Compiled
+blocks usually save less (fused norms
 and SwiGLU), so this is an upper bound for them.
 """
 
 from __future__ import annotations
 
 from titanlite.memory_plan import Layout
+from titanlite.models.attention import mask_bytes
 from titanlite.models.llama3.model import ModelArgs
 
 
@@ -62,10 +65,13 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
         if layout.output:
             parts["logits"] = logits
     out = {name: round(v * tokens) for name, v in parts.items()}
-    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens)
+    mask = mask_bytes(layout.attn_mask, layout.device_type, layout.local_batch, layout.seq_len, layout.seq_len)  # type: ignore[arg-type]
+    if mask:
+        out["attention mask"] = mask
+    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens) + mask
     # What a microbatch keeps until its backward while a pipeline schedule runs others (PP's in flight):
     # the blocks' saved tensors and, on the last stage, the logits and the fp32 log-softmax (two under
     # loss parallel); the loss gradients exist only during its backward.
     held_loss = vocab * (8 if layout.loss_parallel else 4) if layout.output else 0
-    out["held"] = round((sum(saved) + final_norm + logits + held_loss) * tokens)
+    out["held"] = round((sum(saved) + final_norm + logits + held_loss) * tokens) + mask
     return out

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import Mask, attend
 from titanlite.models.init import InitSpec, init_parameters_
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
@@ -87,8 +88,8 @@ class ModelArgs:
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
-def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq_len, head_dim // 2], with Llama 3.1 long-context scaling if enabled."""
+def rope_freqs(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's per-pair frequencies [head_dim // 2] in float64, with Llama 3.1 long-context scaling if enabled."""
     hd = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
     if args.use_scaled_rope:
@@ -99,7 +100,20 @@ def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = Non
             high=args.rope_high_freq_factor,
             old_ctx=args.rope_original_max_seq_len,
         )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), freqs)
+    return freqs
+
+
+def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim // 2] for positions 0 .. seq_len - 1."""
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), rope_freqs(args, device))
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope_at(args: ModelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [b, s, head_dim // 2] of each token's own position (`positions` [b, s], which restart at
+    each document under block_causal and may exceed the sequence length); position p gets exactly the
+    values of row p of `rope_tables`."""
+    angles = positions.to(torch.float64)[..., None] * rope_freqs(args, positions.device)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -113,10 +127,14 @@ def _scale_freqs(freqs: torch.Tensor, factor: float = 8.0, low: float = 1.0, hig
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the position's angle."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the position's angle: `cos`/`sin`
+    are a table [>= s, d // 2] (positions 0 .. s - 1) or per token [b, s, d // 2] (`rope_at`)."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -166,7 +184,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None, kv: LayerKV | None = None
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -180,7 +200,7 @@ class Attention(nn.Module):
             k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
             k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
             causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+        out = attend(q, k, v, mask, causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -204,9 +224,11 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        # The KV cache only when generating: a tensor-parallel plan declares the layouts of (x, cos, sin).
-        attend = self.attention(self.attention_norm(x), cos, sin, *([kv] if kv is not None else []))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None, kv: LayerKV | None = None
+    ) -> torch.Tensor:
+        # The KV cache only when generating: a tensor-parallel plan declares the layouts of (x, cos, sin, mask).
+        attend = self.attention(self.attention_norm(x), cos, sin, mask, *([kv] if kv is not None else []))
         h = x + attend
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -227,18 +249,32 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        mask: Mask = None,
+    ) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. A pipeline stage holds some blocks only, the embedding
         on the first stage (later ones take the previous stage's hidden states) and the norm and output
         on the last (earlier ones return hidden states). With a `cache` (generation), `tokens` are the
-        positions after the cached ones."""
+        positions after the cached ones: one sequence, one document, causal.
+
+        `positions` [b, s] (each token's position in its document) replace 0 .. s - 1 in RoPE and `mask`
+        (`models/attention.py`, built once per batch by the caller, outside any compiled code) replaces
+        causal attention in every block; without them the model is causal over the whole row."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, pos = self.rope_cos, self.rope_sin, 0
         if cache is not None:
+            if positions is not None or mask is not None:
+                raise ValueError("generation with a KV cache is causal over one sequence: no positions or mask")
             pos = cache.check(tokens.shape[1])
             cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
+        elif positions is not None:
+            cos, sin = rope_at(self.args, positions)
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, (cache.k[i], cache.v[i], pos))
+            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, None, (cache.k[i], cache.v[i], pos))
         return self.output(self.norm(h)) if self.output is not None else h
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

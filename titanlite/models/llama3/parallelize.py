@@ -41,7 +41,9 @@ def llama_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
         block={
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                # (x, cos, sin, mask): RoPE tables and the batch's mask are replicated like its tokens.
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

@@ -1,0 +1,134 @@
+"""Attention masks for packed sequences: which key each query may attend, built once per batch.
+
+A training sample packs several documents into one sequence. `causal` lets every token attend every
+earlier token of the sequence (`scaled_dot_product_attention(is_causal=True)`, no mask tensor);
+`block_causal` lets it attend only the earlier tokens of its own document.
+
+Documents come from positions. The loader gives each token its position in its document (0 at a
+document's first token, BOS; `titanlite/data/batch.py`); `document_ids` numbers a row's documents by
+counting the positions that restart at 0, so a row's ids are computed from the whole row, before any
+sharding. The token at sequence index i may then attend index j when
+
+    allowed(doc_ids, b, i, j) = (i >= j) & (doc_ids[b, i] == doc_ids[b, j])
+
+with i and j GLOBAL indices into the row (0 .. seq_len - 1). `build_mask` takes the query indices and the
+key indices it covers explicitly: a rank holding a subset of the queries (context parallelism with
+head-tail load balancing: two chunks of the row) and every key (gathered) passes its queries' global
+indices as `q_index` and `arange(seq_len)` as `kv_index`, with the document ids of the whole row, and gets
+the mask of its rows of the score matrix from the same function. Without sharding both are
+`arange(seq_len)`.
+
+Kernels, by the device the batch runs on:
+    cuda   flex attention: a `BlockMask` (`create_block_mask` over `allowed` as its mask_mod), built once
+           per batch and shared by every block; the kernel is `torch.compile(flex_attention)` (traced into
+           compiled blocks, compiled on its own when the blocks run eagerly)
+    other  a dense boolean mask [batch, 1, q, kv] (True = attend) given to `scaled_dot_product_attention`:
+           flex attention has no backward on CPU
+
+Memory: the dense mask holds batch x q x kv bytes; the BlockMask holds int32 block counts and indices
+per (128 x 128) tile, `mask_bytes`. Both are built outside the blocks, so compiled blocks see a mask of
+the same shape every batch (no recompilation) and activation checkpointing recomputes nothing of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+AttnMaskType = Literal["causal", "block_causal"]
+"""`model.attn_mask_type` (`titanlite/config/schema.py`)."""
+
+Mask = torch.Tensor | BlockMask | None
+"""A batch's mask: None (causal, the kernel's own), a dense boolean tensor, or a flex `BlockMask`."""
+
+FLEX_BLOCK = 128
+"""The BlockMask tile (flex attention's default): one block count per 128 queries, one index per tile."""
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[b, s] document numbers of each token from its [b, s] positions in its document: a new document
+    begins where the position is 0 (a row's first tokens may continue a document begun in an earlier
+    sample: they form document 0 of the row)."""
+    return (positions == 0).cumsum(-1, dtype=torch.int32)
+
+
+def allowed(doc_ids: torch.Tensor, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """Whether query `q_idx` of row `b` may attend key `kv_idx` (global indices, broadcastable tensors):
+    not later than the query, and in its document. The one definition both kernels evaluate."""
+    return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+
+def mask_mod(doc_ids: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> Callable:
+    """Flex attention's mask_mod over local score indices: they map to global ones through `q_index`
+    and `kv_index` (module docstring)."""
+
+    def mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return allowed(doc_ids, b, q_index[q], kv_index[kv])
+
+    return mod
+
+
+def dense_mask(doc_ids: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+    """[b, 1, q, kv] boolean mask (True = attend) for scaled_dot_product_attention."""
+    b = torch.arange(doc_ids.shape[0], device=doc_ids.device)[:, None, None]
+    return allowed(doc_ids, b, q_index[None, :, None], kv_index[None, None, :]).unsqueeze(1)
+
+
+def build_mask(
+    mask_type: AttnMaskType,
+    positions: torch.Tensor | None,
+    q_index: torch.Tensor | None = None,
+    kv_index: torch.Tensor | None = None,
+) -> Mask:
+    """The mask of one batch, on `positions`' device, once for every block: None under `causal`; under
+    `block_causal` a BlockMask on CUDA, a dense mask elsewhere. `positions` [b, s] cover the whole rows;
+    `q_index`/`kv_index` (default every index) are the global indices of this rank's queries and keys."""
+    if mask_type == "causal":
+        return None
+    if positions is None:
+        raise ValueError("attn_mask_type block_causal needs the batch's positions")
+    device, seq = positions.device, positions.shape[-1]
+    doc_ids = document_ids(positions)
+    q_index = torch.arange(seq, device=device) if q_index is None else q_index
+    kv_index = torch.arange(seq, device=device) if kv_index is None else kv_index
+    if device.type == "cuda":
+        mod = mask_mod(doc_ids, q_index, kv_index)
+        return create_block_mask(mod, doc_ids.shape[0], None, len(q_index), len(kv_index), device=device)
+    return dense_mask(doc_ids, q_index, kv_index)
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable:
+    """flex attention compiled once per process (uncompiled, it runs an unfused reference: every score
+    materialised)."""
+    return torch.compile(flex_attention)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, causal: bool = True) -> torch.Tensor:
+    """Attention of q [b, h, sq, d] over k, v [b, kv_heads, skv, d] (grouped-query heads broadcast) under
+    the batch's `mask`; with no mask, causal when `causal` (from the first key), else every key."""
+    gqa = k.shape[1] != q.shape[1]
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def mask_bytes(mask_type: AttnMaskType, device_type: str, batch: int, q_len: int, kv_len: int) -> int:
+    """Bytes of one batch's mask (`build_mask`): none for causal; a dense [b, 1, q, kv] bool, or on CUDA a
+    BlockMask's int32 block counts and indices, for both partial and full tiles and both orientations
+    (the transposed ones drive the backward)."""
+    if mask_type == "causal":
+        return 0
+    if device_type != "cuda":
+        return batch * q_len * kv_len
+    qb, kb = math.ceil(q_len / FLEX_BLOCK), math.ceil(kv_len / FLEX_BLOCK)
+    per_kind = qb + qb * kb + kb + kb * qb  # kv counts + indices, q counts + indices
+    return 2 * 4 * batch * per_kind
