@@ -49,6 +49,9 @@ CASES_2 = [
     {"pp": 2, "mb": 2, "schedule": "Interleaved1F1B", "layers": 4},
     {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "mb": 2, "ac": "selective"},
+    # Document masks (the reference runs each document alone): positions and the mask replicated under TP.
+    {"tp": 2, "mask": "block_causal"},
+    {"shard": 2, "accum": 2, "ac": "full", "mask": "block_causal"},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 # Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
@@ -77,6 +80,7 @@ CASES_4 = [
     COMPILED_DP_X_TP,
     # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph.
     {**COMPILED_DP_X_TP, "ac": "full"},
+    {**COMPILED_DP_X_TP, "mask": "block_causal"},
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
@@ -223,3 +227,12 @@ def test_compiled_dp_x_tp_ran_bucketed_graphs(records, ac):
     assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
     assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
     assert report["scope"] == "model" and report["prefetched_all_gathers"] > 0
+
+
+@pytest.mark.slow
+def test_block_causal_parity_is_not_causal_parity(records):
+    """The block_causal cases' reference (each document alone) is not the causal one: their parity above
+    checks the document mask, not a mask that changes nothing."""
+    recs = records(2, CASES_2)
+    masked, causal = recs[case_id({"tp": 2, "mask": "block_causal"})], recs[case_id({"tp": 2})]
+    assert max(abs(a - b) / b for a, b in zip(masked["ref_losses"], causal["ref_losses"])) > 1e-3

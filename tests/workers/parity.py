@@ -31,6 +31,7 @@ from builders import config  # noqa: E402
 from harness import TINY, tiny_args  # noqa: E402
 from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
+from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
@@ -38,13 +39,36 @@ from titanlite.trainer import Trainer  # noqa: E402
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 4, 1234
 
 
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches() -> list[Batch]:
+    """Random tokens; positions as packed documents of 2-7 tokens, a row's first one often continuing a
+    document (read only by the block_causal cases)."""
     g = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(STEPS):
         tokens = torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        positions = []
+        for _ in range(GLOBAL_BATCH):
+            row = list(range(int(torch.randint(0, 4, (), generator=g)), 8))
+            while len(row) < SEQ:
+                row += range(int(torch.randint(2, 8, (), generator=g)))
+            positions.append(row[:SEQ])
+        out.append(Batch(tokens[:, :-1], tokens[:, 1:], torch.tensor(positions)))
     return out
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, mask: str) -> torch.Tensor:
+    """Mean token cross-entropy of the batch; under block_causal each document runs alone (causal, at its
+    positions), so no mask of the trainer's is involved."""
+    ce = torch.nn.functional.cross_entropy
+    if mask == "causal":
+        return ce(model(batch.inputs).flatten(0, 1).float(), batch.labels.flatten())
+    total = torch.zeros(())
+    for x, y, pos in zip(*batch):
+        starts = [i for i, p in enumerate(pos.tolist()) if p == 0 or i == 0] + [len(pos)]
+        for a, b in zip(starts, starts[1:]):
+            logits = model(x[None, a:b], positions=pos[None, a:b])
+            total = total + ce(logits[0].float(), y[a:b], reduction="sum")
+    return total / batch.labels.numel()
 
 
 def base_config() -> JobConfig:
@@ -67,7 +91,7 @@ def snapshot(model: torch.nn.Module) -> tuple[dict, dict]:
     return grads, params
 
 
-def reference(batches, args):
+def reference(batches, args, mask: str = "causal"):
     """One process, plain module, whole global batch, a plain PyTorch loop written here (none of the
     trainer's step code): mean token cross-entropy, clipping by the total norm, AdamW, and the schedule
     `base_config` sets (linear warmup from 1/(warmup+1), then linear decay to 0 at the last step)."""
@@ -82,9 +106,9 @@ def reference(batches, args):
         opt, lambda s: (s + 1) / (warmup + 1) if s < warmup else 1 - (s - warmup) / (STEPS - warmup)
     )
     losses, first = [], None
-    for x, y in batches:
+    for batch in batches:
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss = batch_loss(model, batch, mask)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
         opt.step()
@@ -116,6 +140,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.bucketing = case.get("bucketing", "none")
     cfg.compile.scope = case.get("scope", cfg.compile.scope)
     cfg.compile.components = ["model"]
+    cfg.model.attn_mask_type = case.get("mask", "causal")
     dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
     accum = case.get("accum", 1)
     cfg.training.global_batch_size = GLOBAL_BATCH
@@ -133,9 +158,8 @@ def run(case: dict, dump: str, batches):
     rank_slice = slice(0, per) if case.get("corrupt") else slice(r * per, (r + 1) * per)
     losses, first = [], None
     gathers = CountGathers()
-    for i, (x, y) in enumerate(batches):
-        x, y = x[rank_slice], y[rank_slice]
-        micro = list(zip(x.chunk(trainer.grad_accum), y.chunk(trainer.grad_accum)))
+    for i, batch in enumerate(batches):
+        micro = [Batch(*parts) for parts in zip(*(t[rank_slice].chunk(trainer.grad_accum) for t in batch))]
         # The last step's all-gathers are counted (eager only: no dispatch mode inside compiled code).
         with gathers if i == len(batches) - 1 and not cfg.compile.enable else contextlib.nullcontext():
             loss, _ = trainer.train_step(micro)
@@ -184,13 +208,13 @@ def main() -> None:
     out_path = sys.argv[2]
     dist.init_process_group("gloo")
     batches = make_batches()
-    refs: dict[int, tuple] = {}
+    refs: dict[tuple[int, str], tuple] = {}
     records = []
     for case in cases:
-        args = case_args(case)
-        if args.n_layers not in refs:
-            refs[args.n_layers] = reference(batches, args)
-        r_losses, r_grads, r_params = refs[args.n_layers]
+        args, mask = case_args(case), case.get("mask", "causal")
+        if (args.n_layers, mask) not in refs:
+            refs[args.n_layers, mask] = reference(batches, args, mask)
+        r_losses, r_grads, r_params = refs[args.n_layers, mask]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         start = time.perf_counter()
         losses, grads, params, timeouts, unreduced, step = run(case, dump, batches)
