@@ -55,14 +55,15 @@ def test_cli_layout_parity_with_one_process(layout, layout_runs):
 # aot_eager keeps the three compiles short; the inductor backend's parity is in test_compile.
 # fmt: off
 FULL_PLAN = ["--training.steps", "8", "--training.global_batch_size", "8", "--compile.enable",
-             "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective"]
+             "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective",
+             "--model.attn_mask_type", "block_causal"]
 # fmt: on
 
 
 @pytest.mark.slow
 def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     """One process (run_train.sh with NGPU=1, and python -m titanlite.train without torchrun) compiles,
-    checkpoints activations and writes the compile report; its losses equal 2 processes' at the same
+    checkpoints activations, masks packed documents apart and writes the compile report; its losses equal 2 processes' at the same
     global batch (fp32, deterministic). The 2-process run also writes metrics.jsonl and TensorBoard events
     that hold the same values."""
     # The three runs go side by side: their compiles are mostly single-threaded Python.
@@ -92,6 +93,7 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     for name, run in runs.items():
         run.ok()
         assert "plan: AC selective (op); compile aot_eager" in run.log, name
+        assert "; attention block_causal (packed documents masked apart)" in run.log, name
         report = json.loads((run.dump / "compile_report.json").read_text())
         assert report["backend"] == "aot_eager" and report["units"] == report["n_blocks"] > 0, (name, report)
     assert "mesh {'dp_shard': 1} (simple_fsdp, fully_shard)" in runs["python"].log

@@ -308,4 +308,6 @@ class RunPlan:
             if self.effective(step.policy).reduce_once and fsdp2_pp and self.grad_accum > 1:
                 text = "; reduced once per schedule step (torch's pipeline stage)"
             text = f"; step of {backwards} backwards: {step.describe()}{text}"
-        return f"AC {ac_text}; {compiled}; {precision}{text}"
+        mask = self.cfg.model.attn_mask_type
+        attention = "" if mask == "causal" else f"; attention {mask} (packed documents masked apart)"
+        return f"AC {ac_text}; {compiled}; {precision}{text}{attention}"
