@@ -140,6 +140,8 @@ CASES = [
         2,
         ["compile.scope=model with full activation checkpointing needs SimpleFSDP"],
     ),
+    (None, ["--model.attn_mask_type", "document"], 2, ["model.attn_mask_type", "block_causal"]),
+    (None, [*PP2, "--model.attn_mask_type", "block_causal"], 2, ["block_causal is not supported with pipeline"]),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
