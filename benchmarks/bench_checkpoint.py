@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from titanlite.build import init_device, init_distributed, world_from_env
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
 from titanlite.models.llama3 import ModelArgs, llama3_configs
 from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
@@ -61,7 +62,7 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     model, optimizer, ckpt = trainer.model, trainer.optimizer, trainer.checkpointer
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g)
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    batch = [Batch.of_windows(tokens)]
     save_step = opts.steps_before + 1
     step_times, blocking, after_start = [], 0.0, 0.0
     for step in range(1, save_step + opts.steps_after + 1):

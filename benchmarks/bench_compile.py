@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from titanlite.build import init_device, init_distributed
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
 from titanlite.models.llama3 import ModelArgs
 from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
@@ -167,7 +168,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = box[0]  # cold compiles, shared by the ranks
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, ARGS.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    batch = Batch.of_windows(tokens)
 
     names = [n for n in VARIANTS if n in args.variants.split(",")]
     variants = []

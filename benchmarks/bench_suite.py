@@ -1,7 +1,7 @@
 """Data-parallel variants side by side: throughput, peak memory, collectives per step and MFU, one launch.
 
     python benchmarks/bench_suite.py [--rounds 3] [--steps 4] [--warmup 3] [--nproc 2] [--accum 1]
-        [--only FRAGMENT,...] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
+        [--only FRAGMENT,...|=NAME] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
 
 Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds every variant in that one
 launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.build`, the model's parallelize
@@ -11,7 +11,9 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     per-block graphs, scope block), FSDP2 eager / compiled, replicate (SimpleFSDP's DDP mode), tp=2 (the
     dp x tp variant at 2 ranks: dp is 1), pp=2 (two pipeline stages, 1F1B over microbatches of
     `parallelism.pipeline_parallel_microbatch_size`; dp is 1), and under full activation checkpointing
-    SimpleFSDP compiled + bucketing (one graph and per-block graphs) against FSDP2 eager; with
+    SimpleFSDP compiled + bucketing (one graph and per-block graphs) against FSDP2 eager; SimpleFSDP eager
+    and compiled with `model.attn_mask_type = block_causal` (packed documents of about a quarter of the
+    sequence each, `packed_positions`) against the same variants causal; with
     `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
     again per microbatch, SimpleFSDP and FSDP2 (`PP_VARIANTS`).
 
@@ -65,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
+from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.memory_plan import local_tensor  # noqa: E402
 from titanlite.metrics import mfu_pct, peak_tflops  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
@@ -73,6 +76,8 @@ COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
 BUCKETED = [*COMPILE, "--compile.bucketing", "transformer_block"]
 PER_BLOCK = ["--compile.scope", "block"]
 FULL_AC = ["--activation_checkpoint.mode", "full"]
+BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal"]
+MASKED = ", block_causal"
 VARIANTS: dict[str, list[str]] = {
     "SimpleFSDP eager": [],
     "SimpleFSDP compiled": COMPILE,
@@ -92,6 +97,9 @@ VARIANTS: dict[str, list[str]] = {
     "SimpleFSDP compiled + bucketing, full AC": [*BUCKETED, *FULL_AC],
     "SimpleFSDP compiled + bucketing, full AC, per-block graphs": [*BUCKETED, *FULL_AC, *PER_BLOCK],
     "FSDP2 eager, full AC": ["--parallelism.dp_impl", "fsdp2", *FULL_AC],
+    # Document masks over the batch's packed documents, against the same variant with causal attention.
+    "SimpleFSDP eager, block_causal": BLOCK_CAUSAL,
+    "SimpleFSDP compiled, block_causal": [*COMPILE, *BLOCK_CAUSAL],
 }
 PER_MICROBATCH = ["--parallelism.gradient_reduction", "per_microbatch"]
 ACCUM_VARIANTS: dict[str, list[str]] = {
@@ -122,7 +130,10 @@ FULL_AC_BASELINE = "FSDP2 eager, full AC"
 
 
 def baseline_of(name: str) -> str:
-    """The row a variant is compared with: FSDP2 eager under the same activation checkpointing."""
+    """The row a variant is compared with: FSDP2 eager under the same activation checkpointing; a
+    block_causal variant, the same variant causal."""
+    if name.endswith(MASKED):
+        return name.removesuffix(MASKED)
     return FULL_AC_BASELINE if "full AC" in name else BASELINE
 
 
@@ -150,6 +161,18 @@ class Result:
         return self.state_bytes + self.peak_delta
 
 
+def packed_positions(rows: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """Positions of packed documents of seq_len / 8 to 3 seq_len / 8 tokens (about four per row), a row
+    starting inside one; only block_causal variants read them."""
+    out = []
+    for _ in range(rows):
+        row = list(range(int(torch.randint(1, seq_len // 4, (), generator=g)), seq_len // 4))
+        while len(row) < seq_len:
+            row += range(int(torch.randint(seq_len // 8, 3 * seq_len // 8 + 1, (), generator=g)))
+        out.append(row[:seq_len])
+    return torch.tensor(out)
+
+
 class Variant:
     """One run, built by the trainer itself, with its fixed batch."""
 
@@ -162,7 +185,11 @@ class Variant:
         shape = (plan.global_batch // plan.dims.dp, cfg.training.seq_len + 1)
         tokens = torch.randint(0, plan.model_args.vocab_size, shape, generator=g).to(device)
         # The rank's share of the global batch in the trainer's microbatches (local batch x grad_accum).
-        self.batches = [(m[:, :-1], m[:, 1:]) for m in tokens.split(cfg.training.local_batch_size)]
+        positions = packed_positions(shape[0], cfg.training.seq_len, g).to(device)
+        self.batches = [
+            Batch(m[:, :-1], m[:, 1:], p)
+            for m, p in zip(tokens.split(cfg.training.local_batch_size), positions.split(cfg.training.local_batch_size))
+        ]
         assert len(self.batches) == plan.grad_accum
         self.flops_per_token = plan.model_args.flops_per_token(cfg.training.seq_len)
 
@@ -228,6 +255,11 @@ def bucketing_available() -> bool:
     return "transformer_block" in CHOICES.get("compile.bucketing", ())
 
 
+def selects(key: str, name: str) -> bool:
+    """`--only` fragment `key` picks variant `name`: a case-insensitive substring, or `=NAME` exactly."""
+    return key[1:].lower() == name.lower() if key.startswith("=") else key.lower() in name.lower()
+
+
 def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     # Collectives keep the start-up timeout (10 min here: compiling a variant can take minutes) because the
     # variants are stepped without `Trainer.train`, which is what shortens it after step 1.
@@ -248,7 +280,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     for name, extra in (
         VARIANTS | (ACCUM_VARIANTS if args.accum > 1 else {}) | pp_variants(global_batch, world)
     ).items():
-        if args.only and not any(key.lower() in name.lower() for key in args.only.split(",")):
+        if args.only and not any(selects(key, name) for key in args.only.split(",")):
             continue
         result = results[name] = Result(name, extra)
         if "--compile.bucketing" in extra and not bucketing_available():
@@ -334,9 +366,9 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
     lines = [
         f"{world} ranks on {device.type}, {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
         f"tokens/s of the global batch at the median step; MFU against {peak_source}; ratios against "
-        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE})",
+        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE}; block_causal rows: the same variant, causal)",
         "",
-        "| variant | tokens/s | x FSDP2 eager | peak MiB | x FSDP2 eager | collectives/step (ag/rs/ar) | MFU % |",
+        "| variant | tokens/s | x baseline | peak MiB | x baseline | collectives/step (ag/rs/ar) | MFU % |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:

@@ -24,6 +24,7 @@ import time
 import torch
 
 from titanlite.config import load_config
+from titanlite.data.batch import Batch
 from titanlite.errors import run_cli
 from titanlite.memory_plan import GiB, estimate
 from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
@@ -59,7 +60,7 @@ def run(argv: list[str]) -> dict:
     plan, device, t = trainer.plan, trainer.device, cfg.training
     g = torch.Generator().manual_seed(t.seed)
     tokens = torch.randint(0, plan.model_args.vocab_size, (t.local_batch_size, t.seq_len + 1), generator=g)
-    batches = [(tokens[:, :-1], tokens[:, 1:])] * plan.grad_accum
+    batches = [Batch.of_windows(tokens)] * plan.grad_accum
 
     def step() -> float:
         trainer.step += 1
