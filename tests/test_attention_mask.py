@@ -18,7 +18,7 @@ from titanlite.config import ActivationCheckpoint
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.memory_plan import Layout
-from titanlite.models.attention import build_mask, dense_mask, document_ids, mask_bytes, mask_mod
+from titanlite.models.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
 from titanlite.models.llama3 import memory
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
@@ -171,3 +171,26 @@ def test_block_causal_under_pipeline_parallelism_is_refused(tmp_path):
     cfg = config(tmp_path, model__attn_mask_type="block_causal", parallelism__pipeline_parallel_degree=2)
     with pytest.raises(ConfigError, match="attn_mask_type block_causal is not supported with pipeline"):
         RunPlan.build(cfg, 2)
+
+
+@pytest.mark.slow
+def test_the_compiled_block_mask_is_the_uncompiled_one_without_recompiling():
+    """`block_mask` (what build_mask runs on CUDA; compiled, here on CPU) gives create_block_mask's own
+    result for a full row and a head-tail query subset, and later batches' documents reuse its compiled
+    code (about 5 s: one inductor compile)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    seq, idx = 512, torch.arange(512)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        cuts = torch.zeros(2, seq, dtype=torch.long).bernoulli_(0.02, generator=g).bool()
+        positions = torch.arange(seq).expand(2, seq) - torch.cummax(torch.where(cuts, idx, 0), -1).values
+        doc = document_ids(positions)
+        for q in (idx, torch.cat([idx[:128], idx[-128:]])):
+            got = block_mask(doc, q, idx)
+            want = create_block_mask(mask_mod(doc, q, idx), 2, None, len(q), seq, device="cpu")
+            assert torch.equal(got.to_dense(), want.to_dense())
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs

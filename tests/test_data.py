@@ -137,6 +137,7 @@ def test_resume_continues_exactly(data, consumed):
     it = iter(first)
     take(it, consumed)
     state = json.loads(json.dumps(first.state_dict()))  # plain data: survives any serialisation
+    assert any(cursor["offset"] for cursor in state["shards"].values())  # inside a document: positions > 0
     resumed = loader(data, dp=2, rank=1, gbs=8, lbs=2)
     resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
     assert take(iter(resumed), 12 - consumed) == reference[consumed * 2 :]

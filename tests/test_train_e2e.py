@@ -63,9 +63,9 @@ FULL_PLAN = ["--training.steps", "8", "--training.global_batch_size", "8", "--co
 @pytest.mark.slow
 def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
     """One process (run_train.sh with NGPU=1, and python -m titanlite.train without torchrun) compiles,
-    checkpoints activations, masks packed documents apart and writes the compile report; its losses equal 2 processes' at the same
-    global batch (fp32, deterministic). The 2-process run also writes metrics.jsonl and TensorBoard events
-    that hold the same values."""
+    checkpoints activations, masks packed documents apart (block_causal) and writes the compile report;
+    its losses equal 2 processes' at the same global batch (fp32, deterministic). The 2-process run also
+    writes metrics.jsonl and TensorBoard events that hold the same values."""
     # The three runs go side by side: their compiles are mostly single-threaded Python.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     launches = {

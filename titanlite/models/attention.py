@@ -19,9 +19,9 @@ the mask of its rows of the score matrix from the same function. Without shardin
 `arange(seq_len)`.
 
 Kernels, by the device the batch runs on:
-    cuda   flex attention: a `BlockMask` (`create_block_mask` over `allowed` as its mask_mod), built once
-           per batch and shared by every block; the kernel is `torch.compile(flex_attention)` (traced into
-           compiled blocks, compiled on its own when the blocks run eagerly)
+    cuda   flex attention: a `BlockMask` (compiled `create_block_mask` over `allowed` as its mask_mod),
+           built once per batch and shared by every block; the kernel is `torch.compile(flex_attention)`
+           (traced into compiled blocks, compiled on its own when the blocks run eagerly)
     other  a dense boolean mask [batch, 1, q, kv] (True = attend) given to `scaled_dot_product_attention`:
            flex attention has no backward on CPU
 
@@ -98,16 +98,25 @@ def build_mask(
     q_index = torch.arange(seq, device=device) if q_index is None else q_index
     kv_index = torch.arange(seq, device=device) if kv_index is None else kv_index
     if device.type == "cuda":
-        mod = mask_mod(doc_ids, q_index, kv_index)
-        return create_block_mask(mod, doc_ids.shape[0], None, len(q_index), len(kv_index), device=device)
+        return block_mask(doc_ids, q_index, kv_index)
     return dense_mask(doc_ids, q_index, kv_index)
 
 
+def block_mask(doc_ids: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> BlockMask:
+    """flex attention's BlockMask over `allowed`, on `doc_ids`' device. Its construction is compiled:
+    uncompiled it evaluates the mask_mod over the whole batch x q x kv score matrix at once."""
+    mod = mask_mod(doc_ids, q_index, kv_index)
+    create = compiled_flex()[1]
+    return create(mod, doc_ids.shape[0], None, len(q_index), len(kv_index), device=doc_ids.device)
+
+
 @functools.cache
-def compiled_flex_attention() -> Callable:
-    """flex attention compiled once per process (uncompiled, it runs an unfused reference: every score
-    materialised)."""
-    return torch.compile(flex_attention)
+def compiled_flex() -> tuple[Callable, Callable]:
+    """(flex_attention, create_block_mask), each compiled once per process (uncompiled, flex attention runs
+    an unfused reference that materialises every score). A new batch's mask_mod closes over new tensors of
+    the same shapes: it reuses the compiled code. The mask's construction is compiled for static shapes
+    (a run has one or two: training and validation batches), never a dynamic-shape variant."""
+    return torch.compile(flex_attention), torch.compile(create_block_mask, dynamic=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, causal: bool = True) -> torch.Tensor:
@@ -115,7 +124,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, causal
     the batch's `mask`; with no mask, causal when `causal` (from the first key), else every key."""
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return compiled_flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
