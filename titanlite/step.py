@@ -77,7 +77,7 @@ class LocalRunner:
         self.model, self.device, self.context, self.mask_type = model, device, context, mask_type
 
     def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
-        batch = batch.to(self.device)
+        batch = batch.to(self.device, positions=self.mask_type != "causal")
         pred = model_forward(self.model, batch, self.mask_type)
         return ctx.microbatch_loss(pred, batch.labels, backwards, self.model)
 
@@ -102,6 +102,6 @@ class LocalRunner:
         return total, grad_norm
 
     def evaluate(self, batch: Batch) -> torch.Tensor:
-        batch = batch.to(self.device)
+        batch = batch.to(self.device, positions=self.mask_type != "causal")
         with self.context.loss_scope():
             return replicated(self.context.loss_fn(model_forward(self.model, batch, self.mask_type), batch.labels))

@@ -8,7 +8,8 @@ next document begins. A sample that starts inside a long document continues that
 value a stream produces does not depend on where windows, batches or resumes cut it: it is the token's
 offset in its tokenized document, which the loader's state records). The model reads positions only
 under `model.attn_mask_type = "block_causal"` (RoPE angles, and the document mask derived from them in
-`titanlite/models/attention.py`); they cost one more [b, s] int64 per microbatch otherwise.
+`titanlite/models/attention.py`); otherwise they cost one more [b, s] int64 per microbatch on the host
+(and in the broadcast of a replica's batch, `parallelisms/replica_batches.py`), never a device copy.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class Batch(NamedTuple):
         positions = torch.arange(inputs.shape[1], device=windows.device).expand_as(inputs)
         return cls(inputs, windows[:, 1:], positions)
 
-    def to(self, device: torch.device) -> Batch:
-        """On `device`; pinned host tensors (the loader pins them on CUDA) copy without blocking the host."""
-        return Batch(*(t.to(device, non_blocking=True) for t in self))
+    def to(self, device: torch.device, positions: bool = True) -> Batch:
+        """On `device` (the positions too only when `positions`: a causal step leaves them on the host);
+        pinned host tensors (the loader pins them on CUDA) copy without blocking the host."""
+        inputs, labels = (t.to(device, non_blocking=True) for t in self[:2])
+        return Batch(inputs, labels, self.positions.to(device, non_blocking=True) if positions else self.positions)
 
 
 def collate(samples: list[Batch]) -> Batch:
