@@ -52,7 +52,7 @@ CASES_2 = [
     # Document masks (the reference runs each document alone): positions and the mask replicated under TP.
     {"tp": 2, "mask": "block_causal"},
     {"shard": 2, "accum": 2, "ac": "full", "mask": "block_causal"},
-    {"shard": 2, "dp_impl": "fsdp2", "ac": "selective", "mask": "block_causal"},
+    {"shard": 2, "dp_impl": "fsdp2", "mask": "block_causal"},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 # Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
