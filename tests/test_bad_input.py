@@ -142,6 +142,12 @@ CASES = [
     ),
     (None, ["--model.attn_mask_type", "document"], 2, ["model.attn_mask_type", "block_causal"]),
     (None, [*PP2, "--model.attn_mask_type", "block_causal"], 2, ["block_causal is not supported with pipeline"]),
+    (
+        None,
+        ["--model.name", "qwen3_moe", "--model.attn_mask_type", "block_causal"],
+        2,
+        ["model.attn_mask_type block_causal is not supported by model qwen3_moe"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
