@@ -103,6 +103,7 @@ def test_simple_fsdp_gathers_each_weight_once_per_step_when_kept(fake_world, red
     assert counts["reduce_scatter"] == again_counts["reduce_scatter"] == rs
 
 
+@pytest.mark.slow  # two compiled models (about 15 s)
 def test_compiled_blocks_read_the_kept_weights_gathered_once_per_step(fake_world, tmp_path, monkeypatch):
     """Compiled blocks (aot_eager, transformer_block bucketing) under 4 accumulated microbatches, two steps:
     kept, each step gathers each parameter once, eagerly, and the graphs trace no gather (they read the
