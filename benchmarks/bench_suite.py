@@ -15,7 +15,10 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     and compiled with `model.attn_mask_type = block_causal` (packed documents of about a quarter of the
     sequence each, `packed_positions`) against the same variants causal; with
     `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
-    again per microbatch, SimpleFSDP and FSDP2 (`PP_VARIANTS`).
+    again per microbatch, SimpleFSDP and FSDP2 (`PP_VARIANTS`). Context parallelism (`cp_variants`): cp=2
+    on the same global batch as the dp variants (each rank holds half of twice as many sequences: the
+    same tokens per rank), and cp=2 on half of it (the dp variants' local batch split across the two
+    ranks: half the tokens per rank, the memory comparison of one sequence held by one rank or by two).
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
 `--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
@@ -278,7 +281,10 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     results: dict[str, Result] = {}
     variants: dict[str, Variant] = {}
     for name, extra in (
-        VARIANTS | (ACCUM_VARIANTS if args.accum > 1 else {}) | pp_variants(global_batch, world)
+        VARIANTS
+        | (ACCUM_VARIANTS if args.accum > 1 else {})
+        | pp_variants(global_batch, world)
+        | cp_variants(base_cfg.training.local_batch_size)
     ).items():
         if args.only and not any(selects(key, name) for key in args.only.split(",")):
             continue
@@ -287,7 +293,8 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
             result.error = "compile.bucketing=transformer_block is not an option of this config schema"
             continue
         try:
-            cfg = load_config([*base, *extra, "--training.global_batch_size", str(global_batch)])
+            batch = str(global_batch // 2 if name.startswith(CP_HALF) else global_batch)
+            cfg = load_config([*base, *extra, "--training.global_batch_size", batch])
             variant = Variant(cfg, device)
             for _ in range(args.warmup):
                 variant.step()
@@ -295,7 +302,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
         except Exception as e:  # a variant this torch/machine cannot run: report it, bench the rest
             result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue
-        result.tokens_per_step = global_batch * cfg.training.seq_len
+        result.tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         result.flops_per_token = variant.flops_per_token
         variants[name] = variant
         if rank == 0:
@@ -342,6 +349,19 @@ def pp_variants(global_batch: int, world: int) -> dict[str, list[str]]:
     batch = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", str(local)]
     batch += ["--parallelism.pipeline_parallel_microbatch_size", str(local // PP_MICROBATCHES)]
     return {name: [*batch, *extra] for name, extra in PP_VARIANTS.items()}
+
+
+CP_HALF = "cp=2, half the global batch"
+
+
+def cp_variants(local: int) -> dict[str, list[str]]:
+    """cp=2 (dp the rest) on the dp variants' global batch (twice their local batch per dp rank: the same
+    tokens per rank) and on half of it (their local batch: half the tokens per rank)."""
+    cp = ["--parallelism.context_parallel_degree", "2"]
+    return {
+        "cp=2, same global batch": [*cp, "--training.local_batch_size", str(2 * local)],
+        CP_HALF: [*cp, "--training.local_batch_size", str(local)],
+    }
 
 
 def result_row(r: Result, world: int, peak: float | None) -> dict:

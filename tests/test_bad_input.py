@@ -32,6 +32,13 @@ CASES = [
         ["tensor_parallel_degree 16", "n_kv_heads 8"],
     ),
     (None, ["--training.seq_len", "4096"], 2, ["seq_len 4096", "max_seq_len 2048"]),
+    (
+        None,
+        ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
+        2,
+        ["seq_len 66", "2 x context_parallel_degree 2"],
+    ),
+    (None, ["--parallelism.context_parallel_degree", "3"], 2, ["world size 2", "context_parallel_degree 3"]),
     (None, ["--model.tokenizer_path", "/nonexistent/tokenizer.model"], 2, ["tokenizer_path", "/nonexistent"]),
     (None, ["--training.dataset_path", "/nonexistent/*.jsonl"], 2, ["/nonexistent/*.jsonl"]),
     (None, ["--job.dump_folder", "/etc/passwd/out"], 2, ["dump_folder", "/etc/passwd/out", "not writable"]),

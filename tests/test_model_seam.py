@@ -89,6 +89,12 @@ def test_a_family_without_a_tensor_parallel_plan_refuses_tp():
         RunPlan.build(config(".", MLP, parallelism__tensor_parallel_degree=2), 2)
 
 
+def test_a_family_without_the_context_parallel_seam_refuses_cp():
+    register_model(SPEC)
+    with pytest.raises(ConfigError, match="does not support context parallelism"):
+        RunPlan.build(config(".", MLP, parallelism__context_parallel_degree=2), 2)
+
+
 @pytest.mark.slow
 def test_a_second_model_family_trains_checkpoints_and_resumes(tmp_path):
     def run(steps: int, *extra: str):

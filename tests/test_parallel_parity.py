@@ -13,6 +13,7 @@ import torch
 
 from harness import LOSS_REL, TINY, check_parity, parity
 
+COMPILED_CP = {"cp": 2, "compile": True, "bucketing": "transformer_block"}
 CASES_2 = [
     {"shard": 2},
     {"rep": 2},
@@ -53,6 +54,19 @@ CASES_2 = [
     {"tp": 2, "mask": "block_causal"},
     {"shard": 2, "accum": 2, "ac": "full", "mask": "block_causal"},
     {"shard": 2, "dp_impl": "fsdp2", "mask": "block_causal"},
+    # Context parallelism: each rank holds half of every sequence (head-tail), K/V all-gathered.
+    {"cp": 2},
+    {"cp": 2, "dp_impl": "fsdp2"},
+    {"cp": 2, "ac": "full"},
+    {"cp": 2, "ac": "selective"},
+    {"cp": 2, "accum": 2},
+    {"cp": 2, "mask": "block_causal"},
+    {"cp": 2, "ac": "full", "mask": "block_causal"},
+    COMPILED_CP,
+    {"cp": 2, "param_dtype": "bfloat16"},
+    # Negative control: the K/V gather without its backward reduce-scatter (each rank keeps only the
+    # gradient its own queries give its keys and values).
+    {"cp": 2, "no_kv_grad": True},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 # Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
@@ -70,7 +84,6 @@ CASES_4 = [
     {"pp": 2, "shard": 2},
     {"pp": 2, "shard": 2, "reshard": "default"},
     {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
-    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
     # Kept weights reduced in every backward, over dp x tp and HSDP.
     {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
     {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
@@ -82,6 +95,12 @@ CASES_4 = [
     # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph.
     {**COMPILED_DP_X_TP, "ac": "full"},
     {**COMPILED_DP_X_TP, "mask": "block_causal"},
+    # Context parallelism inside dp (FSDP over dp_shard x cp; HSDP), beside tp, under pipeline stages.
+    {"cp": 2, "shard": 2},
+    {"rep": 2, "cp": 2},
+    {"cp": 2, "tp": 2},
+    {"cp": 2, "tp": 2, "mask": "block_causal"},
+    {"pp": 2, "cp": 2},
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
@@ -99,7 +118,7 @@ def case_id(case: dict) -> str:
 
 
 def _fp32(cases: list[dict]) -> list[dict]:
-    return [c for c in cases if "param_dtype" not in c and not c.get("corrupt")]
+    return [c for c in cases if "param_dtype" not in c and not c.get("corrupt") and not c.get("no_kv_grad")]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +206,27 @@ def test_parity_detects_a_wrong_layout(records):
     assert rec["loss_rel"] > LOSS_REL
     with pytest.raises(AssertionError):
         check_parity([rec])
+
+
+@pytest.mark.slow
+def test_context_parallel_parity_needs_the_kv_gradient_reduction(records):
+    """The cp2 parity above can fail: without the reduce-scatter of the gathered keys' and values'
+    gradients, the losses leave the tolerance."""
+    rec = records(2, CASES_2)[case_id({"cp": 2, "no_kv_grad": True})]
+    assert rec["loss_rel"] > 10 * LOSS_REL
+    with pytest.raises(AssertionError):
+        check_parity([rec])
+
+
+@pytest.mark.slow
+def test_compiled_context_parallel_ran_bucketed_graphs(records):
+    """cp2 compiled with per-block bucketing: one graph whose parameter gathers (over the cp ranks, the
+    shard dim here) are bucketed; the K/V gathers (one per block) stay."""
+    report = records(2, CASES_2)[case_id(COMPILED_CP)]["compile_report"]
+    dp = report["dp"]
+    assert report["scope"] == "model"
+    assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
+    assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from titanlite.memory_plan import (
     estimate,
     pipeline_estimate,
 )
+from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import parallelize
@@ -293,6 +294,7 @@ def step_context(plan: RunPlan, step: StepChoice) -> StepContext:
         reduce_once=policy.reduce_once,
         keep_gathers=policy.keep_gathers,
         extra_loss=plan.spec.extra_loss,
+        sequence=SequenceShard.of(plan.dims.cp_mesh) if plan.dims.cp_mesh is not None else None,
     )
 
 

@@ -75,6 +75,9 @@ class Layout:
     local_batch: int
     """Samples per microbatch: the local batch, or the pipeline microbatch size under PP."""
     seq_len: int
+    cp: int = 1
+    """Context-parallel ranks: each holds seq_len / cp tokens of every sequence and gathers all keys and
+    values in attention."""
     blocks: tuple[int, ...] | None = None
     """The blocks a pipeline stage holds (None: every block)."""
     output: bool = True

@@ -135,6 +135,24 @@ def check_mask(cfg: JobConfig, spec: ModelSpec) -> None:
         )
 
 
+def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec) -> None:
+    """What context parallelism needs (`parallelisms/context_parallel.py`): a model with the seam, and
+    sequences that cut into 2 x cp equal chunks (whose cp shares tensor parallelism cuts again)."""
+    seq, cp = cfg.training.seq_len, dims.cp
+    if not spec.context_parallel:
+        raise ConfigError(f"model {spec.name} does not support context parallelism: set context_parallel_degree 1")
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len {seq} is not a multiple of 2 x context_parallel_degree {cp} "
+            "(each rank holds two equal chunks of every sequence, one from each end)"
+        )
+    if dims.tp_enabled and (seq // cp) % dims.tp:
+        raise ConfigError(
+            f"training.seq_len {seq} / context_parallel_degree {cp} is not a multiple of tensor_parallel_degree "
+            f"{dims.tp} (sequence parallelism splits each rank's tokens again)"
+        )
+
+
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:
     """A seed checkpoint is written by one process (on a GPU node NGPU defaults to every GPU)."""
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -194,6 +212,8 @@ class RunPlan:
         if dims.tp_enabled and spec.tp_plan is None:
             raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
         t = cfg.training
+        if dims.cp_enabled:
+            check_context_parallel(cfg, dims, spec)
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
         if global_batch % (t.local_batch_size * dims.dp):
             raise ConfigError(
@@ -282,9 +302,10 @@ class RunPlan:
             ac_option=self.cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
+            cp=dims.cp,
             unreduced_grads=step.reduce_once,
             keep_gathers=step.keep_gathers,
-            shard_ranks=dims.dp_shard,
+            shard_ranks=dims.shard_degree,
             attn_mask=self.cfg.model.attn_mask_type,
             device_type=device_type,
         )

@@ -6,8 +6,8 @@ model. `Trainer.train_step` adds agreement across ranks and the update.
     pipeline.PipelineRunner           this rank's pipeline stages, run by torch's schedule
 
 Both run inside the one `StepContext` (`parallelisms/step_context.py`): the same loss and loss scope
-(loss parallel; the hook for context parallelism), the same gradient reduction over the step's
-backwards, the same clipping.
+(loss parallel), the same batch (under context parallelism, the rank's part of every sequence), the same
+gradient reduction over the step's backwards, the same clipping.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.attention import AttnMaskType, build_mask
 from titanlite.optim import clip_grad_norm_
+from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
 
 
@@ -58,13 +59,29 @@ class StepRunner(Protocol):
         ...
 
 
-def model_forward(model: nn.Module, batch: Batch, mask_type: AttnMaskType) -> torch.Tensor:
-    """The model's output for one batch already on its device. Under `block_causal` the batch's positions
-    go to RoPE and its document mask is built here, once for every block and outside any compiled code
-    (`models/attention.py`); under `causal` the model sees the tokens alone."""
+def model_forward(
+    model: nn.Module, batch: Batch, mask_type: AttnMaskType, sequence: SequenceShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's output for one batch already on its device, and the labels it is scored against. Under
+    `block_causal` the batch's positions go to RoPE and its document mask is built here, once for every
+    block and outside any compiled code (`models/attention.py`); under `causal` the model sees the tokens
+    alone. Under context parallelism (`sequence`) the model sees this rank's part of every sequence: the
+    mask is that of its queries' global indices against every key (causal: one document per row), RoPE
+    takes its tokens' positions (causal: their global indices), and the labels are its part."""
+    if sequence is None:
+        if mask_type == "causal":
+            return model(batch.inputs), batch.labels
+        mask = build_mask(mask_type, batch.positions)
+        return model(batch.inputs, positions=batch.positions, mask=mask), batch.labels
+    rows, seq = batch.inputs.shape
+    held = sequence.positions(seq // sequence.degree, batch.inputs.device)
     if mask_type == "causal":
-        return model(batch.inputs)
-    return model(batch.inputs, positions=batch.positions, mask=build_mask(mask_type, batch.positions))
+        positions = torch.arange(seq, device=batch.inputs.device).expand(rows, seq)
+    else:
+        positions = batch.positions
+    mask = build_mask("block_causal", positions, q_index=held)
+    inputs, labels, positions = (sequence.shard(t) for t in (batch.inputs, batch.labels, positions))
+    return model(inputs, positions=positions, mask=mask), labels
 
 
 class LocalRunner:
@@ -78,8 +95,8 @@ class LocalRunner:
 
     def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
-        pred = model_forward(self.model, batch, self.mask_type)
-        return ctx.microbatch_loss(pred, batch.labels, backwards, self.model)
+        pred, labels = model_forward(self.model, batch, self.mask_type, ctx.sequence)
+        return ctx.microbatch_loss(pred, labels, backwards, self.model)
 
     def forward_backward(
         self, optimizer: torch.optim.Optimizer, batches: list[Batch], context: StepContext | None = None
@@ -104,4 +121,5 @@ class LocalRunner:
     def evaluate(self, batch: Batch) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
         with self.context.loss_scope():
-            return replicated(self.context.loss_fn(model_forward(self.model, batch, self.mask_type), batch.labels))
+            pred, labels = model_forward(self.model, batch, self.mask_type, self.context.sequence)
+            return replicated(self.context.loss_fn(pred, labels))

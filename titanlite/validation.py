@@ -85,8 +85,9 @@ class Validator:
             for _ in range(self.cfg.steps):
                 total += runner.evaluate(next(batches)).float()
         total /= self.cfg.steps
-        mesh = self.plan.dims.dp_mesh
-        if mesh is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
+        # The mean over the replicas and, under context parallelism, over each sequence's equal parts.
+        for mesh in (self.plan.dims.dp_mesh, self.plan.dims.cp_mesh):
+            if mesh is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
         tokens = self.cfg.steps * self.cfg.local_batch_size * self.plan.dims.dp * self.plan.cfg.training.seq_len
         return ValidationResult(total.item(), time.perf_counter() - start, tokens)

@@ -18,9 +18,11 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,6 +35,7 @@ from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
+from titanlite.parallelisms.context_parallel import SequenceShard, unshard_sequence  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
@@ -125,6 +128,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     p.data_parallel_replicate_degree = case.get("rep", 1)
     p.data_parallel_shard_degree = case.get("shard", -1)
     p.tensor_parallel_degree = case.get("tp", 1)
+    p.context_parallel_degree = case.get("cp", 1)
     p.dp_impl = case.get("dp_impl", "simple_fsdp")
     p.fsdp_reshard_after_forward = case.get("reshard", "auto")
     p.gradient_reduction = case.get("reduction", "auto")
@@ -141,14 +145,25 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.scope = case.get("scope", cfg.compile.scope)
     cfg.compile.components = ["model"]
     cfg.model.attn_mask_type = case.get("mask", "causal")
-    dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
     accum = case.get("accum", 1)
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.local_batch_size = GLOBAL_BATCH // dp // accum
     return cfg
 
 
+def gather_without_grad_reduction(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A negative control's K/V gather: the other ranks' parts arrive detached, so no rank receives the
+    gradient other ranks' queries give its keys and values (no reduce-scatter in backward)."""
+    parts = list(funcol.all_gather_single(t.detach().contiguous(), dim, self.group_name).chunk(self.degree, dim))
+    parts[self.rank] = t
+    return unshard_sequence(torch.cat(parts, dim), self.degree, dim)
+
+
 def run(case: dict, dump: str, batches):
+    if case.get("no_kv_grad"):
+        with mock.patch.object(SequenceShard, "gather", gather_without_grad_reduction):
+            return run({k: v for k, v in case.items() if k != "no_kv_grad"}, dump, batches)
     cfg = case_config(case, dump)
     torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
     trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=case_args(case)))

@@ -352,6 +352,7 @@ class CheckpointManager:
         check_compatible(path, state)
         fresh = config_groups(self.optimizer)
         old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
+        old_cp = marker.get("cp_degree", 1)
         cache: dict[int, dict] = {}
 
         def read_rank(r: int) -> dict:
@@ -363,7 +364,7 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.warning(resume.dataset_changed)
         elif self.dataloader is not None:
-            loader_state = rank_state.loader_state_for(self.dp_rank, self.dp_degree, old_dp, old_tp, read_rank)
+            loader_state = rank_state.loader_state_for(self.dp_rank, self.dp_degree, old_dp, old_cp * old_tp, read_rank)
             if loader_state is None:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
@@ -379,10 +380,12 @@ class CheckpointManager:
         restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
         step = int(state["train_state"]["step"])
-        resharded = (old_world, old_dp, old_tp) != (self.world_size, self.dp_degree, self.dims.tp)
+        old = (old_world, old_dp, old_cp, old_tp)
+        resharded = old != (self.world_size, self.dp_degree, self.dims.cp, self.dims.tp)
+        cp_text = f", cp {old_cp}" if old_cp > 1 else ""
         self._log(
             f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s "
             f"(checksums verified in {self._verify_seconds:.2f}s)"
-            + (f" (resharded from world {old_world}, dp {old_dp}, tp {old_tp})" if resharded else "")
+            + (f" (resharded from world {old_world}, dp {old_dp}{cp_text}, tp {old_tp})" if resharded else "")
         )
         return step

@@ -4,11 +4,11 @@ DCP reshards tensors, but this state is per rank and not a tensor: each rank wri
 `rank_state/rank-<r>.pt` into the step folder before the folder is completed (the completion marker
 lists these files too), and a resuming rank picks what it needs from the old ranks' files.
 
-Resharding rule for the data loader (ranks are laid out (dp_replicate, dp_shard, tp), so the old rank
-`d * tp_old` is the first tensor-parallel rank of old dp rank `d`; all tp ranks of a dp rank read the
-same data and hold the same state):
+Resharding rule for the data loader (ranks are laid out (dp_replicate, dp_shard, cp, tp), so the old
+rank `d * cp_old * tp_old` is the first rank of old dp rank `d`; all cp and tp ranks of a dp rank read
+the same data, and its first rank holds the state, `parallelisms/replica_batches.py`):
 
-- same dp degree (any tp degree): new dp rank d loads the state of old dp rank d, unchanged;
+- same dp degree (any cp or tp degree): new dp rank d loads the state of old dp rank d, unchanged;
 - different dp degree: the states of all old dp ranks are merged with `merge_loader_states` into one
   state holding the cursor of every virtual shard, and every new rank loads it, keeping the shards it
   owns (`v % dp == d`). Saves happen between optimizer steps, where every old rank has produced
@@ -71,19 +71,20 @@ def read(folder: Path, rank: int) -> dict:
 
 
 def loader_state_for(
-    dp_rank: int, dp_degree: int, old_dp: int, old_tp: int, read_rank: Callable[[int], dict]
+    dp_rank: int, dp_degree: int, old_dp: int, old_replica: int, read_rank: Callable[[int], dict]
 ) -> dict | None:
-    """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring).
+    """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring);
+    `old_replica` is the old layout's ranks per dp rank and pipeline stage (cp x tp).
 
     `read_rank(r)` returns old rank r's saved state; only the files needed are read.
     """
     if old_dp == dp_degree:
-        state = read_rank(dp_rank * old_tp)
+        state = read_rank(dp_rank * old_replica)
         _check_dp_rank(state, dp_rank)
         return state["dataloader"]
     states = []
     for d in range(old_dp):
-        state = read_rank(d * old_tp)
+        state = read_rank(d * old_replica)
         _check_dp_rank(state, d)
         states.append(state["dataloader"])
     if any(s is None for s in states):

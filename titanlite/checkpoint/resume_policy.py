@@ -156,6 +156,7 @@ class RunRecord:
             "world_size": dims.world_size,
             "dp_degree": dims.dp,
             "tp_degree": dims.tp,
+            "cp_degree": dims.cp,
             "dp_impl": cfg.parallelism.dp_impl,
             "flavor": cfg.model.flavor,
         }

@@ -193,7 +193,7 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble",)
 
 @dataclass
 class Parallelism:
-    """How the world of ranks is split: data parallel (FSDP, HSDP) and tensor parallel."""
+    """How the world of ranks is split: data parallel (FSDP, HSDP), context, tensor and pipeline parallel."""
 
     data_parallel_replicate_degree: int = field(default=1, metadata=POSITIVE)
     """Replicas of the sharded model (HSDP's outer dimension); 1 = plain FSDP."""
@@ -203,6 +203,11 @@ class Parallelism:
     """-1 = whatever the world size leaves after the other degrees."""
     tensor_parallel_degree: int = field(default=1, metadata=POSITIVE)
     """Ranks splitting each layer's matmuls (Megatron-style tensor parallelism)."""
+    context_parallel_degree: int = field(default=1, metadata=POSITIVE)
+    """Ranks splitting each sequence (context parallelism): each holds 1/cp of every sequence's tokens (two
+    chunks, one from each end, to balance causal attention) and all-gathers the keys and values of the
+    whole sequence in attention; parameters are sharded over data_parallel_shard_degree x cp. The mesh
+    is (pp, dp_replicate, dp_shard, cp, tp). training.seq_len must be a multiple of 2 x cp."""
     dp_impl: Literal["simple_fsdp", "fsdp2"] = "simple_fsdp"
     """`simple_fsdp` (this project's) or `fsdp2` (torch's fully_shard, the baseline)."""
     fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = "auto"

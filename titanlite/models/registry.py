@@ -88,6 +88,9 @@ class ModelSpec:
     attn_mask_types: tuple[str, ...] = ("causal",)
     """The `model.attn_mask_type` values the family's forward takes (module docstring); others are
     refused before any rank starts."""
+    context_parallel: bool = False
+    """The model's attention declares the context-parallel seam (`parallelisms/context_parallel.py`): a
+    context-parallel degree above one is refused before any rank starts otherwise."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
     (`titanlite/models/cost.py`); None: no layout search."""

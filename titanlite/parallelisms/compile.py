@@ -221,8 +221,13 @@ def _model_plans(units: Units) -> tuple:
 
 
 def _group_labels(dims: ParallelDims) -> dict[str, str]:
-    """Process-group name -> `dp` or `tp`, for every named dim of the mesh (and the flattened dp dim)."""
-    return {g.group_name: "tp" if n == "tp" else "dp" for n, g in dims.process_groups().items() if n != "pp"}
+    """Process-group name -> `dp`, `cp` or `tp`, for every named dim of the mesh (and the flattened dp dims);
+    the cp group is `dp` where it is also the parameters' shard group (no dp_shard dim beside it)."""
+
+    def label(name: str) -> str:
+        return "tp" if name == "tp" else "cp" if name == "cp" and dims.dp_shard > 1 else "dp"
+
+    return {g.group_name: label(n) for n, g in dims.process_groups().items() if n != "pp"}
 
 
 def _cost_model(c: Any, dims: ParallelDims) -> CostModel | None:
@@ -232,7 +237,7 @@ def _cost_model(c: Any, dims: ParallelDims) -> CostModel | None:
     configured = CostModel.from_config(c.cpu_gflops, c.cpu_mem_gbps, c.comm_latency_us, c.comm_gbps)
     if c.cost_model == "config" or c.bucketing != "auto":
         return configured.quantised()
-    return CostModel.measure(dims.dp_mesh.get_group(), fallback=configured)
+    return CostModel.measure((dims.dp_mesh or dims.param_mesh).get_group(0), fallback=configured)
 
 
 # Inductor settings for a unit whose collectives our bucketing pass placed, decided from torch 2.13's code

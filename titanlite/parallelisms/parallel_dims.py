@@ -1,12 +1,16 @@
 """Parallel degrees -> one validated DeviceMesh with named dims.
 
-The mesh holds only the dims whose degree is > 1, in the order (pp, dp_replicate, dp_shard, tp), so that tp
-ranks are neighbours (NVLink within a node), data parallelism spans nodes, and pipeline stages (whose
-traffic is one activation per microbatch) are the farthest apart. A single process is a
+The mesh holds only the dims whose degree is > 1, in the order (pp, dp_replicate, dp_shard, cp, tp), so that
+tp ranks are neighbours (NVLink within a node), context-parallel ranks (one all-gather of keys and values
+per block) come next, data parallelism spans nodes, and pipeline stages (whose traffic is one activation
+per microbatch) are the farthest apart. A single process is a
 mesh of one `dp_shard` rank: it gets the same plan as any world (SimpleFSDP's mixed precision and
 reshard policy, compile with its passes; the collectives of a one-rank dim are no-ops). Flattened views:
 `dp` (every data-parallel dim: the ranks that see different data, the dataloader's and the loss's mesh)
-and `dp_shard_tp`-style submeshes are taken with torch's own slicing. A pipeline stage's plan (TP, SimpleFSDP,
+and `dp_shard_tp`-style submeshes are taken with torch's own slicing. Context parallelism (`cp`) is not
+a data dim (its ranks share one batch, each holding part of every sequence) but its ranks hold different
+tokens, so the parameters are sharded, and their gradients reduced, over dp_shard x cp flattened into one
+dim (`param_mesh`), as TorchTitan does. A pipeline stage's plan (TP, SimpleFSDP,
 FSDP2) runs on the mesh without `pp` (`dim_names`); `pp_mesh` carries the stages' point-to-point traffic.
 """
 
@@ -29,38 +33,43 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    cp: int = 1
     tp_divisible: dict[str, int] = field(default_factory=dict)
     """Model sizes the tp degree must divide (e.g. {"n_heads": 32}), named in the error."""
     dp_impl: str = "simple_fsdp"
     disable_loss_parallel: bool = False
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat_dp: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _param_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """Under context parallelism: the data-parallel plan's mesh, dp_shard x cp flattened (`param_mesh`)."""
     """The data-parallel dims flattened into one (`dp`) when there are two: kept here, since slicing a
     flattened dim from the world mesh is deprecated by torch."""
 
     def __post_init__(self) -> None:
         pp_text = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
+        cp_text = f" x context_parallel_degree {self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
-            rest = self.pp * self.dp_replicate * self.tp
+            rest = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
                 raise ConfigError(
                     f"parallelism: world size {self.world_size} is not divisible by {pp_text}"
-                    f"data_parallel_replicate_degree {self.dp_replicate} x tensor_parallel_degree {self.tp}"
+                    f"data_parallel_replicate_degree {self.dp_replicate}{cp_text} x tensor_parallel_degree {self.tp}"
                 )
             self.dp_shard = self.world_size // rest
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             pp_dim = f"pp={self.pp} x " if self.pp > 1 else ""
+            cp_dim = f" x cp={self.cp}" if self.cp > 1 else ""
             raise ConfigError(
-                f"parallelism: mesh {pp_dim}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"= {product} does not equal the world size {self.world_size}"
+                f"parallelism: mesh {pp_dim}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp_dim} "
+                f"x tp={self.tp} = {product} does not equal the world size {self.world_size}"
             )
         for name, size in self.tp_divisible.items():
             if size % self.tp:
                 raise ConfigError(
                     f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}"
                 )
-        if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard == 1:
+        if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard * self.cp == 1:
             raise ConfigError(
                 "parallelism: dp_impl=fsdp2 needs data_parallel_shard_degree > 1 "
                 f"(got dp_replicate={self.dp_replicate} x dp_shard=1); use dp_impl=simple_fsdp for pure replication"
@@ -75,6 +84,7 @@ class ParallelDims:
             tp=p.tensor_parallel_degree,
             world_size=world_size,
             pp=p.pipeline_parallel_degree,
+            cp=p.context_parallel_degree,
             tp_divisible=dict(tp_divisible or {}),
             dp_impl=p.dp_impl,
             disable_loss_parallel=p.disable_loss_parallel,
@@ -86,8 +96,12 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        """Whether the data-parallel plan (SimpleFSDP or FSDP2) is applied: dp > 1, or one process."""
-        return self.dp > 1 or self.world_size == 1
+        """Whether the data-parallel plan (SimpleFSDP or FSDP2) is applied: dp x cp > 1, or one process."""
+        return self.dp * self.cp > 1 or self.world_size == 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def loss_parallel(self) -> bool:
@@ -103,9 +117,14 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def shard_degree(self) -> int:
+        """Ranks each parameter is sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
     def dp_mode(self) -> str:
-        """SimpleFSDP mode implied by the degrees."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        """SimpleFSDP mode implied by the degrees (cp shards like dp_shard)."""
+        if self.dp_replicate > 1 and self.shard_degree > 1:
             return "hybrid_shard"
         return "replicate" if self.dp_replicate > 1 else "fully_shard"
 
@@ -118,8 +137,13 @@ class ParallelDims:
 
     @property
     def dim_names(self) -> tuple[str, ...]:
-        """The dims of one pipeline stage's mesh (every dim but `pp`): what TP and data parallelism use."""
-        return self.dp_dim_names + (("tp",) if self.tp > 1 else ())
+        """The dims of one pipeline stage's mesh (every dim but `pp`): what CP, TP and data parallelism use."""
+        return self.dp_dim_names + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
+
+    @property
+    def param_ndim(self) -> int:
+        """The data-parallel dims of `param_mesh` (its leading ones): replicate and/or the shard dim."""
+        return max(1, int(self.dp_replicate > 1) + int(self.shard_degree > 1))
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -127,11 +151,22 @@ class ParallelDims:
         return (("pp",) if self.pp > 1 else ()) + self.dim_names
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        degrees = {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
         names = self.mesh_dim_names or ("dp_shard",)
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         if len(self.dp_dim_names) > 1:
             self._flat_dp = mesh[self.dp_dim_names]._flatten("dp")
+        if self.cp > 1:
+            shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if self.dp_shard > 1 else mesh["cp"]
+            parts = [mesh["dp_replicate"]] if self.dp_replicate > 1 else []
+            parts += [shard] + ([mesh["tp"]] if self.tp > 1 else [])
+            self._param_mesh = DeviceMesh._concatenate(parts) if len(parts) > 1 else shard
         self._mesh = mesh
         return mesh
 
@@ -150,11 +185,29 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """The flattened data-parallel mesh: data loading and loss averaging."""
-        if not self.dp_enabled:
+        """The flattened data-parallel mesh: data loading and loss averaging (None without data dims)."""
+        if not self.dp_dim_names:
             return None
         mesh = self.world_mesh
         return self._flat_dp if self._flat_dp is not None else mesh[self.dp_dim_names[0]]
+
+    @property
+    def param_mesh(self) -> DeviceMesh:
+        """The data-parallel plan's mesh: its `param_ndim` data-parallel dims (dp_shard x cp as one), then tp."""
+        if self._param_mesh is not None:
+            return self._param_mesh
+        return self.submesh(self.dim_names or ("dp_shard",))
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The data-parallel dims of `param_mesh` alone (FSDP2's mesh)."""
+        mesh = self.param_mesh
+        names = mesh.mesh_dim_names or ()
+        return mesh[names[0]] if self.param_ndim == 1 else mesh[names[:2]]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self.world_mesh["cp"] if self.cp_enabled else None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -170,13 +223,19 @@ class ParallelDims:
         groups = {name: mesh[name].get_group() for name in mesh.mesh_dim_names or ()}
         if self._flat_dp is not None:
             groups["dp"] = self._flat_dp.get_group()
+        if self._param_mesh is not None and self.dp_shard > 1:
+            groups["dp_shard_cp"] = self.fsdp_mesh.get_group(self.param_ndim - 1)
         return groups
 
     def dp_rank_of(self, rank: int) -> int:
         """Global `rank`'s index on the flattened dp mesh (ranks are laid out pp, dp_replicate, dp_shard,
-        tp); arithmetic only, so it is known before any process group exists."""
-        return (rank // self.tp) % self.dp
+        cp, tp); arithmetic only, so it is known before any process group exists."""
+        return (rank // (self.cp * self.tp)) % self.dp
+
+    def cp_rank_of(self, rank: int) -> int:
+        """Global `rank`'s context-parallel rank: which two chunks of every sequence it holds."""
+        return (rank // self.tp) % self.cp
 
     def pp_rank_of(self, rank: int) -> int:
         """Global `rank`'s pipeline rank (0 holds the first stage)."""
-        return rank // (self.dp * self.tp)
+        return rank // (self.dp * self.cp * self.tp)

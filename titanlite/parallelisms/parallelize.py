@@ -1,7 +1,8 @@
 """The order of the parallelisms, owned by the framework and written once.
 
     tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
-    [context parallelism]   its place: after TP (it shards the sequence the TP plan's layouts assume)
+    context parallelism     `context_parallel.apply_context_parallel`: the model's attention gets the rank's
+                            part of every sequence (after TP, whose layouts split it further)
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2
@@ -34,6 +35,7 @@ from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.compile import apply_compile
+from titanlite.parallelisms.context_parallel import apply_context_parallel
 from titanlite.parallelisms.eager_reshard import apply_reshard
 from titanlite.parallelisms.fsdp2 import apply_fsdp2
 from titanlite.parallelisms.parallel_dims import ParallelDims
@@ -52,7 +54,8 @@ def parallelize(
     if dims.tp_enabled:
         assert tp_plan is not None, "RunPlan.build refuses tensor parallelism for a family without a plan"
         apply_tp(model, units, tp_plan(dims.loss_parallel), dims.tp_mesh)
-    # Context parallelism goes here: after TP, before AC and compile wrap the blocks.
+    if dims.cp_enabled:  # after TP, before AC and compile wrap the blocks
+        apply_context_parallel(model, dims.cp_mesh)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model, units, ac, cfg, dims)
@@ -70,13 +73,13 @@ def _data_parallel(model: nn.Module, units: Units, dims: ParallelDims, cfg: JobC
         cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
     )
     if cfg.parallelism.dp_impl == "fsdp2":
-        apply_fsdp2(model, units, dims.submesh(dims.dp_dim_names), param_dtype, reduce_dtype, reshard)
+        apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
         return
     data_parallel(
         model,
-        dims.submesh(dims.dim_names),
+        dims.param_mesh,
         dims.dp_mode,
         MixedPrecisionPolicy(param_dtype, reduce_dtype),
-        dp_ndim=len(dims.dp_dim_names),
+        dp_ndim=dims.param_ndim,
     )
     apply_reshard(model, units, reshard)

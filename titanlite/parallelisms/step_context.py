@@ -5,9 +5,10 @@ per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
 - The loss of a microbatch: `loss_fn(pred, labels)` plus the family's extra term (training only), over the
   step's backwards, so the summed gradient is that of the mean over the rank's batch.
 - The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
-  the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain). A
-  parallelism that changes how the loss is computed (context parallelism: a sequence-sharded loss) adds
-  its context here, and both runners and validation get it.
+  the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain).
+- The batch: under context parallelism each rank takes its part of every sequence of a microbatch
+  (`batch`, `context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient
+  averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call it.
 - The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
   chosen from the memory plan), over all of the step's backwards.
 - Clipping: by the global gradient norm, after the last backward.
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.gradient_reduction import reduce_once
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,10 +54,19 @@ class StepContext:
     """Gather the weights once per step, for all of its microbatches."""
     extra_loss: ExtraLoss | None = None
     """Added to each training microbatch's loss (`ModelSpec.extra_loss`); not to validation's."""
+    sequence: SequenceShard | None = None
+    """Context parallelism: this rank's part of every sequence."""
 
     def with_loss(self, loss_fn: LossFn) -> StepContext:
         """The same context with another loss (a test's injected fault)."""
         return dataclasses.replace(self, loss_fn=loss_fn)
+
+    def batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of a microbatch's inputs and labels ([batch, seq]): all of them, or its part
+        of every sequence under context parallelism."""
+        if self.sequence is None:
+            return inputs, labels
+        return self.sequence.shard(inputs), self.sequence.shard(labels)
 
     def loss_scope(self) -> contextlib.AbstractContextManager:
         """Where a microbatch's forward-to-loss and its backward run (training and validation alike)."""

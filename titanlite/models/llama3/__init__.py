@@ -35,6 +35,7 @@ SPEC = ModelSpec(
     tied_embeddings=lambda args: args.tie_embeddings,
     step_cost=step_cost,
     attn_mask_types=("causal", "block_causal"),
+    context_parallel=True,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

@@ -12,6 +12,12 @@ recomputed under AC, plus gradients of its activations). Under block_causal ever
 one attention mask, alive from the forward to the backward (`models/attention.mask_bytes`). Compiled
 blocks usually save less (fused norms
 and SwiGLU), so this is an upper bound for them.
+
+Context parallelism divides every per-token part by cp (a rank holds seq_len / cp tokens of each
+sequence) and adds, per block, what its attention saves beyond that: the keys and values of the whole
+sequence (all-gathered), and off CUDA the additive bias in the compute dtype that SDPA makes of the dense
+mask and saves; in backward, the gathered keys' and values' gradients. The batch's mask (always built
+under cp: the rank's queries against every key) is counted once, by `mask_bytes`.
 """
 
 from __future__ import annotations
@@ -27,12 +33,19 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     d, h, kv, hd, f = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim
     t = layout.tp
     e = layout.compute_dtype.itemsize
-    tokens = layout.local_batch * layout.seq_len
+    cp = layout.cp
+    tokens = layout.local_batch * layout.seq_len // cp
     # Per token. RMSNorm saves its fp32 input and normalised input (SP-sharded) and rstd; the norm output,
     # all-gathered for the projections, is saved full size.
     norm = (8 * d + 4) / t + d * e
     qkv = (h + 2 * kv) * hd * e / t
     sdpa = h * hd * e / t + 4 * h / t
+    # Under cp every batch has a mask (the rank's queries against every key): off CUDA a dense one, which
+    # SDPA turns into an additive bias per block that it saves.
+    mask_type = "block_causal" if cp > 1 else layout.attn_mask
+    dense_bias = mask_type != "causal" and layout.device_type != "cuda"
+    if cp > 1:  # gathered K/V (per local token: cp tokens' worth)
+        sdpa += 2 * kv * hd * e / t * cp + (e * layout.seq_len if dense_bias else 0)
     per_block = {
         "none": 2 * norm + qkv + sdpa + 4 * f * e / t,
         "full": d * e / t,
@@ -44,6 +57,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     }
     # Gradients of one block's activations while it runs backward.
     block_grads = (2 * f + d) * e / t + (d * e if t > 1 else 0)
+    if cp > 1:  # the gathered keys' and values' gradients, before their reduce-scatter
+        block_grads += 2 * kv * hd * e / t * cp
     vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
     blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
     saved = [per_block[layout.block_ac(i)] for i in blocks]  # AC every k-th block counts global indices
@@ -65,7 +80,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
         if layout.output:
             parts["logits"] = logits
     out = {name: round(v * tokens) for name, v in parts.items()}
-    mask = mask_bytes(layout.attn_mask, layout.device_type, layout.local_batch, layout.seq_len, layout.seq_len)  # type: ignore[arg-type]
+    q_len = layout.seq_len // cp
+    mask = mask_bytes(mask_type, layout.device_type, layout.local_batch, q_len, layout.seq_len)  # type: ignore[arg-type]
     if mask:
         out["attention mask"] = mask
     out["peak"] = round(max(start_of_backward, last_block_backward) * tokens) + mask

@@ -22,6 +22,7 @@ from torch import nn
 
 from titanlite.models.attention import Mask, attend
 from titanlite.models.init import InitSpec, init_parameters_
+from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
 """The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
@@ -176,6 +177,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    context_parallel: SequenceShard | None = None
+    """Under context parallelism this rank's part of every sequence (set by the framework): the input
+    holds some tokens of each sequence and the keys and values of all are gathered; the step's mask is
+    that of the rank's queries against every key (`step.model_forward`). Without one (a pipeline stage)
+    RoPE takes the held tokens' global positions and the mask is causal over global indices."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
@@ -192,7 +199,14 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        cp = self.context_parallel if kv is None else None
+        if cp is not None and mask is None:  # no batch mask (a pipeline stage): causal over global indices
+            held = cp.positions(seq, x.device)
+            cos, sin = cos[held], sin[held]
+            mask = held[:, None] >= torch.arange(seq * cp.degree, device=x.device)[None, :]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cp is not None:
+            k, v = cp.gather(torch.stack((k, v)), dim=2).unbind(0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         causal = True
         if kv is not None:  # generation: attend to every position so far (KVCache)

@@ -1,0 +1,179 @@
+"""Context parallelism: the head-tail sharding, attention against plain PyTorch, and runs through
+run_train.sh against one process (fp32 and bf16), with checkpoints resumed across cp degrees.
+
+The layouts' parity through the trainer's step (cp2 with FSDP2, AC, accumulation, compile; cp2 x dp_shard2,
+x dp_replicate2, x tp2, pp2 x cp2) and its negative control are in tests/test_parallel_parity.py.
+
+CLI runs: the debug model, seq_len 64, global batch 4, 6 steps, a checkpoint at step 3. Tolerances: fp32
+layouts agree within the harness's relative 1e-5; bf16 cp2 and bf16 one process within the bf16
+tolerance of tests/test_parallel_parity.py (1e-3); a resume on its own layout is bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun
+from harness import train as run_trainer
+from titanlite.config import load_config
+from titanlite.parallelisms.context_parallel import (
+    head_tail_order,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from titanlite.parallelisms.replica_batches import replica_ranks
+from titanlite.plan import RunPlan
+
+BF16_REL = 1e-3
+STEPS, SAVE_AT = 6, 3
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+# Held-out documents (the same training stream for every layout), evaluated at steps 3 and 6.
+HOLDOUT = ["--validation.holdout_documents", "64"]
+VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2"]
+VALIDATION += ["--validation.local_batch_size", "2"]
+# nproc, local batch, extra: every layout trains the same global batch of 4 sequences.
+LAYOUTS = {"single": (1, "4", []), "cp2": (2, "4", CP2), "dp2": (2, "2", [])}
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_head_tail_sharding(degree):
+    """Rank r holds chunks r and 2cp-1-r; the ranks' parts in rank order unshard to the sequence; every
+    rank has the same causal attention work (sum of the keys its queries see)."""
+    seq = torch.arange(2 * 8 * degree).reshape(2, -1) * 10
+    parts = [shard_sequence(seq, degree, r) for r in range(degree)]
+    assert torch.equal(unshard_sequence(torch.cat(parts, dim=1), degree), seq)
+    chunk = seq.shape[1] // (2 * degree)
+    for r in range(degree):
+        held = sequence_positions(seq.shape[1], degree, r)
+        expected = list(range(r * chunk, (r + 1) * chunk)) + list(
+            range((2 * degree - 1 - r) * chunk, (2 * degree - r) * chunk)
+        )
+        assert held.tolist() == expected
+        assert torch.equal(parts[r], seq[:, held])
+    work = {int((sequence_positions(seq.shape[1], degree, r) + 1).sum()) for r in range(degree)}
+    assert len(work) == 1
+    assert sorted(head_tail_order(degree)) == list(range(2 * degree))
+
+
+def test_cp_sits_inside_dp_and_outside_tp_and_counts_each_token_once():
+    """8 ranks as dp_shard 2 x cp 2 x tp 2: neighbours are tp peers, then cp peers; the cp ranks of a dp
+    rank share its data (one loader, one replica); parameters shard over dp_shard x cp; tokens/s per GPU
+    divides the global batch's tokens by the world."""
+    cfg = load_config(["--config", str(ROOT / "train_configs/debug_model.toml"), *CP2, "--training.seq_len", "64"])
+    cfg.parallelism.tensor_parallel_degree = 2
+    plan = RunPlan.build(cfg, 8)
+    dims = plan.dims
+    assert dims.mesh_dim_names == ("dp_shard", "cp", "tp") and (dims.dp, dims.shard_degree) == (2, 4)
+    assert [dims.dp_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.cp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert replica_ranks(dims) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.global_batch == 2 * cfg.training.local_batch_size
+    assert plan.tokens_per_gpu_step == plan.global_batch * 64 / 8
+
+
+@pytest.mark.slow
+def test_attention_and_its_gradients_match_plain_pytorch(tmp_path):
+    """Llama's attention (GQA) on 2 cp ranks: output, input gradient and the weights' gradients equal
+    one process's over the whole sequence (fp32); the K/V gather's backward reduce-scatter gives each
+    rank the gradient every rank's queries give its keys and values."""
+    out = tmp_path / "diffs.json"
+    assert_ok(torchrun(["tests/workers/cp_attention.py", str(out)], 2))
+    diffs = json.loads(out.read_text())
+    assert max(diffs.values()) < 1e-5, diffs
+    assert {"out", "input_grad", "wq.weight.grad", "wk.weight.grad", "wv.weight.grad", "wo.weight.grad"} <= set(diffs)
+
+
+def train(dump: Path, layout: str, *extra: str) -> RunResult:
+    nproc, local, layout_args = LAYOUTS[layout]
+    return run_trainer(
+        dump,
+        nproc,
+        *SMALL,
+        "--training.steps",
+        str(STEPS),
+        "--training.local_batch_size",
+        local,
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.interval",
+        str(SAVE_AT),
+        *HOLDOUT,
+        *layout_args,
+        *extra,
+        launcher="run_train",
+    )
+
+
+def losses(dump: Path, key: str = "loss") -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def rel(a: dict[int, float], b: dict[int, float], first: int = 1) -> float:
+    steps = [s for s in a if s >= first]
+    assert steps and all(s in b for s in steps), (a, b)
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in steps)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One process and cp2, fp32 (checkpointing) and bf16: uninterrupted, one after another."""
+    root = tmp_path_factory.mktemp("cp_runs")
+    out = {}
+    for name, layout, extra in (
+        ("single", "single", ["--checkpoint.enable", *VALIDATION]),
+        ("cp2", "cp2", ["--checkpoint.enable", *VALIDATION]),
+        ("single_bf16", "single", BF16),
+        ("cp2_bf16", "cp2", BF16),
+    ):
+        proc = train(root / name, layout, *extra)
+        assert_ok(proc)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.slow
+def test_cp2_matches_one_process_through_run_train(runs):
+    """NGPU=2 ./run_train.sh --parallelism.context_parallel_degree 2: six steps' losses and the held-out
+    losses equal one process's (fp32 within 1e-5; bf16 against bf16 within 1e-3, and bf16 really differs
+    from fp32)."""
+    assert len(losses(runs["cp2"])) == STEPS
+    assert rel(losses(runs["cp2"]), losses(runs["single"])) <= LOSS_REL
+    # Validation runs through the same sharded batch and averages over the cp ranks.
+    assert sorted(losses(runs["cp2"], "val_loss")) == [SAVE_AT, STEPS]
+    assert rel(losses(runs["cp2"], "val_loss"), losses(runs["single"], "val_loss")) <= LOSS_REL
+    assert rel(losses(runs["cp2_bf16"]), losses(runs["single_bf16"])) <= BF16_REL
+    assert rel(losses(runs["cp2_bf16"]), losses(runs["single"])) > LOSS_REL
+
+
+def resume(src: Path, dst: Path, layout: str) -> RunResult:
+    """Train `layout` from `src`'s step-3 checkpoint alone (a fresh dump folder)."""
+    shutil.copytree(src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
+    proc = train(dst, layout, "--checkpoint.enable")
+    assert_ok(proc)
+    assert f"step-{SAVE_AT} at step {SAVE_AT}" in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,layout", [("cp2", "cp2"), ("cp2", "dp2"), ("cp2", "single"), ("single", "cp2")])
+def test_resume_across_cp_degrees(runs, tmp_path, src, layout):
+    """A cp2 checkpoint (parameters, optimizer state, data loader position) resumes on cp2 bitwise, and
+    on dp2 and one process within 1e-5 of the uninterrupted one-process run; a one-process checkpoint
+    resumes on cp2 likewise."""
+    proc = resume(runs[src], tmp_path, layout)
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+    if src == layout:
+        assert "resharded" not in proc.stderr
+        assert got == {s: v for s, v in losses(runs[src]).items() if s > SAVE_AT}
+    else:
+        assert "resharded" in proc.stderr
+        assert rel(got, losses(runs["single"])) <= LOSS_REL

@@ -1,0 +1,102 @@
+"""Context parallelism: the ranks of the `cp` mesh dim each hold part of every sequence of the batch.
+
+Load balancing (head-tail): a sequence is cut into 2 x cp equal chunks and cp rank r holds chunks r and
+2cp-1-r, so under a causal mask every rank has the same attention work (an early chunk sees few keys,
+a late one many). Every per-token tensor of a batch (inputs, labels, positions) is sharded this way
+before the model runs (`SequenceShard.shard`), by the step runners through `StepContext`.
+
+Attention: the queries stay sharded; the keys and values of the whole sequence are all-gathered over cp
+(one collective per block for both) and put back in sequence order (`SequenceShard.gather`), so any
+mask works: a rank builds its mask from the global indices of its queries (`positions`) and of every
+key. The gather is torch's functional all-gather, which differentiates to a reduce-scatter (sum) of the
+keys' and values' gradients: each rank receives the gradient of every rank's loss with respect to its
+own keys and values.
+
+Loss and gradients: each rank's loss is the mean over its tokens, every rank holds the same number of
+tokens, and the data-parallel plan averages the gradients over dp_shard x cp (`ParallelDims.param_mesh`),
+so the gradient is that of the mean over the whole batch, as one process computes it. The logged loss is
+averaged over the world (`resilience.agree`) and tokens/s counts each token once (the world size divides
+the global batch's tokens).
+
+The model sees only the seam: a module with a `context_parallel` attribute (None by default, a class
+attribute) gets this rank's `SequenceShard` there (`apply_context_parallel`); Llama's attention calls
+`positions` and `gather` through it and knows nothing of meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+SEAM = "context_parallel"
+"""The attribute a module declares (None) to receive the rank's `SequenceShard`."""
+
+
+def head_tail_order(degree: int) -> list[int]:
+    """The sequence's 2 x `degree` chunks in the order the ranks hold them: rank 0's two, rank 1's two, ..."""
+    return [c for r in range(degree) for c in (r, 2 * degree - 1 - r)]
+
+
+def shard_sequence(t: torch.Tensor, degree: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s part of `t` along `dim`: chunks `rank` and 2 x degree - 1 - rank of 2 x `degree`."""
+    if degree == 1:
+        return t
+    chunks = t.chunk(2 * degree, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * degree - 1 - rank]], dim=dim)
+
+
+def unshard_sequence(t: torch.Tensor, degree: int, dim: int = 1) -> torch.Tensor:
+    """The inverse of sharding on every rank and concatenating in rank order: `t` (all ranks' parts, rank
+    0's first, along `dim`) back in sequence order."""
+    if degree == 1:
+        return t
+    held = t.chunk(2 * degree, dim=dim)
+    by_chunk = dict(zip(head_tail_order(degree), held))
+    return torch.cat([by_chunk[c] for c in range(2 * degree)], dim=dim)
+
+
+def sequence_positions(seq_len: int, degree: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global indices of the tokens rank `rank` holds of a `seq_len`-token sequence."""
+    return shard_sequence(torch.arange(seq_len, device=device), degree, rank, dim=0)
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's part of every sequence: what the model's attention calls (module docstring)."""
+
+    degree: int
+    rank: int
+    group_name: str
+    """The cp process group, by name (functional collectives take it so, and compiled code too)."""
+
+    @classmethod
+    def of(cls, cp_mesh: DeviceMesh) -> SequenceShard:
+        return cls(cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group().group_name)
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a per-token tensor of the batch ([batch, seq, ...] with `dim` 1)."""
+        return shard_sequence(t, self.degree, self.rank, dim)
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The global indices of this rank's `local_len` tokens (a sequence of degree x local_len)."""
+        return sequence_positions(local_len * self.degree, self.degree, self.rank, device)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's part of `t` along `dim`, in sequence order; its gradient is reduce-scattered (summed)
+        back to the ranks."""
+        gathered = funcol.all_gather_single(t.contiguous(), dim, self.group_name)
+        return unshard_sequence(gathered, self.degree, dim)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> SequenceShard:
+    """Give every module of `model` that declares the seam (`SEAM`) this rank's `SequenceShard`."""
+    shard = SequenceShard.of(cp_mesh)
+    seams = [module for module in model.modules() if hasattr(type(module), SEAM)]
+    assert seams, "RunPlan.build refuses context parallelism for a family without the seam"
+    for module in seams:
+        setattr(module, SEAM, shard)
+    return shard
