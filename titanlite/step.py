@@ -61,18 +61,17 @@ class StepRunner(Protocol):
 
 def model_forward(
     model: nn.Module, batch: Batch, mask_type: AttnMaskType, sequence: SequenceShard | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's output for one batch already on its device, and the labels it is scored against. Under
-    `block_causal` the batch's positions go to RoPE and its document mask is built here, once for every
-    block and outside any compiled code (`models/attention.py`); under `causal` the model sees the tokens
-    alone. Under context parallelism (`sequence`) the model sees this rank's part of every sequence: the
-    mask is that of its queries' global indices against every key (causal: one document per row), RoPE
-    takes its tokens' positions (causal: their global indices), and the labels are its part."""
+) -> torch.Tensor:
+    """The model's output for one batch already on its device. Under `block_causal` the batch's positions
+    go to RoPE and its document mask is built here, once for every block and outside any compiled code
+    (`models/attention.py`); under `causal` the model sees the tokens alone. Under context parallelism
+    (`sequence`) the model sees this rank's part of every sequence: the mask is that of its queries'
+    global indices against every key (causal: one document per row) and RoPE takes its tokens' positions
+    (causal: their global indices); its labels are `StepContext.shard(labels)`."""
     if sequence is None:
         if mask_type == "causal":
-            return model(batch.inputs), batch.labels
-        mask = build_mask(mask_type, batch.positions)
-        return model(batch.inputs, positions=batch.positions, mask=mask), batch.labels
+            return model(batch.inputs)
+        return model(batch.inputs, positions=batch.positions, mask=build_mask(mask_type, batch.positions))
     rows, seq = batch.inputs.shape
     held = sequence.positions(seq // sequence.degree, batch.inputs.device)
     if mask_type == "causal":
@@ -80,8 +79,7 @@ def model_forward(
     else:
         positions = batch.positions
     mask = build_mask("block_causal", positions, q_index=held)
-    inputs, labels, positions = (sequence.shard(t) for t in (batch.inputs, batch.labels, positions))
-    return model(inputs, positions=positions, mask=mask), labels
+    return model(sequence.shard(batch.inputs), positions=sequence.shard(positions), mask=mask)
 
 
 class LocalRunner:
@@ -95,8 +93,8 @@ class LocalRunner:
 
     def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
-        pred, labels = model_forward(self.model, batch, self.mask_type, ctx.sequence)
-        return ctx.microbatch_loss(pred, labels, backwards, self.model)
+        pred = model_forward(self.model, batch, self.mask_type, ctx.sequence)
+        return ctx.microbatch_loss(pred, ctx.shard(batch.labels), backwards, self.model)
 
     def forward_backward(
         self, optimizer: torch.optim.Optimizer, batches: list[Batch], context: StepContext | None = None
@@ -121,5 +119,5 @@ class LocalRunner:
     def evaluate(self, batch: Batch) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
         with self.context.loss_scope():
-            pred, labels = model_forward(self.model, batch, self.mask_type, self.context.sequence)
-            return replicated(self.context.loss_fn(pred, labels))
+            pred = model_forward(self.model, batch, self.mask_type, self.context.sequence)
+            return replicated(self.context.loss_fn(pred, self.context.shard(batch.labels)))

@@ -279,7 +279,7 @@ class PipelineRunner:
         total = torch.zeros((), device=self.device)
         with ctx.reduction(self.model, backwards, pipelined=True):
             for inputs, labels, _ in batches:  # positions: the plan refuses block_causal masks under PP
-                inputs, labels = ctx.batch(inputs, labels)
+                inputs, labels = ctx.shard(inputs), ctx.shard(labels)
                 losses: list[torch.Tensor] = []
                 # Pinned host batches (the loader pins them on CUDA) copy without blocking the host. Contiguous:
                 # torch 2.11's stage checks strides against its contiguous example input.

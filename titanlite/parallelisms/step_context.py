@@ -7,7 +7,7 @@ per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
 - The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
   the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain).
 - The batch: under context parallelism each rank takes its part of every sequence of a microbatch
-  (`batch`, `context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient
+  (`shard`, `context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient
   averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call it.
 - The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
   chosen from the memory plan), over all of the step's backwards.
@@ -61,12 +61,10 @@ class StepContext:
         """The same context with another loss (a test's injected fault)."""
         return dataclasses.replace(self, loss_fn=loss_fn)
 
-    def batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens of a microbatch's inputs and labels ([batch, seq]): all of them, or its part
-        of every sequence under context parallelism."""
-        if self.sequence is None:
-            return inputs, labels
-        return self.sequence.shard(inputs), self.sequence.shard(labels)
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a per-token tensor of a microbatch ([batch, seq]: inputs, labels): all of
+        them, or its part of every sequence under context parallelism."""
+        return t if self.sequence is None else self.sequence.shard(t)
 
     def loss_scope(self) -> contextlib.AbstractContextManager:
         """Where a microbatch's forward-to-loss and its backward run (training and validation alike)."""
