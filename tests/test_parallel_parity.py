@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import LOSS_REL, TINY, check_parity, parity
+from harness import GRAD_ABS, LOSS_REL, TINY, check_parity, parity
 
 COMPILED_CP = {"cp": 2, "compile": True, "bucketing": "transformer_block"}
 CASES_2 = [
@@ -213,7 +213,7 @@ def test_context_parallel_parity_needs_the_kv_gradient_reduction(records):
     """The cp2 parity above can fail: without the reduce-scatter of the gathered keys' and values'
     gradients, the losses leave the tolerance."""
     rec = records(2, CASES_2)[case_id({"cp": 2, "no_kv_grad": True})]
-    assert rec["loss_rel"] > 10 * LOSS_REL
+    assert rec["loss_rel"] > 2 * LOSS_REL and rec["grad_abs"] > 100 * GRAD_ABS
     with pytest.raises(AssertionError):
         check_parity([rec])
 
