@@ -34,6 +34,7 @@ BF16_REL = 1e-3
 STEPS, SAVE_AT = 6, 3
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
+BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal"]
 # Held-out documents (the same training stream for every layout), evaluated at steps 3 and 6.
 HOLDOUT = ["--validation.holdout_documents", "64"]
 VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2"]
@@ -124,13 +125,15 @@ def rel(a: dict[int, float], b: dict[int, float], first: int = 1) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """One process and cp2, fp32 (checkpointing) and bf16, and dp2 (fp32): uninterrupted, one after another."""
+    """One process and cp2: fp32 (checkpointing), block_causal and bf16; and dp2 (fp32); one after another."""
     root = tmp_path_factory.mktemp("cp_runs")
     out = {}
     for name, layout, extra in (
         ("single", "single", ["--checkpoint.enable", *VALIDATION]),
         ("cp2", "cp2", ["--checkpoint.enable", *VALIDATION]),
         ("dp2", "dp2", []),
+        ("single_doc", "single", BLOCK_CAUSAL),
+        ("cp2_doc", "cp2", BLOCK_CAUSAL),
         ("single_bf16", "single", BF16),
         ("cp2_bf16", "cp2", BF16),
     ):
@@ -143,8 +146,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.slow
 def test_cp2_matches_one_process_through_run_train(runs):
     """NGPU=2 ./run_train.sh --parallelism.context_parallel_degree 2: six steps' losses and the held-out
-    losses equal one process's, the gradient norms dp2's (fp32 within 1e-5; bf16 against bf16 within
-    1e-3, and bf16 really differs from fp32)."""
+    losses equal one process's, also under block_causal, the gradient norms dp2's (fp32 within 1e-5; bf16
+    against bf16 within 1e-3, and bf16 really differs from fp32)."""
     assert len(losses(runs["cp2"])) == STEPS
     assert rel(losses(runs["cp2"]), losses(runs["single"])) <= LOSS_REL
     # The logged gradient norm (global over the parameters' shards, before clipping) is dp2's; both differ
@@ -155,6 +158,8 @@ def test_cp2_matches_one_process_through_run_train(runs):
     # Validation runs through the same sharded batch and averages over the cp ranks.
     assert sorted(losses(runs["cp2"], "val_loss")) == [SAVE_AT, STEPS]
     assert rel(losses(runs["cp2"], "val_loss"), losses(runs["single"], "val_loss")) <= LOSS_REL
+    assert rel(losses(runs["cp2_doc"]), losses(runs["single_doc"])) <= LOSS_REL
+    assert rel(losses(runs["cp2_doc"]), losses(runs["single"])) > LOSS_REL  # documents really masked apart
     assert rel(losses(runs["cp2_bf16"]), losses(runs["single_bf16"])) <= BF16_REL
     assert rel(losses(runs["cp2_bf16"]), losses(runs["single"])) > LOSS_REL
 
