@@ -84,6 +84,7 @@ CASES_4 = [
     {"pp": 2, "shard": 2},
     {"pp": 2, "shard": 2, "reshard": "default"},
     {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
+    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
     # Kept weights reduced in every backward, over dp x tp and HSDP.
     {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
     {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
