@@ -30,6 +30,7 @@ from titanlite.parallelisms.collectives import graph_collectives
 from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass, module_fqn
+from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.tools.dry_run import compile_report
 
 N = 3
@@ -297,7 +298,7 @@ def test_invalid_combinations_are_config_errors():
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
     cfg = config(compile__enable=True, compile__bucketing="auto", parallelism__dp_impl="fsdp2")
     with pytest.raises(ConfigError, match="SimpleFSDP"):
-        apply_compile(model, units, {}, cfg, dims)
+        apply_compile(model, units, {}, cfg, dims, ReshardPlan.of("default", len(units.blocks)))
     # Full checkpointing in a whole-model graph is recompute tags, which need SimpleFSDP's passes.
     cfg = config(
         compile__enable=True, compile__scope="model", activation_checkpoint__mode="full", parallelism__dp_impl="fsdp2"
@@ -305,7 +306,7 @@ def test_invalid_combinations_are_config_errors():
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     assert set(ac) == set(units.blocks) and all(a.mode == "full" for a in ac.values())
     with pytest.raises(ConfigError, match="scope=model with full activation checkpointing"):
-        apply_compile(model, units, ac, cfg, dims)
+        apply_compile(model, units, ac, cfg, dims, ReshardPlan.of("default", len(units.blocks)))
     assert not any(a.in_graph for a in ac.values())
 
 

@@ -74,12 +74,18 @@ def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
 
 
 def apply_compile(
-    model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], cfg: JobConfig, dims: ParallelDims
+    model: nn.Module,
+    units: Units,
+    ac: dict[str, CheckpointedBlock],
+    cfg: JobConfig,
+    dims: ParallelDims,
+    reshard: ReshardPlan,
 ) -> CompileReport | None:
     """Compile `model` as `cfg.compile` says, in place; returns the report when graph passes are installed.
 
     Call after activation checkpointing (`ac` is what `apply_ac` returned) and before data parallelism
     (compilation is lazy; SimpleFSDP's gathers are traced at the first step). The mesh must be built.
+    `reshard` is the plan the data-parallel wrapper gets too: its freed gathers become recompute tags.
     """
     c = cfg.compile
     full_ac = tuple(name for name, a in ac.items() if a.mode == "full")
@@ -115,10 +121,6 @@ def apply_compile(
             cost=cost,
             insert_overlap_deps=c.backend == "inductor",
         )
-    reshard = ReshardPlan.of(
-        cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
-    )
-
     shared: dict[tuple, _Backend] = {}
 
     if scope == "model":  # full checkpointing as recompute tags in the one graph (`RecomputeTagPass`)

@@ -57,21 +57,23 @@ def parallelize(
     if dims.cp_enabled:  # after TP, before AC and compile wrap the blocks
         apply_context_parallel(model, dims.cp_mesh)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
+    # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
+    # recompute tags and by the data-parallel wrapper alike.
+    reshard = ReshardPlan.of(
+        cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
+    )
     if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model, units, ac, cfg, dims)
+        apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
-        _data_parallel(model, units, dims, cfg)
+        _data_parallel(model, units, dims, cfg, reshard)
     # Expert parallelism goes here: after data parallelism, on the experts' own mesh dim.
     return model
 
 
-def _data_parallel(model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig) -> None:
+def _data_parallel(model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig, reshard: ReshardPlan) -> None:
     """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan."""
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
-    reshard = ReshardPlan.of(
-        cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
-    )
     if cfg.parallelism.dp_impl == "fsdp2":
         apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
         return
