@@ -90,6 +90,13 @@ CASES = [
         rank_line=NOTHING_TRAINED.format("SIGTERM"),
     ),
     Case(
+        "ctrl-c-while-the-rank-starts",
+        [("group", signal.SIGINT)],
+        nproc=1,
+        when="ranks",
+        rank_line=NOTHING_TRAINED.format("SIGINT"),
+    ),
+    Case(
         "sigusr1-while-the-rank-starts",
         [("launcher", signal.SIGUSR1)],
         nproc=1,
