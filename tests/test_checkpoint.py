@@ -107,7 +107,9 @@ def warnings_of(caplog) -> list[str]:
 # --- exact restore and folder layout ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
+@pytest.mark.parametrize(
+    "async_mode", ["disabled", "async", pytest.param("async_with_pinned_mem", marks=pytest.mark.slow)]
+)
 def test_resume_restores_everything_exactly(tmp_path, async_mode, caplog):
     caplog.set_level(logging.INFO, logger="titanlite")
     ref = Run(tmp_path / "ref", async_mode=async_mode)

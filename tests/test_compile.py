@@ -120,7 +120,7 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
     assert backward_mm == [2 * projections + (N * 6 if ac == "full" else 0)]
 
 
-@pytest.mark.parametrize("reshard,traces", [("always", 1), ("default", 2)])
+@pytest.mark.parametrize("reshard,traces", [("always", 1), pytest.param("default", 2, marks=pytest.mark.slow)])
 def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
     """Six blocks compile once (Dynamo frames and traced graphs counted): they share SimpleFSDP's
     parametrized class and one backend. Under reshard "default" the last block keeps its gathered
@@ -139,6 +139,7 @@ def test_identical_blocks_share_one_trace(tmp_path, reshard, traces):
     assert report["dp"]["all_gather"] == {"before": 6 * PER_BLOCK, "after": 6}
 
 
+@pytest.mark.slow
 def test_blocks_compile_where_torch_compile_takes_no_recompile_limit(tmp_path, monkeypatch):
     """torch 2.11's `torch.compile` has no `recompile_limit` keyword: per-block compile then leaves it out
     and Dynamo's global limit applies (one model's identical blocks share one entry)."""
@@ -185,7 +186,8 @@ needs_auto_bucketing = pytest.mark.skipif(not AUTO_BUCKETING, reason="compile.bu
 
 
 @needs_auto_bucketing
-@pytest.mark.parametrize("scope", [pytest.param("block", marks=pytest.mark.slow), "model"])
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["block", "model"])
 def test_auto_bucketing_buckets_gathers_and_reduce_scatters(tmp_path, scope):
     cfg = compiled(tmp_path, "auto", scope, compile__cost_model="config")
     report = compile_report(cfg, 2, ARGS)
