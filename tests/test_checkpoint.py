@@ -183,6 +183,27 @@ def test_a_later_save_of_an_existing_step_replaces_it(tmp_path):
 # --- damaged and incomplete folders ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lost", ["a data file", "a rank's state"])
+def test_rank_0_never_completes_a_folder_without_every_ranks_files(tmp_path, lost):
+    """Ranks writing into folders of their own (or a file lost before the marker): rank 0 refuses to
+    publish `step-N`; the folder stays `step-N.partial`, which resume ignores."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = folders.partial_dir(tmp_path, 4)
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=FileSystemWriter(str(partial)), no_dist=True)
+    for r in range(2):
+        (partial / folders.rank_state_file(r)).parent.mkdir(exist_ok=True)
+        (partial / folders.rank_state_file(r)).write_bytes(b"state")
+    info = {"world_size": 2, "model_only": False}
+    assert folders.missing_files(partial, 2, False) == []
+    gone = folders.referenced_files(partial)[0] if lost == "a data file" else folders.rank_state_file(1)
+    (partial / gone).unlink()
+    with pytest.raises(FileNotFoundError, match=f"rank 0 does not see 1 of the ranks' files in it \\({gone}\\)"):
+        folders.complete(tmp_path, 4, info)
+    assert not folders.step_dir(tmp_path, 4).exists() and partial.is_dir()
+    assert not (partial / folders.MARKER).exists()
+
+
 def _leftover_partial(r: Path) -> str:
     shutil.copytree(r / "step-2", r / "step-3.partial")
     (r / "step-3.partial" / folders.MARKER).unlink()
