@@ -59,6 +59,25 @@ CASES = [
         id="8B replicate",
     ),
     pytest.param("llama3_70b_pp.toml", [], id="70B pp 1F1B per_step", marks=pytest.mark.slow),
+    pytest.param("llama3_8b.toml", [P + "context_parallel_degree", "2"], id="8B cp 2"),
+    pytest.param(
+        "llama3_8b.toml",
+        [P + "context_parallel_degree", "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "2"],
+        id="8B cp 2 x tp 2",
+    ),
+    pytest.param("llama3_8b_128k.toml", [], id="8B 128k cp 8 x tp 8 (cp alone shards the parameters)"),
+    pytest.param(
+        "llama3_8b_128k.toml",
+        [P + "context_parallel_degree", "4", "--activation_checkpoint.mode", "selective"],
+        id="8B 128k cp 4 x dp_shard 2 x tp 8, AC op",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "debug_model.toml",
+        ["--comm.fake_world_size", "8", P + "pipeline_parallel_degree", "2", P + "context_parallel_degree", "4"]
+        + ["--training.local_batch_size", "2", P + "pipeline_parallel_microbatch_size", "1"],
+        id="debug pp 2 x cp 4",
+    ),
     pytest.param(
         "debug_model.toml",
         [
