@@ -198,7 +198,7 @@ def context_degrees(cfg: JobConfig, world: int) -> frozenset[int]:
     if not get_model_spec(cfg.model.name).context_parallel:
         return frozenset({1})
     seq = cfg.training.seq_len
-    return frozenset(c for c in divisors(world) if seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS)
+    return frozenset({1} | {c for c in divisors(world) if seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS})
 
 
 def dominated(degrees: Degrees, microbatch: int) -> bool:
