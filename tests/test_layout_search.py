@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import subprocess
 import sys
 import typing
@@ -27,7 +28,7 @@ from titanlite.config import GpuName, load_config
 from titanlite.errors import run_cli
 from titanlite.gpus import GPU_KINDS, gpu_kind
 from titanlite.layout_memory import LayoutMemoryModel, ShapeTable
-from titanlite.layout_space import Degrees
+from titanlite.layout_space import Degrees, context_degrees
 from titanlite.memory_plan import GiB
 from titanlite.step_time import Link
 from titanlite.tools import layout_search
@@ -59,6 +60,25 @@ CASES = [
         id="8B replicate",
     ),
     pytest.param("llama3_70b_pp.toml", [], id="70B pp 1F1B per_step", marks=pytest.mark.slow),
+    pytest.param("llama3_8b.toml", [P + "context_parallel_degree", "2"], id="8B cp 2"),
+    pytest.param(
+        "llama3_8b.toml",
+        [P + "context_parallel_degree", "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "2"],
+        id="8B cp 2 x tp 2",
+    ),
+    pytest.param("llama3_8b_128k.toml", [], id="8B 128k cp 8 x tp 8 (cp alone shards the parameters)"),
+    pytest.param(
+        "llama3_8b_128k.toml",
+        [P + "context_parallel_degree", "4", "--activation_checkpoint.mode", "selective"],
+        id="8B 128k cp 4 x dp_shard 2 x tp 8, AC op",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "debug_model.toml",
+        ["--comm.fake_world_size", "8", P + "pipeline_parallel_degree", "2", P + "context_parallel_degree", "4"]
+        + ["--training.local_batch_size", "2", P + "pipeline_parallel_microbatch_size", "1"],
+        id="debug pp 2 x cp 4",
+    ),
     pytest.param(
         "debug_model.toml",
         [
@@ -137,6 +157,20 @@ def test_the_search_offers_only_layouts_the_run_plan_accepts():
     assert "Interleaved1F1B" in schedules and "InterleavedZeroBubble" not in schedules
 
 
+@pytest.mark.slow
+def test_the_search_plans_context_parallelism_where_the_model_allows():
+    """131,072-token sequences on 64 GPUs, one sequence per step: only cp (x tp x pp) splits the world.
+    cp keeps 4096 tokens a rank (cp <= 32), never shares a factor with the microbatch (a data-parallel
+    layout would do the same without the K/V gathers), and a family without the seam gets none."""
+    cfg = load_config(["--config", "train_configs/llama3_8b_128k.toml"])
+    fits = LayoutSearch(cfg, 64, gpu_kind("h100")).run()[0]
+    assert {e.layout.degrees.cp for e in fits} == {2, 4, 8, 16, 32}
+    assert all(math.gcd(e.layout.degrees.cp, e.layout.microbatch) == 1 for e in fits)
+    assert context_degrees(cfg, 64) == {1, 2, 4, 8, 16, 32}
+    moe = load_config(["--config", "train_configs/qwen3_moe_debug.toml", "--training.seq_len", "8192"])
+    assert context_degrees(moe, 64) == {1}
+
+
 def step_of(config: str, world: int, *overrides: str, kind: str = "h100"):
     cfg = load_config(["--config", f"train_configs/{config}", *overrides])
     est = LayoutSearch(cfg, world, gpu_kind(kind)).given()
@@ -172,6 +206,16 @@ def test_step_time_parts():
     kind = gpu_kind("h100")
     assert Link.of(kind, 8, 1).bytes_per_s > Link.of(kind, 16, 8).bytes_per_s == Link(kind, 16, 1).bytes_per_s
     assert Link.of(kind, 64, 1).bytes_per_s == pytest.approx(8 * kind.network_gbps * 1e9 * 0.8)  # 8 NICs < NVLink
+    # Context parallelism: cp 2 with two sequences a rank computes what dp_shard 8 with one does, over the
+    # same shard group, plus the K/V collectives; its cp ranks are neighbours (NVLink), while cp 8 x tp 8
+    # spreads them over eight nodes (the network).
+    batch = ["--training.global_batch_size", "8", "--no-compile.enable"]
+    dp8 = step_of("llama3_8b.toml", 8, *batch, "--training.local_batch_size", "1")
+    cp2 = step_of("llama3_8b.toml", 8, *batch, "--training.local_batch_size", "2", P + "context_parallel_degree", "2")
+    assert dp8.cp_comm == 0 < cp2.cp_comm < 0.1 * cp2.step
+    assert cp2.compute == pytest.approx(dp8.compute) and cp2.dp_comm_total == pytest.approx(dp8.dp_comm_total)
+    assert cp2.step == pytest.approx(dp8.step + cp2.cp_comm)
+    assert Link.of(kind, 8, 8).bytes_per_s < Link.of(kind, 2, 1).bytes_per_s
 
 
 def test_a_planned_layout_is_a_config_that_loads_back(tmp_path, debug_search):

@@ -4,13 +4,15 @@ The dry run builds the parallelized model on the meta device and reads its shard
 (`titanlite/memory_plan.py`). A layout search asks the same question for thousands of layouts, so the
 shapes are read once per tensor-parallel degree (`ShapeTable`: the model built on the meta device with
 TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
-SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over `dp_shard` (rank 0 holds the ceiling; pure
-replication shards nothing). Everything else follows the memory plan's rules, through its own objects
-where they take numbers (`Layout`, `ReshardPlan`, `pipeline_estimate`, `step_candidates` and
-`choose_step`, the family's activation model): gathered weights held from forward to backward or kept
-for the step, gathers in flight (one unit, two for FSDP2), the reduce-scatter input or the unreduced
-gradients and their packing, activations of the microbatches each pipeline rank keeps in flight, and
-the step policy the memory plan picks. Tests hold it equal to the dry run on the layouts they build.
+SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`ParallelDims.shard_degree`;
+rank 0 holds the ceiling; pure replication shards nothing); context parallelism changes no other shape,
+and its activations are the family's estimate for the layout's cp. Everything else follows the memory
+plan's rules, through its own objects where they take numbers (`Layout`, `ReshardPlan`,
+`pipeline_estimate`, `step_candidates` and `choose_step`, the family's activation model): gathered
+weights held from forward to backward or kept for the step, gathers in flight (one unit, two for FSDP2),
+the reduce-scatter input or the unreduced gradients and their packing, activations of the microbatches
+each pipeline rank keeps in flight, and the step policy the memory plan picks. Tests hold it equal to
+the dry run on the layouts they build.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ShapeTable:
         p = cfg.parallelism
         p.tensor_parallel_degree, p.data_parallel_shard_degree, p.data_parallel_replicate_degree = tp, 1, 1
         p.pipeline_parallel_degree, p.pipeline_parallel_split_points = 1, []
+        p.context_parallel_degree = 1
         p.pipeline_parallel_stages_per_rank = -1
         cfg.compile.enable, cfg.activation_checkpoint.mode = False, "none"
         cfg.training.global_batch_size = -1
@@ -262,7 +265,7 @@ class LayoutMemoryModel:
 
     def stage(self, layout: Layout, plan: RunPlan, stage: int, blocks: range, first: bool, last: bool) -> StageUnits:
         dims = plan.dims
-        shard = dims.dp_shard if layout.dp_mode in ("fully_shard", "hybrid_shard") else 1
+        shard = dims.shard_degree if layout.dp_mode in ("fully_shard", "hybrid_shard") else 1
         key = (layout, shard, stage, blocks.start, blocks.stop, first, last)
         if key not in self._stages:
             self._stages[key] = self._stage(layout, dims.tp, shard, stage, blocks, first, last)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.pipeline import MULTI_STAGE, SINGLE_STAGE
 from titanlite.plan import RunPlan
 
@@ -37,9 +39,10 @@ DEGREE_KEYS = {
     "pp": "pipeline_parallel_degree",
     "dp_replicate": "data_parallel_replicate_degree",
     "dp_shard": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
     "tp": "tensor_parallel_degree",
 }
-"""`Degrees` field -> `parallelism.*` key, outermost mesh dim first."""
+"""`Degrees` field -> `parallelism.*` key, outermost mesh dim first (`ParallelDims`' mesh order)."""
 
 AC_CHOICES: tuple[tuple[str, str], ...] = (
     ("none", "op"),
@@ -56,6 +59,11 @@ STAGES_PER_RANK = (2, 4)
 SCHEDULES = ("1F1B", *MULTI_STAGE)
 """Schedules searched. GPipe is left out: it has 1F1B's bubble and keeps every microbatch's activations
 (1F1B at most the pipeline depth), so it is never the faster or the smaller of the two."""
+MIN_CONTEXT_TOKENS = 4096
+"""Fewest tokens of a sequence a context-parallel rank holds in a searched layout (seq 8192: cp <= 2;
+131072: cp <= 32). A bound on the search's size, not a rule of the run (`RunPlan.build` accepts any cp
+whose chunks are whole): every cp degree multiplies the meshes, batch splits and schedules tried. Llama 3
+405B on 512 GPUs at seq 8192 (docs/layout_search.md): 2048 (cp <= 4) searched 28,539 layouts in 69 s."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Degrees:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
@@ -102,7 +111,7 @@ class ParallelLayout:
         p, t, d = cfg.parallelism, cfg.training, plan.dims
         sp = plan.pipeline
         return cls(
-            Degrees(d.pp, d.dp_replicate, d.dp_shard, d.tp),
+            Degrees(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
             cfg.activation_checkpoint.mode,
             cfg.activation_checkpoint.selective_ac_option,
             t.local_batch_size,
@@ -182,6 +191,25 @@ def factorisations(world: int) -> Iterator[Degrees]:
         yield Degrees(**dict(zip(names, values)))
 
 
+def context_degrees(cfg: JobConfig, world: int) -> frozenset[int]:
+    """The context-parallel degrees searched: 1, and where the model family declares the seam
+    (`ModelSpec.context_parallel`) every divisor c of the world whose 2c chunks cut the sequence evenly
+    and leave a rank at least `MIN_CONTEXT_TOKENS` of it."""
+    if not get_model_spec(cfg.model.name).context_parallel:
+        return frozenset({1})
+    seq = cfg.training.seq_len
+    return frozenset({1} | {c for c in divisors(world) if seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS})
+
+
+def dominated(degrees: Degrees, microbatch: int) -> bool:
+    """Whether a data-parallel layout does what this context-parallel one does, for less: when cp and the
+    microbatch share a factor g, the layout with cp / g and g times the data-parallel shards (microbatch /
+    g) holds the same tokens per rank, shards the parameters over the same ranks and runs the same
+    compute, without the K/V gathers and their saved copies. So cp is searched only where a rank's
+    microbatch cannot be split into whole sequences over the cp ranks (gcd(cp, microbatch) = 1)."""
+    return degrees.cp > 1 and math.gcd(degrees.cp, microbatch) > 1
+
+
 def pipeline_options(pp: int, local_batch: int) -> Iterator[tuple[str, int, int]]:
     """(schedule, stages per rank, microbatch size) for `pp` pipeline ranks (one empty option without PP)."""
     if pp == 1:
@@ -208,11 +236,14 @@ Build = Callable[[JobConfig], RunPlan]
 def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Build) -> Iterator[Structure]:
     """Every (degrees, local batch, pipeline option) for `world` ranks at `global_batch` sequences per step
     that the run plan accepts without activation checkpointing."""
+    cps = context_degrees(cfg, world)
     for degrees in factorisations(world):
-        if degrees.tp > gpus_per_node or global_batch % degrees.dp:
+        if degrees.tp > gpus_per_node or global_batch % degrees.dp or degrees.cp not in cps:
             continue
         for local in divisors(global_batch // degrees.dp):
             for schedule, v, mb in pipeline_options(degrees.pp, local):
+                if dominated(degrees, mb):
+                    continue
                 layout = ParallelLayout(degrees, "none", "op", local, mb, schedule, v, "auto")
                 plan = _plan(build, layout.apply(cfg, global_batch))
                 if plan is not None:

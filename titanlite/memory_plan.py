@@ -133,13 +133,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 def gathered_numel(p: torch.Tensor) -> int:
-    """Elements of `p` after gathering over the data-parallel mesh dims: TP shards stay sharded."""
+    """Elements of `p` after gathering over the data-parallel mesh dims (`dp_*`, and `cp`, over which the
+    parameters are sharded like over dp_shard: `ParallelDims.param_mesh`): TP shards stay sharded."""
     if not isinstance(p, DTensor):
         return p.numel()
     shape = list(p.shape)
     mesh = p.device_mesh
     for i, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), p.placements)):
-        if not name.startswith("dp") and placement.is_shard():
+        if not (name.startswith("dp") or name == "cp") and placement.is_shard():
             shape[placement.dim] = math.ceil(shape[placement.dim] / mesh.size(i))
     return math.prod(shape)
 

@@ -2,25 +2,37 @@
 communication, the pipeline bubble and the optimizer, from the model's cost per token
 (`models/cost.py`), the layout's gather units (`layout_memory.py`) and the GPU's figures (`gpus.py`).
 
-Compute, per microbatch and pipeline rank (tokens = microbatch x seq_len, every term over tp):
+Compute, per microbatch and pipeline rank (tokens = microbatch x seq_len / cp, every term over tp):
     forward    matmuls / matmul rate + attention / attention rate + elementwise bytes / HBM bandwidth
     backward   2 x the matmuls, 2.5 x the attention (flash attention's backward), 2 x the elementwise
     recompute  full AC: the block's forward again; `op`: the matmuls it does not save; `op_all_mm` and
                every AC mode: the elementwise forward again
 The last stage adds the output projection and the loss. Rates are the GPU's achievable ones times its
 calibrated training efficiency; eager kernels move `elementwise_bytes`, compiled ones the fused bytes.
+Under context parallelism a rank holds seq_len / cp tokens of each sequence and its queries attend to
+the whole sequence's keys: the head-tail sharding gives every rank the same share of the causal
+attention work, so attention too is the whole sequence's over cp. Attention runs at the flash rate
+whatever the kernel (under cp, and under block_causal, CUDA runs flex attention with a block mask: its
+rate against flash attention's is assumed equal, not measured).
 
 Collectives (ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an
 all-reduce twice that; plus a fixed latency). A group spans nodes when its ranks do (the mesh is laid
-out pp, dp_replicate, dp_shard, tp, innermost fastest); then it runs at the network's per-GPU bandwidth,
-else at NVLink's.
+out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at the network's per-GPU
+bandwidth, else at NVLink's.
     tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
                       (forward, backward, and the forward again under full AC; selective AC repeats
                       `tp_recomputed_selective`); exposed: they sit between the matmuls that need them
     data parallel     per gather unit (a block, or a root parameter / FSDP2's root group): the forward
                       all-gather, the backward re-gather of units resharded after forward, the gradient
                       reduce-scatter (all-reduce when replicating; both under HSDP) in every backward,
-                      or once per step when gradients are reduced once per step
+                      or once per step when gradients are reduced once per step; the shard group
+                      is dp_shard x cp (context-parallel ranks hold parameter shards too)
+    context parallel  per block: the all-gather of the whole sequence's keys and values (TP-local, compute
+                      dtype) over the cp ranks before attention, its reduce-scatter of their gradients
+                      in backward, and the all-gather again when the block is recomputed (full or
+                      selective AC: the selective policy saves no all-gather); exposed: attention waits
+                      for the gather, and the keys' and values' projections' backward for the
+                      reduction, with nothing scheduled between them
     pipeline          one hidden state per microbatch and stage boundary, forward and backward, exposed
 Overlap follows what the implementation schedules (`prefetches`): FSDP2, and SimpleFSDP compiled as one
 graph with bucketing and reordering, gather the next unit while the current one computes and reduce a
@@ -89,6 +101,8 @@ class StepTime:
     peak_tflops: float
     dp_comm_total: float = 0.0
     """Every data-parallel collective, hidden or not."""
+    cp_comm: float = 0.0
+    """Context-parallel K/V all-gathers and their gradients' reduce-scatters (all exposed)."""
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -101,7 +115,7 @@ class StepTime:
 
     @property
     def exposed_comm(self) -> float:
-        return self.tp_comm + self.dp_comm + self.pp_comm
+        return self.tp_comm + self.cp_comm + self.dp_comm + self.pp_comm
 
 
 def prefetches(plan: RunPlan) -> bool:
@@ -170,14 +184,16 @@ class StepTimeModel:
         fused_blocks = compiled and "model" in cfg.compile.components
         fused_loss = compiled and "loss" in cfg.compile.components
         tp = dims.tp
+        cp, shard = dims.cp, dims.shard_degree
         tp_link = Link.of(kind, tp, 1)
-        shard_link = Link.of(kind, dims.dp_shard, tp)
-        rep_link = Link.of(kind, dims.dp_replicate, tp * dims.dp_shard)
-        # Neighbouring stages are dp x tp ranks apart: one pair per send.
-        pp_link = Link(kind, dims.pp, 1 if dims.dp * tp >= gpn or dims.world_size > gpn else dims.pp)
+        cp_link = Link.of(kind, cp, tp)
+        shard_link = Link.of(kind, shard, tp)  # dp_shard x cp, one group (`ParallelDims.param_mesh`)
+        rep_link = Link.of(kind, dims.dp_replicate, tp * shard)
+        # Neighbouring stages are dp x cp x tp ranks apart: one pair per send.
+        pp_link = Link(kind, dims.pp, 1 if dims.dp * cp * tp >= gpn or dims.world_size > gpn else dims.pp)
         sp = plan.pipeline
         microbatch = cfg.parallelism.pipeline_parallel_microbatch_size if sp else cfg.training.local_batch_size
-        tokens = microbatch * cfg.training.seq_len
+        tokens = microbatch * cfg.training.seq_len // cp
         m = sp.microbatches if sp else 1
         accum = plan.grad_accum
         ac = ActivationCheckpoint(layout.ac_mode, layout.ac_option)
@@ -195,6 +211,9 @@ class StepTimeModel:
         }
         hidden_bytes = tokens * cost.hidden * e
         tp_coll = 0.0 if self.features.async_tp else tp_link.ring(hidden_bytes)
+        # The whole sequence's keys and values of the microbatch, TP-local: what a block's gather produces.
+        kv_bytes = microbatch * cfg.training.seq_len * b.context_parallel_elements * e / tp
+        cp_coll = cp_link.ring(kv_bytes)
         out_mm = tokens * cost.output_matmul_flops / tp / mm_rate
         loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
         prefetch = prefetches(plan) and kind.comm_overlaps_compute
@@ -223,7 +242,7 @@ class StepTimeModel:
             r_coef, r_lat = _linear(rep_link, r_e, all_reduce=True)
         else:
             a, la = _linear(shard_link, r_e)
-            b_, lb = _linear(rep_link, r_e / dims.dp_shard, all_reduce=True)
+            b_, lb = _linear(rep_link, r_e / shard, all_reduce=True)
             r_coef, r_lat = a + b_, la + lb
         modes = self._modes(ac, cost_blocks=memory.ranks)
         # One collective per unit where something buckets them (FSDP2's groups, the compile passes), else
@@ -238,15 +257,16 @@ class StepTimeModel:
         worst = None
         busy: list[float] = []
         for rank in memory.ranks:
-            compute = rec = tp_t = pp_t = 0.0
+            compute = rec = tp_t = cp_t = pp_t = 0.0
             dp_mb = dp_step = dp_total = 0.0
             for st in rank.stages:
-                fwd_c, bwd_c, comp, recs, tps = self._stage_compute(
-                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll
+                fwd_c, bwd_c, comp, recs, tps, cps = self._stage_compute(
+                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll, cp_coll
                 )
                 compute += comp
                 rec += recs
                 tp_t += tps
+                cp_t += cps
                 pp_t += p2p
                 counts = [1] * len(st.numel) if bucketed else st.n_tensors
                 g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
@@ -273,13 +293,13 @@ class StepTimeModel:
                     if reduce_in_graph and prefetch:  # inside the last backward, overlapped like any reduction
                         step_red = max(0.0, step_red - sum(bwd_c)) + red[0]
                     dp_step += reductions * step_red
-            per_mb = compute + rec + tp_t + pp_t + dp_mb
-            row = (per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_step, dp_total)
+            per_mb = compute + rec + tp_t + cp_t + pp_t + dp_mb
+            row = (per_mb, compute, rec, tp_t, cp_t, pp_t, dp_mb, dp_step, dp_total)
             busy.append(mb_total * per_mb + dp_step)
-            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[6] / mb_total:
+            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[7] / mb_total:
                 worst = row
         assert worst is not None
-        per_mb, compute, rec, tp_t, pp_t, dp_mb, dp_step, dp_total = worst
+        per_mb, compute, rec, tp_t, cp_t, pp_t, dp_mb, dp_step, dp_total = worst
         bubble_fraction = 0.0
         if sp is not None:
             zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
@@ -308,6 +328,7 @@ class StepTimeModel:
             flops_per_token=cost.flops_per_token,
             peak_tflops=kind.peak_tflops,
             dp_comm_total=dp_total,
+            cp_comm=n * cp_t,
         )
 
     def _modes(self, ac: ActivationCheckpoint, cost_blocks) -> tuple[str, ...]:
@@ -318,10 +339,11 @@ class StepTimeModel:
             self._block_modes[key] = tuple(block_ac(ac, i) for i in range(n))
         return self._block_modes[key]
 
-    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll):
+    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll, cp_coll):
         """For one microbatch through stage `st`: per gather unit, in forward order, the forward and the
-        backward (+ recompute) compute it feeds; and the stage's compute, recompute and tensor-parallel
-        times. Blocks carry the block compute; the output projection and the loss go with the last unit."""
+        backward (+ recompute) compute it feeds; and the stage's compute, recompute, tensor-parallel and
+        context-parallel times. Blocks carry the block compute; the output projection and the loss go
+        with the last unit."""
         n = len(st.numel)
         fwd_c, bwd_c = [0.0] * n, [0.0] * n
         rec = 0.0
@@ -344,7 +366,8 @@ class StepTimeModel:
             tp_n += 2
         if st.first:
             tp_n += 2
-        return fwd_c, bwd_c, compute, rec, tp_n * tp_coll
+        cp_n = 2 * nb + full + selective  # gather, its reduce-scatter, the gather again when recomputed
+        return fwd_c, bwd_c, compute, rec, tp_n * tp_coll, cp_n * cp_coll
 
 
 def _linear(link: Link, bytes_per_elem: float, all_reduce: bool = False) -> tuple[float, float]:

@@ -34,6 +34,9 @@ class BlockCost:
     tp_recomputed_selective: int
     """Of those, the ones selective AC runs again in backward (it saves matmul, attention and
     reduce-scatter outputs, not all-gathers, whose outputs the saved matmuls' weight gradients need)."""
+    context_parallel_elements: int = 0
+    """Elements per token that its attention all-gathers over the context-parallel ranks (the keys and
+    values, before tensor parallelism splits their heads); 0 for a family without context parallelism."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,13 @@ fp32 gradient reduction.
 
 Rows with Float8 or async TP, which titanlite lacks, are estimated with those techniques in the model
 (`step_time.Features`: block matmuls at the GPU's fp8 matmul rate; tensor-parallel collectives hidden)
-and reported apart from the bf16 rows. Rows with context parallelism > 1 cannot be expressed (titanlite
-has no CP) and are listed as not comparable. `fit()` solves for the training efficiency that makes
-a calibration row exact; `titanlite/gpus.py` holds the fitted values.
+and reported apart from the bf16 rows. Context-parallel rows are estimated as titanlite's context
+parallelism would run them (K/V all-gathered per block, head-tail sharding, `step_time.py`); TorchTitan's
+runs used torch's experimental context parallelism (ring attention over SDPA, also head-tail sharded),
+so these rows test the model's cp terms against another implementation of the same idea. Sequences over
+the flavors' 131,072 tokens raise `model.max_seq_len`.
+`fit()` solves for the training efficiency that makes a calibration row exact; `titanlite/gpus.py` holds
+the fitted values.
 """
 
 from __future__ import annotations
@@ -56,8 +60,6 @@ class Row:
     """Published peak memory per GPU (None: not published)."""
     gpu: str = H100_TT
     features: Features = Features()
-    comparable: str = ""
-    """Why the row cannot be estimated ("" = it can)."""
     calibrates: bool = False
     """The row fixes its GPU kind's training efficiency."""
     tags: tuple[str, ...] = field(default=())
@@ -71,6 +73,7 @@ def _args(
     seq: int = 8192,
     degrees: tuple[int, int, int] = (1, -1, 1),
     reshard: str = "default",
+    cp: int = 1,
 ) -> list[str]:
     pp, dp, tp = degrees
     mode, option = ("selective", ac) if ac in ("op", "2") else (ac, "op")
@@ -79,18 +82,27 @@ def _args(
     out += ["--activation_checkpoint.selective_ac_option", option, "--parallelism.fsdp_reshard_after_forward", reshard]
     out += ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.data_parallel_shard_degree", str(dp)]
     out += ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree", "1"]
+    out += ["--parallelism.context_parallel_degree", str(cp)]
+    if seq > MAX_SEQ_LEN:
+        out += ["--model.max_seq_len", str(seq)]
     return out + ["--compile.enable" if compile_ else "--no-compile.enable"]
 
 
 F8 = Features(float8=True)
 F8_ATP = Features(float8=True, async_tp=True)
-NO_CP = "context parallelism (titanlite has none)"
+MAX_SEQ_LEN = 131072
+"""The shipped flavors' `max_seq_len` (RoPE scaling's context): longer rows raise it (no parameter changes)."""
 
 
-def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192) -> list[str]:
+def _cp(cp: int, seq: int) -> list[str]:
+    """TorchTitan's 8B context-parallel rows: 8 GPUs, FSDP 8 / cp, local batch 1, full AC, compile."""
+    return _args(1, 8 // cp, "full", True, seq, (1, 8 // cp, 1), cp=cp)
+
+
+def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: int = 1) -> list[str]:
     """TorchTitan's pipeline of that time split the local batch into as many microbatches as stages
     (`experimental.pipeline_parallel_microbatches` defaulted to the stage count)."""
-    out = _args(local, global_, "full", True, seq, (8, 8, 8), reshard="never")
+    out = _args(local, global_, "full", True, seq, (8, 8 // cp, 8), reshard="never", cp=cp)
     out += ["--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_stages_per_rank"]
     microbatch = local // (8 * v)
     return out + [
@@ -110,14 +122,23 @@ ROWS: tuple[Row, ...] = (
         "8B, 8 GPUs, FSDP 8 CP 1, seq 32768, full AC, + compile + Float8",
         "8B",
         8,
-        _args(1, 8, "full", True, 32768),
+        _cp(1, 32768),
         3890,
         83.9,
         features=F8,
     ),
-    Row("8B, 8 GPUs, FSDP 4 CP 2, seq 65536", "8B", 8, [], 2540, 84.2, comparable=NO_CP),
-    Row("8B, 8 GPUs, FSDP 2 CP 4, seq 131072", "8B", 8, [], 1071, 84.0, comparable=NO_CP),
-    Row("8B, 8 GPUs, FSDP 1 CP 8, seq 262144", "8B", 8, [], 548, 84.5, comparable=NO_CP),
+    *(
+        Row(
+            f"8B, 8 GPUs, FSDP {8 // cp} CP {cp}, seq {seq}, full AC, compile + Float8",
+            "8B",
+            8,
+            _cp(cp, seq),
+            tps,
+            gib,
+            features=F8,
+        )
+        for cp, seq, tps, gib in ((2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0), (8, 262144, 548, 84.5))
+    ),
     Row("8B, 128 GPUs, FSDP", "8B", 128, _args(2, 256, "op", False), 5605, 67.0),
     Row("8B, 128 GPUs, FSDP + compile", "8B", 128, _args(2, 256, "op", True), 6514, 62.0),
     Row("8B, 128 GPUs, FSDP + compile + Float8", "8B", 128, _args(2, 256, "op", True), 8380, 61.8, features=F8),
@@ -166,9 +187,18 @@ ROWS: tuple[Row, ...] = (
         75.3,
         features=F8_ATP,
     ),
-    Row("405B, 512 GPUs, FSDP 4 CP 2, seq 65536", "405B", 512, [], 47, 75.9, comparable=NO_CP),
-    Row("405B, 512 GPUs, FSDP 2 CP 4, seq 131072", "405B", 512, [], 31, 77.1, comparable=NO_CP),
-    Row("405B, 512 GPUs, FSDP 1 CP 8, seq 262144", "405B", 512, [], 16, 84.9, comparable=NO_CP),
+    *(
+        Row(
+            f"405B, 512 GPUs, FSDP {8 // cp} TP 8 PP 8 CP {cp}, seq {seq}, 1F1B, compile + Float8 + async TP",
+            "405B",
+            512,
+            _pp("1F1B", 1, 8, 64 // cp, seq=seq, cp=cp),
+            tps,
+            gib,
+            features=F8_ATP,
+        )
+        for cp, seq, tps, gib in ((2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))
+    ),
     Row("A100: 8B, 64 GPUs, FSDP, selective layer AC", "8B", 64, _args(1, 64, "2", False), 2904, None, gpu="a100"),
     Row(
         "A100: 8B, 64 GPUs, FSDP, selective op AC",
@@ -229,10 +259,10 @@ def fit(row: Row, shapes: dict | None = None) -> float:
     return (low + high) / 2
 
 
-def results(shapes: dict | None = None) -> list[Result | None]:
-    """Every row's estimate (None where the row is not comparable)."""
+def results(shapes: dict | None = None) -> list[Result]:
+    """Every row's estimate."""
     shapes = {} if shapes is None else shapes
-    return [None if row.comparable else evaluate(row, shapes=shapes) for row in ROWS]
+    return [evaluate(row, shapes=shapes) for row in ROWS]
 
 
 def _modelled(f: Features) -> str:
@@ -240,17 +270,13 @@ def _modelled(f: Features) -> str:
     return " + ".join(n for n, on in (("fp8 block matmuls", f.float8), ("TP collectives hidden", f.async_tp)) if on)
 
 
-def table(estimates: list[Result | None]) -> str:
+def table(estimates: list[Result]) -> str:
     """The markdown table of every row against `estimates` (`results()`)."""
     lines = [
         "| run | published tok/s | estimated | error | published GiB | estimated | error |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row, r in zip(ROWS, estimates):
-        if r is None:
-            gib = f"{row.gib:.1f}" if row.gib is not None else "-"
-            lines.append(f"| {row.name} | {row.tps:,.0f} | not comparable: {row.comparable} | | {gib} | | |")
-            continue
         tag = " (calibration)" if row.calibrates else ""
         if row.features.float8 or row.features.async_tp:
             tag += f" [modelled: {_modelled(row.features)}]"

@@ -3,10 +3,11 @@
     ./run_train.sh --config FILE --plan [--comm.fake_world_size N] [--plan.gpu h100|h200|a100|b200|...]
     python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
 
-Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, activation checkpointing,
-batch split, pipeline schedule, reshard policy) is estimated for peak memory per GPU (the dry run's
-model applied to parameter shapes: `titanlite/layout_memory.py`) and step time
-(`titanlite/step_time.py`, with the GPU kind's figures from `titanlite/gpus.py`). Layouts within
+Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, context parallelism where
+the model family has it, activation checkpointing, batch split, pipeline schedule, reshard policy) is
+estimated for peak memory per GPU (the dry run's model applied to parameter shapes:
+`titanlite/layout_memory.py`) and step time (`titanlite/step_time.py`, with the GPU kind's figures from
+`titanlite/gpus.py`). Layouts within
 `COMFORT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
 estimated first (the `given` row); the `plan.confirm` fastest and the given one are then planned by the
 dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
@@ -155,6 +156,7 @@ def _plan_for(cfg: JobConfig, world: int) -> tuple[RunPlan, list[str]]:
         trial = copy.deepcopy(cfg)
         p = trial.parallelism
         p.tensor_parallel_degree = p.pipeline_parallel_degree = p.data_parallel_replicate_degree = 1
+        p.context_parallel_degree = 1
         p.data_parallel_shard_degree, p.pipeline_parallel_split_points = -1, []
         p.pipeline_parallel_stages_per_rank = -1
         trial.training.global_batch_size = -1
@@ -182,6 +184,7 @@ def why_slower(est: Estimate, best: Estimate) -> str:
         "compute": a.compute - b.compute,
         "AC recompute": a.recompute - b.recompute,
         "exposed tp collectives": a.tp_comm - b.tp_comm,
+        "cp K/V collectives": a.cp_comm - b.cp_comm,
         "exposed dp collectives": a.dp_comm - b.dp_comm,
         "pipeline send/recv": a.pp_comm - b.pp_comm,
         "pipeline bubble": a.bubble - b.bubble,

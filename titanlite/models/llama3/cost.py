@@ -24,7 +24,8 @@ bytes, fp32 = 4):
 The loss: the logits cast to fp32, log-softmax and its gradient, the cast back (about 32 bytes per
 vocabulary entry eager, 12 fused). Under tensor parallelism with sequence parallelism a block's forward
 runs four activation collectives: all-gathers before attention and the FFN, reduce-scatters after wo
-and w2 (`parallelize.py`); selective AC recomputes the two all-gathers.
+and w2 (`parallelize.py`); selective AC recomputes the two all-gathers. Under context parallelism a
+block all-gathers its keys and values (2 x kv_heads x head_dim per token) over the cp ranks.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def step_cost(args: ModelArgs, seq_len: int, compute_bytes: int) -> ModelCost:
         fused_elementwise_bytes=fused,
         tp_collectives=4,
         tp_recomputed_selective=2,
+        context_parallel_elements=2 * k,
     )
     return ModelCost(
         block=block,
