@@ -1,0 +1,143 @@
+"""Expert parallelism: the dispatch and combine against plain PyTorch, the experts' mesh, what is refused
+before any rank starts, and runs of the Qwen3-MoE debug config through run_train.sh against one process,
+with checkpoints resumed across expert-parallel degrees.
+
+CLI runs: `train_configs/qwen3_moe_debug.toml`, seq_len 64, global batch 4 (2 sequences per microbatch:
+one process accumulates two, so every layout has the same per-microbatch auxiliary loss), 6 steps, fp32,
+deterministic, a checkpoint at step 3. Tolerance: the harness's relative 1e-5 on the losses.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun
+from harness import train as run_trainer
+from titanlite.config import load_config
+from titanlite.errors import ConfigError
+from titanlite.plan import RunPlan
+
+CONFIG = "train_configs/qwen3_moe_debug.toml"
+STEPS, SAVE_AT = 6, 3
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# nproc, extra: every layout trains the same global batch of 4 sequences in microbatches of 2.
+LAYOUTS = {"single": (1, []), "dp2": (2, []), "ep2": (2, EP2), "ep2_efsdp2": (4, EP2)}
+
+
+def plan(world: int, *extra: str) -> RunPlan:
+    return RunPlan.build(load_config(["--config", str(ROOT / CONFIG), *extra]), world)
+
+
+def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
+    """dp_shard 4 with ep 2: the experts are sharded over ep (neighbouring ranks) and data-parallel over
+    efsdp (2 ranks); with dp_replicate 2 they are hybrid-sharded over (dp_replicate, efsdp)."""
+    dims = plan(4, *EP2).dims
+    assert (dims.ep, dims.efsdp, dims.shard_degree, dims.expert_dp_mode) == (2, 2, 4, "fully_shard")
+    dims = plan(8, *EP2, "--parallelism.data_parallel_replicate_degree", "2").dims
+    assert (dims.ep, dims.efsdp, dims.expert_dp_mode, dims.expert_param_ndim) == (2, 2, "hybrid_shard", 2)
+
+
+@pytest.mark.parametrize(
+    ("world", "keys", "error"),
+    [
+        (2, ["--parallelism.expert_parallel_degree", "3"], "must divide data_parallel_shard_degree 2"),
+        (6, ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
+        (2, [*EP2, "--parallelism.dp_impl", "fsdp2"], "needs dp_impl simple_fsdp"),
+        (2, [*EP2, "--compile.enable"], "runs eager blocks only"),
+        (2, [*EP2, "--model.name", "llama3", "--model.flavor", "debugmodel"], "no experts to split"),
+    ],
+)
+def test_what_expert_parallelism_does_not_support_is_refused_before_any_rank_starts(world, keys, error):
+    with pytest.raises(ConfigError, match=error):
+        plan(world, *keys)
+
+
+@pytest.mark.slow
+def test_dispatch_and_combine_match_plain_pytorch(tmp_path):
+    """A Qwen3-MoE layer on 2 ep ranks (4 experts each): output, input gradient, router and expert
+    gradients equal one process's over both ranks' tokens (fp32, 1e-5), with grouped GEMM and the loop;
+    a dispatch without its backward all-to-all, and expert gradients without the 1 / ep scale, do not."""
+    out = tmp_path / "diffs.json"
+    assert_ok(torchrun(["tests/workers/ep_dispatch.py", str(out)], 2))
+    diffs = json.loads(out.read_text())
+    for case in ("grouped", "loop"):
+        assert max(diffs[case].values()) < 1e-5, diffs
+    assert diffs["no_backward_dispatch"]["input_grad"] > 1e-2, diffs
+    assert diffs["unscaled"]["experts.gate_up_proj.grad"] > 1e-2, diffs
+    assert max(diffs["unscaled"][k] for k in ("out", "input_grad", "gate.grad")) < 1e-5, diffs
+
+
+def train(dump: Path, layout: str, *extra: str) -> RunResult:
+    nproc, layout_args = LAYOUTS[layout]
+    return run_trainer(
+        dump,
+        nproc,
+        *SMALL,
+        "--training.steps",
+        str(STEPS),
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.interval",
+        str(SAVE_AT),
+        *layout_args,
+        *extra,
+        config=CONFIG,
+        launcher="run_train",
+    )
+
+
+def losses(dump: Path, key: str = "loss") -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def rel(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a and sorted(a) == sorted(b), (a, b)
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One process and ep2 (checkpointing), dp2; one after another."""
+    root = tmp_path_factory.mktemp("ep_runs")
+    out = {}
+    for name, extra in (("single", ["--checkpoint.enable"]), ("ep2", ["--checkpoint.enable"]), ("dp2", [])):
+        assert_ok(train(root / name, name, *extra))
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_matches_one_process_through_run_train(runs):
+    """NGPU=2 ./run_train.sh --parallelism.expert_parallel_degree 2: six steps' losses equal one
+    process's and dp2's (fp32, relative 1e-5), and the gradient norm (clipped by the global norm over
+    the experts' and the other weights' meshes) dp2's."""
+    assert len(losses(runs["ep2"])) == STEPS
+    assert rel(losses(runs["ep2"]), losses(runs["single"])) <= LOSS_REL
+    assert rel(losses(runs["ep2"]), losses(runs["dp2"])) <= LOSS_REL
+    assert rel(losses(runs["ep2"], "grad_norm"), losses(runs["dp2"], "grad_norm")) <= LOSS_REL
+
+
+def resume(src: Path, dst: Path, layout: str) -> RunResult:
+    """Train `layout` from `src`'s step-3 checkpoint alone (a fresh dump folder)."""
+    shutil.copytree(src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
+    proc = train(dst, layout, "--checkpoint.enable")
+    assert_ok(proc)
+    assert f"step-{SAVE_AT} at step {SAVE_AT}" in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,layout", [("ep2", "dp2"), ("ep2", "single"), ("single", "ep2")])
+def test_resume_across_ep_degrees(runs, tmp_path, src, layout):
+    """An ep2 checkpoint (whole [experts, ...] tensors in DCP) resumes on dp2 and on one process, and a
+    one-process checkpoint on ep2, within 1e-5 of the uninterrupted one-process run."""
+    proc = resume(runs[src], tmp_path, layout)
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert "resharded" in proc.stderr
+    assert rel(got, {s: v for s, v in losses(runs["single"]).items() if s > SAVE_AT}) <= LOSS_REL
