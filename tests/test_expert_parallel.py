@@ -102,11 +102,11 @@ def rel(a: dict[int, float], b: dict[int, float]) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """One process and ep2 (checkpointing), dp2; one after another."""
+    """One process, ep2 and dp2, each checkpointing; one after another."""
     root = tmp_path_factory.mktemp("ep_runs")
     out = {}
-    for name, extra in (("single", ["--checkpoint.enable"]), ("ep2", ["--checkpoint.enable"]), ("dp2", [])):
-        assert_ok(train(root / name, name, *extra))
+    for name in ("single", "ep2", "dp2"):
+        assert_ok(train(root / name, name, "--checkpoint.enable"))
         out[name] = root / name
     return out
 
@@ -132,12 +132,32 @@ def resume(src: Path, dst: Path, layout: str) -> RunResult:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("src,layout", [("ep2", "dp2"), ("ep2", "single"), ("single", "ep2")])
-def test_resume_across_ep_degrees(runs, tmp_path, src, layout):
-    """An ep2 checkpoint (whole [experts, ...] tensors in DCP) resumes on dp2 and on one process, and a
-    one-process checkpoint on ep2, within 1e-5 of the uninterrupted one-process run."""
-    proc = resume(runs[src], tmp_path, layout)
-    got = losses(tmp_path)
+@pytest.mark.parametrize("layout", ["dp2", "single"])
+def test_resume_an_ep2_checkpoint_without_ep(runs, tmp_path, layout):
+    """An ep2 checkpoint (whole [experts, ...] tensors in DCP) resumes on dp2 and on one process as the
+    dp2 checkpoint of the same step does (relative 1e-5 over steps 4-6; measured: equal on dp2, 1.2e-7 on
+    one process).
+
+    Compared with the dp2 checkpoint's resume, not with the uninterrupted one-process run: a one-process
+    run and a 2-rank one differ by float rounding, and top-k routing turns that into whole tokens routed
+    to other experts (`moe_load_imbalance` differs from step 4 on), which leaves the one-process run
+    1.7e-5 away at step 6 whichever 2-rank checkpoint it resumed."""
+    proc = resume(runs["ep2"], tmp_path / "ep2", layout)
+    assert "resharded from world 2, dp 2, ep 2" in proc.stderr
+    got = losses(tmp_path / "ep2")
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
-    assert "resharded" in proc.stderr
-    assert rel(got, {s: v for s, v in losses(runs["single"]).items() if s > SAVE_AT}) <= LOSS_REL
+    if layout == "dp2":
+        want = {s: v for s, v in losses(runs["dp2"]).items() if s > SAVE_AT}
+    else:
+        resume(runs["dp2"], tmp_path / "dp2", layout)
+        want = losses(tmp_path / "dp2")
+    assert rel(got, want) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_resume_a_one_process_checkpoint_on_ep2(runs, tmp_path):
+    """A one-process checkpoint resumes on ep2 as on dp2 (relative 1e-5; measured: equal)."""
+    ep2 = resume(runs["single"], tmp_path / "ep2", "ep2")
+    assert "resharded from world 1" in ep2.stderr
+    resume(runs["single"], tmp_path / "dp2", "dp2")
+    assert rel(losses(tmp_path / "ep2"), losses(tmp_path / "dp2")) <= LOSS_REL
