@@ -25,7 +25,15 @@ CONFIG = "train_configs/qwen3_moe_debug.toml"
 STEPS, SAVE_AT = 6, 3
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 # nproc, extra: every layout trains the same global batch of 4 sequences in microbatches of 2.
-LAYOUTS = {"single": (1, []), "dp2": (2, []), "ep2": (2, EP2), "ep2_efsdp2": (4, EP2)}
+LAYOUTS = {
+    "single": (1, []),
+    "dp2": (2, []),
+    "ep2": (2, EP2),
+    "dp4": (4, []),
+    "ep2_efsdp2": (4, EP2),
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "ep2_hsdp": (4, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
+}
 
 
 def plan(world: int, *extra: str) -> RunPlan:
@@ -71,7 +79,7 @@ def test_dispatch_and_combine_match_plain_pytorch(tmp_path):
     assert max(diffs["unscaled"][k] for k in ("out", "input_grad", "gate.grad")) < 1e-5, diffs
 
 
-def train(dump: Path, layout: str, *extra: str) -> RunResult:
+def train(dump: Path, layout: str, *extra: str, batch: int = 4) -> RunResult:
     nproc, layout_args = LAYOUTS[layout]
     return run_trainer(
         dump,
@@ -80,7 +88,7 @@ def train(dump: Path, layout: str, *extra: str) -> RunResult:
         "--training.steps",
         str(STEPS),
         "--training.global_batch_size",
-        "4",
+        str(batch),
         "--checkpoint.interval",
         str(SAVE_AT),
         *layout_args,
@@ -120,6 +128,28 @@ def test_ep2_matches_one_process_through_run_train(runs):
     assert rel(losses(runs["ep2"]), losses(runs["single"])) <= LOSS_REL
     assert rel(losses(runs["ep2"]), losses(runs["dp2"])) <= LOSS_REL
     assert rel(losses(runs["ep2"], "grad_norm"), losses(runs["dp2"], "grad_norm")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_ep2_with_accumulation_and_full_ac_matches_dp2(tmp_path):
+    """ep2 with two microbatches per rank per step (the once-per-step reduction and kept gathers the
+    memory plan picks) and full AC (the recomputed forward dispatches again) gives dp2's losses."""
+    extra = ["--activation_checkpoint.mode", "full"]
+    for name in ("ep2", "dp2"):
+        assert_ok(train(tmp_path / name, name, *extra, batch=8))
+    assert rel(losses(tmp_path / "ep2"), losses(tmp_path / "dp2")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_ep2_on_four_ranks_matches_data_parallelism(tmp_path):
+    """NGPU=4: ep2 with the experts sharded over efsdp 2 (fully_shard) gives dp4's losses and gradient
+    norms, and ep2 x dp_replicate 2 (the experts replicated over dp_replicate, efsdp 1) those of
+    dp_replicate 2 x dp_shard 2 without EP (whose gradient norm is 2e-5 from dp4's, EP or not)."""
+    for name in ("dp4", "ep2_efsdp2", "hsdp", "ep2_hsdp"):
+        assert_ok(train(tmp_path / name, name, batch=8))
+    for name, base in (("ep2_efsdp2", "dp4"), ("ep2_hsdp", "hsdp")):
+        assert rel(losses(tmp_path / name), losses(tmp_path / base)) <= LOSS_REL
+        assert rel(losses(tmp_path / name, "grad_norm"), losses(tmp_path / base, "grad_norm")) <= LOSS_REL
 
 
 def resume(src: Path, dst: Path, layout: str) -> RunResult:

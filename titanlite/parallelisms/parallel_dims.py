@@ -210,6 +210,8 @@ class ParallelDims:
             self._param_mesh = DeviceMesh._concatenate(parts) if len(parts) > 1 else shard
         if self.ep > 1:
             self._expert_mesh = shard._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
+            # Registered so that a reduction over both dims (the experts' gradient norm) is one collective.
+            self._expert_mesh._flatten("efsdp_ep")
             self._expert_param_mesh = (
                 DeviceMesh._concatenate([*replicate, self._expert_mesh]) if replicate else self._expert_mesh
             )
