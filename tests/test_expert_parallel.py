@@ -114,7 +114,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ep_runs")
     out = {}
     for name in ("single", "ep2", "dp2"):
-        assert_ok(train(root / name, name, "--checkpoint.enable"))
+        proc = train(root / name, name, "--checkpoint.enable")
+        assert_ok(proc)
+        assert ("experts over ep 2 x efsdp 1" in proc.log) == (name == "ep2")
         out[name] = root / name
     return out
 

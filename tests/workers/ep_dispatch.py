@@ -20,7 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.models.qwen3_moe.moe import MoE
 from titanlite.parallelisms.expert_parallel import ExpertShard, apply_expert_parallel
@@ -35,7 +35,7 @@ class _NoBackwardDispatch(ExpertShard):
         return super().dispatch(rows.detach(), counts)
 
 
-def run_case(grouped: bool, control: str | None) -> dict[str, float]:
+def run_case(mesh: DeviceMesh, grouped: bool, control: str | None) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     reference = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True, grouped=grouped)
@@ -48,7 +48,7 @@ def run_case(grouped: bool, control: str | None) -> dict[str, float]:
     out_ref = reference(x_ref.view(1, -1, DIM)).view_as(xs)
     (out_ref * grads).sum().backward()
 
-    [experts] = apply_expert_parallel(ep, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    [experts] = apply_expert_parallel(ep, mesh)
     if control == "no_backward_dispatch":
         shard = experts.expert_parallel
         experts.expert_parallel = _NoBackwardDispatch(shard.degree, shard.rank, shard.group_name)
@@ -75,15 +75,16 @@ def main() -> None:
     world = dist.get_world_size()
     cases = {"grouped": (True, None), "loop": (False, None)}
     cases |= {"no_backward_dispatch": (True, "no_backward_dispatch"), "unscaled": (True, "unscaled")}
-    result = {}
+    mesh, result = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), {}
     for case, (grouped, control) in cases.items():
-        diffs = run_case(grouped, control)
+        diffs = run_case(mesh, grouped, control)
         every: list = [None] * world
         dist.all_gather_object(every, diffs)
         result[case] = {k: max(d[k] for d in every) for k in diffs}
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
+    dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
 
 
