@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, torchrun
 from harness import train as run_trainer
 from titanlite.config import load_config
 from titanlite.errors import ConfigError
@@ -193,3 +195,15 @@ def test_resume_a_one_process_checkpoint_on_ep2(runs, tmp_path):
     assert "resharded from world 1" in ep2.stderr
     resume(runs["single"], tmp_path / "dp2", "dp2")
     assert rel(losses(tmp_path / "ep2"), losses(tmp_path / "dp2")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_the_export_of_an_ep2_checkpoint_is_the_same_under_ep2_and_in_one_process(runs, tmp_path):
+    """`titanlite.tools.hf export` of the ep2 checkpoint under torchrun with ep2 (each expert weight
+    gathered whole from its ep and efsdp shards) writes the same bytes as in one process."""
+    args = ["-m", "titanlite.tools.hf", "export", "--config", CONFIG, "--checkpoint"]
+    args += [str(runs["ep2"] / "checkpoint" / f"step-{SAVE_AT}"), "--out"]
+    assert_ok(torchrun([*args, str(tmp_path / "ep2"), *EP2], 2))
+    assert_ok(subprocess.run([sys.executable, *args, str(tmp_path / "one")], env=child_env(), cwd=ROOT))
+    name = "model-00001-of-00001.safetensors"
+    assert (tmp_path / "ep2" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
