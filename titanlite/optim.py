@@ -71,17 +71,26 @@ def clip_grad_norm_(
     """Clip by the total L2 norm over every rank's shards; returns the (global) norm before clipping.
 
     The norm of DTensor gradients is computed per mesh (a Partial result) and reduced to the full value,
-    so it is the same number on every rank and equals the single-process norm. `group`: ranks holding
+    so it is the same number on every rank and equals the single-process norm; gradients on several meshes
+    (expert-parallel experts) add their squared norms. `group`: ranks holding
     other parameters (pipeline stages), whose squared norms are added.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if group is not None:
-        squared = total.pow(2)
-        dist.all_reduce(squared, group=group)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():  # DTensor ops take one mesh at a time (the experts have their own)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1 and group is None:
+        total = norms[0]
+    else:
+        squared = torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
+        if group is not None:
+            dist.all_reduce(squared, group=group)
         total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -153,6 +153,24 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec) 
         )
 
 
+def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
+    """What expert parallelism needs (`parallelisms/expert_parallel.py`) beyond the mesh's own rule (ep
+    divides dp_shard x cp, no TP or PP: `ParallelDims`): a family whose experts declare the seam, experts
+    that divide evenly over the ep ranks, SimpleFSDP, and eager blocks."""
+    ep, p = dims.ep, cfg.parallelism
+    if spec.num_experts is None:
+        raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")
+    if (experts := spec.num_experts(args)) % ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree {ep} does not divide the model's {experts} experts")
+    if p.dp_impl != "simple_fsdp":
+        raise ConfigError(f"parallelism.expert_parallel_degree {ep} needs dp_impl simple_fsdp (got {p.dp_impl})")
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree {ep} runs eager blocks only: the token all-to-all's sizes are "
+            "read on the host (use compile.components = loss, or expert_parallel_degree 1)"
+        )
+
+
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:
     """A seed checkpoint is written by one process (on a GPU node NGPU defaults to every GPU)."""
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -204,11 +222,8 @@ class RunPlan:
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
-        if cfg.parallelism.expert_parallel_degree > 1:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree {cfg.parallelism.expert_parallel_degree}: expert parallelism "
-                "is not implemented; set it to 1 (the experts are sharded with the other weights by data parallelism)"
-            )
+        if dims.ep_enabled:
+            check_expert_parallel(cfg, dims, spec, args)
         if dims.tp_enabled and spec.tp_plan is None:
             raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
         t = cfg.training

@@ -109,7 +109,9 @@ class Trainer:
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
             f"mesh {dict(zip(self.dims.mesh_dim_names, [getattr(self.dims, n) for n in self.dims.mesh_dim_names]))} "
-            f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}); "
+            f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}"
+            + (f"; experts over ep {self.dims.ep} x efsdp {self.dims.efsdp}" if self.dims.ep_enabled else "")
+            + "); "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
         logger.info(f"plan: {self.plan.describe(self.step_choice)}")

@@ -352,7 +352,7 @@ class CheckpointManager:
         check_compatible(path, state)
         fresh = config_groups(self.optimizer)
         old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
-        old_cp = marker.get("cp_degree", 1)
+        old_cp, old_ep = marker.get("cp_degree", 1), marker.get("ep_degree", 1)
         cache: dict[int, dict] = {}
 
         def read_rank(r: int) -> dict:
@@ -380,9 +380,9 @@ class CheckpointManager:
         restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
         rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
         step = int(state["train_state"]["step"])
-        old = (old_world, old_dp, old_cp, old_tp)
-        resharded = old != (self.world_size, self.dp_degree, self.dims.cp, self.dims.tp)
-        cp_text = f", cp {old_cp}" if old_cp > 1 else ""
+        old = (old_world, old_dp, old_cp, old_tp, old_ep)
+        resharded = old != (self.world_size, self.dp_degree, self.dims.cp, self.dims.tp, self.dims.ep)
+        cp_text = (f", cp {old_cp}" if old_cp > 1 else "") + (f", ep {old_ep}" if old_ep > 1 else "")
         self._log(
             f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s "
             f"(checksums verified in {self._verify_seconds:.2f}s)"

@@ -157,6 +157,7 @@ class RunRecord:
             "dp_degree": dims.dp,
             "tp_degree": dims.tp,
             "cp_degree": dims.cp,
+            "ep_degree": dims.ep,
             "dp_impl": cfg.parallelism.dp_impl,
             "flavor": cfg.model.flavor,
         }

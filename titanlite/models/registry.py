@@ -91,6 +91,10 @@ class ModelSpec:
     context_parallel: bool = False
     """The model's attention declares the context-parallel seam (`parallelisms/context_parallel.py`): a
     context-parallel degree above one is refused before any rank starts otherwise."""
+    num_experts: Callable[[Any], int] | None = None
+    """The experts of each MoE layer, where the model's experts declare the expert-parallel seam
+    (`parallelisms/expert_parallel.py`); None: an expert-parallel degree above one is refused before any
+    rank starts."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
     (`titanlite/models/cost.py`); None: no layout search."""

@@ -10,7 +10,10 @@ reshard policy, compile with its passes; the collectives of a one-rank dim are n
 and `dp_shard_tp`-style submeshes are taken with torch's own slicing. Context parallelism (`cp`) is not
 a data dim (its ranks share one batch, each holding part of every sequence) but its ranks hold different
 tokens, so the parameters are sharded, and their gradients reduced, over dp_shard x cp flattened into one
-dim (`param_mesh`), as TorchTitan does. A pipeline stage's plan (TP, SimpleFSDP,
+dim (`param_mesh`), as TorchTitan does. Expert parallelism (`ep`) borrows its ranks from that dim: dp_shard x
+cp is unflattened into (`efsdp`, `ep`), ep innermost, so the ranks that exchange tokens are neighbours;
+the experts are sharded over `ep` and data-parallel over `efsdp` (and dp_replicate) on their own mesh
+(`expert_param_mesh`), the other weights over dp_shard x cp as without it. A pipeline stage's plan (TP, SimpleFSDP,
 FSDP2) runs on the mesh without `pp` (`dim_names`); `pp_mesh` carries the stages' point-to-point traffic.
 """
 
@@ -34,16 +37,22 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Expert-parallel degree: ranks of dp_shard x cp that split every MoE layer's experts."""
     tp_divisible: dict[str, int] = field(default_factory=dict)
     """Model sizes the tp degree must divide (e.g. {"n_heads": 32}), named in the error."""
     dp_impl: str = "simple_fsdp"
     disable_loss_parallel: bool = False
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat_dp: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _param_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    """Under context parallelism: the data-parallel plan's mesh, dp_shard x cp flattened (`param_mesh`)."""
     """The data-parallel dims flattened into one (`dp`) when there are two: kept here, since slicing a
     flattened dim from the world mesh is deprecated by torch."""
+    _param_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """Under context parallelism: the data-parallel plan's mesh, dp_shard x cp flattened (`param_mesh`)."""
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """Under expert parallelism: dp_shard x cp unflattened into (efsdp, ep)."""
+    _expert_param_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """Under expert parallelism: the experts' data-parallel plan mesh, ([dp_replicate,] efsdp, ep)."""
 
     def __post_init__(self) -> None:
         pp_text = f"pipeline_parallel_degree {self.pp} x " if self.pp > 1 else ""
@@ -69,6 +78,12 @@ class ParallelDims:
                 raise ConfigError(
                     f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}"
                 )
+        if self.ep > 1 and (self.shard_degree % self.ep or self.tp > 1 or self.pp > 1):
+            raise ConfigError(
+                f"parallelism: expert_parallel_degree {self.ep} must divide data_parallel_shard_degree "
+                f"{self.dp_shard}{cp_text} (expert parallelism borrows those ranks), without tensor or pipeline "
+                f"parallelism (got tp={self.tp}, pp={self.pp})"
+            )
         if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard * self.cp == 1:
             raise ConfigError(
                 "parallelism: dp_impl=fsdp2 needs data_parallel_shard_degree > 1 "
@@ -85,6 +100,7 @@ class ParallelDims:
             world_size=world_size,
             pp=p.pipeline_parallel_degree,
             cp=p.context_parallel_degree,
+            ep=p.expert_parallel_degree,
             tp_divisible=dict(tp_divisible or {}),
             dp_impl=p.dp_impl,
             disable_loss_parallel=p.disable_loss_parallel,
@@ -102,6 +118,15 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks of dp_shard x cp that hold the same experts (the experts' data-parallel shard degree)."""
+        return self.shard_degree // self.ep
 
     @property
     def loss_parallel(self) -> bool:
@@ -141,6 +166,17 @@ class ParallelDims:
         return self.dp_dim_names + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
 
     @property
+    def expert_dp_mode(self) -> str:
+        """SimpleFSDP mode of the experts over ([dp_replicate,] efsdp): an efsdp of one rank is still a
+        (one-rank) shard dim, so the experts gather and cast like every weight."""
+        return "hybrid_shard" if self.dp_replicate > 1 else "fully_shard"
+
+    @property
+    def expert_param_ndim(self) -> int:
+        """The data-parallel dims of `expert_param_mesh` (its leading ones): [dp_replicate,] efsdp."""
+        return 1 + int(self.dp_replicate > 1)
+
+    @property
     def param_ndim(self) -> int:
         """The data-parallel dims of `param_mesh` (its leading ones): replicate and/or the shard dim."""
         return max(1, int(self.dp_replicate > 1) + int(self.shard_degree > 1))
@@ -162,11 +198,23 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         if len(self.dp_dim_names) > 1:
             self._flat_dp = mesh[self.dp_dim_names]._flatten("dp")
+        shard = mesh  # dp_shard x cp as one dim, where cp or ep needs it
+        if self.cp > 1 or self.ep > 1:
+            if self.cp > 1 and self.dp_shard > 1:
+                shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            else:
+                shard = mesh["cp" if self.cp > 1 else "dp_shard"]
+        replicate = [mesh["dp_replicate"]] if self.dp_replicate > 1 else []
         if self.cp > 1:
-            shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if self.dp_shard > 1 else mesh["cp"]
-            parts = [mesh["dp_replicate"]] if self.dp_replicate > 1 else []
-            parts += [shard] + ([mesh["tp"]] if self.tp > 1 else [])
+            parts = [*replicate, shard] + ([mesh["tp"]] if self.tp > 1 else [])
             self._param_mesh = DeviceMesh._concatenate(parts) if len(parts) > 1 else shard
+        if self.ep > 1:
+            self._expert_mesh = shard._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
+            # Registered so that a reduction over both dims (the experts' gradient norm) is one collective.
+            self._expert_mesh._flatten("efsdp_ep")
+            self._expert_param_mesh = (
+                DeviceMesh._concatenate([*replicate, self._expert_mesh]) if replicate else self._expert_mesh
+            )
         self._mesh = mesh
         return mesh
 
@@ -204,6 +252,30 @@ class ParallelDims:
         mesh = self.param_mesh
         names = mesh.mesh_dim_names or ()
         return mesh[names[0]] if self.param_ndim == 1 else mesh[names[:2]]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The ranks that split the experts and exchange tokens (None without expert parallelism)."""
+        return self._expert_mesh["ep"] if self._expert_mesh is not None else None
+
+    @property
+    def efsdp_mesh(self) -> DeviceMesh | None:
+        """The ranks of dp_shard x cp that hold the same experts (None without expert parallelism)."""
+        return self._expert_mesh["efsdp"] if self._expert_mesh is not None else None
+
+    @property
+    def expert_param_mesh(self) -> DeviceMesh | None:
+        """The experts' data-parallel plan mesh: their `expert_param_ndim` data-parallel dims, then ep."""
+        return self._expert_param_mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The data-parallel dims of `expert_param_mesh` alone (FSDP2's mesh for the experts)."""
+        mesh = self._expert_param_mesh
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        return mesh[names[0]] if self.expert_param_ndim == 1 else mesh[names[:2]]
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:

@@ -3,14 +3,17 @@
     tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
     context parallelism     `context_parallel.apply_context_parallel`: the model's attention gets the rank's
                             part of every sequence (after TP, whose layouts split it further)
+    expert parallelism      `expert_parallel.apply_expert_parallel`: the experts' weights become DTensors sharded
+                            over `ep`, and the MoE layers dispatch their tokens to the experts' ranks
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
-    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2
-    [expert parallelism]    its place: after data parallelism, which must not shard the experts' dim
+    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
+                            the experts on their own mesh (efsdp x ep) under expert parallelism
 
 Why this order:
 - TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
-  the data-parallel dims (one joint mesh) and which FSDP2 expects to find already placed.
+  the data-parallel dims (one joint mesh) and which FSDP2 expects to find already placed. Expert
+  parallelism likewise: its ep-sharded experts are sharded further over efsdp by data parallelism.
 - AC before compile, a contract the two share: `apply_ac` replaces a checkpointed block's `forward` with
   a checkpoint around `CheckpointedBlock.body`; `apply_compile` reads what `apply_ac` returned. Per block
   (compile scope `block`) it compiles either that `body` (a fully checkpointed block keeps its eager
@@ -37,10 +40,11 @@ from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.context_parallel import apply_context_parallel
 from titanlite.parallelisms.eager_reshard import apply_reshard
+from titanlite.parallelisms.expert_parallel import apply_expert_parallel
 from titanlite.parallelisms.fsdp2 import apply_fsdp2
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, data_parallel
+from titanlite.parallelisms.simple_fsdp import DataParallelMesh, MixedPrecisionPolicy, data_parallel
 from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn, apply_tp
 from titanlite.parallelisms.units import Units
 
@@ -56,6 +60,7 @@ def parallelize(
         apply_tp(model, units, tp_plan(dims.loss_parallel), dims.tp_mesh)
     if dims.cp_enabled:  # after TP, before AC and compile wrap the blocks
         apply_context_parallel(model, dims.cp_mesh)
+    experts = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_enabled else []
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
     # recompute tags and by the data-parallel wrapper alike.
@@ -65,23 +70,31 @@ def parallelize(
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
-        _data_parallel(model, units, dims, cfg, reshard)
-    # Expert parallelism goes here: after data parallelism, on the experts' own mesh dim.
+        _data_parallel(model, units, dims, cfg, reshard, experts)
     return model
 
 
-def _data_parallel(model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig, reshard: ReshardPlan) -> None:
-    """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan."""
+def _data_parallel(
+    model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig, reshard: ReshardPlan, experts: list[nn.Module]
+) -> None:
+    """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan;
+    `experts` (expert-parallel modules) on the experts' mesh."""
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if cfg.parallelism.dp_impl == "fsdp2":
         apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
         return
+    own = {}
+    if experts:
+        assert dims.expert_param_mesh is not None
+        where = DataParallelMesh(dims.expert_param_mesh, dims.expert_dp_mode, dims.expert_param_ndim)
+        own = dict.fromkeys(experts, where)
     data_parallel(
         model,
         dims.param_mesh,
         dims.dp_mode,
         MixedPrecisionPolicy(param_dtype, reduce_dtype),
         dp_ndim=dims.param_ndim,
+        own_meshes=own,
     )
     apply_reshard(model, units, reshard)

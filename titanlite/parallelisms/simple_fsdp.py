@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from titanlite.parallelisms.replicate_compute import (
 )
 
 __all__ = [
+    "DataParallelMesh",
     "MixedPrecisionPolicy",
     "data_parallel",
     "gathers_of",
@@ -182,32 +184,46 @@ def _shard_parameter(
     return nn.Parameter(dt, requires_grad=param.requires_grad), extra
 
 
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """Where a group of parameters is data-parallel: `mesh` (its first `dp_ndim` dims data-parallel, the
+    rest a model-parallel dim the parameters are already DTensors on) and the SimpleFSDP `mode`."""
+
+    mesh: DeviceMesh
+    mode: str
+    dp_ndim: int
+
+
 def data_parallel(
     model: nn.Module,
     mesh: DeviceMesh,
     mode: str,
     mp_policy: MixedPrecisionPolicy | None = None,
     dp_ndim: int | None = None,
+    own_meshes: Mapping[nn.Module, DataParallelMesh] | None = None,
 ) -> nn.Module:
     """Apply SimpleFSDP to every parameter of `model`, in place.
 
     `mesh` is the data-parallel mesh (1D, or 2D for hybrid_shard), or the joint (dp..., tp) mesh when the
     model is already tensor-parallel; `dp_ndim` says how many leading dims of `mesh` are data-parallel.
-    `model` keeps the `SimpleFSDPState` its gathers share (`simple_fsdp_states(model)`).
+    `own_meshes`: modules whose direct parameters are data-parallel elsewhere (expert-parallel experts,
+    on their ([dp_replicate,] efsdp, ep) mesh). `model` keeps the `SimpleFSDPState` its gathers share
+    (`simple_fsdp_states(model)`), whatever their mesh.
     """
     state = SimpleFSDPState()
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    dp_ndim = dp_ndim or mesh.ndim
-    dp_mesh = mesh if mesh.ndim == dp_ndim else _leading_submesh(mesh, dp_ndim)
+    default = DataParallelMesh(mesh, mode, dp_ndim or mesh.ndim)
     for module in list(model.modules()):
         names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
         if not names:
             continue
+        where = (own_meshes or {}).get(module, default)
+        dp_mesh = where.mesh if where.mesh.ndim == where.dp_ndim else _leading_submesh(where.mesh, where.dp_ndim)
         parametrizations = {}
         for name in names:
-            param, extra = _shard_parameter(module._parameters[name], mesh, mode, dp_ndim)
+            param, extra = _shard_parameter(module._parameters[name], where.mesh, where.mode, where.dp_ndim)
             module.register_parameter(name, param)
-            parametrizations[name] = ReplicateComputation(state, dp_mesh, mode, mp_policy, **extra)
+            parametrizations[name] = ReplicateComputation(state, dp_mesh, where.mode, mp_policy, **extra)
         _register_parametrization(module, parametrizations)
     model.__dict__[_STATE] = state
     return model

@@ -33,6 +33,7 @@ SPEC = ModelSpec(
     extra_loss=aux_loss_term,
     step_metrics=routing_metrics,
     after_step=update_routing_bias,
+    num_experts=lambda args: args.num_experts,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "qwen3_moe_configs"]

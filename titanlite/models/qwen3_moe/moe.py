@@ -21,10 +21,13 @@ metrics read and reset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlite.parallelisms.expert_parallel import ExpertShard
 
 
 @dataclass
@@ -80,7 +83,13 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_set
 
 class Experts(nn.Module):
     """`num_experts` SwiGLU FFNs, stored as Hugging Face stores them: `gate_up_proj` [E, 2I, H] (gate rows
-    then up rows), `down_proj` [E, H, I]."""
+    then up rows), `down_proj` [E, H, I].
+
+    Expert parallelism's seam (`parallelisms/expert_parallel.py`): with `expert_parallel` set, the weights
+    are DTensors sharded over the experts' dim, and the rows go to the ranks that hold their experts and
+    back (`ExpertShard.run`); `compute` runs this rank's experts either way."""
+
+    expert_parallel: ExpertShard | None = None
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
@@ -90,7 +99,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x [rows, H] sorted by expert, `counts` [E] rows per expert -> [rows, H]."""
-        gate_up, down = self.gate_up_proj, self.down_proj
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.expert_parallel is not None:
+            return self.expert_parallel.run(partial(self.compute, grouped=grouped), x, counts, weights)
+        return self.compute(x, counts, *weights, grouped=grouped)
+
+    def compute(
+        self, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grouped: bool
+    ) -> torch.Tensor:
+        """The experts of `gate_up` [e, 2I, H] and `down` [e, H, I] on x [rows, H] sorted by expert with
+        `counts` [e] rows each."""
         widths = (x.shape[-1], 2 * self.hidden_dim, self.hidden_dim)
         if grouped and grouped_mm_fits(*widths, dtype=x.dtype, device=x.device):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)

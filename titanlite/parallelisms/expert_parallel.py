@@ -1,0 +1,164 @@
+"""Expert parallelism: the ranks of the `ep` mesh dim each hold num_experts / ep of every MoE layer's experts.
+
+The ep ranks are borrowed from the data-parallel shard ranks (dp_shard x cp, `ParallelDims.ep_mesh`):
+every ep rank routes its own tokens, sends each (token, expert) copy to the rank that holds the expert,
+runs its local experts on what it received, and sends the results back, so a rank computes with its
+experts only and never holds another rank's.
+
+Dispatch and combine (`ExpertShard.run`), for rows sorted by global expert and the per-expert counts:
+  1. the counts are exchanged first (one all-to-all of E integers, no gradient): each rank learns how
+     many rows every rank sends to each of its local experts; the row splits go to the host (one sync);
+  2. an all-to-all sends rank r's rows of experts [r E/ep, (r+1) E/ep) to rank r; they arrive grouped by
+     (source rank, local expert) and are reordered to (local expert, source rank), so each local expert's
+     rows are contiguous (a gather);
+  3. the local experts run (grouped GEMM or the loop, as without EP) with their local counts;
+  4. the inverse reorder and the inverse all-to-all bring each row back to the rank and the position it
+     came from. Both all-to-alls are torch's differentiable functional collective
+     (`all_to_all_single_autograd`), whose backward is the all-to-all the other way: a row's gradient
+     returns to the rank that holds its expert, and the input's gradient to the rank that routed it.
+
+Gradients: an expert's weight gradient on its rank is the sum over the rows of every rank of its ep
+group, each rank's loss being the mean over its own tokens. The data-parallel plan averages it over the
+ranks that hold the same experts (efsdp, and dp_replicate); `run` scales the weights' gradient by 1 / ep,
+so the result is the mean over every data-parallel rank, as for the other weights and as one process
+computes it.
+
+Parameters: each expert weight is a DTensor of the full [num_experts, ...] shape, sharded Shard(0) over
+`ep` (`apply_expert_parallel`); the data-parallel plan then shards each rank's block over `efsdp` as it
+shards a tensor-parallel weight over dp (`simple_fsdp._shard_parameter`), so a checkpoint stores whole
+tensors (DCP reshards across ep degrees) and the Hugging Face export sees whole tensors.
+
+The model sees only the seam: a module with an `expert_parallel` attribute (None by default, a class
+attribute) holding its experts' stacked weights as its direct parameters gets this rank's `ExpertShard`
+there; Qwen3-MoE's `Experts` calls `run` through it and knows nothing of meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+SEAM = "expert_parallel"
+"""The attribute a module declares (None) to receive the rank's `ExpertShard`."""
+
+ExpertCompute = Callable[..., torch.Tensor]
+"""(rows sorted by local expert, counts per local expert, *local weights) -> the rows' outputs."""
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the rows of one dispatch went: what the combine needs to bring them back."""
+
+    send_splits: list[int]
+    """Rows this rank sent to each ep rank."""
+    recv_splits: list[int]
+    """Rows this rank received from each ep rank."""
+    order: torch.Tensor
+    """The received rows' indices in (local expert, source rank) order."""
+    local_counts: torch.Tensor
+    """[num_experts / ep] rows per local expert."""
+
+
+def block_order(lengths: torch.Tensor) -> torch.Tensor:
+    """Indices that reorder rows laid out in blocks of `lengths` [a, b] (row-major: block (i, j) after
+    (i, j-1)) into column-major block order ((0, j), (1, j), ... before (0, j+1))."""
+    flat = lengths.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(lengths)
+    t_lengths, t_starts = lengths.t().flatten(), starts.t().flatten()
+    first = torch.repeat_interleave(t_starts, t_lengths)
+    within = torch.arange(first.numel(), device=first.device) - torch.repeat_interleave(
+        torch.cumsum(t_lengths, 0) - t_lengths, t_lengths
+    )
+    return first + within
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's part of every MoE layer's experts and its ep group: what the model's experts call."""
+
+    degree: int
+    rank: int
+    group_name: str
+    """The ep process group, by name (functional collectives take it so)."""
+
+    @classmethod
+    def of(cls, ep_mesh: DeviceMesh) -> ExpertShard:
+        return cls(ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group().group_name)
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """`rows` [n, H] sorted by global expert with `counts` [E] per expert -> the rows of this rank's
+        experts from every ep rank, sorted by local expert, and their routing."""
+        with torch.no_grad():
+            counts = counts.to(torch.int64)
+            received = funcol.all_to_all_single(counts, None, None, self.group_name)
+            received = funcol.wait_tensor(received).view(self.degree, -1)
+            sent = counts.view(self.degree, -1)
+            send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+            order = block_order(received)
+            local_counts = received.sum(0)
+        arrived = funcol.all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group_name)
+        return arrived[order], Routing(send_splits, recv_splits, order, local_counts)
+
+    def combine(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The inverse of `dispatch`: `out` [received rows, H] sorted by local expert -> each row back on
+        the rank and at the position it was sent from."""
+        with torch.no_grad():
+            back = torch.empty_like(routing.order)
+            back[routing.order] = torch.arange(routing.order.numel(), device=back.device)
+        return funcol.all_to_all_single_autograd(
+            out[back].contiguous(), routing.send_splits, routing.recv_splits, self.group_name
+        )
+
+    def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of `weight` (a DTensor sharded over ep) as a plain tensor, its gradient
+        scaled by 1 / ep (module docstring: the data-parallel plan then averages it over the rest)."""
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return _ScaleGrad.apply(local, 1.0 / self.degree)
+
+    def run(
+        self, compute: ExpertCompute, rows: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """Dispatch `rows` (sorted by global expert, `counts` per expert), run `compute` on this rank's
+        experts with their local `weights`, and combine: the rows' outputs in `rows`' order."""
+        arrived, routing = self.dispatch(rows, counts)
+        out = compute(arrived, routing.local_counts, *(self.local_weight(w) for w in weights))
+        return self.combine(out, routing)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that declare the seam (`SEAM`)."""
+    return [module for module in model.modules() if hasattr(type(module), SEAM)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard every seam module's parameters Shard(0) (the expert dim) over `ep_mesh` and give it this
+    rank's `ExpertShard`; returns those modules (the data-parallel plan places them on the experts' mesh)."""
+    shard = ExpertShard.of(ep_mesh)
+    modules = expert_modules(model)
+    assert modules, "RunPlan.build refuses expert parallelism for a family without the seam"
+    for module in modules:
+        for name, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        setattr(module, SEAM, shard)
+    return modules
