@@ -19,6 +19,8 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     on the same global batch as the dp variants (each rank holds half of twice as many sequences: the
     same tokens per rank), and cp=2 on half of it (the dp variants' local batch split across the two
     ranks: half the tokens per rank, the memory comparison of one sequence held by one rank or by two).
+    Mixture of experts (`MOE_VARIANTS`): the qwen3_moe debug model with its experts data-parallel (ep=1)
+    and sharded over the two ranks (ep=2, tokens dispatched by all-to-all), compared with ep=1.
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
 `--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
@@ -53,6 +55,7 @@ import argparse
 import collections
 import ctypes
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -137,10 +140,12 @@ def baseline_of(name: str) -> str:
     block_causal variant, the same variant causal."""
     if name.endswith(MASKED):
         return name.removesuffix(MASKED)
+    if name.startswith("MoE"):
+        return MOE_BASELINE
     return FULL_AC_BASELINE if "full AC" in name else BASELINE
 
 
-KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"))
+KINDS = (("allgather", "ag"), ("reduce_scatter", "rs"), ("allreduce", "ar"), ("alltoall", "a2a"))
 
 
 @dataclass
@@ -195,6 +200,7 @@ class Variant:
         ]
         assert len(self.batches) == plan.grad_accum
         self.flops_per_token = plan.model_args.flops_per_token(cfg.training.seq_len)
+        self.compute_bytes = plan.param_dtype.itemsize
 
     def step(self) -> None:
         self.trainer.step += 1
@@ -244,13 +250,18 @@ class MemoryProbe:
 
 
 def count_collectives(variant: Variant) -> dict[str, int]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    """Process-group ops per kind in one profiled step, and `a2a_bytes`: the elements the rank's
+    all-to-alls send (their inputs, from the functional ops' recorded shapes) times the size of the
+    compute dtype, the dtype of the tokens an expert-parallel layer dispatches."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         variant.step()
     counts: collections.Counter[str] = collections.Counter()
     for event in prof.events():
         if event.name.startswith("c10d::"):
             kind = next((short for key, short in KINDS if key in event.name), "other")
             counts[kind] += 1
+        elif event.name.endswith("all_to_all_single") and event.input_shapes and event.input_shapes[0]:
+            counts["a2a_bytes"] += math.prod(event.input_shapes[0]) * variant.compute_bytes
     return dict(counts)
 
 
@@ -285,6 +296,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
         | (ACCUM_VARIANTS if args.accum > 1 else {})
         | pp_variants(global_batch, world)
         | cp_variants(base_cfg.training.local_batch_size)
+        | MOE_VARIANTS
     ).items():
         if args.only and not any(selects(key, name) for key in args.only.split(",")):
             continue
@@ -354,6 +366,14 @@ def pp_variants(global_batch: int, world: int) -> dict[str, list[str]]:
 CP_HALF = "cp=2, half the global batch"
 
 
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
+MOE_BASELINE = "MoE (qwen3_moe debugmodel), ep=1"
+MOE_VARIANTS: dict[str, list[str]] = {
+    MOE_BASELINE: MOE,
+    "MoE (qwen3_moe debugmodel), ep=2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
+}
+
+
 def cp_variants(local: int) -> dict[str, list[str]]:
     """cp=2 (dp the rest) on the dp variants' global batch (twice their local batch per dp rank: the same
     tokens per rank) and on half of it (their local batch: half the tokens per rank)."""
@@ -376,7 +396,7 @@ def result_row(r: Result, world: int, peak: float | None) -> dict:
         state_mib=r.state_bytes / 2**20,
         step_growth_mib=r.peak_delta / 2**20,
         collectives=r.collectives,
-        collectives_per_step=sum(r.collectives.values()),
+        collectives_per_step=sum(n for kind, n in r.collectives.items() if kind != "a2a_bytes"),
         mfu_pct=mfu_pct(r.flops_per_token * tps / (world * 1e12), peak) if tps else 0.0,
     )
 
@@ -386,14 +406,15 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
     lines = [
         f"{world} ranks on {device.type}, {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
         f"tokens/s of the global batch at the median step; MFU against {peak_source}; ratios against "
-        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE}; block_causal rows: the same variant, causal)",
+        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE}; block_causal rows: the same variant, causal; MoE rows: ep=1)",
         "",
-        "| variant | tokens/s | x baseline | peak MiB | x baseline | collectives/step (ag/rs/ar) | MFU % |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "| variant | tokens/s | x baseline | peak MiB | x baseline | collectives/step (ag/rs/ar/a2a) | a2a KiB/step "
+        "| MFU % |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
             continue
         base = ok.get(baseline_of(r["name"]))
         c = r["collectives"]
@@ -402,7 +423,8 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
         mfu = "n/a" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}"
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | {tps_ratio} | {r['peak_mib']:,.0f} | {mem_ratio} | "
-            f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}) | {mfu} |"
+            f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}/{c.get('a2a', 0)}) | "
+            f"{c.get('a2a_bytes', 0) / 1024:,.0f} | {mfu} |"
         )
     return "\n".join(lines)
 
