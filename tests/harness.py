@@ -15,9 +15,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -142,6 +143,29 @@ def train(
             [str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
     return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
+
+
+def step_metric(dump: Path, key: str = "loss") -> dict[int, float]:
+    """Step -> `key` of each row of a run's metrics.jsonl that has it (training or validation rows)."""
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def max_rel(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest relative difference of `a` from `b` over `a`'s steps, every one of which `b` has."""
+    assert a and set(a) <= set(b), (a, b)
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
+
+def resume_from(src: Path, dst: Path, step: int, run: Callable[[Path], RunResult]) -> RunResult:
+    """Copy `src`'s step-`step` checkpoint alone into a fresh dump folder `dst`, run there, and check
+    that the run resumed from it."""
+    ckpt = Path("checkpoint") / f"step-{step}"
+    shutil.copytree(src / ckpt, dst / ckpt)
+    result = run(dst)
+    assert_ok(result)
+    assert f"step-{step} at step {step}" in result.stderr, result.stderr[-3000:]
+    return result
 
 
 def parity(cases: list[dict], nproc: int, tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:

@@ -12,14 +12,15 @@ tolerance of tests/test_parallel_parity.py (1e-3); a resume on its own layout is
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, resume_from, torchrun
+from harness import max_rel as rel
+from harness import step_metric as losses
 from harness import train as run_trainer
 from titanlite.config import load_config
 from titanlite.parallelisms.context_parallel import (
@@ -122,17 +123,6 @@ def train(dump: Path, layout: str, *extra: str) -> RunResult:
     )
 
 
-def losses(dump: Path, key: str = "loss") -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in rows if key in r}
-
-
-def rel(a: dict[int, float], b: dict[int, float], first: int = 1) -> float:
-    steps = [s for s in a if s >= first]
-    assert steps and all(s in b for s in steps), (a, b)
-    return max(abs(a[s] - b[s]) / abs(b[s]) for s in steps)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One process and cp2: fp32 (checkpointing), block_causal and bf16; and dp2 (fp32); two launches at a
@@ -186,11 +176,7 @@ def test_cp2_composed_matches_one_process_through_run_train(runs, layout):
 
 def resume(src: Path, dst: Path, layout: str) -> RunResult:
     """Train `layout` from `src`'s step-3 checkpoint alone (a fresh dump folder)."""
-    shutil.copytree(src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
-    proc = train(dst, layout, "--checkpoint.enable")
-    assert_ok(proc)
-    assert f"step-{SAVE_AT} at step {SAVE_AT}" in proc.stderr, proc.stderr[-3000:]
-    return proc
+    return resume_from(src, dst, SAVE_AT, lambda dump: train(dump, layout, "--checkpoint.enable"))
 
 
 @pytest.mark.slow

@@ -10,14 +10,15 @@ deterministic, a checkpoint at step 3. Tolerance: the harness's relative 1e-5 on
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, torchrun
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, resume_from, torchrun
+from harness import max_rel as rel
+from harness import step_metric as losses
 from harness import train as run_trainer
 from titanlite.config import load_config
 from titanlite.errors import ConfigError
@@ -100,16 +101,6 @@ def train(dump: Path, layout: str, *extra: str, batch: int = 4) -> RunResult:
     )
 
 
-def losses(dump: Path, key: str = "loss") -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in rows if key in r}
-
-
-def rel(a: dict[int, float], b: dict[int, float]) -> float:
-    assert a and sorted(a) == sorted(b), (a, b)
-    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One process, ep2 and dp2, each checkpointing; one after another."""
@@ -158,11 +149,7 @@ def test_ep2_on_four_ranks_matches_data_parallelism(tmp_path):
 
 def resume(src: Path, dst: Path, layout: str) -> RunResult:
     """Train `layout` from `src`'s step-3 checkpoint alone (a fresh dump folder)."""
-    shutil.copytree(src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
-    proc = train(dst, layout, "--checkpoint.enable")
-    assert_ok(proc)
-    assert f"step-{SAVE_AT} at step {SAVE_AT}" in proc.stderr, proc.stderr[-3000:]
-    return proc
+    return resume_from(src, dst, SAVE_AT, lambda dump: train(dump, layout, "--checkpoint.enable"))
 
 
 @pytest.mark.slow
