@@ -57,6 +57,7 @@ def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
     [
         (2, ["--parallelism.expert_parallel_degree", "3"], "must divide data_parallel_shard_degree 2"),
         (6, ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
+        (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"], "does not combine with tensor or pipeline"),
         (2, [*EP2, "--parallelism.dp_impl", "fsdp2"], "needs dp_impl simple_fsdp"),
         (2, [*EP2, "--compile.enable"], "runs eager blocks only"),
         (2, [*EP2, "--model.name", "llama3", "--model.flavor", "debugmodel"], "no experts to split"),

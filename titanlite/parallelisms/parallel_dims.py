@@ -78,10 +78,14 @@ class ParallelDims:
                 raise ConfigError(
                     f"parallelism: tensor_parallel_degree {self.tp} does not divide the model's {name} {size}"
                 )
-        if self.ep > 1 and (self.shard_degree % self.ep or self.tp > 1 or self.pp > 1):
+        if self.ep > 1 and self.shard_degree % self.ep:
             raise ConfigError(
                 f"parallelism: expert_parallel_degree {self.ep} must divide data_parallel_shard_degree "
-                f"{self.dp_shard}{cp_text} (expert parallelism borrows those ranks), without tensor or pipeline "
+                f"{self.dp_shard}{cp_text} (expert parallelism borrows those ranks)"
+            )
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(
+                f"parallelism: expert_parallel_degree {self.ep} does not combine with tensor or pipeline "
                 f"parallelism (got tp={self.tp}, pp={self.pp})"
             )
         if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard * self.cp == 1:
