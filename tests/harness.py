@@ -145,6 +145,19 @@ def train(
     return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
 
 
+def end_worker() -> None:
+    """End a torchrun test worker once its results are written: the ranks wait for each other, the
+    process group goes and the process exits at once. torch 2.13's gloo backend now and then aborts in
+    the interpreter's teardown ("terminate called without an active exception" from a C++ destructor, no
+    Python frame; a plain script that only shards a tensor and takes its norm aborted in 3 of 4 launches
+    of 4 ranks), which would turn a finished worker's exit code into -6."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def step_metric(dump: Path, key: str = "loss") -> dict[int, float]:
     """Step -> `key` of each row of a run's metrics.jsonl that has it (training or validation rows)."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

@@ -24,7 +24,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
-from harness import ROOT, assert_ok, child_env, torchrun
+from harness import ROOT, assert_ok, child_env, end_worker, torchrun
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
@@ -159,7 +159,7 @@ def _worker(out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(records, f)
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from builders import config  # noqa: E402
 
-from harness import tiny_args  # noqa: E402
+from harness import end_worker, tiny_args  # noqa: E402
 from titanlite.build import build_model  # noqa: E402
 from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
 from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
@@ -85,7 +85,7 @@ def main(folder: str, out: str) -> None:
         result[layout] = {"params_equal": equal, "logits_max_diff": (logits - ref_logits).abs().max().item()}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

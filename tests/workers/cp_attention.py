@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import tiny_args  # noqa: E402
+from harness import end_worker, tiny_args  # noqa: E402
 from titanlite.models.llama3.model import Attention, rope_tables  # noqa: E402
 from titanlite.parallelisms.context_parallel import apply_context_parallel  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump({k: max(d[k] for d in every) for k in diffs}, f)
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

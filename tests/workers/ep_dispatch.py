@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite.models.qwen3_moe.moe import MoE
-from titanlite.parallelisms.expert_parallel import ExpertShard, apply_expert_parallel
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import end_worker  # noqa: E402
+from titanlite.models.qwen3_moe.moe import MoE  # noqa: E402
+from titanlite.parallelisms.expert_parallel import ExpertShard, apply_expert_parallel  # noqa: E402
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 32, 16, 8, 2, 24
 
@@ -85,13 +88,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
-    dist.barrier()  # no rank tears its groups down while another still uses them
-    dist.destroy_process_group()
-    # About one exit in five aborts after this point, in a C++ destructor ("terminate called without an
-    # active exception", no Python frame), with or without destroy_process_group: the results are
-    # written and the groups gone, so the process ends here rather than in the interpreter's teardown.
-    sys.stdout.flush()
-    os._exit(0)
+    end_worker()
 
 
 if __name__ == "__main__":

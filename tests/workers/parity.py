@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from builders import config  # noqa: E402
 
-from harness import TINY, tiny_args  # noqa: E402
+from harness import TINY, end_worker, tiny_args  # noqa: E402
 from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
@@ -260,7 +260,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(records, f)
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":
