@@ -204,6 +204,28 @@ def _under(fqn: str, prefixes: tuple[str, ...]) -> bool:
     return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
 
 
+def activation_peak(
+    saved: Sequence[float], last_block: float, final_norm: float, logits: float, loss: float, output: bool
+) -> tuple[dict[str, float], float]:
+    """The activation peak of one step, per token, shared by the families' activation models: at the start
+    of backward (every block's saved tensors, and on the stage that has the output the final norm, the
+    logits and the loss) or in the last block's backward (its recomputed forward and gradients, `last_block`,
+    beside the other blocks' saved tensors and the logits), whichever is higher; with its parts by name."""
+    start_of_backward = sum(saved) + final_norm + logits + loss
+    last_block_backward = sum(saved[:-1]) + last_block + logits
+    parts: dict[str, float] = {f"saved by {len(saved)} blocks": sum(saved)}
+    if output:
+        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
+    if last_block_backward > start_of_backward:
+        parts = {
+            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
+            "last block in backward (recomputed + grads)": last_block,
+        }
+        if output:
+            parts["logits"] = logits
+    return parts, max(start_of_backward, last_block_backward)
+
+
 def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout: Layout) -> MemoryEstimate:
     """Memory per GPU of `model` (already parallelized, on any device including meta) under `layout`;
     `units` are its blocks and roots, `activations` the family's estimate (parts and "peak", in bytes)."""

@@ -22,7 +22,7 @@ under cp: the rank's queries against every key) is counted once, by `mask_bytes`
 
 from __future__ import annotations
 
-from titanlite.memory_plan import Layout
+from titanlite.memory_plan import Layout, activation_peak
 from titanlite.models.attention import mask_bytes
 from titanlite.models.llama3.model import ModelArgs
 
@@ -67,24 +67,13 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     logits = vocab * e if layout.output else 0
     # fp32 log-softmax output and two fp32 gradients; loss parallel's sharded log-softmax keeps one more.
     loss = vocab * (16 if layout.loss_parallel else 12) if layout.output else 0
-    start_of_backward = sum(saved) + final_norm + logits + loss
-    last_block_backward = sum(saved[:-1]) + per_block["none"] + block_grads + logits
-    parts = {f"saved by {len(saved)} blocks": sum(saved)}
-    if layout.output:
-        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
-    if last_block_backward > start_of_backward:
-        parts = {
-            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
-            "last block in backward (recomputed + grads)": per_block["none"] + block_grads,
-        }
-        if layout.output:
-            parts["logits"] = logits
+    parts, peak = activation_peak(saved, per_block["none"] + block_grads, final_norm, logits, loss, layout.output)
     out = {name: round(v * tokens) for name, v in parts.items()}
     q_len = layout.seq_len // cp
     mask = mask_bytes(mask_type, layout.device_type, layout.local_batch, q_len, layout.seq_len)  # type: ignore[arg-type]
     if mask:
         out["attention mask"] = mask
-    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens) + mask
+    out["peak"] = round(peak * tokens) + mask
     # What a microbatch keeps until its backward while a pipeline schedule runs others (PP's in flight):
     # the blocks' saved tensors and, on the last stage, the logits and the fp32 log-softmax (two under
     # loss parallel); the loss gradients exist only during its backward.

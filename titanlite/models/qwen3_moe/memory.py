@@ -11,7 +11,7 @@ Llama.
 
 from __future__ import annotations
 
-from titanlite.memory_plan import Layout
+from titanlite.memory_plan import Layout, activation_peak
 from titanlite.models.qwen3_moe.model import ModelArgs
 
 
@@ -33,19 +33,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     logits = vocab * e if layout.output else 0
     loss = vocab * 12 if layout.output else 0
     last = blocks[-1] if len(blocks) else 0
-    start_of_backward = sum(saved) + final_norm + logits + loss
-    last_block_backward = sum(saved[:-1]) + full[last] + grads[last] + logits
-    parts = {f"saved by {len(saved)} blocks": sum(saved)}
-    if layout.output:
-        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
-    if last_block_backward > start_of_backward:
-        parts = {
-            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
-            "last block in backward (recomputed + grads)": full[last] + grads[last],
-        }
-        if layout.output:
-            parts["logits"] = logits
+    parts, peak = activation_peak(saved, full[last] + grads[last], final_norm, logits, loss, layout.output)
     out = {name: round(v * tokens) for name, v in parts.items()}
-    out["peak"] = round(max(start_of_backward, last_block_backward) * tokens)
+    out["peak"] = round(peak * tokens)
     out["held"] = round((sum(saved) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
     return out
