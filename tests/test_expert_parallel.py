@@ -59,7 +59,7 @@ def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
         (6, ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
         (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"], "does not combine with tensor or pipeline"),
         (2, [*EP2, "--parallelism.dp_impl", "fsdp2"], "needs dp_impl simple_fsdp"),
-        (2, [*EP2, "--compile.enable"], "runs eager blocks only"),
+        (2, [*EP2, "--compile.enable", "--compile.scope", "model"], "compile.scope=model with expert_parallel"),
         (2, [*EP2, "--model.name", "llama3", "--model.flavor", "debugmodel"], "no experts to split"),
     ],
 )
@@ -124,6 +124,22 @@ def test_ep2_matches_one_process_through_run_train(runs):
     assert rel(losses(runs["ep2"]), losses(runs["single"])) <= LOSS_REL
     assert rel(losses(runs["ep2"]), losses(runs["dp2"])) <= LOSS_REL
     assert rel(losses(runs["ep2"], "grad_norm"), losses(runs["dp2"], "grad_norm")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_compiled_ep2_matches_one_process(runs, tmp_path):
+    """--compile.enable with ep2 (aot_eager: the graphs as traced, per-block bucketing): the blocks compile
+    around the dispatch, which runs eager (a graph break per MoE layer), the graphs' reduce-scatters are
+    bucketed, and six steps' losses equal one process's and eager ep2's (relative 1e-5)."""
+    compiled = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.bucketing", "transformer_block"]
+    assert_ok(train(tmp_path / "compiled", "ep2", *compiled))
+    report = json.loads((tmp_path / "compiled" / "compile_report.json").read_text())
+    scatters = report["dp"]["reduce_scatter"]
+    assert report["scope"] == "block" and scatters["after"] < scatters["before"]
+    got = losses(tmp_path / "compiled")
+    assert len(got) == STEPS
+    assert rel(got, losses(runs["single"])) <= LOSS_REL
+    assert rel(got, losses(runs["ep2"])) <= LOSS_REL
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec) 
 def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
     """What expert parallelism needs (`parallelisms/expert_parallel.py`) beyond the mesh's own rule (ep
     divides dp_shard x cp, no TP or PP: `ParallelDims`): a family whose experts declare the seam, experts
-    that divide evenly over the ep ranks, SimpleFSDP, and eager blocks."""
+    that divide evenly over the ep ranks, and SimpleFSDP."""
     ep, p = dims.ep, cfg.parallelism
     if spec.num_experts is None:
         raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")
@@ -164,11 +164,6 @@ def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, a
         raise ConfigError(f"parallelism.expert_parallel_degree {ep} does not divide the model's {experts} experts")
     if p.dp_impl != "simple_fsdp":
         raise ConfigError(f"parallelism.expert_parallel_degree {ep} needs dp_impl simple_fsdp (got {p.dp_impl})")
-    if cfg.compile.enable and "model" in cfg.compile.components:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree {ep} runs eager blocks only: the token all-to-all's sizes are "
-            "read on the host (use compile.components = loss, or expert_parallel_degree 1)"
-        )
 
 
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:

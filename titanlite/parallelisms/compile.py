@@ -46,6 +46,7 @@ from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
 from titanlite.parallelisms.collectives import graph_collectives
 from titanlite.parallelisms.compile_report import REPORT_NAME, CompileReport, Unit
+from titanlite.parallelisms.expert_parallel import dispatches
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.partitioner import Partitioner
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
@@ -64,6 +65,11 @@ def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
     if c.bucketing != "none" and not with_passes:
         raise ConfigError(
             f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
+        )
+    if dims.ep > 1 and c.scope == "model":
+        raise ConfigError(
+            f"compile.scope=model with expert_parallel_degree {dims.ep}: the token dispatch runs eager between "
+            "graphs (a break per MoE layer), which one model-wide graph cannot have; use scope block or auto"
         )
     if compile_scope(cfg, dims) == "model" and full_ac and not with_passes:
         raise ConfigError(
@@ -158,10 +164,12 @@ def _with_passes(cfg: JobConfig, dims: ParallelDims) -> bool:
 def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
     """`compile.scope` resolved: `auto` is `model` where collectives are bucketed (only one graph lets the
     scheduler prefetch the next block's gather and defer the previous block's reduce-scatter), else
-    `block` (small graphs that identical blocks share, and nothing to reorder across blocks)."""
+    `block` (small graphs that identical blocks share, and nothing to reorder across blocks); always `block`
+    under expert parallelism, whose dispatch breaks the graph."""
     scope = cfg.compile.scope
     if scope == "auto":
-        return "model" if cfg.compile.bucketing != "none" and _with_passes(cfg, dims) else "block"
+        model_wide = cfg.compile.bucketing != "none" and _with_passes(cfg, dims) and dims.ep == 1
+        return "model" if model_wide else "block"
     return scope
 
 
@@ -178,7 +186,9 @@ def _compile_units(
         checkpointed = ac.get(fqn)
         full = checkpointed is not None and checkpointed.mode == "full"
         fn = checkpointed.body if full else block.forward
-        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=True, **_recompile_limit(fn))
+        # A block that dispatches tokens to other ranks' experts compiles around the eager dispatch.
+        fullgraph = not dispatches(block)
+        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=fullgraph, **_recompile_limit(fn))
         if full:
             checkpointed.body = compiled
         else:

@@ -135,11 +135,17 @@ class ExpertShard:
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         return _ScaleGrad.apply(local, 1.0 / self.degree)
 
+    @torch.compiler.disable
     def run(
         self, compute: ExpertCompute, rows: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]
     ) -> torch.Tensor:
         """Dispatch `rows` (sorted by global expert, `counts` per expert), run `compute` on this rank's
-        experts with their local `weights`, and combine: the rows' outputs in `rows`' order."""
+        experts with their local `weights`, and combine: the rows' outputs in `rows`' order.
+
+        Eager inside a compiled block (one graph break per MoE layer): the all-to-all's row splits are
+        read on the host, and the local experts' row count changes every step, so a graph traced here
+        would hold them as constants and recompile each step. The router before it and the weighting
+        after it stay in the block's graphs; the weights arrive gathered by those graphs."""
         arrived, routing = self.dispatch(rows, counts)
         out = compute(arrived, routing.local_counts, *(self.local_weight(w) for w in weights))
         return self.combine(out, routing)
@@ -148,6 +154,11 @@ class ExpertShard:
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of `model` that declare the seam (`SEAM`)."""
     return [module for module in model.modules() if hasattr(type(module), SEAM)]
+
+
+def dispatches(module: nn.Module) -> bool:
+    """Whether `module` holds experts that expert parallelism has split (their tokens go to other ranks)."""
+    return any(getattr(m, SEAM) is not None for m in expert_modules(module))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
