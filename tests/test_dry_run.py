@@ -446,3 +446,30 @@ def test_pipeline_gathers_are_held_per_microbatch_in_flight_unless_kept():
     assert again.pipeline_ranks[0].gather_held == 2 * block
     assert kept.pipeline_ranks[0].gather_held == sum(gathered.values())
     assert fsdp2.pipeline_ranks[0].gather_held == sum(gathered.values())
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "ep"),
+    [
+        ("qwen3_moe_30b.toml", 16, 1),
+        ("qwen3_moe_30b.toml", 16, 8),
+        ("qwen3_moe_235b.toml", 128, 1),
+        ("qwen3_moe_235b.toml", 128, 8),
+    ],
+)
+def test_the_moe_configs_fit_and_expert_parallelism_plans_its_all_to_all_buffers(config, world, ep):
+    """The shipped Qwen3-MoE configs fit their 80 GiB GPUs at the documented cluster sizes (docs/moe.md);
+    under expert parallelism the experts are split over ep x efsdp (the same elements per GPU as sharding
+    them over dp_shard alone) and the activations add one MoE layer's all-to-all send and receive buffers:
+    2 x top_k rows of `dim` per token, in the compute dtype."""
+    keys = ["--config", str(ROOT / "train_configs" / config), "--comm.fake_world_size", str(world)]
+    result = dry_run(load_config([*keys, "--parallelism.expert_parallel_degree", str(ep)]))
+    m, args, t = result.memory, result.plan.model_args, result.cfg.training
+    assert m.total / 2**30 < result.cfg.comm.fake_gpu_memory_gib
+    a2a = m.activation_parts.get("ep all-to-all send + receive", 0)
+    assert a2a == (2 * args.top_k * args.dim * 2 * t.local_batch_size * t.seq_len if ep > 1 else 0)
+    if ep > 1:
+        plain = dry_run(load_config(keys)).memory
+        assert sum(m.local_numel.values()) == sum(plain.local_numel.values())
+        assert m.activations == plain.activations + a2a
+        assert f"experts over ep {ep} x efsdp {world // ep}" in format_report(result)

@@ -78,6 +78,9 @@ class Layout:
     cp: int = 1
     """Context-parallel ranks: each holds seq_len / cp tokens of every sequence and gathers all keys and
     values in attention."""
+    ep: int = 1
+    """Expert-parallel ranks: a MoE layer's routed rows go to their experts' ranks and back through
+    all-to-all buffers (the family's activation model counts them)."""
     blocks: tuple[int, ...] | None = None
     """The blocks a pipeline stage holds (None: every block)."""
     output: bool = True

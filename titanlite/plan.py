@@ -313,6 +313,7 @@ class RunPlan:
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
             cp=dims.cp,
+            ep=dims.ep,
             unreduced_grads=step.reduce_once,
             keep_gathers=step.keep_gathers,
             shard_ranks=dims.shard_degree,

@@ -212,6 +212,8 @@ def format_report(r: DryRun) -> str:
     cfg, plan, lay, m = r.cfg, r.plan, r.layout, r.memory
     dims, t = plan.dims, cfg.training
     degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.mesh_dim_names) or "single rank"
+    if dims.ep > 1:
+        degrees += f" (experts over ep {dims.ep} x efsdp {dims.efsdp})"
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
     compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")

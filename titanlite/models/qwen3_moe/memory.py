@@ -7,6 +7,13 @@ the fp32 RoPE copies. A MoE layer saves the router's logits and fp32 probabiliti
 down output and its weighted copy; a dense layer four FFN-wide tensors. Selective AC is counted as no AC
 (an upper bound). The peak is the larger of the start of backward and the last block's backward, as for
 Llama.
+
+Under expert parallelism a MoE layer's routed rows (top_k per token) leave for their experts' ranks and
+come back: each all-to-all holds its send and its receive buffer ([rows, dim] each) while it runs, in the
+forward (dispatch, combine) and again for the gradients in the backward. One layer's pair is in flight
+at a time, beside whichever peak, so it is added to the peak. Routing is planned balanced: a rank
+receives as many rows as it sends; a rank whose experts draw f times their share receives f times the
+rows, and its experts' saved activations grow with them (routing is dropless: nothing caps f).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     loss = vocab * 12 if layout.output else 0
     last = blocks[-1] if len(blocks) else 0
     parts, peak = activation_peak(saved, full[last] + grads[last], final_norm, logits, loss, layout.output)
+    if layout.ep > 1 and any(args.is_moe(b) for b in blocks):
+        parts["ep all-to-all send + receive"] = 2 * k * d * e
+        peak += parts["ep all-to-all send + receive"]
     out = {name: round(v * tokens) for name, v in parts.items()}
     out["peak"] = round(peak * tokens)
     out["held"] = round((sum(saved) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
