@@ -20,7 +20,8 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     same tokens per rank), and cp=2 on half of it (the dp variants' local batch split across the two
     ranks: half the tokens per rank, the memory comparison of one sequence held by one rank or by two).
     Mixture of experts (`MOE_VARIANTS`): the qwen3_moe debug model with its experts data-parallel (ep=1)
-    and sharded over the two ranks (ep=2, tokens dispatched by all-to-all), compared with ep=1.
+    and sharded over the two ranks (ep=2, tokens dispatched by all-to-all), compared with ep=1; each with
+    the experts as grouped GEMMs (the default) and as a loop (`model.moe_experts = "loop"`).
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
 `--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
@@ -371,6 +372,14 @@ MOE_BASELINE = "MoE (qwen3_moe debugmodel), ep=1"
 MOE_VARIANTS: dict[str, list[str]] = {
     MOE_BASELINE: MOE,
     "MoE (qwen3_moe debugmodel), ep=2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
+    "MoE (qwen3_moe debugmodel), ep=1, experts as a loop": [*MOE, "--model.moe_experts", "loop"],
+    "MoE (qwen3_moe debugmodel), ep=2, experts as a loop": [
+        *MOE,
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--model.moe_experts",
+        "loop",
+    ],
 }
 
 

@@ -171,6 +171,19 @@ def test_what_the_family_does_not_support_is_refused_before_any_rank_starts(keys
         RunPlan.build(cfg, 2)
 
 
+def test_moe_experts_chooses_the_expert_loop_and_applies_to_moe_families_only():
+    """`model.moe_experts = "loop"` builds the experts as the loop (the grouped GEMM is the default); a
+    family without experts refuses the key rather than ignoring it."""
+    plan = RunPlan.build(config(None, {"model__name": "qwen3_moe"}), 1)
+    assert plan.model_args.grouped_mm
+    plan = RunPlan.build(config(None, {"model__name": "qwen3_moe", "model__moe_experts": "loop"}), 1)
+    assert not plan.model_args.grouped_mm
+    moes = [layer.moe for layer in Transformer(plan.model_args, 16).layers.values() if hasattr(layer, "moe")]
+    assert moes and not any(moe.grouped for moe in moes)
+    with pytest.raises(ConfigError, match="'model.moe_experts' does not apply to llama3"):
+        RunPlan.build(config(None, {"model__moe_experts": "loop"}), 1)
+
+
 @pytest.mark.slow
 def test_the_debug_config_trains_on_two_ranks_matches_one_and_resumes_compiled(tmp_path):
     """`run_train.sh --config train_configs/qwen3_moe_debug.toml` on 2 ranks (SimpleFSDP): the MoE

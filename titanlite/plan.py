@@ -53,6 +53,10 @@ def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
         if key not in spec.shape_keys:
             raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
     args = dataclasses.replace(spec.flavors[m.flavor], **overrides, vocab_size=vocab_size)
+    if m.moe_experts != "grouped_mm":
+        if not hasattr(args, "grouped_mm"):
+            raise ConfigError(f"config key 'model.moe_experts' does not apply to {m.name} models")
+        args = dataclasses.replace(args, grouped_mm=False)
     shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
     if why := spec.check_args(args):
         raise ConfigError(f"model {shape}: {why}")

@@ -84,6 +84,10 @@ class Model:
     router_bias_update_rate: float = field(default=0.0, metadata=SHAPE)
     """Mixture of experts: aux-loss-free balancing, the step of each expert's routing bias after every
     optimizer step (DeepSeek-V3: 0.001); 0 = the flavor's (off in every built-in flavor)."""
+    moe_experts: Literal["grouped_mm", "loop"] = "grouped_mm"
+    """Mixture of experts: how the experts compute, as grouped GEMMs (`torch._grouped_mm`, where the widths
+    and dtype fit; the loop elsewhere) or always as a loop over the experts (the reference, a benchmark
+    baseline). The same weights either way: not part of the model's shape."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention over packed documents: `causal` (a token attends every earlier token of its sequence) or
     `block_causal` (only the earlier tokens of its own document; RoPE positions restart at each document).
