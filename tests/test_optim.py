@@ -47,3 +47,20 @@ def test_clip_grad_norm_matches_torch():
     norm = clip_grad_norm_(ps, 1.0)
     assert torch.allclose(norm, expected)
     assert torch.allclose(torch.sqrt(sum((p.grad**2).sum() for p in ps)), torch.tensor(1.0), atol=1e-5)
+
+
+def test_the_gradient_norm_on_cpu_is_the_float64_norm_rounded_once():
+    """A large gradient's norm (an embedding's 2,256 x 256) equals its float64 norm rounded to float32
+    (relative 1e-7), independent of how it is split into tensors (one tensor or two halves, as two shards
+    would hold it); torch's float32 norm of the same gradient (the negative control) drifts by more."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(2256, 256, generator=g) * torch.rand(2256, 1, generator=g) * 1e-3
+    exact = torch.linalg.vector_norm(grad.double()).item()
+    whole, halves = [torch.nn.Parameter(torch.empty_like(grad))], [torch.nn.Parameter(t) for t in grad.chunk(2)]
+    whole[0].grad = grad.clone()
+    for p, part in zip(halves, grad.chunk(2)):
+        p.grad = part.clone()
+    for params in (whole, halves):
+        assert abs(clip_grad_norm_(params, 0.0).item() - exact) / exact < 1e-7
+    fp32 = torch.nn.utils.get_total_norm([grad]).item()
+    assert abs(fp32 - exact) / exact > 1e-6
