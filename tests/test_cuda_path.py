@@ -86,7 +86,8 @@ def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonf
     real_to = torch.Tensor.to
 
     def to(tensor, *args, **kwargs):
-        if traceback.extract_stack(limit=2)[0].filename.startswith(TITANLITE):
+        moves = "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
+        if moves and traceback.extract_stack(limit=2)[0].filename.startswith(TITANLITE):  # not a dtype cast
             copies.append(kwargs.get("non_blocking", False))
         return real_to(tensor, *args, **kwargs)
 

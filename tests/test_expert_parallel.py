@@ -35,6 +35,7 @@ LAYOUTS = {
     "dp4": (4, []),
     "ep2_efsdp2": (4, EP2),
     "ep2_hsdp": (4, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
+    "ep2_tp2": (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
@@ -56,7 +57,7 @@ def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
     [
         (2, ["--parallelism.expert_parallel_degree", "3"], "must divide data_parallel_shard_degree 2"),
         (6, ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
-        (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"], "does not combine with tensor or pipeline"),
+        (4, [*EP2, "--parallelism.pipeline_parallel_degree", "2"], "does not combine with pipeline"),
         (2, [*EP2, "--parallelism.dp_impl", "fsdp2"], "needs dp_impl simple_fsdp"),
         (2, [*EP2, "--compile.enable", "--compile.scope", "model"], "compile.scope=model with expert_parallel"),
         (2, [*EP2, "--model.name", "llama3", "--model.flavor", "debugmodel"], "no experts to split"),
@@ -160,6 +161,21 @@ def test_ep2_on_four_ranks_matches_data_parallelism(tmp_path):
     for name in ("ep2_efsdp2", "ep2_hsdp"):
         assert rel(losses(tmp_path / name), losses(tmp_path / "dp4")) <= LOSS_REL
         assert rel(losses(tmp_path / name, "grad_norm"), losses(tmp_path / "dp4", "grad_norm")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_ep2_with_tp2_on_the_dense_parts_matches_one_process_and_resumes_on_one(runs, tmp_path):
+    """NGPU=4 ep2 x tp2: attention and the dense layers split over tp (sequence parallel), each MoE layer
+    on the gathered sequence with its experts split over ep; six steps' losses equal one process's
+    (relative 1e-5), and its step-3 checkpoint resumed by one process continues them."""
+    proc = train(tmp_path / "ep2_tp2", "ep2_tp2", "--checkpoint.enable")
+    assert_ok(proc)
+    assert "'tp': 2" in proc.log and "experts over ep 2 x efsdp 1" in proc.log
+    got = losses(tmp_path / "ep2_tp2")
+    assert len(got) == STEPS and rel(got, losses(runs["single"])) <= LOSS_REL
+    resumed = resume(tmp_path / "ep2_tp2", tmp_path / "single", "single")
+    assert "resharded from world 4" in resumed.stderr
+    assert rel(losses(tmp_path / "single"), {s: v for s, v in got.items() if s > SAVE_AT}) <= LOSS_REL
 
 
 def resume(src: Path, dst: Path, layout: str) -> RunResult:

@@ -160,7 +160,6 @@ def test_aux_loss_free_balancing_routes_with_the_bias_and_moves_it_towards_the_m
 @pytest.mark.parametrize(
     ("keys", "error"),
     [
-        ({"parallelism__tensor_parallel_degree": 2}, "no tensor-parallel plan"),
         ({"parallelism__pipeline_parallel_degree": 2}, "extra loss term"),
         ({"model__top_k": 9}, "top_k 9 must be between 1 and num_experts 8"),
     ],

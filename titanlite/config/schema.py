@@ -229,8 +229,8 @@ class Parallelism:
     """Gather the vocabulary-sharded logits before the loss instead of a sharded cross-entropy (TP only)."""
     expert_parallel_degree: int = field(default=1, metadata=POSITIVE)
     """Ranks that split each MoE layer's experts, borrowed from dp_shard x cp (which it must divide); the
-    experts are data-parallel over the rest. 1 = none. Qwen3-MoE, SimpleFSDP; compiled blocks break the graph
-    at the dispatch (docs/moe.md)."""
+    experts are data-parallel over the rest. 1 = none. Qwen3-MoE, SimpleFSDP, TP on the dense parts; compiled
+    blocks break the graph at the dispatch (docs/moe.md)."""
     pipeline_parallel_degree: int = field(default=1, metadata=POSITIVE)
     """Pipeline stages' rank groups: the outermost mesh dim (pp, dp_replicate, dp_shard, tp). 1 = no PP."""
     pipeline_parallel_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"] = "1F1B"

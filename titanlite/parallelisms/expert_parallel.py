@@ -169,7 +169,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
     assert modules, "RunPlan.build refuses expert parallelism for a family without the seam"
     for module in modules:
         for name, param in list(module.named_parameters(recurse=False)):
-            placed = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            # Under TP the experts are whole on every tp rank (Replicate): their local tensor is split.
+            whole = param.data.to_local() if isinstance(param.data, DTensor) else param.data
+            placed = distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         setattr(module, SEAM, shard)
     return modules

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.parallelisms.context_parallel import SequenceShard
@@ -78,7 +78,13 @@ class StepContext:
         loss = self.loss_fn(pred, labels)
         if self.extra_loss is not None:
             assert model is not None, "the extra loss term needs the module whose forward ran"
-            loss = loss + self.extra_loss(model)
+            extra = self.extra_loss(model)
+            if isinstance(loss, DTensor) and not isinstance(extra, DTensor):
+                # A loss-parallel loss is replicated over tp; the family's term, computed alike on every tp
+                # rank, joins it as replicated too (its backward then hands the term a plain gradient).
+                mesh = loss.device_mesh
+                extra = DTensor.from_local(extra, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            loss = loss + extra
         return loss / backwards
 
     def reduction(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlite.parallelisms.units import Units
@@ -25,7 +26,24 @@ class TensorParallelPlan:
     roots: dict[str, ParallelStyle]
     """Root modules (`Units.before`/`after`), by name; a pipeline stage plans only those it holds."""
     block: dict[str, ParallelStyle]
-    """Submodules of one block, by name relative to the block; the same plan for every block."""
+    """Submodules of one block, by name relative to the block; the same plan for every block (an entry
+    naming a module a block does not have is skipped there: a MoE family's dense and MoE blocks share
+    one plan)."""
+
+
+class ReplicateWeights(ParallelStyle):
+    """Every tp rank holds the module's weights whole (Replicate DTensors) and computes with them on
+    tensors that are the same on every tp rank (a module fed replicated activations, such as a MoE layer
+    whose tokens are gathered first): the module reads its weights' local tensors, so each rank's
+    gradients are already whole and equal, and nothing is reduced over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placed = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=None)
+                mod.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, replicate)
 
 
 TensorParallelPlanFn = Callable[[bool], TensorParallelPlan]
@@ -41,4 +59,12 @@ def apply_tp(model: nn.Module, units: Units, plan: TensorParallelPlan, tp_mesh: 
     if held:
         parallelize_module(model, tp_mesh, held)
     for block in units.blocks.values():
-        parallelize_module(block, tp_mesh, plan.block)
+        parallelize_module(block, tp_mesh, {name: style for name, style in plan.block.items() if _has(block, name)})
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

@@ -5,6 +5,7 @@ from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from titanlite.models.qwen3_moe.memory import activation_bytes
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
+from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_plan
 from titanlite.models.registry import ModelSpec
 from titanlite.parallelisms.units import Units
 
@@ -26,6 +27,8 @@ SPEC = ModelSpec(
     model_cls=Transformer,
     flavors=qwen3_moe_configs,
     units=lambda model: Units.of(model, "layers"),
+    tp_plan=qwen3_moe_tp_plan,
+    tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
     hf_adapter=Qwen3MoeHFAdapter(),
     activation_bytes=activation_bytes,
     check_args=check_args,

@@ -26,8 +26,16 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlite.parallelisms.expert_parallel import ExpertShard
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as this rank computes with it: under tensor parallelism the MoE layer's weights are
+    replicated over tp (`ReplicateWeights`, `models/qwen3_moe/parallelize.py`) and the layer runs on the
+    same tokens on every tp rank, so their local tensor is the whole weight and its gradient whole."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 @dataclass
@@ -102,7 +110,7 @@ class Experts(nn.Module):
         weights = (self.gate_up_proj, self.down_proj)
         if self.expert_parallel is not None:
             return self.expert_parallel.run(partial(self.compute, grouped=grouped), x, counts, weights)
-        return self.compute(x, counts, *weights, grouped=grouped)
+        return self.compute(x, counts, *map(local, weights), grouped=grouped)
 
     def compute(
         self, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grouped: bool
@@ -144,7 +152,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k experts [T, k])."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        probs = F.softmax(F.linear(x, local(self.gate.weight)), dim=-1, dtype=torch.float32)
         if self.expert_bias is None:
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
         else:

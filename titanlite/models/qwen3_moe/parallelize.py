@@ -1,0 +1,58 @@
+"""Qwen3-MoE's tensor-parallel plan: Llama's for the dense parts, the MoE layer on gathered tokens.
+
+Attention, the dense FFN layers, the embedding, norms and output split as Llama's (Megatron-style TP with
+sequence parallelism; `models/llama3/parallelize.py`); the per-head q/k RMSNorms run on each rank's own
+heads, their weights replicated (`SequenceParallel` over the heads dim, whose weight gradients are
+reduced over tp). A MoE layer is not split: its input's sequence shards are gathered, every tp rank
+routes the same tokens with the same (replicated) router and experts, and the output is split back into
+sequence shards. So the experts' weights and gradients are whole and equal on every tp rank, expert
+parallelism (which splits them over the data-parallel shard ranks) needs nothing of tp, and the router's
+auxiliary loss sees the whole microbatch as in one process. The price is the MoE layer's compute done
+tp times; splitting the experts' tokens over tp is not done.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from titanlite.models.llama3.parallelize import llama_tp_plan
+from titanlite.parallelisms.tensor_parallel import ReplicateWeights, TensorParallelPlan
+
+
+def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
+    llama = llama_tp_plan(loss_parallel)
+    dense = {name: style for name, style in llama.block.items() if not name.startswith("attention")}
+    return TensorParallelPlan(
+        roots=llama.roots,
+        block={
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            # [b, s, local heads, head_dim]: each rank normalises its own heads.
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            **dense,  # ffn_norm and the dense layers' feed_forward
+            "moe": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            ),
+            "moe.gate": ReplicateWeights(),
+            "moe.experts": ReplicateWeights(),
+        },
+    )
