@@ -35,7 +35,6 @@ from titanlite.errors import ConfigError
 from titanlite.memory_plan import Layout, StepChoice
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
-from titanlite.parallelisms.compile import check_compile, compile_scope
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import StagePlan
@@ -251,6 +250,10 @@ class RunPlan:
                 )
         compile_passes = False
         if cfg.compile.enable:
+            # Imported here: the compiler (torch._dynamo) is loaded by compiled runs only, so the launcher's
+            # preflight of an eager run stays light.
+            from titanlite.parallelisms.compile import check_compile
+
             full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
             compile_passes = check_compile(cfg, dims, full_ac)
         accum = global_batch // (t.local_batch_size * dims.dp)
@@ -330,6 +333,8 @@ class RunPlan:
         c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
         compiled = "eager"
         if c.enable:
+            from titanlite.parallelisms.compile import compile_scope  # the compiler: compiled runs only
+
             scope = compile_scope(self.cfg, self.dims)
             compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {scope}, bucketing {c.bucketing})"
         ac_text = ac.mode + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")

@@ -14,13 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from titanlite.build import build_loader
 from titanlite.checkpoint import folders, lock
 from titanlite.checkpoint.hf import check_hf_config
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
+from titanlite.run_loader import build_loader
 
 
 def check_dump_folder(path: str) -> None:

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from titanlite import faults
 from titanlite.build import (
     apply_train_timeout,
-    build_loader,
     build_training,
     init_device,
     init_distributed,
@@ -41,6 +40,7 @@ from titanlite.resilience import (
     agree,
     stop_agreed,
 )
+from titanlite.run_loader import build_loader
 from titanlite.signals import Preemption
 from titanlite.validation import Validator
 

@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite.build import data_index_dir
 from titanlite.data.loader import TokenLoader, build_dataloader
 from titanlite.metrics import ValidationResult
 from titanlite.plan import RunPlan
+from titanlite.run_loader import data_index_dir
 from titanlite.step import StepRunner
 
 

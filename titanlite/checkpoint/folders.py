@@ -21,7 +21,7 @@ Every rank writes into the one folder that rank 0 completes, so the folder must 
 the DCP metadata refers to and every rank's rank-state file, and a folder missing one is unusable.
 
 Checksums cost one read of the data: each rank checksums the files it wrote, from the page cache, in
-the DCP writer (`ChecksummingWriter`, so an async save does it in the background) and leaves the list in
+the DCP writer (`checksumming_writer.py`, so an async save does it in the background) and leaves the list in
 `checksums/`, which rank 0 merges into the marker. On load every rank verifies its share of the files
 (`checksum_problem`), so verifying a checkpoint takes as long as reading 1/world of it.
 Older checkpoints are pruned only after the rename, so a complete checkpoint is on disk at every moment.
@@ -37,11 +37,6 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 logger = logging.getLogger("titanlite")
 
@@ -86,25 +81,6 @@ def checksum(path: Path) -> str:
     return f"{crc:08x}"
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer that also checksums the files this rank wrote, right after writing them.
-
-    The list goes to `checksums/<prefix>.json` (the prefix is the rank's DCP file prefix), read by
-    `complete`. DCP finishes a save (and `.metadata` appears) only after every rank's `write_data`
-    returned, so rank 0 finds every list when it completes the folder.
-    """
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        future = super().write_data(plan, planner)
-        names = sorted({result.storage_data.relative_path for result in future.wait()})
-        folder = Path(self.path)
-        sums = {name: checksum(folder / name) for name in names}
-        out = folder / CHECKSUMS / f"{plan.storage_data.prefix}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(sums))
-        return future
-
-
 def prepare(root: Path, step: int) -> Path:
     """An empty `step-N.partial` (a leftover from an interrupted save of the same step is removed)."""
     path = partial_dir(root, step)
@@ -116,6 +92,10 @@ def prepare(root: Path, step: int) -> Path:
 
 def referenced_files(path: Path) -> list[str]:
     """The data files DCP's metadata in `path` refers to (one or more per rank that wrote tensors)."""
+    # Imported here: DCP (with DTensor, half a second) is not needed to scan folders or read markers,
+    # which the launcher's preflight does before any rank starts.
+    from torch.distributed.checkpoint import FileSystemReader
+
     storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
     return sorted({info.relative_path for info in storage.values()})
 

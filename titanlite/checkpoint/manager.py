@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite import faults
 from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
+from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
 from titanlite.checkpoint.resume_policy import RunRecord
 from titanlite.checkpoint.save_failure import save_failure
@@ -200,7 +201,7 @@ class CheckpointManager:
             **(self._record.inputs() if self.rank == 0 else {}),
         }
         self._last_saved = step
-        writer = folders.ChecksummingWriter(str(path))
+        writer = ChecksummingWriter(str(path))
         if self._writer is not None:
             try:
                 future = self._writer.start(state, writer)

@@ -37,7 +37,6 @@ from torch import nn
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.compile import apply_compile
 from titanlite.parallelisms.context_parallel import apply_context_parallel
 from titanlite.parallelisms.eager_reshard import apply_reshard
 from titanlite.parallelisms.expert_parallel import apply_expert_parallel
@@ -68,6 +67,9 @@ def parallelize(
         cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
     )
     if cfg.compile.enable and "model" in cfg.compile.components:
+        # Imported here: the compiler (torch._dynamo, seconds of import) is loaded by compiled runs only.
+        from titanlite.parallelisms.compile import apply_compile
+
         apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
         _data_parallel(model, units, dims, cfg, reshard, experts)

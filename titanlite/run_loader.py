@@ -1,0 +1,62 @@
+"""A run's data loader, built from its run plan: the training loader of a data-parallel rank.
+
+The launcher's preflight builds it too (it indexes the local data files once for the ranks and reports
+bad data before any rank starts), so this module imports only the plan and the data package, nothing of
+the model build (`build.py`: the parallelisms, the compiler).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from titanlite.config import JobConfig
+from titanlite.data.loader import build_dataloader
+from titanlite.plan import RunPlan
+
+AUTO_CUDA_WORKERS = 2
+"""`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""
+
+
+def loader_workers(plan: RunPlan, device_type: str) -> int:
+    """The configured worker count, or for -1 (auto) on CUDA the largest count up to `AUTO_CUDA_WORKERS`
+    that the data layout allows (workers serve whole microbatches: the count must divide the
+    microbatches per step and a microbatch must hold whole virtual-shard contributions; one worker
+    already overlaps loading with the GPU), and 0 on CPU, where workers would compete with the ranks for
+    cores."""
+    t = plan.cfg.training
+    if t.dataloader_num_workers >= 0:
+        return t.dataloader_num_workers
+    if device_type != "cuda" or t.local_batch_size % plan.samples_per_shard:
+        return 0
+    return max(w for w in range(1, AUTO_CUDA_WORKERS + 1) if plan.grad_accum % w == 0)
+
+
+def data_index_dir(cfg: JobConfig) -> str:
+    """Where the local data files' indexes are kept for every process of a run (`data/index.py`)."""
+    return os.path.join(cfg.job.dump_folder, "data_index")
+
+
+def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True) -> Any:
+    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
+    for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes);
+    `report`: print the data's warnings (the launcher's preflight does, its ranks need not repeat them).
+
+    Built before the process group: a bad dataset path is reported before any rank starts work."""
+    t = plan.cfg.training
+    return build_dataloader(
+        tokenizer=plan.tokenizer,
+        dataset_path=t.dataset_path,
+        text_field=t.dataset_text_field,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        global_batch_size=plan.global_batch,
+        dp_rank=dp_rank,
+        dp_degree=plan.dims.dp,
+        virtual_shards=plan.virtual_shards,
+        num_workers=loader_workers(plan, device_type),
+        pin_memory=device_type == "cuda",
+        holdout_documents=plan.cfg.validation.holdout_documents,
+        index_dir=data_index_dir(plan.cfg),
+        report=report,
+    )
