@@ -1,6 +1,12 @@
 """End to end through the trainer's CLI: one process as a first-class run (the full plan, with or
-without torchrun, equal to 2 processes, whose metrics and TensorBoard events are checked); and
-layout parity through the command line (the same global batch on 1 process and on a 4-process mesh)."""
+without torchrun, equal to 2 processes, whose metrics and TensorBoard events are checked), and the
+preflight's one-line refusals.
+
+Layout parity through the command line is checked where a layout's own runs are: dp2 x tp2, FSDP2 (dp4)
+and pipeline stages (pp2 x dp2) resumed from a dp2 checkpoint in tests/test_checkpoint_resume.py (within
+1e-5 of the uninterrupted dp2 run), cp2 and cp2 x dp_shard2 against one process in
+tests/test_context_parallel.py; every layout through the trainer's step in tests/test_parallel_parity.py.
+"""
 
 from __future__ import annotations
 
@@ -15,42 +21,6 @@ import pytest
 from harness import LOSS_REL, ROOT, SMALL, child_env
 from harness import train as run_trainer
 from titanlite.tools.dashboard import read_dashboard
-
-
-def train(tmp: Path, nproc: int, *overrides: str) -> list[dict]:
-    return run_trainer(tmp / "dump", nproc, *SMALL, *overrides).ok().metrics
-
-
-PARITY_STEPS = ["--training.steps", "6", "--training.global_batch_size", "8"]
-
-
-LAYOUTS = {
-    "dp2xtp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-}  # fmt: skip
-"""Other layouts run through the trainer's step in tests/test_parallel_parity.py; through the CLI, FSDP2
-is compared with a SimpleFSDP run in tests/test_checkpoint_resume.py (its dp4 resume), as are pipeline
-stages (its pp2 x dp2 runs)."""
-
-
-@pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Metrics rows of the one-process reference (local batch 8) and of each 4-process layout (local
-    batch 4 unless the layout says), all at global batch 8. One after another: 4-process runs side by
-    side only oversubscribe the cores."""
-    root = tmp_path_factory.mktemp("layouts")
-    launches = {"reference": (1, ["--training.local_batch_size", "8"])}
-    launches.update({name: (4, ["--training.local_batch_size", "4", *layout]) for name, layout in LAYOUTS.items()})
-    return {name: train(root / name, nproc, *PARITY_STEPS, *extra) for name, (nproc, extra) in launches.items()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cli_layout_parity_with_one_process(layout, layout_runs):
-    """Same global batch of 8: one process with local batch 8 vs 4 processes; losses match (fp32)."""
-    reference, par = layout_runs["reference"], layout_runs[layout]
-    diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(reference, par)]
-    assert len(diffs) == 6 and max(diffs) < LOSS_REL, diffs
-
 
 # aot_eager keeps the three compiles short; the inductor backend's parity is in test_compile.
 # fmt: off
