@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -221,21 +222,46 @@ def copy_of(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_a_bit_flip_is_refused_by_export_and_skipped_by_resume(two_checkpoints, tmp_path):
-    dump = copy_of(two_checkpoints, tmp_path / "run")
-    flip_a_bit(dump / "checkpoint" / "step-2" / "__0_0.distcp")
-    export = subprocess.run(
-        [sys.executable, "-m", "titanlite.tools.hf", "export", "--job.dump_folder", str(dump)]
-        + ["--out", str(tmp_path / "hf"), "--training.seq_len", "64"],
-        env=child_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+@pytest.fixture(scope="module")
+def resumes(two_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, RunResult]]:
+    """Resumes of copies of `two_checkpoints`, two launches at a time: with step-2 bit-flipped (after the
+    HF export refused it) and a new LR, with nothing to train, and with a new global batch."""
+    root = tmp_path_factory.mktemp("resumes")
+
+    def export_then_resume(dump: Path) -> RunResult:
+        flip_a_bit(dump / "checkpoint" / "step-2" / "__0_0.distcp")
+        export = subprocess.run(
+            [sys.executable, "-m", "titanlite.tools.hf", "export", "--job.dump_folder", str(dump)]
+            + ["--out", str(root / "hf"), "--training.seq_len", "64"],
+            env=child_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        runs["export"] = (root / "hf", RunResult(export.returncode, export.stdout, export.stderr, dump))
+        return run(dump, "--optimizer.lr", "1e-3", steps=3)
+
+    runs: dict[str, tuple[Path, RunResult]] = {}
+    launches = {
+        "bit_flip": (export_then_resume, copy_of(two_checkpoints, root / "bit_flip")),
+        "nothing_to_train": (lambda dump: run(dump, steps=2), copy_of(two_checkpoints, root / "nothing")),
+        "new_global_batch": (
+            lambda dump: run(dump, "--training.global_batch_size", "4", steps=3),
+            copy_of(two_checkpoints, root / "batch"),
+        ),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: (dump, pool.submit(launch, dump)) for name, (launch, dump) in launches.items()}
+        runs.update({name: (dump, future.result()) for name, (dump, future) in futures.items()})
+    return runs
+
+
+def test_a_bit_flip_is_refused_by_export_and_skipped_by_resume(resumes):
+    hf, export = resumes["export"]
     assert export.returncode == 2 and export.stderr.count("\n") == 1, export.stderr[-3000:]
     assert "step-2 is unusable: file __0_0.distcp has CRC-32" in export.stderr and "(corrupted)" in export.stderr
-    assert not (tmp_path / "hf").exists()
-    proc = run(dump, steps=3)
+    assert not hf.exists()
+    _, proc = resumes["bit_flip"]
     assert proc.returncode == 0, proc.log[-3000:]
     warned = [line for line in proc.stderr.splitlines() if "WARNING" in line]
     assert len(warned) == 1 and "step-2 is unusable: file __0_0.distcp has CRC-32" in warned[0], warned
@@ -244,29 +270,30 @@ def test_a_bit_flip_is_refused_by_export_and_skipped_by_resume(two_checkpoints, 
     assert [r["step"] for r in proc.metrics] == [2, 3]
 
 
-def test_a_new_lr_is_used_after_resume(two_checkpoints, tmp_path):
-    dump = copy_of(two_checkpoints, tmp_path / "run")
-    proc = run(dump, "--optimizer.lr", "1e-3", steps=3)
+def test_a_new_lr_is_used_after_resume(resumes):
+    """The bit-flip run above resumed step-1 of a 2-step run at LR 3e-3 with LR 1e-3 and 3 steps."""
+    _, proc = resumes["bit_flip"]
     assert proc.returncode == 0, proc.log[-3000:]
     (changed,) = [line for line in proc.stderr.splitlines() if "settings changed since" in line]
     assert "optimizer.lr 0.003 -> 0.001" in changed and "training.steps 2 -> 3" in changed, changed
-    # The LR after step 3 is the new base LR on the new 3-step schedule (debug_model.toml's warmup and decay).
-    factor = lr_factor(3, total_steps=3, warmup_steps=10, decay_ratio=1.0, decay_type="cosine", min_lr_factor=0.1)
-    assert [r["step"] for r in proc.metrics] == [3]
-    assert proc.metrics[0]["lr"] == pytest.approx(1e-3 * factor, rel=1e-6)
+    # The LR after each resumed step is the new base LR on the new 3-step schedule (debug_model.toml's
+    # warmup and decay).
+    for row in proc.metrics:
+        factor = lr_factor(
+            row["step"], total_steps=3, warmup_steps=10, decay_ratio=1.0, decay_type="cosine", min_lr_factor=0.1
+        )
+        assert row["lr"] == pytest.approx(1e-3 * factor, rel=1e-6), row
 
 
-def test_a_resume_with_nothing_to_train_says_so(two_checkpoints, tmp_path):
-    dump = copy_of(two_checkpoints, tmp_path / "run")
-    proc = run(dump, steps=2)
+def test_a_resume_with_nothing_to_train_says_so(resumes):
+    dump, proc = resumes["nothing_to_train"]
     assert proc.returncode == 0, proc.log[-3000:]
     assert "nothing to train: resumed at step 2, training.steps is 2 (raise training.steps to train on)" in proc.stderr
     assert "training finished" not in proc.stderr and not (dump / "metrics.jsonl").read_text()
 
 
-def test_a_new_global_batch_stops_the_resume_in_one_line(two_checkpoints, tmp_path):
-    dump = copy_of(two_checkpoints, tmp_path / "run")
-    proc = run(dump, "--training.global_batch_size", "4", steps=3)
+def test_a_new_global_batch_stops_the_resume_in_one_line(resumes):
+    dump, proc = resumes["new_global_batch"]
     assert proc.returncode == 2, proc.log[-3000:]
     (line,) = error_lines(proc)
     assert "training.global_batch_size was 2 samples per step, this run has 4 samples per step" in line, line
