@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,11 +108,64 @@ def resume_from(src: Path, step: int, dst: Path) -> Path:
     return dst
 
 
+@dataclass
+class Killed:
+    """The run killed during its async save of step 4 (as its restart found it), and the restart in its
+    folder, as a relaunch would."""
+
+    proc: RunResult
+    scan: tuple[list[int], list[int]]
+    partial_metadata: bool
+    logged: int
+    restart: RunResult
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """dp2 SimpleFSDP, async saves, uninterrupted, validation every 2 steps."""
-    dump = tmp_path_factory.mktemp("reference_dp2")
-    assert_ok(train(dump, "dp2", "--checkpoint.async_mode", "async", *VALIDATION))
+def runs(tmp_path_factory) -> dict[str, Any]:
+    """Every run of the module, two launches at a time, each started once the run it resumes from has
+    finished: the dp2 reference (SimpleFSDP, async saves, uninterrupted, validation every 2 steps); a dp2
+    run killed during the async save of step 4 and restarted (`Killed`); the reference's step-2 resumed
+    on FSDP2 dp4, on dp2 x tp2 (async saves, validation) and on pp2 x dp2 (saving every step); that
+    pipeline run's step-3 resumed on pp2 x dp2, on dp2 and on one process. Name -> (dump folder, result)."""
+    root = tmp_path_factory.mktemp("resume")
+    done: dict[str, Future] = {}
+    async_validated = ("--checkpoint.async_mode", "async", *VALIDATION)
+
+    def fresh(name: str, layout: str, *extra: str) -> tuple[Path, RunResult]:
+        return root / name, train(root / name, layout, *extra)
+
+    def resumed(name: str, src: str, step: int, layout: str, *extra: str) -> tuple[Path, RunResult]:
+        source, proc = done[src].result()
+        assert_ok(proc)
+        dump = resume_from(source, step, root / name)
+        return dump, train(dump, layout, *extra)
+
+    def killed_and_restarted() -> tuple[Path, Killed]:
+        dump = root / "killed"
+        proc = train(dump, "dp2", "--checkpoint.async_mode", "async", kill_at="4:mid_save")
+        scan, partial = folders.scan(checkpoint(dump)), (checkpoint(dump) / "step-4.partial" / ".metadata").exists()
+        logged = len(_records(dump))
+        return dump, Killed(proc, scan, partial, logged, train(dump, "dp2", *async_validated))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+
+        def submit(name: str, fn: Callable, *args: Any) -> None:
+            done[name] = pool.submit(fn, *args)
+
+        submit("reference", fresh, "reference", "dp2", *async_validated)
+        submit("killed", killed_and_restarted)
+        submit("dp4_fsdp2", resumed, "dp4_fsdp2", "reference", INTERVAL, "dp4_fsdp2")
+        submit("dp2xtp2", resumed, "dp2xtp2", "reference", INTERVAL, "dp2xtp2", *async_validated)
+        submit("pp2xdp2", resumed, "pp2xdp2", "reference", INTERVAL, "pp2xdp2", "--checkpoint.interval", "1")
+        for layout in ("pp2xdp2", "dp2", "single"):
+            submit(f"pp_to_{layout}", resumed, f"pp_to_{layout}", "pp2xdp2", INTERVAL + 1, layout)
+        return {name: future.result() for name, future in done.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> Path:
+    dump, proc = runs["reference"]
+    assert_ok(proc)
     assert folders.scan(checkpoint(dump)) == ([2, 4], [])
     assert sorted(val_losses(dump)) == [2, 4]
     return dump
@@ -118,29 +175,21 @@ def _assert_resumed(proc: RunResult, step: int) -> None:
     assert "resumed from" in proc.stderr and f"step-{step} at step {step}" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def dp2xtp2_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
-    """The reference's step-2 resumed on dp2 x tp2 (same dp, new tp), async saves."""
-    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("dp2xtp2"))
-    return run, train(run, "dp2xtp2", "--checkpoint.async_mode", "async", *VALIDATION)
-
-
-def test_kill_during_async_save_keeps_previous_checkpoint(reference, tmp_path):
+def test_kill_during_async_save_keeps_previous_checkpoint(reference, runs):
     """Rank 0 is SIGKILLed while finalising the async save of step 4 (data written, no marker yet): the
     restart skips the incomplete step-4, resumes from step-2 exactly, and its validation (off in the
     killed run) logs the uninterrupted run's validation loss bitwise."""
-    killed = train(tmp_path, "dp2", "--checkpoint.async_mode", "async", kill_at="4:mid_save")
-    assert killed.returncode != 0 and f"{TEST_KILL_ENV}=4:mid_save: killing this process" in killed.stderr
-    assert folders.scan(checkpoint(tmp_path)) == ([2], [4])
-    assert (checkpoint(tmp_path) / "step-4.partial" / ".metadata").exists()
-    logged = len(_records(tmp_path))
-    proc = train(tmp_path, "dp2", "--checkpoint.async_mode", "async", *VALIDATION)
+    dump, killed = runs["killed"]
+    assert killed.proc.returncode != 0 and f"{TEST_KILL_ENV}=4:mid_save: killing this process" in killed.proc.stderr
+    assert killed.scan == ([2], [4])
+    assert killed.partial_metadata
+    proc = killed.restart
     assert_ok(proc)
     assert "step-4.partial is incomplete (no completion marker: an interrupted save)" in proc.stderr
     _assert_resumed(proc, 2)
-    assert losses(tmp_path, skip=logged) == after(reference, 2)
-    assert val_losses(tmp_path) == {STEPS: val_losses(reference)[STEPS]}
-    assert folders.scan(checkpoint(tmp_path)) == ([2, 4], [])
+    assert losses(dump, skip=killed.logged) == after(reference, 2)
+    assert val_losses(dump) == {STEPS: val_losses(reference)[STEPS]}
+    assert folders.scan(checkpoint(dump)) == ([2, 4], [])
 
 
 def _assert_close(got: dict[int, float], expected: dict[int, float], first: int) -> None:
@@ -149,21 +198,20 @@ def _assert_close(got: dict[int, float], expected: dict[int, float], first: int)
         assert abs(loss - expected[step]) <= LOSS_REL * abs(expected[step]), (step, loss, expected[step])
 
 
-def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, tmp_path):
+def test_reshard_simple_fsdp_dp2_to_fsdp2_dp4(reference, runs):
     """The reference's step-2 resumed on 4 ranks with FSDP2 (dp 2 -> 4): torch's FSDP2 through the CLI,
     against SimpleFSDP."""
-    run = resume_from(reference, INTERVAL, tmp_path)
-    proc = train(run, "dp4_fsdp2")
+    run, proc = runs["dp4_fsdp2"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     assert "resharded from world 2, dp 2, tp 1" in proc.stderr
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
 
 
-def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
+def test_reshard_dp2_to_dp2_tp2(reference, runs):
     """Same dp degree, new tp: each rank continues its dp rank's data; the validation loss (same held-out
     batches for dp 2, vocab-parallel loss under tp) agrees with the dp2 reference's."""
-    run, proc = dp2xtp2_run
+    run, proc = runs["dp2xtp2"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     assert "resharded from world 2, dp 2, tp 1" in proc.stderr
@@ -176,52 +224,38 @@ def test_reshard_dp2_to_dp2_tp2(reference, dp2xtp2_run):
     assert saved == [STEPS, INTERVAL, STEPS, INTERVAL]
 
 
-@pytest.fixture(scope="module")
-def pp_run(reference, tmp_path_factory) -> tuple[Path, RunResult]:
+def test_reshard_dp2_to_pp2_dp2(reference, runs):
     """The reference's step-2 resumed on pipeline 2 x dp_shard 2 (1F1B, 2 microbatches, 2 accumulation
     batches), saving every step: each stage loads only its blocks' FQNs from the one-stage checkpoint."""
-    run = resume_from(reference, INTERVAL, tmp_path_factory.mktemp("pp2xdp2"))
-    return run, train(run, "pp2xdp2", "--checkpoint.interval", "1")
-
-
-def test_reshard_dp2_to_pp2_dp2(reference, pp_run):
-    run, proc = pp_run
+    run, proc = runs["pp2xdp2"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL)
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
 
 
-def test_exact_resume_pp2_dp2(pp_run, tmp_path):
+def test_exact_resume_pp2_dp2(runs):
     """A pipeline checkpoint (step 3) resumed on the same pipeline layout reproduces step 4 bitwise."""
-    src, proc = pp_run
-    assert_ok(proc)
-    run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "pp2xdp2")
+    src, _ = runs["pp2xdp2"]
+    run, proc = runs["pp_to_pp2xdp2"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL + 1)
     assert "resharded" not in proc.stderr
     assert losses(run) == after(src, INTERVAL + 1)
 
 
-def test_reshard_pp2_dp2_to_dp2(reference, pp_run, tmp_path):
+def test_reshard_pp2_dp2_to_dp2(reference, runs):
     """Both stages' parameters and optimizer state join on each rank of a pipeline-free dp 2 (pp 1)."""
-    src, proc = pp_run
-    assert_ok(proc)
-    run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "dp2")
+    run, proc = runs["pp_to_dp2"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL + 1)
     assert "resharded from world 4, dp 2, tp 1" in proc.stderr
     _assert_close(losses(run), losses(reference), INTERVAL + 2)
 
 
-def test_reshard_pp2_dp2_to_one_process(reference, pp_run, tmp_path):
+def test_reshard_pp2_dp2_to_one_process(reference, runs):
     """Every stage's parameters, optimizer state and the loader state land on one process (as an FSDP2
     dp 4 checkpoint would: the same world-4-to-1 resharding)."""
-    src, proc = pp_run
-    assert_ok(proc)
-    run = resume_from(src, INTERVAL + 1, tmp_path)
-    proc = train(run, "single")
+    run, proc = runs["pp_to_single"]
     assert_ok(proc)
     _assert_resumed(proc, INTERVAL + 1)
     assert "resharded from world 4, dp 2, tp 1" in proc.stderr
