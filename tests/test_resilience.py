@@ -7,6 +7,8 @@ Runs use the debug model with seq_len 64 and metrics every step, so each is a fe
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,45 +28,92 @@ def losses(dump: Path) -> dict[int, float]:
     return out
 
 
+CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "8")
+RESTARTING = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1")
+
+
+@dataclass
+class Launches:
+    """One dump folder's launches, one after another: each launch's result and the losses metrics.jsonl
+    held right after it."""
+
+    dump: Path
+    procs: list[RunResult]
+    losses: list[dict[int, float]]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, float]:
-    dump = tmp_path_factory.mktemp("ref")
-    proc = run(dump, "--training.steps", "8")
+def runs(tmp_path_factory) -> dict[str, Launches]:
+    """Every launch of the module, two dump folders at a time (a launch's start-up keeps about one core
+    busy)."""
+    root = tmp_path_factory.mktemp("resilience")
+
+    def launches(name: str, *steps: tuple[tuple[str, ...], dict]) -> Launches:
+        """(overrides, `run`'s keywords) of each launch."""
+        out = Launches(root / name, [], [])
+        out.dump.mkdir()
+        for overrides, kwargs in steps:
+            out.procs.append(run(out.dump, *overrides, **kwargs))
+            metrics = out.dump / "metrics.jsonl"
+            out.losses.append(losses(out.dump) if metrics.exists() else {})
+        return out
+
+    crash = {"TITANLITE_FAULT_EXIT_AT": "6", "TITANLITE_FAULT_RANK": "1", "LOG_RANK": "0,1"}
+    plans = {
+        "uninterrupted": [(("--training.steps", "8"), {})],
+        # SIGTERM at step 4 on rank 1, then the resume in the same folder.
+        "sigterm": [
+            (CHECKPOINTED, {"TITANLITE_FAULT_SIGTERM_AT": "4", "TITANLITE_FAULT_RANK": "1"}),
+            (CHECKPOINTED, {}),
+        ],
+        # Rank 1 exits at step 6 once (the marker file is written in the dump folder), with one restart.
+        "crash": [
+            (RESTARTING, {"launcher": "run_train", "TITANLITE_FAULT_ONCE": str(root / "crash" / "fired"), **crash})
+        ],
+        "nan_stop": [
+            (
+                ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2"),
+                {"nproc": 1, "TITANLITE_FAULT_NAN_AT": "5"},
+            )
+        ],
+        "nan_skip": [
+            (("--training.steps", "6", "--training.skip_nonfinite_steps", "1"), {"TITANLITE_FAULT_NAN_AT": "3"})
+        ],
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(launches, name, *steps) for name, steps in plans.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs) -> dict[int, float]:
+    (proc,) = runs["uninterrupted"].procs
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(dump)
+    return runs["uninterrupted"].losses[0]
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_resumes_exactly(tmp_path, uninterrupted):
+def test_sigterm_saves_and_resumes_exactly(runs, uninterrupted):
     """Steps 1-4 before the signal equal the uninterrupted run bitwise (two runs are deterministic), and
     so do steps 5-8 after the resume."""
-    ck = ["--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "8"]
-    proc = run(tmp_path, *ck, TITANLITE_FAULT_SIGTERM_AT="4", TITANLITE_FAULT_RANK="1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
+    sigterm = runs["sigterm"]
+    stopped, resumed = sigterm.procs
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    out = stopped.stdout + stopped.stderr
     assert "stop signal (SIGTERM) at step 4: checkpoint saved to" in out
-    assert (tmp_path / "checkpoint" / "step-4").is_dir()
-    assert losses(tmp_path) == {s: uninterrupted[s] for s in range(1, 5)}  # exact float equality
-    proc = run(tmp_path, *ck)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert losses(tmp_path) == uninterrupted
+    assert (sigterm.dump / "checkpoint" / "step-4").is_dir()
+    assert sigterm.losses[0] == {s: uninterrupted[s] for s in range(1, 5)}  # exact float equality
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sigterm.losses[1] == uninterrupted
 
 
 @pytest.mark.slow
-def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
+def test_crashed_rank_restarts_from_checkpoint(runs, uninterrupted):
     """run_train.sh passes comm.max_restarts to the launcher; the job comes back from the last checkpoint."""
-    proc = run(
-        tmp_path,
-        *("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1"),
-        launcher="run_train",
-        TITANLITE_FAULT_EXIT_AT="6",
-        TITANLITE_FAULT_RANK="1",
-        TITANLITE_FAULT_ONCE=str(tmp_path / "fired"),
-        LOG_RANK="0,1",
-    )
+    dump, (proc,) = runs["crash"].dump, runs["crash"].procs
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert (tmp_path / "fired").exists()
-    got = losses(tmp_path)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
+    assert (dump / "fired").exists()
+    got = losses(dump)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
     assert got[8] == uninterrupted[8]
     # The restart is announced once, with its cause; metrics.jsonl tells the two runs' rows apart.
     own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
@@ -72,37 +121,28 @@ def test_crashed_rank_restarts_from_checkpoint(tmp_path, uninterrupted):
         "titanlite: restarting every rank (restart 1 of 1) after: rank 1 exited with code 17 (the ranks' "
         "logs are in " + own[0].split("logs are in ")[-1]
     ], own
-    runs = [(r["run"], r["step"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    assert runs == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (2, 7), (2, 8)], runs
+    runs_ = [(r["run"], r["step"]) for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())]
+    assert runs_ == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (2, 7), (2, 8)], runs_
 
 
 @pytest.mark.slow
-def test_nan_stops_with_last_good_checkpoint(tmp_path):
-    proc = run(
-        tmp_path,
-        "--training.steps",
-        "8",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        nproc=1,
-        TITANLITE_FAULT_NAN_AT="5",
-    )
+def test_nan_stops_with_last_good_checkpoint(runs):
+    dump, (proc,) = runs["nan_stop"].dump, runs["nan_stop"].procs
     assert proc.returncode != 0
     err = [ln for ln in proc.stderr.splitlines() if "titanlite: error:" in ln]
     assert err and "non-finite step 5" in err[0] and "step-4" in err[0]
     # the checkpoint on disk is the last good one
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.name.startswith("step-")) == [
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-")) == [
         "step-2",
         "step-4",
     ]
 
 
 @pytest.mark.slow
-def test_nan_step_is_skipped_within_limit(tmp_path, uninterrupted):
-    proc = run(tmp_path, "--training.steps", "6", "--training.skip_nonfinite_steps", "1", TITANLITE_FAULT_NAN_AT="3")
+def test_nan_step_is_skipped_within_limit(runs, uninterrupted):
+    (proc,) = runs["nan_skip"].procs
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = losses(tmp_path)
+    got = runs["nan_skip"].losses[0]
     assert got[3] != got[3]  # NaN logged for the skipped step
     assert got[2] == uninterrupted[2] and all(got[s] == got[s] for s in (4, 5, 6))
 
