@@ -350,3 +350,25 @@ def test_run_train_reports_a_mistyped_key_before_any_process_imports_torch(ngpu)
     assert proc.returncode == 2 and own == [
         "titanlite: error: unknown config key 'training.step' in the command line; did you mean 'training.steps'?"
     ], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_launchers_preflight_imports_neither_dtensor_nor_the_compiler(tmp_path):
+    """The launcher's agent and its preflight (run plan, data loader, checkpoint folders) run before any
+    rank starts, single-threaded: they import neither DTensor (nor DCP or FSDP2, which import it) nor
+    torch's compiler, about a second of start-up per launch. Checked for eager runs of each layout kind;
+    a compiled run's preflight imports the compiler to check its settings."""
+    heavy = ["torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo"]
+    code = (
+        "import sys\n"
+        "import titanlite.agent\n"
+        "from titanlite.preflight import preflight\n"
+        f"base = ['--job.dump_folder', {str(tmp_path)!r}]\n"
+        "for layout in ([], ['--parallelism.tensor_parallel_degree', '2'], "
+        "['--parallelism.pipeline_parallel_degree', '2'], ['--parallelism.context_parallel_degree', '2']):\n"
+        "    preflight(base + layout, 2)\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

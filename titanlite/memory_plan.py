@@ -41,13 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titanlite.config import ActivationCheckpoint
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30
@@ -132,12 +130,16 @@ class MemoryEstimate:
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # here: the run plan imports this module without DTensor
+
     return p.to_local() if isinstance(p, DTensor) else p
 
 
 def gathered_numel(p: torch.Tensor) -> int:
     """Elements of `p` after gathering over the data-parallel mesh dims (`dp_*`, and `cp`, over which the
     parameters are sharded like over dp_shard: `ParallelDims.param_mesh`): TP shards stay sharded."""
+    from torch.distributed.tensor import DTensor  # here: the run plan imports this module without DTensor
+
     if not isinstance(p, DTensor):
         return p.numel()
     shape = list(p.shape)
@@ -194,6 +196,8 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
             sink_bytes = layout.reduce_dtype.itemsize
             transient = max(units.values()) * sink_bytes
         else:  # SimpleFSDP's sinks are fp32; one bucket (or one larger gradient) is packed at a time
+            from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES  # SimpleFSDP's runtime: here
+
             sink_bytes = 4
             bucket = max(min(REDUCE_BUCKET_BYTES, total * sink_bytes), largest * sink_bytes)
             transient = bucket + (0 if replicate else bucket // layout.shard_ranks)

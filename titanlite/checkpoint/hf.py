@@ -35,7 +35,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import CheckpointError
 from titanlite.models.init import local_block
@@ -102,6 +101,9 @@ def export_hf(
             save_file(buffer, str(tmp / f"shard-{len(names_per_shard):05d}.safetensors"), metadata={"format": "pt"})
             names_per_shard.append(list(buffer))
             buffer, size = {}, 0
+
+    # Imported here: the launcher's preflight reads HF configs (`check_hf_config`) without DTensor.
+    from torch.distributed.tensor import DTensor
 
     for fqn, param in adapter.params(model):
         full = param.full_tensor() if isinstance(param, DTensor) else param

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 CHUNK_ELEMENTS = 1 << 20
 
@@ -44,6 +42,10 @@ def _fill(t: torch.Tensor, spec: InitSpec, gen: torch.Generator) -> None:
 
 def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor this rank holds and its offset in the full parameter."""
+    # Imported here: the launcher's preflight imports the model families (their specs) without DTensor.
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if isinstance(param, DTensor):
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return param.to_local(), tuple(offset)

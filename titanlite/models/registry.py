@@ -31,15 +31,17 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from titanlite.errors import CheckpointError, ConfigError
 from titanlite.models.cost import ModelCost
-from titanlite.parallelisms.step_context import ExtraLoss
-from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
+
+if TYPE_CHECKING:  # types only: the launcher's preflight reads the specs without DTensor
+    from titanlite.parallelisms.step_context import ExtraLoss
+    from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 
 BUILTIN = {"llama3": "titanlite.models.llama3", "qwen3_moe": "titanlite.models.qwen3_moe"}
 _MODELS: dict[str, ModelSpec] = {}

@@ -35,11 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
-from titanlite.parallelisms.kept_gathers import kept_gathers
-from titanlite.parallelisms.step_reduction import unreduced
 
 
 @dataclass(frozen=True)
@@ -120,6 +117,13 @@ def reduce_once(
     itself, and `backwards` counts them (SimpleFSDP then starts each bucket's reduction in the last
     backward that completes it).
     """
+    # Imported here: the step policies above are the run plan's, which the launcher's preflight builds
+    # without FSDP2, DTensor or SimpleFSDP's runtime.
+    from torch.distributed.fsdp import FSDPModule
+
+    from titanlite.parallelisms.kept_gathers import kept_gathers
+    from titanlite.parallelisms.step_reduction import unreduced
+
     fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if fsdp2 and (pipelined or not (enabled or keep)):
         yield _noop

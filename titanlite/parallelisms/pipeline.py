@@ -34,7 +34,7 @@ norm over the pipeline group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,16 @@ from torch import nn
 from titanlite.config import Parallelism
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
-from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.step_context import StepContext, replicated
 from titanlite.parallelisms.units import Units
 
+if TYPE_CHECKING:
+    from titanlite.parallelisms.step_context import StepContext
+
 # torch.distributed.pipelining is imported when a pipeline is built: importing it pulls in Dynamo
-# (~0.4 s per process), which runs without pipeline parallelism should not pay.
+# (~0.4 s per process), which runs without pipeline parallelism should not pay. The runner's step
+# (DTensor, through the step context and clipping) is imported where it runs: the run plan's
+# `StagePlan` is built by the launcher's preflight, which imports no DTensor.
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 """Schedules of one stage per rank (torch.distributed.pipelining class names)."""
 MULTI_STAGE = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
@@ -271,6 +274,9 @@ class PipelineRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
         replica's mean loss, on every rank; the global grad norm), like the local runner."""
+        from titanlite.optim import clip_grad_norm_
+        from titanlite.parallelisms.step_context import replicated
+
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
         backwards = self.backwards_per_step

@@ -6,17 +6,14 @@ what is Llama's is which modules form the blocks and which projections split col
 
 from __future__ import annotations
 
-from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from typing import TYPE_CHECKING
 
-from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+from torch import nn
+
 from titanlite.parallelisms.units import Units
+
+if TYPE_CHECKING:
+    from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
 
 
 def llama_units(model: nn.Module) -> Units:
@@ -28,6 +25,12 @@ def llama_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
     output; with loss parallel the logits stay sharded on the vocab dim (the loss runs under
     `loss_parallel()` without gathering them). Between pipeline stages the hidden states travel
     sequence-sharded, as local tensors."""
+    # Imported here: the family's spec is read by the launcher's preflight, which imports no DTensor.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+
     return TensorParallelPlan(
         roots={
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
