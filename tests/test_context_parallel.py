@@ -167,16 +167,15 @@ def dump(runs, name: str) -> Path:
 @pytest.mark.slow
 def test_cp2_matches_one_process_through_run_train(runs):
     """NGPU=2 ./run_train.sh --parallelism.context_parallel_degree 2: the losses and the held-out losses
-    equal one process's (fp32, within 1e-5), and the logged gradient norms dp2's (within 1e-5: the dp2 run
-    resumed from cp2's checkpoint, over the steps both trained from it)."""
+    equal one process's (fp32, within 1e-5), and so do the logged gradient norms, also those of the dp2
+    run resumed from cp2's checkpoint over the steps both trained from it."""
     cp2, single = dump(runs, "cp2"), dump(runs, "single")
     assert len(losses(cp2)) == STEPS
     assert rel(losses(cp2), losses(single)) <= LOSS_REL
-    # The logged gradient norm (global over the parameters' shards, before clipping) is dp2's; both differ
-    # from one process's by 8.5e-5 (relative, measured: the multi-rank norm, not context parallelism).
+    # The logged gradient norm: global over the parameters' shards, before clipping (measured equal).
+    assert rel(losses(cp2, "grad_norm"), losses(single, "grad_norm")) <= LOSS_REL
     dp2 = dump(runs, resume_name("cp2", "dp2"))
     assert rel(losses(dp2, "grad_norm"), losses(cp2, "grad_norm")) <= LOSS_REL
-    assert rel(losses(cp2, "grad_norm"), losses(single, "grad_norm")) <= 2e-4
     # Validation runs through the same sharded batch and averages over the cp ranks.
     assert sorted(losses(cp2, "val_loss")) == [SAVE_AT, STEPS]
     assert rel(losses(cp2, "val_loss"), losses(single, "val_loss")) <= LOSS_REL
