@@ -278,6 +278,7 @@ def test_a_new_lr_is_used_after_resume(resumes):
     assert "optimizer.lr 0.003 -> 0.001" in changed and "training.steps 2 -> 3" in changed, changed
     # The LR after each resumed step is the new base LR on the new 3-step schedule (debug_model.toml's
     # warmup and decay).
+    assert [r["step"] for r in proc.metrics] == [2, 3]
     for row in proc.metrics:
         factor = lr_factor(
             row["step"], total_steps=3, warmup_steps=10, decay_ratio=1.0, decay_type="cosine", min_lr_factor=0.1
