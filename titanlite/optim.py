@@ -65,15 +65,13 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of `grads` (tensors of one mesh, or plain ones), in their dtype.
+    """The L2 norm of `grads` (one or more tensors of one mesh, or plain ones), in their dtype.
 
     On CPU each tensor's norm accumulates in float64: torch's CPU float32 norm of a tensor of 10^5-10^6
     elements drifts by 1e-6-1e-4 relative (the debug model's first gradient norm: 1.5356675 in float32,
     1.5357589 exactly), and by a different amount for each shard size, so one process, replicas and
     shards would each log, and clip by, a slightly different norm of the same gradients. Elsewhere
     torch's own per-tensor norms are used as they are."""
-    if not grads:
-        return torch.zeros(())
     dtype = torch.float64 if grads[0].device.type == "cpu" else None
     norms = torch._foreach_norm(grads, 2.0, dtype=dtype)
     return torch.linalg.vector_norm(torch.stack(list(norms))).to(grads[0].dtype)

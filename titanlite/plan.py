@@ -158,8 +158,8 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec) 
 
 def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
     """What expert parallelism needs (`parallelisms/expert_parallel.py`) beyond the mesh's own rule (ep
-    divides dp_shard x cp, no TP or PP: `ParallelDims`): a family whose experts declare the seam, experts
-    that divide evenly over the ep ranks, and SimpleFSDP."""
+    divides dp_shard x cp, no PP: `ParallelDims`): a family whose experts declare the seam, experts that
+    divide evenly over the ep ranks, and SimpleFSDP."""
     ep, p = dims.ep, cfg.parallelism
     if spec.num_experts is None:
         raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")

@@ -7,9 +7,8 @@ the projections full size; a MoE layer runs on the whole gathered sequence on ev
 (`models/qwen3_moe/parallelize.py`), so its parts are not divided. A MoE layer saves the router's logits
 and fp32 probabilities and, per routed (token, expert) pair (top_k of them), the gathered input, the
 gate/up output, the SwiGLU product, the down output and its weighted copy; a dense layer four FFN-wide
-tensors. Selective AC is counted as no AC
-(an upper bound). The peak is the larger of the start of backward and the last block's backward, as for
-Llama.
+tensors. Selective AC is counted as no AC (an upper bound). The peak is the larger of the start of
+backward and the last block's backward, as for Llama.
 
 Under expert parallelism a MoE layer's routed rows (top_k per token) leave for their experts' ranks and
 come back: each all-to-all holds its send and its receive buffer ([rows, dim] each) while it runs, in the
