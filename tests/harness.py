@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from titanlite.errors import exit_now
 from titanlite.models.llama3 import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,15 +154,10 @@ def train(
 
 def end_worker() -> None:
     """End a torchrun test worker once its results are written: the ranks wait for each other, the
-    process group goes and the process exits at once. torch 2.13's gloo backend now and then aborts in
-    the interpreter's teardown ("terminate called without an active exception" from a C++ destructor, no
-    Python frame; a plain script that only shards a tensor and takes its norm aborted in 3 of 4 launches
-    of 4 ranks), which would turn a finished worker's exit code into -6."""
+    process group goes and the process exits as the trainer's ranks do (`errors.exit_now`)."""
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def step_metric(dump: Path, key: str = "loss") -> dict[int, float]:

@@ -40,7 +40,7 @@ from titanlite.build import init_device, init_distributed
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.plan import RunPlan
 from titanlite.sampling import next_token
 from titanlite.tools.options import number, split_options
@@ -156,4 +156,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_now(run_cli(main))

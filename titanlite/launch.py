@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.signals import Preemption
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
@@ -108,7 +108,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(run_cli(main))
+        code = run_cli(main)
     except KeyboardInterrupt:  # Ctrl-C twice while the launcher starts: nothing has started
         print("titanlite: interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    exit_now(code)

@@ -15,8 +15,7 @@ trainer needs: a signal that arrives while the rank starts is honoured, never lo
 
 from __future__ import annotations
 
-import sys
-
+from titanlite.errors import exit_now
 from titanlite.signals import Preemption
 
 
@@ -51,4 +50,4 @@ if __name__ == "__main__":
     stop = Preemption(interrupt=True)
     from titanlite.resilience import run_rank  # torch: after the recorder
 
-    sys.exit(run_rank(lambda argv: main(argv, stop)))
+    exit_now(run_rank(lambda argv: main(argv, stop)))

@@ -39,7 +39,6 @@ import copy
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titanlite.build import build_model, choose_step_policy, rank_estimate
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
@@ -346,4 +345,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_now(run_cli(main))

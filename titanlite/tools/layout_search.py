@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.gpus import GpuKind, gpu_kind
 from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
 from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
@@ -332,4 +332,4 @@ def report(cfg, world, kind, given, ranked, n_fit, tried, best, out, elapsed, no
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_now(run_cli(main))
