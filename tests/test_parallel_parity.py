@@ -69,9 +69,9 @@ CASES_2 = [
     {"cp": 2, "no_kv_grad": True},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
-# Compiled blocks (per-block bucketing) under dp x tp with selective AC; checked for buckets below.
+# Compiled blocks (per-block bucketing) under dp x tp with full AC and document masks; checked for buckets below.
 COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
-                    "ac": "selective"}  # fmt: skip
+                    "ac": "full", "mask": "block_causal"}  # fmt: skip
 CASES_4 = [
     {"shard": 4},
     {"rep": 2, "shard": 2},
@@ -92,11 +92,9 @@ CASES_4 = [
     {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
     {"pp": 2, "tp": 2, "mb": 2},
     {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
-    # Selective AC in one compiled graph over dp x tp, with packed documents masked apart (the causal mask
-    # in the same graph is the full-AC case's; selective AC compiled with it, test_compile's 1D cases).
-    {**COMPILED_DP_X_TP, "mask": "block_causal"},
-    # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph.
-    {**COMPILED_DP_X_TP, "ac": "full"},
+    # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph, with
+    # packed documents masked apart (selective AC compiled: test_compile's 1D cases).
+    COMPILED_DP_X_TP,
     # Context parallelism inside dp (FSDP over dp_shard x cp; HSDP), beside tp, under pipeline stages.
     {"cp": 2, "shard": 2},
     {"rep": 2, "cp": 2},
@@ -274,11 +272,10 @@ def test_train_timeout_reaches_every_mesh_group(records, nproc, cases):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [{"mask": "block_causal"}, {"ac": "full"}], ids=["selective", "full"])
-def test_compiled_dp_x_tp_ran_bucketed_graphs(records, case):
-    """The compiled dp x tp cases' parity above is that of bucketed graphs (fewer gathers and
+def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
+    """The compiled dp x tp case's parity above is that of bucketed graphs (fewer gathers and
     reductions) in one graph per model (scope auto), whose gathers compute overlaps."""
-    report = records(4, CASES_4)[case_id({**COMPILED_DP_X_TP, **case})]["compile_report"]
+    report = records(4, CASES_4)[case_id(COMPILED_DP_X_TP)]["compile_report"]
     dp = report["dp"]
     assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
     assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
