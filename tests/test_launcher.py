@@ -376,18 +376,22 @@ def test_the_launchers_preflight_imports_neither_dtensor_nor_the_compiler(tmp_pa
 
 def test_a_finished_process_exits_with_its_code_after_its_threads_exit_functions_and_output():
     """`errors.exit_now`, the end of every rank, launcher and torch tool: the process's other threads
-    finish, its `atexit` functions run and what it printed arrives, and the exit code is the one given;
+    finish (an idle thread pool's too, as compiled runs leave one), its `atexit` functions run and what it
+    printed arrives, and the exit code is the one given;
     only the interpreter's teardown is skipped (a plain `os._exit` loses all three: the control)."""
     script = """if True:
-        import atexit, sys, threading, time
+        import atexit, concurrent.futures, sys, threading, time
         from titanlite.errors import exit_now
         atexit.register(lambda: print("exit function ran", flush=True))
         threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished", flush=True))).start()
+        pool = concurrent.futures.ThreadPoolExecutor(1)  # kept: its idle worker must not block the exit
+        pool.submit(time.sleep, 0)
         sys.stdout.write("unflushed line\\n")
         {end}(3)
     """
     done = ["unflushed line", "thread finished", "exit function ran"]
     env = {k: v for k, v in child_env().items() if k != "PYTHONUNBUFFERED"}  # stdout a buffered pipe
     for end, lines in (("exit_now", done), ("__import__('os')._exit", [])):
-        proc = subprocess.run([sys.executable, "-c", script.format(end=end)], env=env, capture_output=True, text=True)
+        command = [sys.executable, "-c", script.format(end=end)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=20)
         assert (proc.returncode, proc.stdout.splitlines()) == (3, lines), proc.stderr

@@ -65,17 +65,16 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
 
 
 def exit_now(code: int) -> None:
-    """End a process that has imported torch, once its work is written: wait for its other threads (as
-    the interpreter's exit does), run the `atexit` functions (logging, W&B, torch's own), flush stdout and
+    """End a process that has imported torch, once its work is written: stop and wait for its other
+    threads as the interpreter's exit does, run the `atexit` functions (logging, W&B, torch's own), flush stdout and
     stderr, and exit with `code` without the interpreter's teardown of torch's modules and C++ objects.
     That teardown takes 0.5-1 s per process, and torch 2.13's gloo backend now and then aborts in it
     ("terminate called without an active exception" from a C++ destructor: a script that only shards a
     tensor and takes its norm aborted in 3 of 4 launches of 4 ranks), which would turn a finished rank's
     exit code into -6 and its launcher's into a failure."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # The interpreter's own first step of exiting: the threading exit hooks (a thread pool's idle workers
+    # are told to stop), then every non-daemon thread joined.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
