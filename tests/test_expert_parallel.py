@@ -27,6 +27,10 @@ from titanlite.plan import RunPlan
 CONFIG = "train_configs/qwen3_moe_debug.toml"
 STEPS, SAVE_AT = 6, 3
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# Two stages (1F1B), each rank's local batch of 4 in two pipeline microbatches of 2: the microbatches one
+# process accumulates.
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+PP2 += ["--training.local_batch_size", "4"]
 # nproc, extra: every layout trains the same global batch of 4 sequences in microbatches of 2.
 LAYOUTS = {
     "single": (1, []),
@@ -36,6 +40,8 @@ LAYOUTS = {
     "ep2_efsdp2": (4, EP2),
     "ep2_hsdp": (4, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
     "ep2_tp2": (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, PP2),
+    "ep2_pp2": (4, [*EP2, *PP2]),
 }
 
 
@@ -57,7 +63,6 @@ def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
     [
         (2, ["--parallelism.expert_parallel_degree", "3"], "must divide data_parallel_shard_degree 2"),
         (6, ["--parallelism.expert_parallel_degree", "3"], "does not divide the model's 8 experts"),
-        (4, [*EP2, "--parallelism.pipeline_parallel_degree", "2"], "does not combine with pipeline"),
         (2, [*EP2, "--parallelism.dp_impl", "fsdp2"], "needs dp_impl simple_fsdp"),
         (2, [*EP2, "--compile.enable", "--compile.scope", "model"], "compile.scope=model with expert_parallel"),
         (2, [*EP2, "--model.name", "llama3", "--model.flavor", "debugmodel"], "no experts to split"),
@@ -142,14 +147,45 @@ def test_compiled_ep2_matches_one_process(runs, tmp_path):
     assert rel(got, losses(runs["ep2"])) <= LOSS_REL
 
 
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory) -> dict[str, Path]:
+    """ep2 and dp2 at global batch 8: two microbatches of 2 per rank and step, with full AC."""
+    root = tmp_path_factory.mktemp("ep_accumulated")
+    for name in ("ep2", "dp2"):
+        assert_ok(train(root / name, name, "--activation_checkpoint.mode", "full", batch=8))
+    return {name: root / name for name in ("ep2", "dp2")}
+
+
 @pytest.mark.slow
-def test_ep2_with_accumulation_and_full_ac_matches_dp2(tmp_path):
+def test_ep2_with_accumulation_and_full_ac_matches_dp2(accumulated):
     """ep2 with two microbatches per rank per step (the once-per-step reduction and kept gathers the
     memory plan picks) and full AC (the recomputed forward dispatches again) gives dp2's losses."""
-    extra = ["--activation_checkpoint.mode", "full"]
-    for name in ("ep2", "dp2"):
-        assert_ok(train(tmp_path / name, name, *extra, batch=8))
-    assert rel(losses(tmp_path / "ep2"), losses(tmp_path / "dp2")) <= LOSS_REL
+    assert rel(losses(accumulated["ep2"]), losses(accumulated["dp2"])) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_pipeline_stages_match_one_process(runs, tmp_path):
+    """NGPU=2 with pipeline_parallel_degree 2: the auxiliary loss pools both stages' MoE layers (the
+    routing sums travel with the hidden states, its gradient back), and six steps' losses and gradient
+    norms equal one process's (relative 1e-5)."""
+    proc = train(tmp_path / "pp2", "pp2")
+    assert_ok(proc)
+    assert "pipeline 1F1B: 2 stages" in proc.log
+    got = losses(tmp_path / "pp2")
+    assert len(got) == STEPS and rel(got, losses(runs["single"])) <= LOSS_REL
+    assert rel(losses(tmp_path / "pp2", "grad_norm"), losses(runs["single"], "grad_norm")) <= LOSS_REL
+
+
+@pytest.mark.slow
+def test_ep2_under_pipeline_stages_matches_data_parallelism(accumulated, tmp_path):
+    """NGPU=4, ep2 x pp2: each stage's experts split over the 2 ranks of its data-parallel dim, each rank's
+    batch of 4 in two pipeline microbatches of 2, as dp2 accumulates them: dp2's losses and gradient
+    norms (relative 1e-5)."""
+    proc = train(tmp_path / "ep2_pp2", "ep2_pp2", batch=8)
+    assert_ok(proc)
+    assert "experts over ep 2 x efsdp 1" in proc.log and "pipeline 1F1B: 2 stages" in proc.log
+    assert rel(losses(tmp_path / "ep2_pp2"), losses(accumulated["dp2"])) <= LOSS_REL
+    assert rel(losses(tmp_path / "ep2_pp2", "grad_norm"), losses(accumulated["dp2"], "grad_norm")) <= LOSS_REL
 
 
 @pytest.mark.slow

@@ -238,7 +238,7 @@ class RunPlan:
             pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
             if spec.tied_embeddings(args):
                 raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
-            if spec.extra_loss is not None:
+            if spec.extra_loss is not None and not spec.extra_loss_across_stages:
                 raise ConfigError(
                     f"pipeline parallelism does not support model {spec.name}'s extra loss term "
                     "(its stages would each hold a part of it): set pipeline_parallel_degree 1"

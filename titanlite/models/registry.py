@@ -78,8 +78,13 @@ class ModelSpec:
     extra_loss: ExtraLoss | None = None
     """A term added to each training microbatch's loss after the model's forward (e.g. a mixture of
     experts' load-balancing loss, which the model records in its forward), a scalar on the model's
-    device; None: cross-entropy only. Validation reports the cross-entropy alone; pipeline parallelism
-    refuses a family with one (each stage would hold a part of it)."""
+    device; None: cross-entropy only. Validation reports the cross-entropy alone. Under pipeline
+    parallelism it is called with the last stage's module, and needs `extra_loss_across_stages`."""
+    extra_loss_across_stages: bool = False
+    """The model's forward as a pipeline stage before the last returns (hidden states, what `extra_loss`
+    needs of its layers and of the stages before it), and the last stage keeps what it was handed, so the
+    extra term covers every stage's layers; False: pipeline parallelism refuses a family with an extra
+    loss (each stage would hold a part of it)."""
     after_step: Callable[[nn.Module], None] | None = None
     """Called by every rank after each optimizer step (it may run a collective), e.g. to update a router's
     balancing bias from the step's token counts; None: nothing."""

@@ -83,11 +83,6 @@ class ParallelDims:
                 f"parallelism: expert_parallel_degree {self.ep} must divide data_parallel_shard_degree "
                 f"{self.dp_shard}{cp_text} (expert parallelism borrows those ranks)"
             )
-        if self.ep > 1 and self.pp > 1:
-            raise ConfigError(
-                f"parallelism: expert_parallel_degree {self.ep} does not combine with pipeline parallelism "
-                f"(got pp={self.pp})"
-            )
         if self.dp_impl == "fsdp2" and self.dp_replicate > 1 and self.dp_shard * self.cp == 1:
             raise ConfigError(
                 "parallelism: dp_impl=fsdp2 needs data_parallel_shard_degree > 1 "

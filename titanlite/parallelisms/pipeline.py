@@ -205,11 +205,14 @@ def keep_stage(model: nn.Module, units: Units, plan: StagePlan, stage: int) -> N
 
 
 class StageUnion(nn.Module):
-    """This rank's stages as one module with the model's own parameter names, for the optimizer,
-    checkpoints (DCP by FQN) and tests. It shares the stages' modules and is never called."""
+    """This rank's stages as one module with the model's own parameter names and `args`, for the
+    optimizer, checkpoints (DCP by FQN), the family's step hooks and tests. It shares the stages' modules
+    and is never called."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
+        if hasattr(parts[0], "args"):
+            self.args = parts[0].args
         for part in parts:
             for name, child in part.named_children():
                 if isinstance(child, nn.ModuleDict):
@@ -239,7 +242,6 @@ class PipelineRunner:
     ):
         from torch.distributed import pipelining
 
-        assert context.extra_loss is None, "RunPlan.build refuses an extra loss term under pipeline parallelism"
         self.plan, self.dims, self.device, self.context = plan, dims, device, context
         self.backwards_per_step = backwards_per_step
         assert dims.pp_mesh is not None
@@ -262,9 +264,11 @@ class PipelineRunner:
         """The context and backwards of the step the schedule is running (its loss hook reads them)."""
 
     def _loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's microbatch loss, with the family's extra term of the last stage's module,
+        which holds what the earlier stages handed on (`ModelSpec.extra_loss_across_stages`)."""
         assert self._step is not None
         context, backwards = self._step
-        return context.microbatch_loss(pred, labels, backwards)
+        return context.microbatch_loss(pred, labels, backwards, self.parts[self.plan.n_stages - 1])
 
     def forward_backward(
         self,

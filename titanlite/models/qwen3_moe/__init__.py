@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     check_args=check_args,
     shape_keys=SHAPE_KEYS,
     extra_loss=aux_loss_term,
+    extra_loss_across_stages=True,
     step_metrics=routing_metrics,
     after_step=update_routing_bias,
     num_experts=lambda args: args.num_experts,

@@ -1,17 +1,22 @@
 """Qwen3-MoE's load balancing as the step sees it: the auxiliary loss term and the routing metrics.
 
 `aux_loss_term(model)` is the family's `ModelSpec.extra_loss`: `router_aux_loss_coef` times Hugging
-Face's load-balancing loss over the MoE layers of the forward that just ran (`moe.aux_loss`).
+Face's load-balancing loss over the MoE layers of the forward that just ran (`moe.aux_loss_of_sums`),
+with, under pipeline parallelism, the routing sums the earlier stages handed the last one (`model.py`).
 
 `routing_metrics(model)` is the family's `ModelSpec.step_metrics`, called by every rank at each log: the
-tokens routed to each expert since the last log, summed over all ranks (one all-reduce), give the load
-imbalance (max / mean tokens per expert, the worst MoE layer's); the auxiliary loss is the last
-microbatch's (this rank's, unweighted). The counters are reset.
+tokens routed to each expert since the last log, summed over all ranks, give the load imbalance (max /
+mean tokens per expert, the worst MoE layer's); the auxiliary loss is that of the last microbatch of
+every rank pooled. The counters are reset.
 
 `update_routing_bias(model)` is the family's `ModelSpec.after_step` (aux-loss-free balancing, DeepSeek-V3):
-after every optimizer step, the step's token counts per expert, summed over all ranks (one all-reduce
-for every layer together), move each expert's routing bias by `router_bias_update_rate` towards the mean:
-up where the expert got fewer tokens than the mean, down where more. Every rank computes the same bias.
+after every optimizer step, the step's token counts per expert, summed over all ranks, move each expert's
+routing bias by `router_bias_update_rate` towards the mean: up where the expert got fewer tokens than the
+mean, down where more. Every rank computes the same bias.
+
+Both sum over the world in one all-reduce of one [layers, experts] tensor, each rank filling the rows of
+the layers it holds: under pipeline parallelism every stage holds other layers, and each layer's rows are
+summed over the same number of ranks (those of its stage), which scales every expert's count alike.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.models.qwen3_moe.moe import MoE, aux_loss
+from titanlite.models.qwen3_moe.moe import MoE, aux_loss_of_sums, routing_sums
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:
@@ -28,37 +33,48 @@ def _moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def aux_loss_term(model: nn.Module) -> torch.Tensor:
-    layers = [m for m in _moe_layers(model) if m.stats is not None]
-    if not layers:
+    carried = getattr(model, "routing_in", None)
+    stats = [m.stats for m in _moe_layers(model) if m.stats is not None]
+    if not stats and carried is None:
         return torch.zeros((), device=next(model.parameters()).device)
-    return model.args.router_aux_loss_coef * aux_loss([m.stats for m in layers], layers[0].num_experts)
+    return model.args.router_aux_loss_coef * aux_loss_of_sums(routing_sums(stats, carried))
+
+
+def _summed_by_layer(model: nn.Module, rows: dict[int, torch.Tensor], width: int) -> torch.Tensor:
+    """[n_layers, width]: each held layer's row, zeros for the others, summed over the world."""
+    device = next(model.parameters()).device
+    out = torch.zeros(model.args.n_layers, width, device=device)
+    for layer, row in rows.items():
+        out[layer] = row
+    if dist.is_initialized():
+        dist.all_reduce(out)
+    return out
 
 
 @torch.no_grad()
 def routing_metrics(model: nn.Module) -> dict[str, float]:
-    layers = _moe_layers(model)
-    if not layers:
+    args = model.args
+    if not args.moe_layers:
         return {}
-    counts = torch.stack([m.tokens_per_expert for m in layers])
-    for m in layers:
+    experts, rows = args.num_experts, {}
+    for m in _moe_layers(model):
+        last = routing_sums([m.stats]) if m.stats is not None else m.tokens_per_expert.new_zeros(3, experts)
+        rows[m.layer_id] = torch.cat([m.tokens_per_expert, last.flatten()])
         m.tokens_per_expert.zero_()
-    if dist.is_initialized():
-        dist.all_reduce(counts)
+    summed = _summed_by_layer(model, rows, 4 * experts)
+    counts, last = summed[:, :experts], summed[:, experts:].reshape(-1, 3, experts).sum(0)
     imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).max()
-    stats = [m.stats for m in layers if m.stats is not None]
-    aux = aux_loss(stats, layers[0].num_experts).item() if stats else float("nan")
+    aux = aux_loss_of_sums(last).item() if last[2, 0] > 0 else float("nan")
     return {"moe_aux_loss": aux, "moe_load_imbalance": imbalance.item()}
 
 
 @torch.no_grad()
 def update_routing_bias(model: nn.Module) -> None:
-    layers = [m for m in _moe_layers(model) if m.expert_bias is not None]
-    if not layers:
+    if model.args.router_bias_update_rate <= 0:
         return
-    counts = torch.stack([m.step_tokens for m in layers])
-    if dist.is_initialized():
-        dist.all_reduce(counts)
+    layers = [m for m in _moe_layers(model) if m.expert_bias is not None]
+    counts = _summed_by_layer(model, {m.layer_id: m.step_tokens for m in layers}, model.args.num_experts)
     step = model.args.router_bias_update_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
-    for m, delta in zip(layers, step):
-        m.expert_bias.add_(delta)
+    for m in layers:
+        m.expert_bias.add_(step[m.layer_id])
         m.step_tokens.zero_()

@@ -21,7 +21,7 @@ from torch import nn
 
 from titanlite.models.init import InitSpec, init_parameters_
 from titanlite.models.llama3.model import FeedForward, RMSNorm
-from titanlite.models.qwen3_moe.moe import MoE
+from titanlite.models.qwen3_moe.moe import MoE, routing_sums
 
 SHAPE_KEYS = (
     "n_layers",
@@ -150,7 +150,7 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe(layer_id):
             a = args
-            self.moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm)
+            self.moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm, layer_id)
             if a.router_bias_update_rate > 0:
                 self.moe.enable_routing_bias()
         else:
@@ -172,15 +172,30 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_tables(args, self.seq_len)
+        self.routing_in: torch.Tensor | None = None
+        """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab] (hidden states in and out of a pipeline stage's part)."""
+    def forward(
+        self, tokens: torch.Tensor, routing: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens [b, s] -> logits [b, s, vocab].
+
+        As a pipeline stage (`parallelisms/pipeline.keep_stage`) the load-balancing loss, which pools every
+        MoE layer's routing, travels with the hidden states: a stage before the last returns (hidden
+        states, the `moe.routing_sums` of its layers and of the `routing` it was handed), and the last
+        stage keeps the `routing` it was handed for the loss (`balance.aux_loss_term`). The gradient of
+        the loss reaches each stage's routers back along the same way."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is None:
+            if routing is None:  # the first stage
+                routing = torch.zeros(3, self.args.num_experts, device=h.device)
+            return h, routing_sums([m.stats for m in self.moe_layers() if m.stats is not None], routing)
+        self.routing_in = routing
+        return self.output(self.norm(h))
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

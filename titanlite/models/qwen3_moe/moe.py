@@ -133,9 +133,21 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router + experts: x [b, s, H] -> [b, s, H]; records `stats` and accumulates `tokens_per_expert`."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, grouped: bool):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        grouped: bool,
+        layer_id: int = 0,
+    ):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob, self.grouped = num_experts, top_k, norm_topk_prob, grouped
+        self.layer_id = layer_id
+        """The decoder block's index: the metrics and the balancing bias line the layers up by it across
+        pipeline stages."""
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
@@ -184,11 +196,24 @@ class MoE(nn.Module):
         return (out * weights[..., None]).sum(dim=1).reshape(shape)
 
 
-def aux_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
-    """Hugging Face's `load_balancing_loss_func` over the layers' stats: E * sum_e f_e * P_e, with f_e the
-    (token, slot) pairs routed to expert e per token and P_e its mean router probability, both over every
-    layer's tokens together; top_k when the routing is uniform."""
-    rows = sum(s.tokens for s in stats)
-    f = torch.stack([s.counts for s in stats]).sum(0) / rows
-    p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
-    return num_experts * (f * p).sum()
+def routing_sums(stats: list[RouterStats], carried: torch.Tensor | None = None) -> torch.Tensor:
+    """What the load-balancing loss needs of these layers' routing (and of the layers before them, the
+    `carried` sums a pipeline's earlier stages handed on) as one tensor [3, E]: the counts, the router
+    probabilities summed over the tokens, and the token rows (in every column), summed over the layers."""
+    parts = [torch.stack([s.counts, s.prob_sum, torch.full_like(s.counts, s.tokens)]) for s in stats]
+    if carried is not None:
+        parts.append(carried)
+    return torch.stack(parts).sum(0)
+
+
+def aux_loss_of_sums(sums: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `load_balancing_loss_func` of the `routing_sums` of every layer: E * sum_e f_e * P_e,
+    with f_e the (token, slot) pairs routed to expert e per token and P_e its mean router probability,
+    both over every layer's tokens together; top_k when the routing is uniform."""
+    counts, prob_sum, rows = sums
+    return sums.shape[-1] * ((counts / rows) * (prob_sum / rows)).sum()
+
+
+def aux_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """The load-balancing loss of these layers' last forward (`aux_loss_of_sums`)."""
+    return aux_loss_of_sums(routing_sums(stats))
