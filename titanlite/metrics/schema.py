@@ -90,7 +90,7 @@ METRICS = (
         "moe",
         "Router auxiliary loss",
         "",
-        "Load-balancing loss of the last microbatch on rank 0, before its coefficient (top_k when balanced).",
+        "Load-balancing loss of every rank's last microbatch pooled, before its coefficient (top_k when balanced).",
         family=True,
     ),
     Metric(
