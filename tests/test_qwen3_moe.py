@@ -105,6 +105,8 @@ def test_aux_loss_is_the_load_balancing_formula():
     dense = model(dataclasses.replace(ARGS, mlp_only_layers=(0, 1, 2)))
     dense(x)
     assert SPEC.extra_loss(dense).item() == 0.0
+    dense.routing_in = torch.zeros(3, ARGS.num_experts)  # a last pipeline stage after dense stages
+    assert SPEC.extra_loss(dense).item() == 0.0
 
 
 def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage():
@@ -134,6 +136,26 @@ def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage(
     torch.testing.assert_close(stages[0].get_parameter(gate).grad, whole.get_parameter(gate).grad)
     stages[1](h.detach())
     assert not torch.allclose(SPEC.extra_loss(stages[1]), expected, rtol=1e-3)
+
+
+def test_fsdp2_hands_a_stage_its_carried_routing_sums_unrounded(process_group):
+    """FSDP2 in bf16 casts each block's inputs to the compute dtype but not the root's: a later pipeline
+    stage receives the routing sums in float32 (in bf16 a count of 257 would arrive as 256)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlite.config import Parallelism
+    from titanlite.parallelisms.fsdp2 import apply_fsdp2
+    from titanlite.parallelisms.pipeline import StagePlan, keep_stage
+    from titanlite.parallelisms.reshard import ReshardPlan
+
+    stage = model()
+    keep_stage(stage, SPEC.units(stage), StagePlan.of(Parallelism(pipeline_parallel_degree=2), 3, local_batch=2), 1)
+    units = SPEC.units(stage)
+    reshard = ReshardPlan.of("default", len(units.blocks))
+    apply_fsdp2(stage, units, init_device_mesh("cpu", (1,)), torch.bfloat16, torch.float32, reshard)
+    routing = torch.tensor([[257.0] * 8, [1.5] * 8, [300.0] * 8])
+    stage(torch.randn(2, SEQ, ARGS.dim, dtype=torch.bfloat16), routing)
+    assert stage.routing_in.dtype == torch.float32 and torch.equal(stage.routing_in, routing)
 
 
 def test_transformers_loads_the_export(tmp_path):
@@ -187,10 +209,21 @@ def test_aux_loss_free_balancing_routes_with_the_bias_and_moves_it_towards_the_m
     assert plain.layers["1"].moe.expert_bias is None and "layers.1.moe.expert_bias" not in plain.state_dict()
 
 
-def test_more_experts_per_token_than_experts_is_refused_before_any_rank_starts():
-    cfg = config(None, {"model__name": "qwen3_moe"}, model__top_k=9)
-    with pytest.raises(ConfigError, match="top_k 9 must be between 1 and num_experts 8"):
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        ({"model__top_k": 9}, "top_k 9 must be between 1 and num_experts 8"),
+        (
+            {"model__router_bias_update_rate": 0.01, "parallelism__pipeline_parallel_degree": 2},
+            "aux-loss-free balancing .* does not combine with pipeline_parallel_degree > 1",
+        ),
+    ],
+)
+def test_what_the_family_does_not_support_is_refused_before_any_rank_starts(keys, error):
+    cfg = config(None, {"model__name": "qwen3_moe"}, **keys)
+    with pytest.raises(ConfigError, match=error):
         RunPlan.build(cfg, 2)
+    RunPlan.build(config(None, {"model__name": "qwen3_moe"}, parallelism__pipeline_parallel_degree=2), 2)
 
 
 def test_moe_experts_chooses_the_expert_loop_and_applies_to_moe_families_only():

@@ -220,6 +220,8 @@ class RunPlan:
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
+        if why := spec.check_layout(args, dims):
+            raise ConfigError(f"model {cfg.model.name}: {why}")
         if dims.ep_enabled:
             check_expert_parallel(cfg, dims, spec, args)
         if dims.tp_enabled and spec.tp_plan is None:

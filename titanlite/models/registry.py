@@ -69,6 +69,9 @@ class ModelSpec:
     ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
     check_args: Callable[[Any], str | None] = field(default=lambda args: None)
     """Why a shape (flavor + `model.*` overrides) cannot be built, or None: checked before any rank starts."""
+    check_layout: Callable[[Any, Any], str | None] = field(default=lambda args, dims: None)
+    """Why a shape (its args) cannot train on a layout (`ParallelDims`), or None: checked before any rank
+    starts."""
     shape_keys: tuple[str, ...] = ()
     """The args fields that the `model.*` config keys of the same name override: the one list behind the
     overrides, the start-up line and the resume policy (a change of any of them stops a resume)."""

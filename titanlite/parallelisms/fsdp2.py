@@ -22,4 +22,8 @@ def apply_fsdp2(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block, freed in zip(units.blocks.values(), reshard.blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=freed)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard.root)
+    # The root's inputs stay as they come: token ids, or a pipeline stage's inputs, whose hidden states
+    # arrive in the compute dtype already and whose other tensors (a family's carried sums, in float32)
+    # must not be rounded to it.
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=reshard.root)

@@ -7,6 +7,7 @@ from titanlite.models.qwen3_moe.memory import activation_bytes
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_plan
 from titanlite.models.registry import ModelSpec
+from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
 
@@ -22,6 +23,19 @@ def check_args(args: ModelArgs) -> str | None:
     return None
 
 
+def check_layout(args: ModelArgs, dims: ParallelDims) -> str | None:
+    """Aux-loss-free balancing counts the tokens of every training forward. Under pipeline parallelism
+    torch's stages run one forward more on their first step, to infer the shapes they exchange (on the
+    first microbatch, or on uninitialised hidden states), whose tokens would move the routing bias."""
+    if dims.pp > 1 and args.router_bias_update_rate > 0:
+        return (
+            "aux-loss-free balancing (model.router_bias_update_rate > 0) does not combine with "
+            "pipeline_parallel_degree > 1: the pipeline stages' first forward, run to infer shapes, would count "
+            "tokens that are not trained on"
+        )
+    return None
+
+
 SPEC = ModelSpec(
     name="qwen3_moe",
     model_cls=Transformer,
@@ -32,6 +46,7 @@ SPEC = ModelSpec(
     hf_adapter=Qwen3MoeHFAdapter(),
     activation_bytes=activation_bytes,
     check_args=check_args,
+    check_layout=check_layout,
     shape_keys=SHAPE_KEYS,
     extra_loss=aux_loss_term,
     extra_loss_across_stages=True,

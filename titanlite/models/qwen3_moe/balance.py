@@ -14,8 +14,8 @@ after every optimizer step, the step's token counts per expert, summed over all 
 routing bias by `router_bias_update_rate` towards the mean: up where the expert got fewer tokens than the
 mean, down where more. Every rank computes the same bias.
 
-Both sum over the world in one all-reduce of one [layers, experts] tensor, each rank filling the rows of
-the layers it holds: under pipeline parallelism every stage holds other layers, and each layer's rows are
+Both sum over the world in one all-reduce of one tensor with a row per layer, each rank filling the rows
+of the layers it holds: under pipeline parallelism every stage holds other layers, and each layer's rows are
 summed over the same number of ranks (those of its stage), which scales every expert's count alike.
 """
 

@@ -211,9 +211,5 @@ def aux_loss_of_sums(sums: torch.Tensor) -> torch.Tensor:
     with f_e the (token, slot) pairs routed to expert e per token and P_e its mean router probability,
     both over every layer's tokens together; top_k when the routing is uniform."""
     counts, prob_sum, rows = sums
+    rows = rows.clamp_min(1)  # no MoE layer ran (a dense stage or model): no tokens, no loss
     return sums.shape[-1] * ((counts / rows) * (prob_sum / rows)).sum()
-
-
-def aux_loss(stats: list[RouterStats]) -> torch.Tensor:
-    """The load-balancing loss of these layers' last forward (`aux_loss_of_sums`)."""
-    return aux_loss_of_sums(routing_sums(stats))
