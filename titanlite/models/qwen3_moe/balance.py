@@ -25,16 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.models.qwen3_moe.moe import MoE, aux_loss_of_sums, routing_sums
-
-
-def _moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+from titanlite.models.qwen3_moe.moe import aux_loss_of_sums, layer_stats, moe_layers, routing_sums
 
 
 def aux_loss_term(model: nn.Module) -> torch.Tensor:
     carried = getattr(model, "routing_in", None)
-    stats = [m.stats for m in _moe_layers(model) if m.stats is not None]
+    stats = layer_stats(model)
     if not stats and carried is None:
         return torch.zeros((), device=next(model.parameters()).device)
     return model.args.router_aux_loss_coef * aux_loss_of_sums(routing_sums(stats, carried))
@@ -57,7 +53,7 @@ def routing_metrics(model: nn.Module) -> dict[str, float]:
     if not args.moe_layers:
         return {}
     experts, rows = args.num_experts, {}
-    for m in _moe_layers(model):
+    for m in moe_layers(model):
         last = routing_sums([m.stats]) if m.stats is not None else m.tokens_per_expert.new_zeros(3, experts)
         rows[m.layer_id] = torch.cat([m.tokens_per_expert, last.flatten()])
         m.tokens_per_expert.zero_()
@@ -72,7 +68,7 @@ def routing_metrics(model: nn.Module) -> dict[str, float]:
 def update_routing_bias(model: nn.Module) -> None:
     if model.args.router_bias_update_rate <= 0:
         return
-    layers = [m for m in _moe_layers(model) if m.expert_bias is not None]
+    layers = [m for m in moe_layers(model) if m.expert_bias is not None]
     counts = _summed_by_layer(model, {m.layer_id: m.step_tokens for m in layers}, model.args.num_experts)
     step = model.args.router_bias_update_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
     for m in layers:

@@ -21,7 +21,7 @@ from torch import nn
 
 from titanlite.models.init import InitSpec, init_parameters_
 from titanlite.models.llama3.model import FeedForward, RMSNorm
-from titanlite.models.qwen3_moe.moe import MoE, routing_sums
+from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
 SHAPE_KEYS = (
     "n_layers",
@@ -193,12 +193,9 @@ class Transformer(nn.Module):
         if self.output is None:
             if routing is None:  # the first stage
                 routing = torch.zeros(3, self.args.num_experts, device=h.device)
-            return h, routing_sums([m.stats for m in self.moe_layers() if m.stats is not None], routing)
+            return h, routing_sums(layer_stats(self), routing)
         self.routing_in = routing
         return self.output(self.norm(h))
-
-    def moe_layers(self) -> list[MoE]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised: TorchTitan's scheme, experts like linear layers."""
@@ -219,7 +216,7 @@ class Transformer(nn.Module):
         init_parameters_([(fqn, p, self.init_spec(fqn)) for fqn, p in self.named_parameters()], seed)
         device = buffer_device or self.rope_cos.device
         self.rope_cos, self.rope_sin = rope_tables(self.args, self.seq_len, device=device)
-        for moe in self.moe_layers():
+        for moe in moe_layers(self):
             moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
             if moe.expert_bias is not None:
                 moe.expert_bias, moe.step_tokens = (torch.zeros(moe.num_experts, device=device) for _ in range(2))

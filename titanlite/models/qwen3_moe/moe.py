@@ -196,6 +196,16 @@ class MoE(nn.Module):
         return (out * weights[..., None]).sum(dim=1).reshape(shape)
 
 
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The MoE layers inside `module`: a model, a pipeline stage or a union of stages."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def layer_stats(module: nn.Module) -> list[RouterStats]:
+    """The routing of `module`'s MoE layers in their last forward (the layers that have run)."""
+    return [m.stats for m in moe_layers(module) if m.stats is not None]
+
+
 def routing_sums(stats: list[RouterStats], carried: torch.Tensor | None = None) -> torch.Tensor:
     """What the load-balancing loss needs of these layers' routing (and of the layers before them, the
     `carried` sums a pipeline's earlier stages handed on) as one tensor [3, E]: the counts, the router
