@@ -152,6 +152,21 @@ def train(
     return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
 
 
+def train_in_one_launch(
+    runs: list[tuple[Path, list[str]]], nproc: int, config: str = "train_configs/debug_model.toml"
+) -> dict[Path, RunResult]:
+    """Train each (dump, overrides) of `runs` with `config`, one after another in one torchrun launch of
+    `workers/runs.py` (each run is `titanlite.train.main`, as `train(..., launcher="torchrun")` runs it);
+    every run must succeed. Each result's `stderr` holds every rank's output of that run."""
+    argvs = [["--config", config, "--job.dump_folder", str(dump), *overrides] for dump, overrides in runs]
+    spec = runs[0][0].parent / f"runs-{runs[0][0].name}.json"
+    spec.write_text(json.dumps(argvs))
+    env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    assert_ok(torchrun(["tests/workers/runs.py", str(spec)], nproc, env=env))
+    logs = {dump: "".join(p.read_text() for p in sorted(dump.glob("worker.rank*.log"))) for dump, _ in runs}
+    return {dump: RunResult(0, "", logs[dump], dump) for dump, _ in runs}
+
+
 def end_worker() -> None:
     """End a torchrun test worker once its results are written: the ranks wait for each other, the
     process group goes and the process exits as the trainer's ranks do (`errors.exit_now`)."""

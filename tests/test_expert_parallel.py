@@ -10,13 +10,15 @@ deterministic, a checkpoint at step 3. Tolerance: the harness's relative 1e-5 on
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, resume_from, torchrun
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, torchrun, train_in_one_launch
 from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
@@ -88,36 +90,84 @@ def test_dispatch_and_combine_match_plain_pytorch(tmp_path):
     assert max(diffs["unscaled"][k] for k in ("out", "input_grad", "gate.grad")) < 1e-5, diffs
 
 
-def train(dump: Path, layout: str, *extra: str, batch: int = 4) -> RunResult:
-    nproc, layout_args = LAYOUTS[layout]
-    return run_trainer(
-        dump,
-        nproc,
-        *SMALL,
-        "--training.steps",
-        str(STEPS),
-        "--training.global_batch_size",
-        str(batch),
-        "--checkpoint.interval",
-        str(SAVE_AT),
-        *layout_args,
-        *extra,
-        config=CONFIG,
-        launcher="run_train",
-    )
+def overrides(layout: str, *extra: str, batch: int = 4) -> list[str]:
+    """The command line of `layout` (global batch `batch`, 6 steps, a checkpoint every 3 when enabled)."""
+    steps = ["--training.steps", str(STEPS), "--training.global_batch_size", str(batch)]
+    return [*SMALL, *steps, "--checkpoint.interval", str(SAVE_AT), *LAYOUTS[layout][1], *extra]
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """`src`'s step-3 checkpoint alone in a fresh dump folder `dst`: a run there resumes from it."""
+    ckpt = Path("checkpoint") / f"step-{SAVE_AT}"
+    shutil.copytree(src / ckpt, dst / ckpt)
+    return dst
+
+
+# name: layout, extra arguments, global batch. Launched together by world size (`runs`).
+COMPILED = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.bucketing", "transformer_block"]
+CKPT = ["--checkpoint.enable"]
+FULL_AC = ["--activation_checkpoint.mode", "full"]
+RUNS = {
+    "dp4": ("dp4", [], 8),
+    "ep2_efsdp2": ("ep2_efsdp2", [], 8),
+    "ep2_hsdp": ("ep2_hsdp", [], 8),
+    "ep2_tp2": ("ep2_tp2", CKPT, 4),
+    "ep2_pp2": ("ep2_pp2", [], 8),
+    "dp2": ("dp2", CKPT, 4),
+    "ep2_compiled": ("ep2", COMPILED, 4),
+    "ep2_accumulated": ("ep2", FULL_AC, 8),
+    "dp2_accumulated": ("dp2", FULL_AC, 8),
+    "pp2": ("pp2", [], 4),
+}
+# name: (the run whose step-3 checkpoint it resumes, layout).
+RESUMES = {
+    "ep2_on_dp2": ("ep2", "dp2"),
+    "single_on_ep2": ("single", "ep2"),
+    "single_on_dp2": ("single", "dp2"),
+    "ep2_on_single": ("ep2", "single"),
+    "ep2_tp2_on_single": ("ep2_tp2", "single"),
+}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """One process, ep2 and dp2, each checkpointing; one after another."""
+def runs(tmp_path_factory) -> dict[str, RunResult]:
+    """Every run of the module, by name. One process and ep2 through run_train.sh, as users start them
+    (each checkpointing); the other layouts and the resumes of those checkpoints (`RESUMES`) in one
+    torchrun launch per world size, each run `titanlite.train.main` in the launch's processes. Two
+    launches at a time (a launch's start-up keeps about one core busy)."""
     root = tmp_path_factory.mktemp("ep_runs")
-    out = {}
-    for name in ("single", "ep2", "dp2"):
-        proc = train(root / name, name, "--checkpoint.enable")
-        assert_ok(proc)
-        assert ("experts over ep 2 x efsdp 1" in proc.log) == (name == "ep2")
-        out[name] = root / name
+    out: dict[str, RunResult] = {}
+
+    def launch(world: int) -> dict[str, RunResult]:
+        batch = [
+            (root / n, overrides(lay, *extra, batch=b))
+            for n, (lay, extra, b) in RUNS.items()
+            if LAYOUTS[lay][0] == world
+        ]
+        for name, (src, layout) in RESUMES.items():
+            if LAYOUTS[layout][0] == world:
+                batch.append((copy_checkpoint(out[src].dump, root / name), overrides(layout, *CKPT)))
+        return {dump.name: result for dump, result in train_in_one_launch(batch, world, CONFIG).items()}
+
+    with ThreadPoolExecutor(2) as pool:
+        four = pool.submit(launch, 4)
+        for name in ("single", "ep2"):
+            dump = root / name
+            out[name] = run_trainer(
+                dump, LAYOUTS[name][0], *overrides(name, *CKPT), config=CONFIG, launcher="run_train"
+            )
+            assert ("experts over ep 2 x efsdp 1" in out[name].ok().log) == (name == "ep2")
+        two = pool.submit(launch, 2)
+        out.update(four.result())
+        out.update(launch(1))
+        out.update(two.result())
+    for name in RESUMES:
+        assert f"step-{SAVE_AT} at step {SAVE_AT}" in out[name].log, out[name].log[-3000:]
     return out
+
+
+def dumps(runs: dict[str, RunResult]) -> dict[str, Path]:
+    return {name: r.dump for name, r in runs.items()}
 
 
 @pytest.mark.slow
@@ -125,121 +175,103 @@ def test_ep2_matches_one_process_through_run_train(runs):
     """NGPU=2 ./run_train.sh --parallelism.expert_parallel_degree 2: six steps' losses equal one
     process's and dp2's (fp32, relative 1e-5), and the gradient norm (clipped by the global norm over
     the experts' and the other weights' meshes) dp2's."""
-    assert len(losses(runs["ep2"])) == STEPS
-    assert rel(losses(runs["ep2"]), losses(runs["single"])) <= LOSS_REL
-    assert rel(losses(runs["ep2"]), losses(runs["dp2"])) <= LOSS_REL
-    assert rel(losses(runs["ep2"], "grad_norm"), losses(runs["dp2"], "grad_norm")) <= LOSS_REL
+    d = dumps(runs)
+    assert len(losses(d["ep2"])) == STEPS
+    assert rel(losses(d["ep2"]), losses(d["single"])) <= LOSS_REL
+    assert rel(losses(d["ep2"]), losses(d["dp2"])) <= LOSS_REL
+    assert rel(losses(d["ep2"], "grad_norm"), losses(d["dp2"], "grad_norm")) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_compiled_ep2_matches_one_process(runs, tmp_path):
+def test_compiled_ep2_matches_one_process(runs):
     """--compile.enable with ep2 (aot_eager: the graphs as traced, per-block bucketing): the blocks compile
     around the dispatch, which runs eager (a graph break per MoE layer), the graphs' reduce-scatters are
     bucketed, and six steps' losses equal one process's and eager ep2's (relative 1e-5)."""
-    compiled = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.bucketing", "transformer_block"]
-    assert_ok(train(tmp_path / "compiled", "ep2", *compiled))
-    report = json.loads((tmp_path / "compiled" / "compile_report.json").read_text())
+    d = dumps(runs)
+    report = json.loads((d["ep2_compiled"] / "compile_report.json").read_text())
     scatters = report["dp"]["reduce_scatter"]
     assert report["scope"] == "block" and scatters["after"] < scatters["before"]
-    got = losses(tmp_path / "compiled")
+    got = losses(d["ep2_compiled"])
     assert len(got) == STEPS
-    assert rel(got, losses(runs["single"])) <= LOSS_REL
-    assert rel(got, losses(runs["ep2"])) <= LOSS_REL
-
-
-@pytest.fixture(scope="module")
-def accumulated(tmp_path_factory) -> dict[str, Path]:
-    """ep2 and dp2 at global batch 8: two microbatches of 2 per rank and step, with full AC."""
-    root = tmp_path_factory.mktemp("ep_accumulated")
-    for name in ("ep2", "dp2"):
-        assert_ok(train(root / name, name, "--activation_checkpoint.mode", "full", batch=8))
-    return {name: root / name for name in ("ep2", "dp2")}
+    assert rel(got, losses(d["single"])) <= LOSS_REL
+    assert rel(got, losses(d["ep2"])) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_ep2_with_accumulation_and_full_ac_matches_dp2(accumulated):
+def test_ep2_with_accumulation_and_full_ac_matches_dp2(runs):
     """ep2 with two microbatches per rank per step (the once-per-step reduction and kept gathers the
     memory plan picks) and full AC (the recomputed forward dispatches again) gives dp2's losses."""
-    assert rel(losses(accumulated["ep2"]), losses(accumulated["dp2"])) <= LOSS_REL
+    d = dumps(runs)
+    assert rel(losses(d["ep2_accumulated"]), losses(d["dp2_accumulated"])) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_pipeline_stages_match_one_process(runs, tmp_path):
-    """NGPU=2 with pipeline_parallel_degree 2: the auxiliary loss pools both stages' MoE layers (the
+def test_pipeline_stages_match_one_process(runs):
+    """pipeline_parallel_degree 2 on 2 ranks: the auxiliary loss pools both stages' MoE layers (the
     routing sums travel with the hidden states, its gradient back), and six steps' losses and gradient
     norms equal one process's (relative 1e-5)."""
-    proc = train(tmp_path / "pp2", "pp2")
-    assert_ok(proc)
-    assert "pipeline 1F1B: 2 stages" in proc.log
-    got = losses(tmp_path / "pp2")
-    assert len(got) == STEPS and rel(got, losses(runs["single"])) <= LOSS_REL
-    assert rel(losses(tmp_path / "pp2", "grad_norm"), losses(runs["single"], "grad_norm")) <= LOSS_REL
+    d = dumps(runs)
+    assert "pipeline 1F1B: 2 stages" in runs["pp2"].log
+    got = losses(d["pp2"])
+    assert len(got) == STEPS and rel(got, losses(d["single"])) <= LOSS_REL
+    assert rel(losses(d["pp2"], "grad_norm"), losses(d["single"], "grad_norm")) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_ep2_under_pipeline_stages_matches_data_parallelism(accumulated, tmp_path):
-    """NGPU=4, ep2 x pp2: each stage's experts split over the 2 ranks of its data-parallel dim, each rank's
-    batch of 4 in two pipeline microbatches of 2, as dp2 accumulates them: dp2's losses and gradient
-    norms (relative 1e-5)."""
-    proc = train(tmp_path / "ep2_pp2", "ep2_pp2", batch=8)
-    assert_ok(proc)
-    assert "experts over ep 2 x efsdp 1" in proc.log and "pipeline 1F1B: 2 stages" in proc.log
-    assert rel(losses(tmp_path / "ep2_pp2"), losses(accumulated["dp2"])) <= LOSS_REL
-    assert rel(losses(tmp_path / "ep2_pp2", "grad_norm"), losses(accumulated["dp2"], "grad_norm")) <= LOSS_REL
+def test_ep2_under_pipeline_stages_matches_data_parallelism(runs):
+    """ep2 x pp2 on 4 ranks: each stage's experts split over the 2 ranks of its data-parallel dim, each
+    rank's batch of 4 in two pipeline microbatches of 2, as dp2 accumulates them: dp2's losses and
+    gradient norms (relative 1e-5)."""
+    d = dumps(runs)
+    log = runs["ep2_pp2"].log
+    assert "experts over ep 2 x efsdp 1" in log and "pipeline 1F1B: 2 stages" in log
+    assert rel(losses(d["ep2_pp2"]), losses(d["dp2_accumulated"])) <= LOSS_REL
+    assert rel(losses(d["ep2_pp2"], "grad_norm"), losses(d["dp2_accumulated"], "grad_norm")) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_ep2_on_four_ranks_matches_data_parallelism(tmp_path):
-    """NGPU=4: ep2 with the experts sharded over efsdp 2 (fully_shard), and ep2 x dp_replicate 2 (the
+def test_ep2_on_four_ranks_matches_data_parallelism(runs):
+    """4 ranks: ep2 with the experts sharded over efsdp 2 (fully_shard), and ep2 x dp_replicate 2 (the
     experts replicated over dp_replicate, efsdp 1), give dp4's losses and gradient norms."""
-    for name in ("dp4", "ep2_efsdp2", "ep2_hsdp"):
-        assert_ok(train(tmp_path / name, name, batch=8))
+    d = dumps(runs)
+    assert "experts over ep 2 x efsdp 2" in runs["ep2_efsdp2"].log
     for name in ("ep2_efsdp2", "ep2_hsdp"):
-        assert rel(losses(tmp_path / name), losses(tmp_path / "dp4")) <= LOSS_REL
-        assert rel(losses(tmp_path / name, "grad_norm"), losses(tmp_path / "dp4", "grad_norm")) <= LOSS_REL
+        assert rel(losses(d[name]), losses(d["dp4"])) <= LOSS_REL
+        assert rel(losses(d[name], "grad_norm"), losses(d["dp4"], "grad_norm")) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_ep2_with_tp2_on_the_dense_parts_matches_one_process_and_resumes_on_one(runs, tmp_path):
-    """NGPU=4 ep2 x tp2: attention and the dense layers split over tp (sequence parallel), each MoE layer
-    on the gathered sequence with its experts split over ep; six steps' losses equal one process's
+def test_ep2_with_tp2_on_the_dense_parts_matches_one_process_and_resumes_on_one(runs):
+    """ep2 x tp2 on 4 ranks: attention and the dense layers split over tp (sequence parallel), each MoE
+    layer on the gathered sequence with its experts split over ep; six steps' losses equal one process's
     (relative 1e-5), and its step-3 checkpoint resumed by one process continues them."""
-    proc = train(tmp_path / "ep2_tp2", "ep2_tp2", "--checkpoint.enable")
-    assert_ok(proc)
-    assert "'tp': 2" in proc.log and "experts over ep 2 x efsdp 1" in proc.log
-    got = losses(tmp_path / "ep2_tp2")
-    assert len(got) == STEPS and rel(got, losses(runs["single"])) <= LOSS_REL
-    resumed = resume(tmp_path / "ep2_tp2", tmp_path / "single", "single")
-    assert "resharded from world 4" in resumed.stderr
-    assert rel(losses(tmp_path / "single"), {s: v for s, v in got.items() if s > SAVE_AT}) <= LOSS_REL
-
-
-def resume(src: Path, dst: Path, layout: str) -> RunResult:
-    """Train `layout` from `src`'s step-3 checkpoint alone (a fresh dump folder)."""
-    return resume_from(src, dst, SAVE_AT, lambda dump: train(dump, layout, "--checkpoint.enable"))
+    d = dumps(runs)
+    assert "'tp': 2" in runs["ep2_tp2"].log and "experts over ep 2 x efsdp 1" in runs["ep2_tp2"].log
+    got = losses(d["ep2_tp2"])
+    assert len(got) == STEPS and rel(got, losses(d["single"])) <= LOSS_REL
+    assert "resharded from world 4" in runs["ep2_tp2_on_single"].log
+    assert rel(losses(d["ep2_tp2_on_single"]), {s: v for s, v in got.items() if s > SAVE_AT}) <= LOSS_REL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "single"])
-def test_resume_an_ep2_checkpoint_without_ep(runs, tmp_path, layout):
+def test_resume_an_ep2_checkpoint_without_ep(runs, layout):
     """An ep2 checkpoint (whole [experts, ...] tensors in DCP) resumes on dp2 and on one process and
     continues the uninterrupted ep2 run: relative 1e-5 over steps 4-6 (measured: equal on dp2, 6.1e-6 on
     one process, where float rounding between 1 and 2 ranks can move a token to another expert under
     top-k routing; the uninterrupted one-process run is 1.3e-5 away, a run that was never on ep2)."""
-    proc = resume(runs["ep2"], tmp_path / "ep2", layout)
-    assert "resharded from world 2, dp 2, ep 2" in proc.stderr
-    got = losses(tmp_path / "ep2")
+    resumed = runs[f"ep2_on_{layout}"]
+    assert "resharded from world 2, dp 2, ep 2" in resumed.log
+    got = losses(resumed.dump)
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1))
-    assert rel(got, {s: v for s, v in losses(runs["ep2"]).items() if s > SAVE_AT}) <= LOSS_REL
+    assert rel(got, {s: v for s, v in losses(runs["ep2"].dump).items() if s > SAVE_AT}) <= LOSS_REL
 
 
 @pytest.mark.slow
-def test_resume_a_one_process_checkpoint_on_ep2(runs, tmp_path):
+def test_resume_a_one_process_checkpoint_on_ep2(runs):
     """A one-process checkpoint resumes on ep2 as on dp2 (relative 1e-5; measured: equal)."""
-    ep2 = resume(runs["single"], tmp_path / "ep2", "ep2")
-    assert "resharded from world 1" in ep2.stderr
-    resume(runs["single"], tmp_path / "dp2", "dp2")
-    assert rel(losses(tmp_path / "ep2"), losses(tmp_path / "dp2")) <= LOSS_REL
+    assert "resharded from world 1" in runs["single_on_ep2"].log
+    assert rel(losses(runs["single_on_ep2"].dump), losses(runs["single_on_dp2"].dump)) <= LOSS_REL
 
 
 @pytest.mark.slow
@@ -247,7 +279,7 @@ def test_the_export_of_an_ep2_checkpoint_is_the_same_under_ep2_and_in_one_proces
     """`titanlite.tools.hf export` of the ep2 checkpoint under torchrun with ep2 (each expert weight
     gathered whole from its ep and efsdp shards) writes the same bytes as in one process."""
     args = ["-m", "titanlite.tools.hf", "export", "--config", CONFIG, "--checkpoint"]
-    args += [str(runs["ep2"] / "checkpoint" / f"step-{SAVE_AT}"), "--out"]
+    args += [str(runs["ep2"].dump / "checkpoint" / f"step-{SAVE_AT}"), "--out"]
     assert_ok(torchrun([*args, str(tmp_path / "ep2"), *EP2], 2))
     assert_ok(subprocess.run([sys.executable, *args, str(tmp_path / "one")], env=child_env(), cwd=ROOT))
     name = "model-00001-of-00001.safetensors"

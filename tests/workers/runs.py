@@ -1,0 +1,46 @@
+"""Several trainer runs in one torchrun launch: each is `titanlite.train.main(argv)`, the function
+`python -m titanlite.train argv` runs, one after another in the same processes.
+
+`torchrun --nproc_per_node N tests/workers/runs.py RUNS.json` (`harness.train_in_one_launch`), where
+RUNS.json is a list of argument lists. The process group is created once; each run's trainer uses it
+and leaves it open (`Trainer.close`), so a run costs its build and its steps, not the seconds of
+interpreter start-up, `import torch` and rendezvous that a launch of its own costs every rank. Each
+rank's output during a run goes to `<dump_folder>/worker.rank<r>.log`. A run that raises ends the
+launch with its traceback, as a rank of its own would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import end_worker  # noqa: E402
+from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from titanlite.train import main as train  # noqa: E402
+
+
+def main() -> None:
+    runs: list[list[str]] = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for argv in runs:
+        dump = Path(load_config(argv, default_config=DEFAULT_CONFIG).job.dump_folder)
+        dump.mkdir(parents=True, exist_ok=True)
+        torch._dynamo.reset()  # a compiled run starts from an empty cache, as in a process of its own
+        with open(dump / f"worker.rank{rank}.log", "w") as out:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                assert train(argv) == 0
+        dist.barrier()
+    end_worker()
+
+
+if __name__ == "__main__":
+    main()
