@@ -125,7 +125,8 @@ CASES = [
 
 
 def rank_processes(marker: str, ranks_only: bool = False) -> list[int]:
-    """Pids of live processes whose command line contains `marker` (the case's own dump folder); with
+    """Pids of live processes one of whose command-line arguments is `marker` (the case's own dump
+    folder: a whole argument, as `.../ctrl-c` is a prefix of another case's `.../ctrl-c-twice`); with
     `ranks_only` the ranks alone (not run_train.sh, its subshells or the launcher)."""
     pids = []
     for entry in Path("/proc").iterdir():
@@ -138,7 +139,7 @@ def rank_processes(marker: str, ranks_only: bool = False) -> list[int]:
             continue
         if ranks_only and (b"-m\0titanlite.train" not in cmdline or b"titanlite.launch" in cmdline):
             continue
-        if marker.encode() in cmdline and state != "Z":
+        if marker.encode() in cmdline.split(b"\0") and state != "Z":
             pids.append(int(entry.name))
     return pids
 
