@@ -153,16 +153,27 @@ def train(
 
 
 def train_in_one_launch(
-    runs: list[tuple[Path, list[str]]], nproc: int, config: str = "train_configs/debug_model.toml"
+    runs: list[tuple[Path, list[str]]],
+    nproc: int,
+    config: str = "train_configs/debug_model.toml",
+    copy_before: dict[Path, Path] | None = None,
 ) -> dict[Path, RunResult]:
     """Train each (dump, overrides) of `runs` with `config`, one after another in one torchrun launch of
     `workers/runs.py` (each run is `titanlite.train.main`, as `train(..., launcher="torchrun")` runs it);
-    every run must succeed. Each result's `stderr` holds every rank's output of that run."""
-    argvs = [["--config", config, "--job.dump_folder", str(dump), *overrides] for dump, overrides in runs]
-    spec = runs[0][0].parent / f"runs-{runs[0][0].name}.json"
-    spec.write_text(json.dumps(argvs))
+    every run must succeed. `copy_before` maps a run's dump folder to a checkpoint step folder of an
+    earlier run of the launch, copied there just before the run (which resumes from it). Each result's
+    `stderr` holds every rank's output of that run."""
+    specs = []
+    for dump, overrides in runs:
+        spec: dict = {"argv": ["--config", config, "--job.dump_folder", str(dump), *overrides]}
+        if copy_before and dump in copy_before:
+            src = copy_before[dump]
+            spec["copy"] = [str(src), str(dump / "checkpoint" / src.name)]
+        specs.append(spec)
+    spec_file = runs[0][0].parent / f"runs-{runs[0][0].name}.json"
+    spec_file.write_text(json.dumps(specs))
     env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    assert_ok(torchrun(["tests/workers/runs.py", str(spec)], nproc, env=env))
+    assert_ok(torchrun(["tests/workers/runs.py", str(spec_file)], nproc, env=env))
     logs = {dump: "".join(p.read_text() for p in sorted(dump.glob("worker.rank*.log"))) for dump, _ in runs}
     return {dump: RunResult(0, "", logs[dump], dump) for dump, _ in runs}
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from harness import LOSS_REL, SMALL, RunResult, assert_ok
+from harness import LOSS_REL, SMALL, RunResult, assert_ok, train_in_one_launch
 from harness import train as run_trainer
 from titanlite.checkpoint import folders, rank_state
 from titanlite.faults import KILL_AT as TEST_KILL_ENV
@@ -58,26 +58,15 @@ VALIDATION = [
 ]
 
 
+def overrides(layout: str, *extra: str) -> list[str]:
+    steps = ["--training.steps", str(STEPS), "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(INTERVAL)]
+    return [*SMALL, *steps, *ckpt, *HOLDOUT, *LAYOUTS[layout][1], *extra]
+
+
 def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> RunResult:
-    nproc, layout_args = LAYOUTS[layout]
-    return run_trainer(
-        dump,
-        nproc,
-        *SMALL,
-        "--training.steps",
-        str(STEPS),
-        "--training.local_batch_size",
-        "2",
-        "--training.global_batch_size",
-        "8",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        str(INTERVAL),
-        *HOLDOUT,
-        *layout_args,
-        *extra,
-        env={TEST_KILL_ENV: kill_at} if kill_at else {},
-    )
+    env = {TEST_KILL_ENV: kill_at} if kill_at else {}
+    return run_trainer(dump, LAYOUTS[layout][0], *overrides(layout, *extra), env=env)
 
 
 def _records(dump: Path) -> list[dict]:
@@ -124,9 +113,10 @@ class Killed:
 def runs(tmp_path_factory) -> dict[str, Any]:
     """Every run of the module, two launches at a time, each started once the run it resumes from has
     finished: the dp2 reference (SimpleFSDP, async saves, uninterrupted, validation every 2 steps); a dp2
-    run killed during the async save of step 4 and restarted (`Killed`); the reference's step-2 resumed
-    on FSDP2 dp4, on dp2 x tp2 (async saves, validation) and on pp2 x dp2 (saving every step); that
-    pipeline run's step-3 resumed on pp2 x dp2, on dp2 and on one process. Name -> (dump folder, result)."""
+    run killed during the async save of step 4 and restarted (`Killed`); in one 4-rank launch
+    (`harness.train_in_one_launch`), the reference's step-2 resumed on FSDP2 dp4, on dp2 x tp2 (async
+    saves, validation) and on pp2 x dp2 (saving every step), then that pipeline run's step-3 resumed on
+    pp2 x dp2; and the step-3 resumed on dp2 and on one process. Name -> (dump folder, result)."""
     root = tmp_path_factory.mktemp("resume")
     done: dict[str, Future] = {}
     async_validated = ("--checkpoint.async_mode", "async", *VALIDATION)
@@ -135,7 +125,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         return root / name, train(root / name, layout, *extra)
 
     def resumed(name: str, src: str, step: int, layout: str, *extra: str) -> tuple[Path, RunResult]:
-        source, proc = done[src].result()
+        source, proc = result(src)
         assert_ok(proc)
         dump = resume_from(source, step, root / name)
         return dump, train(dump, layout, *extra)
@@ -147,6 +137,25 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         logged = len(_records(dump))
         return dump, Killed(proc, scan, partial, logged, train(dump, "dp2", *async_validated))
 
+    def on_four_ranks() -> dict[str, tuple[Path, RunResult]]:
+        source, proc = done["reference"].result()
+        assert_ok(proc)
+        four = {
+            "dp4_fsdp2": ("dp4_fsdp2", []),
+            "dp2xtp2": ("dp2xtp2", async_validated),
+            "pp2xdp2": ("pp2xdp2", ["--checkpoint.interval", "1"]),
+            "pp_to_pp2xdp2": ("pp2xdp2", []),
+        }
+        for name in ("dp4_fsdp2", "dp2xtp2", "pp2xdp2"):
+            resume_from(source, INTERVAL, root / name)
+        copy = {root / "pp_to_pp2xdp2": checkpoint(root / "pp2xdp2") / f"step-{INTERVAL + 1}"}
+        runs = [(root / name, overrides(layout, *extra)) for name, (layout, extra) in four.items()]
+        results = train_in_one_launch(runs, 4, copy_before=copy)
+        return {dump.name: (dump, proc) for dump, proc in results.items()}
+
+    def result(name: str) -> tuple[Path, RunResult]:
+        return done[name].result() if name in done else done["four"].result()[name]
+
     with ThreadPoolExecutor(max_workers=2) as pool:
 
         def submit(name: str, fn: Callable, *args: Any) -> None:
@@ -154,12 +163,10 @@ def runs(tmp_path_factory) -> dict[str, Any]:
 
         submit("reference", fresh, "reference", "dp2", *async_validated)
         submit("killed", killed_and_restarted)
-        submit("dp4_fsdp2", resumed, "dp4_fsdp2", "reference", INTERVAL, "dp4_fsdp2")
-        submit("dp2xtp2", resumed, "dp2xtp2", "reference", INTERVAL, "dp2xtp2", *async_validated)
-        submit("pp2xdp2", resumed, "pp2xdp2", "reference", INTERVAL, "pp2xdp2", "--checkpoint.interval", "1")
-        for layout in ("pp2xdp2", "dp2", "single"):
+        submit("four", on_four_ranks)
+        for layout in ("dp2", "single"):
             submit(f"pp_to_{layout}", resumed, f"pp_to_{layout}", "pp2xdp2", INTERVAL + 1, layout)
-        return {name: future.result() for name, future in done.items()}
+        return {name: result(name) for name in (*done, *done["four"].result()) if name != "four"}
 
 
 @pytest.fixture(scope="module")

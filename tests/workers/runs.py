@@ -2,7 +2,9 @@
 `python -m titanlite.train argv` runs, one after another in the same processes.
 
 `torchrun --nproc_per_node N tests/workers/runs.py RUNS.json` (`harness.train_in_one_launch`), where
-RUNS.json is a list of argument lists. The process group is created once; each run's trainer uses it
+RUNS.json is a list of {"argv": [...]} runs; a run with "copy": [src, dst] first has rank 0 copy the
+checkpoint folder `src` (of an earlier run of the launch) to `dst` (in its own dump folder), where it
+resumes from it. The process group is created once; each run's trainer uses it
 and leaves it open (`Trainer.close`), so a run costs its build and its steps, not the seconds of
 interpreter start-up, `import torch` and rendezvous that a launch of its own costs every rank. Each
 rank's output during a run goes to `<dump_folder>/worker.rank<r>.log`. A run that raises ends the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,12 +31,16 @@ from titanlite.train import main as train  # noqa: E402
 
 
 def main() -> None:
-    runs: list[list[str]] = json.loads(Path(sys.argv[1]).read_text())
+    runs: list[dict] = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for argv in runs:
+    for run in runs:
+        argv = run["argv"]
         dump = Path(load_config(argv, default_config=DEFAULT_CONFIG).job.dump_folder)
         dump.mkdir(parents=True, exist_ok=True)
+        if "copy" in run and rank == 0:
+            shutil.copytree(*run["copy"])
+        dist.barrier()
         torch._dynamo.reset()  # a compiled run starts from an empty cache, as in a process of its own
         with open(dump / f"worker.rank{rank}.log", "w") as out:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
