@@ -17,13 +17,14 @@ layouts agree within the harness's relative 1e-5; a resume on its own layout is 
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, resume_from, torchrun
+from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun, train_in_one_launch
 from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
@@ -105,30 +106,14 @@ def test_attention_and_its_gradients_match_plain_pytorch(tmp_path):
     assert {"out", "input_grad", "wq.weight.grad", "wk.weight.grad", "wv.weight.grad", "wo.weight.grad"} <= set(diffs)
 
 
+def overrides(layout: str, *extra: str) -> list[str]:
+    steps = ["--training.steps", str(STEPS), "--training.local_batch_size", LAYOUTS[layout][1]]
+    steps += ["--training.global_batch_size", "4", "--checkpoint.interval", str(SAVE_AT)]
+    return [*SMALL, *steps, *HOLDOUT, *LAYOUTS[layout][2], *extra]
+
+
 def train(dump: Path, layout: str, *extra: str) -> RunResult:
-    nproc, local, layout_args = LAYOUTS[layout]
-    return run_trainer(
-        dump,
-        nproc,
-        *SMALL,
-        "--training.steps",
-        str(STEPS),
-        "--training.local_batch_size",
-        local,
-        "--training.global_batch_size",
-        "4",
-        "--checkpoint.interval",
-        str(SAVE_AT),
-        *HOLDOUT,
-        *layout_args,
-        *extra,
-        launcher="run_train",
-    )
-
-
-def resume(src: Path, dst: Path, layout: str) -> RunResult:
-    """Train `layout` from `src`'s step-2 checkpoint alone (a fresh dump folder)."""
-    return resume_from(src, dst, SAVE_AT, lambda dump: train(dump, layout, "--checkpoint.enable"))
+    return run_trainer(dump, LAYOUTS[layout][0], *overrides(layout, *extra), launcher="run_train")
 
 
 def resume_name(src: str, layout: str) -> str:
@@ -137,9 +122,10 @@ def resume_name(src: str, layout: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, RunResult]]:
-    """One process and cp2 (checkpointing, validation), cp2 x dp_shard2, and the resumes of `RESUMES`;
-    two launches at a time (a launch keeps about one of two cores busy: its start-up is mostly one
-    process's). A resume starts once its source run has finished."""
+    """One process and cp2 (checkpointing, validation) and cp2 x dp_shard2 through run_train.sh, two
+    launches at a time (a launch keeps about one of two cores busy: its start-up is mostly one
+    process's); then the resumes of `RESUMES` (each from its source's step-2 checkpoint alone, in a fresh
+    dump folder), all on 2 ranks, in one launch (`harness.train_in_one_launch`)."""
     root = tmp_path_factory.mktemp("cp_runs")
     fresh = (
         ("single", ["--checkpoint.enable", *VALIDATION]),
@@ -148,15 +134,18 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, RunResult]]:
     )
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = {name: pool.submit(train, root / name, name, *extra) for name, extra in fresh}
-
-        def resumed(src: str, layout: str) -> RunResult:
-            assert_ok(done[src].result())
-            return resume(root / src, root / resume_name(src, layout), layout)
-
-        done.update({resume_name(*r): pool.submit(resumed, *r) for r in RESUMES})
         results = {name: future.result() for name, future in done.items()}
     for result in results.values():
         assert_ok(result)
+    resumes = []
+    for src, layout in RESUMES:
+        dst = root / resume_name(src, layout)
+        shutil.copytree(root / src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
+        resumes.append((dst, overrides(layout, "--checkpoint.enable")))
+    assert {LAYOUTS[layout][0] for _, layout in RESUMES} == {2}
+    for dst, result in train_in_one_launch(resumes, 2).items():
+        assert f"step-{SAVE_AT} at step {SAVE_AT}" in result.stderr, result.stderr[-3000:]
+        results[dst.name] = result
     return {name: (root / name, result) for name, result in results.items()}
 
 
