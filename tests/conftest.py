@@ -5,8 +5,9 @@ from __future__ import annotations
 import signal
 
 import pytest
+import torch
 
-from harness import one_rank_group
+from harness import one_rank_group, threads
 
 
 @pytest.fixture
@@ -17,8 +18,12 @@ def process_group():
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A suite started in the background by a shell without job control (`cmd &` in a script) inherits
+    """The in-process tests' intra-op threads: the cores are shared with the other test process (an idle
+    OpenMP thread spins a while before it sleeps, on a core the other process could use).
+
+    A suite started in the background by a shell without job control (`cmd &` in a script) inherits
     SIGINT ignored, and so would every launch under test, which then never sees the Ctrl-C that the
     launcher tests send. A caught SIGINT is reset to the default in each child at exec."""
+    torch.set_num_threads(threads())
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -61,6 +61,13 @@ SMALL = [
 ]
 
 
+def threads(nproc: int = 1) -> int:
+    """Threads per process for a launch of `nproc` processes: the cores shared by them and by the other
+    test processes' launches (`run_tests.sh` runs two test processes, pytest-xdist's workers)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // (nproc * workers))
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -131,8 +138,8 @@ def train(
     if launcher == "auto":
         launcher = "python" if nproc == 1 else "torchrun"
     if "OMP_NUM_THREADS" not in given:
-        # As run_train.sh does for users: the cores shared by the ranks (one process gets them all).
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        # As run_train.sh does for users: the cores shared by the ranks (and by the other test process's).
+        env["OMP_NUM_THREADS"] = str(threads(nproc))
     if launcher == "python":
         proc = subprocess.run(
             [sys.executable, "-m", "titanlite.train", *args],
@@ -172,7 +179,7 @@ def train_in_one_launch(
         specs.append(spec)
     spec_file = runs[0][0].parent / f"runs-{runs[0][0].name}.json"
     spec_file.write_text(json.dumps(specs))
-    env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    env = child_env(OMP_NUM_THREADS=str(threads(nproc)))
     assert_ok(torchrun(["tests/workers/runs.py", str(spec_file)], nproc, env=env))
     logs = {dump: "".join(p.read_text() for p in sorted(dump.glob("worker.rank*.log"))) for dump, _ in runs}
     return {dump: RunResult(0, "", logs[dump], dump) for dump, _ in runs}
