@@ -34,7 +34,7 @@ def test_help_lists_every_key_with_type_default_and_description():
         assert len(description) > 5 and not text[i + 1].startswith("  --"), f"{key} has no description"
     for section in typing.get_type_hints(JobConfig):
         assert any(line.startswith(f"[{section}]  ") and len(line) > len(section) + 8 for line in text), section
-    assert '  --optimizer.implementation (one of foreach|fused|for-loop; default "foreach")' in text
+    assert '  --optimizer.implementation (one of foreach|fused|for-loop; default "fused")' in text
     assert "  --training.steps (int, positive; default 10000)" in text
     assert "  --compile.components (list of str (comma-separated); default model,loss)" in text
 

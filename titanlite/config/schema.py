@@ -110,8 +110,10 @@ class Optimizer:
     """Positive: with 0, a parameter whose gradient is always zero divides 0 by 0 in AdamW."""
     weight_decay: float = field(default=0.1, metadata=NON_NEGATIVE)
     """Decoupled weight decay (AdamW)."""
-    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
-    """torch's AdamW kernel: `foreach` (grouped), `fused` (one kernel) or `for-loop`."""
+    implementation: Literal["foreach", "fused", "for-loop"] = "fused"
+    """torch's AdamW kernel: `fused` (one kernel per step; on DTensor parameters one sharding decision
+    where `foreach` takes one per grouped op: measured on the CPU debug model, a first step 0.06 s instead
+    of 0.23 s and later steps 0.004 s instead of 0.02 s), `foreach` (grouped) or `for-loop`."""
 
 
 @dataclass
