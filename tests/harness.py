@@ -172,7 +172,7 @@ def train_in_one_launch(
     `stderr` holds every rank's output of that run."""
     specs = []
     for dump, overrides in runs:
-        spec: dict = {"argv": ["--config", config, "--job.dump_folder", str(dump), *overrides]}
+        spec: dict = {"dump": str(dump), "argv": ["--config", config, "--job.dump_folder", str(dump), *overrides]}
         if copy_before and dump in copy_before:
             src = copy_before[dump]
             spec["copy"] = [str(src), str(dump / "checkpoint" / src.name)]
@@ -205,14 +205,25 @@ def max_rel(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
 
 
+def copy_checkpoint(src: Path, dst: Path, step: int) -> Path:
+    """`src`'s step-`step` checkpoint alone in a fresh dump folder `dst` (returned): a run there resumes
+    from it."""
+    ckpt = Path("checkpoint") / f"step-{step}"
+    shutil.copytree(src / ckpt, dst / ckpt)
+    return dst
+
+
+def assert_resumed(result: RunResult, step: int) -> None:
+    """The run resumed from its step-`step` checkpoint (the trainer's start-up line)."""
+    assert f"step-{step} at step {step}" in result.stderr, result.stderr[-3000:]
+
+
 def resume_from(src: Path, dst: Path, step: int, run: Callable[[Path], RunResult]) -> RunResult:
     """Copy `src`'s step-`step` checkpoint alone into a fresh dump folder `dst`, run there, and check
     that the run resumed from it."""
-    ckpt = Path("checkpoint") / f"step-{step}"
-    shutil.copytree(src / ckpt, dst / ckpt)
-    result = run(dst)
+    result = run(copy_checkpoint(src, dst, step))
     assert_ok(result)
-    assert f"step-{step} at step {step}" in result.stderr, result.stderr[-3000:]
+    assert_resumed(result, step)
     return result
 
 

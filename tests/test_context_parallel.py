@@ -17,14 +17,23 @@ layouts agree within the harness's relative 1e-5; a resume on its own layout is 
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, torchrun, train_in_one_launch
+from harness import (
+    LOSS_REL,
+    ROOT,
+    SMALL,
+    RunResult,
+    assert_ok,
+    assert_resumed,
+    copy_checkpoint,
+    torchrun,
+    train_in_one_launch,
+)
 from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
@@ -139,12 +148,11 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, RunResult]]:
         assert_ok(result)
     resumes = []
     for src, layout in RESUMES:
-        dst = root / resume_name(src, layout)
-        shutil.copytree(root / src / "checkpoint" / f"step-{SAVE_AT}", dst / "checkpoint" / f"step-{SAVE_AT}")
+        dst = copy_checkpoint(root / src, root / resume_name(src, layout), SAVE_AT)
         resumes.append((dst, overrides(layout, "--checkpoint.enable")))
     assert {LAYOUTS[layout][0] for _, layout in RESUMES} == {2}
     for dst, result in train_in_one_launch(resumes, 2).items():
-        assert f"step-{SAVE_AT} at step {SAVE_AT}" in result.stderr, result.stderr[-3000:]
+        assert_resumed(result, SAVE_AT)
         results[dst.name] = result
     return {name: (root / name, result) for name, result in results.items()}
 

@@ -10,7 +10,6 @@ steps, fp32, deterministic, a checkpoint at step 2. Tolerance: the harness's rel
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SMALL, RunResult, assert_ok, child_env, torchrun, train_in_one_launch
+from harness import (
+    LOSS_REL,
+    ROOT,
+    SMALL,
+    RunResult,
+    assert_ok,
+    assert_resumed,
+    child_env,
+    copy_checkpoint,
+    torchrun,
+    train_in_one_launch,
+)
 from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
@@ -93,16 +103,10 @@ def test_dispatch_and_combine_match_plain_pytorch(tmp_path):
 
 
 def overrides(layout: str, *extra: str, batch: int = 4) -> list[str]:
-    """The command line of `layout` (global batch `batch`, 6 steps, a checkpoint every 3 when enabled)."""
+    """The command line of `layout` (global batch `batch`, `STEPS` steps, a checkpoint every `SAVE_AT`
+    when enabled)."""
     steps = ["--training.steps", str(STEPS), "--training.global_batch_size", str(batch)]
     return [*SMALL, *SHAPE, *steps, "--checkpoint.interval", str(SAVE_AT), *LAYOUTS[layout][1], *extra]
-
-
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    """`src`'s step-2 checkpoint alone in a fresh dump folder `dst`: a run there resumes from it."""
-    ckpt = Path("checkpoint") / f"step-{SAVE_AT}"
-    shutil.copytree(src / ckpt, dst / ckpt)
-    return dst
 
 
 # name: layout, extra arguments, global batch. Launched together by world size (`runs`).
@@ -148,7 +152,7 @@ def runs(tmp_path_factory) -> dict[str, RunResult]:
         ]
         for name, (src, layout) in RESUMES.items():
             if LAYOUTS[layout][0] == world:
-                batch.append((copy_checkpoint(out[src].dump, root / name), overrides(layout, *CKPT)))
+                batch.append((copy_checkpoint(out[src].dump, root / name, SAVE_AT), overrides(layout, *CKPT)))
         return {dump.name: result for dump, result in train_in_one_launch(batch, world, CONFIG).items()}
 
     with ThreadPoolExecutor(2) as pool:
@@ -164,7 +168,7 @@ def runs(tmp_path_factory) -> dict[str, RunResult]:
         out.update(launch(1))
         out.update(two.result())
     for name in RESUMES:
-        assert f"step-{SAVE_AT} at step {SAVE_AT}" in out[name].log, out[name].log[-3000:]
+        assert_resumed(out[name], SAVE_AT)
     return out
 
 

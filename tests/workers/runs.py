@@ -2,13 +2,13 @@
 `python -m titanlite.train argv` runs, one after another in the same processes.
 
 `torchrun --nproc_per_node N tests/workers/runs.py RUNS.json` (`harness.train_in_one_launch`), where
-RUNS.json is a list of {"argv": [...]} runs; a run with "copy": [src, dst] first has rank 0 copy the
-checkpoint folder `src` (of an earlier run of the launch) to `dst` (in its own dump folder), where it
-resumes from it. The process group is created once; each run's trainer uses it
-and leaves it open (`Trainer.close`), so a run costs its build and its steps, not the seconds of
-interpreter start-up, `import torch` and rendezvous that a launch of its own costs every rank. Each
-rank's output during a run goes to `<dump_folder>/worker.rank<r>.log`. A run that raises ends the
-launch with its traceback, as a rank of its own would.
+RUNS.json is a list of {"dump": folder, "argv": [...]} runs (the folder is the argv's dump folder); a run
+with "copy": [src, dst] first has rank 0 copy the checkpoint folder `src` (of an earlier run of the
+launch) to `dst` (in its own dump folder), where it resumes from it. The process group is created once;
+each run's trainer uses it and leaves it open (`Trainer.close`), so a run costs its build and its steps,
+not the seconds of interpreter start-up, `import torch` and rendezvous that a launch of its own costs
+every rank. Each rank's output during a run goes to `<dump_folder>/worker.rank<r>.log`. A run that
+raises ends the launch with its traceback, as a rank of its own would.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import end_worker  # noqa: E402
-from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.train import main as train  # noqa: E402
 
 
@@ -35,8 +34,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for run in runs:
-        argv = run["argv"]
-        dump = Path(load_config(argv, default_config=DEFAULT_CONFIG).job.dump_folder)
+        argv, dump = run["argv"], Path(run["dump"])
         dump.mkdir(parents=True, exist_ok=True)
         if "copy" in run and rank == 0:
             shutil.copytree(*run["copy"])
