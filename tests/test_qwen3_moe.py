@@ -17,7 +17,8 @@ from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, ConfigError
 from titanlite.generate import generate
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
-from titanlite.models.qwen3_moe.moe import MoE
+from titanlite.models.qwen3_moe import moe as moe_module
+from titanlite.models.qwen3_moe.moe import Experts, MoE, grouped_gemm_dtype
 from titanlite.plan import RunPlan
 
 ARGS = dataclasses.replace(
@@ -78,6 +79,90 @@ def test_moe_layer_matches_a_per_token_reference(grouped):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(moe(x), reference_moe(*params, x_ref, top_k=2, normalize=False), atol=1e-3)
     assert moe.tokens_per_expert.sum() == 3 * 24 * 2  # three forwards of 24 tokens, two experts each
+
+
+def record_grouped_gemms(monkeypatch) -> list[tuple[torch.Size, torch.Size, torch.dtype]]:
+    """Every call of torch's grouped GEMM kernel from here on: (a's shape, b's shape, a's dtype)."""
+    calls, kernel = [], torch._grouped_mm
+
+    def record(a, b, *args, **kwargs):
+        calls.append((a.shape, b.shape, a.dtype))
+        return kernel(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", record)
+    return calls
+
+
+def experts_and_grads(experts: Experts, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> list[torch.Tensor]:
+    """The output and the gradients of x and both weights of `experts` on x sorted by expert."""
+    experts.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = experts(x, counts, grouped)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return [out.detach(), x.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+@pytest.mark.parametrize("rows", [(0, 0, 0, 0), (3, 0, 5, 0)], ids=["no-rows", "empty-experts"])
+def test_experts_given_no_rows_call_no_grouped_gemm_over_an_empty_dim_and_get_zero_gradients(monkeypatch, rows):
+    """A rank that receives no rows (expert parallelism with few tokens, or a router sending none there):
+    the weight gradient's GEMM would contract over zero rows, which CUDA's kernel rejects; it is zeros
+    without the kernel, and so are the empty forward and input gradient. Every kernel call is recorded;
+    values and gradients match the experts' loop (the reference), and with no rows the weight gradients
+    are zero. Experts without rows among others still run in the kernel (empty groups)."""
+    torch.manual_seed(0)
+    experts = Experts(num_experts=4, dim=32, hidden_dim=16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    counts = torch.tensor(rows)
+    x = torch.randn(sum(rows), 32)
+    expected = experts_and_grads(experts, x, counts, grouped=False)
+    calls = record_grouped_gemms(monkeypatch)
+    got = experts_and_grads(experts, x, counts, grouped=True)
+    assert len(calls) == (0 if sum(rows) == 0 else 6), calls  # 2 forward, 2 input and 2 weight gradients
+    assert all(a[-1] > 0 for a, _, _ in calls), calls
+    for g, want in zip(got, expected):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    if sum(rows) == 0:
+        assert not experts.gate_up_proj.grad.any() and not experts.down_proj.grad.any()
+
+
+def test_grouped_gemm_runs_in_bf16_on_hopper_and_blackwell_the_loop_on_older_gpus_as_is_on_cpu(monkeypatch):
+    """Where the experts run as grouped GEMMs and in which dtype (`grouped_gemm_dtype`): on CUDA torch's
+    sync-free kernel takes bf16 on capability 9.x and 10.x, so fp32 compute casts to it; other GPUs run the
+    loop (torch's fallback reads the offsets on the host in every call); the CPU kernel takes fp32 as is;
+    rows whose byte stride is not a multiple of 16 run the loop."""
+    cuda, cpu, f32, bf16 = torch.device("cuda", 0), torch.device("cpu"), torch.float32, torch.bfloat16
+    cases = [((9, 0), f32, bf16), ((9, 0), bf16, bf16), ((10, 0), f32, bf16), ((8, 0), bf16, None)]
+    cases += [((8, 6), f32, None), ((12, 0), bf16, None)]
+    for capability, dtype, expected in cases:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert grouped_gemm_dtype(64, 128, 64, dtype=dtype, device=cuda) == expected, (capability, dtype)
+        assert grouped_gemm_dtype(64, 128, 4, dtype=dtype, device=cuda) is None  # 8 bytes in bf16
+    assert grouped_gemm_dtype(64, 128, 64, dtype=f32, device=cpu) == f32
+    assert grouped_gemm_dtype(64, 128, 64, dtype=bf16, device=cpu) == bf16
+    assert grouped_gemm_dtype(64, 128, 6, dtype=f32, device=cpu) is None  # 24 bytes
+
+
+def test_fp32_experts_run_their_grouped_gemms_in_bf16_where_the_kernel_takes_only_bf16(monkeypatch):
+    """Where `grouped_gemm_dtype` says bf16 (CUDA's kernel), fp32 experts cast their inputs and weights to
+    bf16 for the GEMMs and the output back: fp32 values and gradients within bf16's precision of the fp32
+    loop, every kernel call in bf16 (run here on the CPU kernel, which takes bf16 too)."""
+    torch.manual_seed(0)
+    experts = Experts(num_experts=4, dim=32, hidden_dim=16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    counts, x = torch.tensor([3, 0, 5, 2]), torch.randn(10, 32)
+    expected = experts_and_grads(experts, x, counts, grouped=False)
+    monkeypatch.setattr(moe_module, "grouped_gemm_dtype", lambda *widths, dtype, device: torch.bfloat16)
+    calls = record_grouped_gemms(monkeypatch)
+    got = experts_and_grads(experts, x, counts, grouped=True)
+    assert len(calls) == 6 and {dtype for _, _, dtype in calls} == {torch.bfloat16}
+    for g, want in zip(got, expected):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, want, rtol=5e-2, atol=5e-2)
+    assert not torch.allclose(got[0], expected[0], rtol=0, atol=1e-6)  # bf16 GEMMs: not the fp32 values
 
 
 def test_aux_loss_is_the_load_balancing_formula():

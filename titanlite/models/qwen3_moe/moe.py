@@ -6,10 +6,19 @@ aux-loss-free balancing (`enable_routing_bias`) a per-expert bias is added for c
 
 Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
 (`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
-run, as a loop over the experts (`grouped=False`). Grouped GEMM needs rows whose byte strides are
-multiples of 16 and, on CUDA, bf16 (`grouped_mm_fits`); elsewhere the loop runs. It is called through
-an opaque op (`grouped_mm`) whose backward makes the incoming gradient contiguous (torch's rejects a
-zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not trace into.
+run, as a loop over the experts (`grouped=False`), which reads the counts on the host (one sync per layer).
+Where grouped GEMM runs and in which dtype is `grouped_gemm_dtype`: on CUDA torch's sync-free kernel
+takes bf16 on compute capability 9.x and 10.x only, so there the GEMMs run in bf16 whatever the compute
+dtype (fp32 training included: inputs and weights cast, the output cast back, as TorchTitan's grouped
+experts do); on other GPUs torch's grouped GEMM falls back to a loop that copies the offsets to the host
+in every call (six per layer and step), so the experts' own loop (one) runs; on the CPU the kernel takes
+the compute dtype (fp32 included) as it is. Rows need byte strides that are multiples of 16.
+
+The GEMMs go through an opaque op (`grouped_mm`) whose backward makes the incoming gradient contiguous
+(torch's rejects a zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not trace
+into. A rank that received no rows (expert parallelism with few tokens, or a router that sends none
+there) calls no kernel: the weight gradient, a product over an empty shared dim that CUDA's kernel
+rejects, is zeros, as torch's own autograd formula makes it.
 
 Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
 expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
@@ -20,6 +29,7 @@ metrics read and reset.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -49,15 +59,25 @@ class RouterStats:
     tokens: int
 
 
-def grouped_mm_fits(*widths: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether grouped GEMM can run on rows of these widths (byte strides multiples of 16) in this dtype
-    (CUDA's kernel takes bf16 only, and is used from compute capability 9.0 (Hopper) on; the CPU one
-    takes fp32 too)."""
+def grouped_gemm_dtype(*widths: int, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype the experts' grouped GEMMs run in on `device` for compute dtype `dtype` and rows of these
+    widths, or None where the experts' loop runs instead (module docstring): bf16 on CUDA from compute
+    capability 9.0 (Hopper) through 10.x (Blackwell), the loop on other GPUs; the compute dtype elsewhere.
+    Rows must have byte strides that are multiples of 16 in that dtype."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
-    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
-        return False
-    return all(w * dtype.itemsize % 16 == 0 for w in widths)
+        return None
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+            return None
+        dtype = torch.bfloat16
+    return dtype if all(w * dtype.itemsize % 16 == 0 for w in widths) else None
+
+
+def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tuple[int, ...]:
+    """The shape of `grouped_mm(a, b, offs)`."""
+    if b.dim() == 3:
+        return (a.shape[0], b.shape[-1])
+    return (offs.shape[0], a.shape[0], b.shape[-1])
 
 
 @torch.library.custom_op("titanlite::grouped_mm", mutates_args=())
@@ -65,15 +85,18 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """`torch._grouped_mm` as an opaque op: a [M, K] x b [E, K, N] -> [M, N] (rows grouped by `offs`), or
     a [K, M] x b [M, N] -> [E, K, N] (the weight gradient, the shared dim grouped). Compiled graphs call
     it without tracing into it: torch's fake-tensor rule for `_grouped_mm` accepts bf16 only, which
-    would break an fp32 graph that the CPU kernel runs."""
+    would break an fp32 graph that the CPU kernel runs. A rank that received no rows calls no kernel: an
+    empty shared dim (the weight gradient) gives zeros, which CUDA's kernel rejects, and an empty output
+    (the forward and the input gradient) has nothing to compute."""
+    shape = grouped_mm_shape(a, b, offs)
+    if a.shape[-1] == 0 or math.prod(shape) == 0:
+        return a.new_zeros(shape)
     return torch._grouped_mm(a, b, offs=offs)
 
 
 @grouped_mm.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[-1])
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+    return a.new_empty(grouped_mm_shape(a, b, offs))
 
 
 def _grouped_mm_backward(ctx, grad: torch.Tensor):
@@ -118,10 +141,12 @@ class Experts(nn.Module):
         """The experts of `gate_up` [e, 2I, H] and `down` [e, H, I] on x [rows, H] sorted by expert with
         `counts` [e] rows each."""
         widths = (x.shape[-1], 2 * self.hidden_dim, self.hidden_dim)
-        if grouped and grouped_mm_fits(*widths, dtype=x.dtype, device=x.device):
+        gemm = grouped_gemm_dtype(*widths, dtype=x.dtype, device=x.device) if grouped else None
+        if gemm is not None:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate, up = grouped_mm(x, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
-            return grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offsets)
+            rows, gate_up, down = x.to(gemm), gate_up.to(gemm), down.to(gemm)
+            gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+            return grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offsets).to(x.dtype)
         outs = []
         # The loop needs the counts on the host: one sync per layer.
         for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
