@@ -10,6 +10,7 @@ rank ever materialises a full parameter.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,9 @@ def _chunk_jobs(param: torch.Tensor, spec: InitSpec, seed: int, name: str) -> li
         # Stacked parameters (a mixture's experts) are drawn as [rows, the rest] and sharded by rows only.
         if tuple(local.shape[1:]) != tuple(param.shape[1:]):
             raise ValueError(f"{name}: layout-independent init shards parameters of 3 or more dims by rows only")
-        local, offset, shape = local.flatten(1), (offset[0], 0), (param.shape[0], param[0].numel())
+        # From the global shape only: indexing a DTensor parameter would be a collective, which a rank
+        # holding no rows (more ranks than experts) never joins.
+        local, offset, shape = local.flatten(1), (offset[0], 0), (param.shape[0], math.prod(param.shape[1:]))
     else:
         shape = tuple(param.shape)
     rows = shape[0]
