@@ -15,13 +15,17 @@ from builders import config, loader
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from titanlite.config import ActivationCheckpoint
+from titanlite.data.batch import Batch
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.memory_plan import Layout
+from titanlite.models import attention
 from titanlite.models.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
 from titanlite.models.llama3 import memory
+from titanlite.models.llama3 import model as llama3_model
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.parallelisms.context_parallel import SEAM, SequenceShard
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss, model_forward
@@ -165,6 +169,47 @@ def test_the_memory_plan_counts_the_mask():
     # A BlockMask: int32 counts and indices of 32 x 32 tiles of 128, both orientations, partial and full.
     assert mask_bytes("block_causal", "cuda", 2, 4096, 4096) == 2 * 4 * 2 * (2 * 32 + 2 * 32 * 32)
     assert "attention mask" not in causal
+
+
+class FlexMask:
+    """What `block_mask` builds on CUDA, stood in for on the CPU: the dense mask it equals, marked."""
+
+    def __init__(self, dense: torch.Tensor):
+        self.dense = dense
+
+
+def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_flex_on_cuda(monkeypatch):
+    """A pipeline stage under context parallelism gets hidden states only (no positions, no mask): it
+    builds its queries' causal mask once per microbatch, as the step does without stages, so on CUDA every
+    block attends through flex attention's BlockMask, never SDPA with a dense [S/cp, S] mask, which with
+    grouped-query heads runs the math kernel (every score materialised: ~128 GiB per layer at 405B, cp 4,
+    128k). CUDA is simulated at the device choice (`uses_flex`) with a marked stand-in for the BlockMask;
+    the keys and values a second cp rank would send are this rank's again (`gather`, one process). The
+    stage's output equals the step's path (`model_forward` with the shard), bitwise."""
+    torch.manual_seed(0)
+    model = Transformer(ARGS, seq_len=SEQ)
+    model.init_weights(seed=0)
+    shard = SequenceShard(degree=2, rank=1, group_name="unused")
+    for module in model.modules():
+        if hasattr(type(module), SEAM):
+            setattr(module, SEAM, shard)
+    monkeypatch.setattr(SequenceShard, "gather", lambda self, t, dim: torch.cat([t, t], dim=dim))
+    monkeypatch.setattr(attention, "uses_flex", lambda device_type: True)
+    monkeypatch.setattr(attention, "block_mask", lambda *ids: FlexMask(dense_mask(*ids)))
+    masks, attend = [], llama3_model.attend
+
+    def recording_attend(q, k, v, mask, causal=True):
+        masks.append(mask)
+        return attend(q, k, v, mask.dense if isinstance(mask, FlexMask) else mask, causal)
+
+    monkeypatch.setattr(llama3_model, "attend", recording_attend)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
+    stage = model(shard.shard(tokens))  # the first stage of a pipeline: the schedule hands tokens alone
+    assert len(masks) == ARGS.n_layers and all(isinstance(m, FlexMask) for m in masks), masks
+    held = shard.positions(SEQ // 2, tokens.device)
+    assert torch.equal(masks[0].dense[0, 0], held[:, None] >= torch.arange(SEQ)[None, :])
+    step = model_forward(model, Batch(tokens, tokens, None), "causal", shard)
+    assert torch.equal(stage, step)
 
 
 def test_block_causal_under_pipeline_parallelism_is_refused(tmp_path):

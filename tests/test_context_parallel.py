@@ -2,7 +2,7 @@
 run_train.sh against one process, with checkpoints resumed across cp degrees.
 
 The layouts' parity through the trainer's step (cp2 with FSDP2, AC, accumulation, block_causal, bf16,
-compile; cp2 x dp_shard2, x dp_replicate2, x tp2, pp2 x cp2) and its negative control are in
+compile; cp2 x dp_shard2, x dp_replicate2, x tp2, pp2 x cp2 (x tp2)) and its negative control are in
 tests/test_parallel_parity.py. Through run_train.sh this module runs what only the command line
 proves: cp2 against one process with checkpoints and validation, one composed 4-rank layout (cp2 x
 dp_shard2: the loader's data-parallel ranks each shared by two cp ranks), and checkpoints resumed on the

@@ -106,6 +106,8 @@ CASES_4 = [
 CASES_8 = [
     {"rep": 2, "shard": 2, "tp": 2},
     {"pp": 2, "shard": 2, "tp": 2, "mb": 2},
+    # Stages under cp x tp: hidden states travel sequence-sharded, each stage builds its queries' mask.
+    {"pp": 2, "cp": 2, "tp": 2},
 ]
 
 

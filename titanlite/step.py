@@ -20,7 +20,7 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
-from titanlite.models.attention import AttnMaskType, build_mask
+from titanlite.models.attention import AttnMaskType, build_mask, causal_mask
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
@@ -75,11 +75,10 @@ def model_forward(
     rows, seq = batch.inputs.shape
     held = sequence.positions(seq // sequence.degree, batch.inputs.device)
     if mask_type == "causal":
-        positions = torch.arange(seq, device=batch.inputs.device).expand(rows, seq)
+        positions, mask = held.expand(rows, -1), causal_mask(rows, seq, held)
     else:
-        positions = batch.positions
-    mask = build_mask("block_causal", positions, q_index=held)
-    return model(sequence.shard(batch.inputs), positions=sequence.shard(positions), mask=mask)
+        positions, mask = sequence.shard(batch.positions), build_mask("block_causal", batch.positions, q_index=held)
+    return model(sequence.shard(batch.inputs), positions=positions, mask=mask)
 
 
 class LocalRunner:

@@ -2,9 +2,10 @@
 
 Run by tests/test_context_parallel.py through torchrun. Every rank builds the same Llama attention (GQA)
 and the same input; the reference runs it over the whole sequence in one process (no seam); the
-context-parallel copy runs on this rank's head-tail part with keys and values all-gathered over the
-world. Rank 0 writes the max abs differences of the output, the input's gradient (this rank's part) and
-the weights' gradients (summed over the ranks, as the data-parallel plan's reduction does), as JSON.
+context-parallel copy runs on this rank's head-tail part under its queries' causal mask, with keys and
+values all-gathered over the world. Rank 0 writes the max abs differences of the output, the input's
+gradient (this rank's part) and the weights' gradients (summed over the ranks, as the data-parallel
+plan's reduction does), as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import end_worker, tiny_args  # noqa: E402
+from titanlite.models.attention import causal_mask  # noqa: E402
 from titanlite.models.llama3.model import Attention, rope_tables  # noqa: E402
 from titanlite.parallelisms.context_parallel import apply_context_parallel  # noqa: E402
 
@@ -42,7 +44,8 @@ def main() -> None:
 
     shard = apply_context_parallel(cp_attention, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
     x_local = shard.shard(x.detach()).requires_grad_()
-    out_local = cp_attention(x_local, cos, sin)
+    held = shard.positions(SEQ // world, x.device)
+    out_local = cp_attention(x_local, cos[held], sin[held], causal_mask(BATCH, SEQ, held))
     out_local.backward(shard.shard(grad_out))
     diffs = {
         "out": (out_local - shard.shard(out.detach())).abs().max().item(),

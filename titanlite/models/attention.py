@@ -51,6 +51,11 @@ FLEX_BLOCK = 128
 """The BlockMask tile (flex attention's default): one block count per 128 queries, one index per tile."""
 
 
+def uses_flex(device_type: str) -> bool:
+    """Whether masks on this device type are flex BlockMasks (CUDA), else dense (module docstring)."""
+    return device_type == "cuda"
+
+
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """[b, s] document numbers of each token from its [b, s] positions in its document: a new document
     begins where the position is 0 (a row's first tokens may continue a document begun in an earlier
@@ -97,9 +102,19 @@ def build_mask(
     doc_ids = document_ids(positions)
     q_index = torch.arange(seq, device=device) if q_index is None else q_index
     kv_index = torch.arange(seq, device=device) if kv_index is None else kv_index
-    if device.type == "cuda":
+    if uses_flex(device.type):
         return block_mask(doc_ids, q_index, kv_index)
     return dense_mask(doc_ids, q_index, kv_index)
+
+
+def causal_mask(rows: int, seq: int, q_index: torch.Tensor) -> Mask:
+    """The causal mask of the queries at global indices `q_index` against every key of `rows` rows of
+    `seq` tokens, each row one document: `build_mask`'s (a BlockMask on CUDA, dense elsewhere), never
+    `scaled_dot_product_attention` with a dense mask on CUDA, which with grouped-query heads runs its
+    math kernel and materialises every score. What context parallelism's ranks attend under `causal`
+    (their queries are not a prefix of the keys, so the kernel's own causal flag cannot say it)."""
+    positions = torch.arange(seq, device=q_index.device).expand(rows, seq)
+    return build_mask("block_causal", positions, q_index=q_index)
 
 
 def block_mask(doc_ids: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> BlockMask:
@@ -136,7 +151,7 @@ def mask_bytes(mask_type: AttnMaskType, device_type: str, batch: int, q_len: int
     (the transposed ones drive the backward)."""
     if mask_type == "causal":
         return 0
-    if device_type != "cuda":
+    if not uses_flex(device_type):
         return batch * q_len * kv_len
     qb, kb = math.ceil(q_len / FLEX_BLOCK), math.ceil(kv_len / FLEX_BLOCK)
     per_kind = qb + qb * kb + kb + kb * qb  # kv counts + indices, q counts + indices

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.attention import Mask, attend
+from titanlite.models.attention import Mask, attend, causal_mask
 from titanlite.models.init import InitSpec, init_parameters_
 from titanlite.parallelisms.context_parallel import SequenceShard
 
@@ -179,9 +179,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     context_parallel: SequenceShard | None = None
     """Under context parallelism this rank's part of every sequence (set by the framework): the input
-    holds some tokens of each sequence and the keys and values of all are gathered; the step's mask is
-    that of the rank's queries against every key (`step.model_forward`). Without one (a pipeline stage)
-    RoPE takes the held tokens' global positions and the mask is causal over global indices."""
+    holds some tokens of each sequence and the keys and values of all are gathered; the mask is that of
+    the rank's queries against every key, built once per batch outside the blocks (by the step,
+    `step.model_forward`, or by a pipeline stage's forward, `Transformer.forward`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -200,10 +200,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         cp = self.context_parallel if kv is None else None
-        if cp is not None and mask is None:  # no batch mask (a pipeline stage): causal over global indices
-            held = cp.positions(seq, x.device)
-            cos, sin = cos[held], sin[held]
-            mask = held[:, None] >= torch.arange(seq * cp.degree, device=x.device)[None, :]
+        if cp is not None and mask is None:
+            raise ValueError("attention under context parallelism takes the mask of its queries (causal_mask)")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cp is not None:
             k, v = cp.gather(torch.stack((k, v)), dim=2).unbind(0)
@@ -248,6 +246,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    context_parallel: SequenceShard | None = None
+    """Under context parallelism this rank's part of every sequence (set by the framework, as on
+    `Attention`): a pipeline stage, which its schedule hands hidden states only, builds the causal mask
+    and positions of its tokens itself (`forward`)."""
+
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
         super().__init__()
         self.args = args
@@ -277,7 +280,13 @@ class Transformer(nn.Module):
 
         `positions` [b, s] (each token's position in its document) replace 0 .. s - 1 in RoPE and `mask`
         (`models/attention.py`, built once per batch by the caller, outside any compiled code) replaces
-        causal attention in every block; without them the model is causal over the whole row."""
+        causal attention in every block; without them the model is causal over the whole row. Under
+        context parallelism without them (a pipeline stage, whose rows are `seq_len` tokens: the plan
+        refuses validation under pipeline parallelism) the tokens are this rank's part of every row: RoPE
+        takes their global indices and every block the causal mask of their queries against every key,
+        built here once per microbatch as the step builds it without stages (`causal_mask`: flex
+        attention's BlockMask on CUDA, never a dense mask, which sends grouped-query attention to SDPA's
+        math kernel)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, pos = self.rope_cos, self.rope_sin, 0
         if cache is not None:
@@ -287,6 +296,11 @@ class Transformer(nn.Module):
             cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
         elif positions is not None:
             cos, sin = rope_at(self.args, positions)
+        elif (cp := self.context_parallel) is not None and mask is None:
+            # A stage's rows are the training's, `seq_len` tokens (its hidden states arrive sequence-sharded
+            # under TP: their length is not the rank's share of the row).
+            held = cp.positions(self.seq_len // cp.degree, h.device)
+            cos, sin, mask = cos[held], sin[held], causal_mask(h.shape[0], self.seq_len, held)
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, None, (cache.k[i], cache.v[i], pos))
         return self.output(self.norm(h)) if self.output is not None else h
