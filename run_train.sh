@@ -27,6 +27,8 @@
 #   LOG_RANK     comma-separated local ranks whose output is shown (default 0)
 #   MAX_RESTARTS restarts after a failure (default: comm.max_restarts from the config, else 0)
 #   DRY_LAUNCH   1 = after the preflight, print the launch command line instead of running it
+#   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the network interfaces NCCL / gloo use (passed to every rank
+#                as is; a name this node lacks: one line, exit code 2; docs/multinode.md)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 

@@ -45,8 +45,9 @@ def test_an_existing_process_group_is_kept(process_group):
 
 
 def test_nccl_flight_recorder_defaults_point_into_the_dump_folder(tmp_path):
+    """20,000 entries: at scale a step issues thousands of collectives (`build.FLIGHT_RECORDER_ENTRIES`)."""
     env = nccl_env_defaults(str(tmp_path), rank=3)
-    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
 
 

@@ -17,6 +17,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from harness import ROOT, child_env, tiny_args
-from titanlite.checkpoint import folders, lock, rank_state
+from titanlite.checkpoint import folders, lock, purge, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.data.tokenizer import build_tokenizer
@@ -180,6 +182,57 @@ def test_a_later_save_of_an_existing_step_replaces_it(tmp_path):
     assert folders.scan(root(tmp_path)) == ([1, 2], []) and folders.problem(root(tmp_path) / "step-2") is None
 
 
+# --- deleting old checkpoints -----------------------------------------------------------------------------
+
+
+def test_pruning_deletes_in_the_background_one_at_a_time_and_close_waits_for_it(tmp_path, monkeypatch):
+    """A deletion that does not finish (held by an event) neither delays the saves and steps after it nor
+    lets a second pruned checkpoint queue up behind it: that one stays a complete checkpoint until
+    `close`, which retires it and waits for both deletions."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def slow(path: Path) -> None:
+        started.append(path.name)
+        assert release.wait(60)
+
+    monkeypatch.setattr(purge.faults, "slow_purge", slow)
+    run = Run(tmp_path, keep_latest_k=1)
+    run.train(1, 4)
+    r = root(tmp_path)
+    assert started == ["step-1.deleting"] and (r / "step-1.deleting").is_dir()
+    assert folders.scan(r) == ([2, 3, 4], [])  # due, held back by PRUNE_BACKLOG = 1: still complete
+    assert run.ckpt._purger.room() == 0
+    release.set()
+    run.ckpt.close()
+    assert sorted(p.name for p in r.iterdir()) == ["step-4"]
+    assert started == ["step-1.deleting", "step-2.deleting", "step-3.deleting"]
+
+
+def test_retired_folders_are_never_resumed_and_the_next_run_deletes_them(tmp_path):
+    """A crash during a deletion leaves `step-N.deleting`, complete or half deleted: no lister or resume
+    sees it, a retired name is never reused, and the next run deletes it."""
+    saved_run(tmp_path, steps=2)
+    r = root(tmp_path)
+    for _ in range(2):
+        shutil.copytree(r / "step-2", r / "step-3")
+        folders.retire(r / "step-3")
+    assert sorted(p.name for p in folders.retired(r)) == ["step-3.deleting", "step-3.deleting-1"]
+    assert folders.scan(r) == ([1, 2], []) and folders.newest(r) == r / "step-2"
+    again = Run(tmp_path)
+    assert again.ckpt.load() == 2
+    again.ckpt.close()
+    assert folders.retired(r) == [] and folders.scan(r) == ([1, 2], [])
+
+
+def test_the_async_writers_group_has_the_configured_timeout(tmp_path):
+    """Not gloo's default of 30 minutes: a dead peer surfaces within comm.init_timeout_seconds."""
+    run = Run(tmp_path, async_mode="async", over={"comm.init_timeout_seconds": 77})
+    backend = run.ckpt._writer.pg._get_backend(torch.device("cpu"))
+    assert backend.options._timeout == timedelta(seconds=77)
+    run.ckpt.close()
+
+
 # --- damaged and incomplete folders ----------------------------------------------------------------------
 
 
@@ -199,7 +252,7 @@ def test_rank_0_never_completes_a_folder_without_every_ranks_files(tmp_path, los
     gone = folders.referenced_files(partial)[0] if lost == "a data file" else folders.rank_state_file(1)
     (partial / gone).unlink()
     with pytest.raises(FileNotFoundError, match=f"rank 0 does not see 1 of the ranks' files in it \\({gone}\\)"):
-        folders.complete(tmp_path, 4, info)
+        folders.complete(tmp_path, 4, info, folders.delete_now)
     assert not folders.step_dir(tmp_path, 4).exists() and partial.is_dir()
     assert not (partial / folders.MARKER).exists()
 

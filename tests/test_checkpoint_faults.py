@@ -1,8 +1,9 @@
 """Checkpoints under faults, as users meet them: through `run_train.sh` (NGPU=1: the preflight, the
 launcher and one rank; exit codes and error lines are what the launcher reports): a full disk under the
 metrics and the checkpoints (the last save failing: exit code 4), a full disk during an async save, a
-stop signal whose save fails under a file size limit, a second run on a locked dump folder, a bit flip
-in a shard (resume and HF export), a resume with changed settings or nothing to train.
+stop signal whose save fails under a file size limit, a slow deletion of an old checkpoint (two ranks),
+a second run on a locked dump folder, a bit flip in a shard (resume and HF export), a resume with
+changed settings or nothing to train.
 
 The full disk is a real one where this process may mount a 4 MiB tmpfs (root); elsewhere a 4 MiB file
 size limit (RLIMIT_FSIZE, inherited by the trainer) makes the same DCP write fail (EFBIG). Either way
@@ -178,6 +179,40 @@ def test_a_stop_signal_whose_save_fails_exits_4_naming_the_file_size_limit(tmp_p
     assert "(the file size limit (ulimit -f) is 4 MiB: no file may grow past it" in line
     assert line.endswith("; no checkpoint was saved"), line
     assert "checkpoint saved" not in proc.log and "training continues" not in proc.log
+
+
+# --- a slow deletion of an old checkpoint ----------------------------------------------------------------
+
+
+def test_a_slow_deletion_of_an_old_checkpoint_delays_no_step_and_ends_before_the_run(tmp_path):
+    """Two ranks through run_train.sh; deleting a checkpoint takes 6 s (as terabytes on a shared file
+    system take minutes) and a collective times out after 3 s (comm.train_timeout_seconds). Rank 0 deletes
+    in the background: step 5, right after step-2 is pruned, takes no longer than the others (on rank 0's
+    training thread, rank 1's next collective would time out); step-4, due while step-2 is still being
+    deleted, is retired only at the end; the run waits for both deletions and exits 0 with step-5 alone."""
+    delay = 6
+    result = train(
+        tmp_path,
+        2,
+        *BASE,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--training.steps",
+        "5",
+        "--comm.train_timeout_seconds",
+        "3",
+        launcher="run_train",
+        env={"TITANLITE_FAULT_SLOW_PURGE": str(delay)},
+    ).ok()
+    times = {r["step"]: r["step_time_s"] for r in result.metrics}
+    assert sorted(times) == [1, 2, 3, 4, 5] and times[5] < delay / 2, times
+    assert "saved to" in result.log and "; deleting step-2 in the background" in result.log
+    assert "step-4 kept until the deletion in progress ends" in result.log
+    assert "checkpoint: waiting for the deletion of step-2.deleting, step-4.deleting" in result.log
+    assert "checkpoint: old checkpoints deleted" in result.log
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-5"]
 
 
 # --- a second run on the same dump folder -------------------------------------------------------------------

@@ -102,12 +102,19 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
 
 
+FLIGHT_RECORDER_ENTRIES = 20_000
+"""Collectives each rank's NCCL flight recorder keeps. A step at scale issues thousands (per-block gathers
+and reduce-scatters on several mesh groups, pipeline sends, microbatches): 2,000 would hold less than one
+step of a large layout, and the collective a hang started at would be gone from the dump."""
+
+
 def nccl_env_defaults(dump_folder: str, rank: int) -> dict[str, str]:
     """NCCL's flight recorder on by default, dumped when a collective times out (as TorchTitan documents
-    it): the last collectives of every rank land in `<dump_folder>/comm_traces/rank_<r>` for debugging a
-    hang. Users' own settings win (the caller only sets what is unset)."""
+    it): the last `FLIGHT_RECORDER_ENTRIES` collectives of every rank land in
+    `<dump_folder>/comm_traces/rank_<r>` for debugging a hang. Users' own settings win (the caller only
+    sets what is unset)."""
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(dump_folder), "comm_traces", "rank_"),
     }

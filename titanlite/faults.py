@@ -19,6 +19,9 @@ a full disk where no small disk can be mounted, a kill inside a checkpoint save.
                                        saves); `N:mid_save`: rank 0 SIGKILLs itself while finalising the
                                        save of step N, after all data is written and before the completion
                                        marker (a crash inside a save)
+    TITANLITE_FAULT_SLOW_PURGE=s       each deletion of a retired checkpoint folder (`checkpoint/purge.py`)
+                                       first waits s seconds, as deleting terabytes on a shared file
+                                       system does
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import errno
 import logging
 import os
 import signal
+import time
+from pathlib import Path
 
 from titanlite.errors import UserError
 
@@ -36,6 +41,7 @@ PREFIX = "TITANLITE_FAULT_"
 NAN_AT = PREFIX + "NAN_AT"
 METRICS_DISK_FULL = PREFIX + "METRICS_DISK_FULL"
 KILL_AT = PREFIX + "KILL_AT"
+SLOW_PURGE = PREFIX + "SLOW_PURGE"
 
 
 def _step(name: str) -> int | None:
@@ -92,3 +98,10 @@ def checkpoint_kill(step: int, point: str) -> None:
     if int(at) == step and (where or "after_save") == point:
         logger.warning(f"{KILL_AT}={spec}: killing this process ({point} of step {step})")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_purge(path: Path) -> None:
+    """Wait SLOW_PURGE seconds before `path` is deleted, if asked to."""
+    if seconds := float(os.environ.get(SLOW_PURGE) or 0):
+        logger.warning(f"{SLOW_PURGE}={seconds:g}: deleting {path.name} takes {seconds:g}s longer")
+        time.sleep(seconds)

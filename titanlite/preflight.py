@@ -1,7 +1,8 @@
 """Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
 
 Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
-WORLD_SIZE, the model's shape, optional packages it needs (wandb), the tokenizer file, the dataset path,
+WORLD_SIZE, the model's shape, the network interfaces named for NCCL and gloo (`socket_interfaces.py`),
+optional packages it needs (wandb), the tokenizer file, the dataset path,
 the checkpoint to load and the dump folder in one process, so bad input is one line and exit code 2
 instead of one traceback per rank. On success prints the torchrun
 restart budget (`comm.max_restarts`) for run_train.sh.
@@ -21,6 +22,7 @@ from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
 from titanlite.run_loader import build_loader
+from titanlite.socket_interfaces import check as check_socket_interfaces
 
 
 def check_dump_folder(path: str) -> None:
@@ -70,6 +72,7 @@ def check_initial_hf(plan: RunPlan) -> None:
 def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     """Every check of the module docstring on a loaded config; returns the run plan they built."""
     plan = RunPlan.build(cfg, world_size)
+    check_socket_interfaces(os.environ)
     check_wandb(cfg.metrics)
     check_dump_folder(cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)

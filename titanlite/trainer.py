@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite import faults
+from titanlite import faults, socket_interfaces
 from titanlite.build import (
     apply_train_timeout,
     build_training,
@@ -94,6 +94,8 @@ class Trainer:
         self.validator = None if self.seed_only else Validator.create(self.plan, dp_rank)
 
         self._owns_process_group = not dist.is_initialized()
+        if self.rank == 0 and (network := socket_interfaces.describe(os.environ)):
+            logger.info(network)
         init_distributed(cfg, self.device)
         # With pipeline parallelism the model is this rank's stages (one module with the model's names).
         training = build_training(self.plan, self.device)

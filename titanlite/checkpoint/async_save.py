@@ -2,7 +2,10 @@
 
 Protocol: an async save stages a CPU copy of the state (so training may change the parameters at once)
 and writes it from a background thread over a gloo process group of its own: a second thread must not
-issue collectives on the training process group. The manager keeps at most one save in flight
+issue collectives on the training process group. That group's collectives wait for every rank's file
+writes (minutes for a large checkpoint on a shared file system), so its timeout is
+`comm.init_timeout_seconds`, the one for long phases, not the per-step `train_timeout_seconds`, nor
+gloo's default of 30 minutes, which would hide a dead peer that long. The manager keeps at most one save in flight
 (`Pending`) and finalises it (marker, rename, pruning, on rank 0) when it polls a finished one, at its
 next `save()` or in `close()`. `async_with_pinned_mem` stages into reused pinned host memory on CUDA; on
 CPU it is plain `async`.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from titanlite.config import Checkpoint
+from titanlite.config import Comm
 
 logger = logging.getLogger("titanlite")
 
@@ -39,10 +43,11 @@ class Pending:
 class AsyncWriter:
     """The writer thread's process group and, for `async_with_pinned_mem` on CUDA, the pinned stager."""
 
-    def __init__(self, cfg: Checkpoint, device: torch.device, rank: int) -> None:
-        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def __init__(self, async_mode: str, comm: Comm, device: torch.device, rank: int) -> None:
+        timeout = timedelta(seconds=comm.init_timeout_seconds)
+        self.pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.stager: DefaultStager | None = None
-        if cfg.async_mode == "async_with_pinned_mem":
+        if async_mode == "async_with_pinned_mem":
             if device.type == "cuda":
                 self.stager = DefaultStager(
                     StagingOptions(

@@ -8,6 +8,7 @@ Layout under `<job.dump_folder>/<checkpoint.folder>/`:
         rank_state/rank-<r>.pt      per-rank state: data loader position, RNG states (see rank_state.py)
         complete.json               the completion marker
     step-<N>.partial/               a save in progress, or one a crash interrupted: never loaded
+    step-<N>[.partial].deleting/    a retired folder being deleted (or left by a crash): never loaded
 
 Why this protocol: a crash (kill -9, node loss, full disk) can happen at any point of a save. Every
 file is written into `step-N.partial`. Only once DCP's `.metadata` exists, so that every rank's data is
@@ -24,7 +25,16 @@ Checksums cost one read of the data: each rank checksums the files it wrote, fro
 the DCP writer (`checksumming_writer.py`, so an async save does it in the background) and leaves the list in
 `checksums/`, which rank 0 merges into the marker. On load every rank verifies its share of the files
 (`checksum_problem`), so verifying a checkpoint takes as long as reading 1/world of it.
-Older checkpoints are pruned only after the rename, so a complete checkpoint is on disk at every moment.
+
+Deleting a folder is two steps, so that it is atomic from a reader's point of view and never stalls a
+step. `retire` renames it with one `os.rename` to `<name>.deleting` (`<name>.deleting-<k>` if that name is
+taken), a name that `scan`, `choose`, `newest` and every lister ignore, so no resume can pick a folder
+that is half deleted; the caller's `discard` then deletes it, in the trainer on a background thread of
+rank 0 (`purge.py`: bounded, joined at the end of the run). A retired name is never reused, so a save of
+step N (into `step-N.partial`, then `step-N`) never meets the deletion of an earlier `step-N` or of a
+neighbour. Folders left retired by a crash are found by `retired` and deleted by the next run. Older
+checkpoints are pruned only after the rename that publishes a new one, so a complete checkpoint is on
+disk at every moment.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +65,11 @@ def rank_state_file(rank: int) -> str:
 _CHUNK = 4 << 20
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\.partial$")
+RETIRED = ".deleting"
+_RETIRED = re.compile(r"^step-\d+(\.partial)?\.deleting(-\d+)?$")
+
+Discard = Callable[[Path], None]
+"""Deletes a retired folder (`retire`): at once, or later on another thread (`purge.Purger.submit`)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -81,11 +97,33 @@ def checksum(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def prepare(root: Path, step: int) -> Path:
-    """An empty `step-N.partial` (a leftover from an interrupted save of the same step is removed)."""
+def retire(path: Path) -> Path:
+    """Rename the folder `path` to a retired name no other folder has (module docstring); returns it."""
+    k = 0
+    while (target := path.with_name(path.name + RETIRED + (f"-{k}" if k else ""))).exists():
+        k += 1
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+def retired(root: Path) -> list[Path]:
+    """The retired folders in `root` (a deletion a crash interrupted, or one not yet done)."""
+    if not root.is_dir():
+        return []
+    return sorted(entry for entry in root.iterdir() if entry.is_dir() and _RETIRED.match(entry.name))
+
+
+def delete_now(path: Path) -> None:
+    """A `Discard` that deletes on the calling thread (single-process tools, tests)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prepare(root: Path, step: int, discard: Discard) -> Path:
+    """An empty `step-N.partial` (a leftover from an interrupted save of the same step is retired)."""
     path = partial_dir(root, step)
     if path.exists():
-        shutil.rmtree(path)
+        discard(retire(path))
     path.mkdir(parents=True)
     return path
 
@@ -109,12 +147,12 @@ def missing_files(path: Path, world_size: int, model_only: bool) -> list[str]:
     return [rel for rel in needed if not (path / rel).is_file()]
 
 
-def complete(root: Path, step: int, info: dict) -> Path:
+def complete(root: Path, step: int, info: dict, discard: Discard) -> Path:
     """Write the marker into `step-N.partial` and publish it as `step-N`; returns the final path.
 
     A folder without every rank's files (ranks writing into folders of their own) raises
     FileNotFoundError and stays partial. An existing `step-N` (a run that resumed from an older step and
-    reached N again) is moved aside first and deleted only after the new folder is in place.
+    reached N again) is retired first and discarded once the new folder is in place.
     """
     partial, final = partial_dir(root, step), step_dir(root, step)
     if missing := missing_files(partial, info.get("world_size", 1), info.get("model_only", False)):
@@ -140,15 +178,11 @@ def complete(root: Path, step: int, info: dict) -> Path:
         os.fsync(f.fileno())
     os.rename(tmp, partial / MARKER)
     _fsync_dir(partial)
-    replaced = root / f"step-{step}.replaced"
-    if final.exists():
-        if replaced.exists():
-            shutil.rmtree(replaced)
-        os.rename(final, replaced)
+    replaced = retire(final) if final.exists() else None
     os.rename(partial, final)
     _fsync_dir(root)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    if replaced is not None:
+        discard(replaced)
     return final
 
 
@@ -224,10 +258,10 @@ class Choice:
     error: str | None = None
 
 
-def choose(root: Path, load_step: int, rejected: dict[int, str] | None = None) -> Choice:
+def choose(root: Path, load_step: int, discard: Discard, rejected: dict[int, str] | None = None) -> Choice:
     """Pick the folder to resume from: `load_step`, or the newest usable one (-1).
 
-    Interrupted saves (`.partial`) are reported and removed. A damaged `step-N` is reported in one line
+    Interrupted saves (`.partial`) are reported, retired and discarded. A damaged `step-N` is reported in one line
     and the previous one is tried; `rejected` holds the steps the caller found damaged already (a
     checksum mismatch, reported by the caller) with the reason. A model-only checkpoint past step 0
     (`last_save_model_only`) holds no optimizer or data state, so it is skipped when looking for the
@@ -242,7 +276,7 @@ def choose(root: Path, load_step: int, rejected: dict[int, str] | None = None) -
     for step in partial:
         path = partial_dir(root, step)
         logger.warning(f"checkpoint {path} is incomplete (no completion marker: an interrupted save); removing it")
-        shutil.rmtree(path, ignore_errors=True)
+        discard(retire(path))
     if load_step >= 0:
         path = step_dir(root, load_step)
         if load_step not in done:
@@ -278,10 +312,13 @@ def newest(root: Path) -> Path | None:
     return step_dir(root, done[-1]) if done else None
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints; returns the deleted folders."""
+def prune(root: Path, keep: int, discard: Discard, room: int | None = None) -> tuple[list[Path], list[Path]]:
+    """Retire and discard all but the newest `keep` complete checkpoints (0: keep all), the oldest first
+    and at most `room` of them (None: all); returns (the discarded folders by their former names, those
+    due but left for a later call)."""
     done, _ = scan(root)
-    removed = [step_dir(root, s) for s in done[:-keep]] if keep > 0 else []
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
+    due = [step_dir(root, s) for s in done[:-keep]] if keep > 0 else []
+    now = due if room is None else due[:room]
+    for path in now:
+        discard(retire(path))
+    return now, due[len(now) :]

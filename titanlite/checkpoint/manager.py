@@ -14,7 +14,8 @@ takes the LR schedule's position with this run's hyperparameters (`lr_schedule.p
 (tools, `initial_load_path`, model-only checkpoints) are `weights.py`'s.
 
 Async saves (`async_mode = async`) write in the background (`async_save.py`); one is finalised when
-the next `save()` or `close()` finds it finished.
+the next `save()` or `close()` finds it finished. Old checkpoints (`keep_latest_k`), replaced and
+interrupted saves are deleted on rank 0's purge thread (`purge.py`), which `close()` waits for.
 
 A save that fails (full disk, permissions, a file size limit, an I/O error on any rank, sync or async)
 removes its `.partial` folder and logs one warning; training goes on with the previous checkpoint as the
@@ -34,7 +35,6 @@ Tests kill a save between and inside saves with `faults.checkpoint_kill` (`TITAN
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -54,6 +54,7 @@ from titanlite.checkpoint import folders, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
+from titanlite.checkpoint.purge import Purger
 from titanlite.checkpoint.resume_policy import RunRecord
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
@@ -105,10 +106,11 @@ class CheckpointManager:
         self._failures: dict[int, str] = {}  # step -> why its save failed
         self._verify_seconds = 0.0
         self._record = RunRecord(plan, dataloader, rank)
+        self._purger = Purger()  # rank 0 deletes; its thread starts with the first folder handed over
         if self.cfg.enable:
             check_shared(self.root, rank, self.world_size)
         async_save = self.cfg.enable and self.cfg.async_mode != "disabled"
-        self._writer = AsyncWriter(self.cfg, device, rank) if async_save else None
+        self._writer = AsyncWriter(self.cfg.async_mode, cfg.comm, device, rank) if async_save else None
 
     # --- state ------------------------------------------------------------------------------------------
 
@@ -171,7 +173,7 @@ class CheckpointManager:
         path = folders.partial_dir(self.root, step)
         if self.rank == 0:
             try:
-                folders.prepare(self.root, step)
+                folders.prepare(self.root, step, self._purger.submit)
             except OSError as e:
                 error = e
         if self._all_ok(error is None):  # the folder exists before any rank writes into it
@@ -222,29 +224,30 @@ class CheckpointManager:
         self._finalize(step, path, info, start)
 
     def _finalize(self, step: int, path: Path, info: dict, start: float) -> None:
-        """Rank 0 publishes the written folder (marker + rename), then prunes old checkpoints."""
+        """Rank 0 publishes the written folder (marker + rename), then retires old checkpoints, which its
+        purge thread deletes while training goes on (at most `purge.PRUNE_BACKLOG` at a time)."""
         if self.rank != 0:
             return
         faults.checkpoint_kill(step, "mid_save")
         try:
-            final = folders.complete(self.root, step, info)
-            removed = folders.prune(self.root, self.cfg.keep_latest_k)
+            final = folders.complete(self.root, step, info, self._purger.submit)
+            pruned = self._purger.prune(self.root, self.cfg.keep_latest_k)
         except OSError as e:
             self._failed(step, path, e)
             return
         what = "model weights" if info["model_only"] else "training state"
-        logger.info(
-            f"checkpoint step {step}: {what} saved to {final} in {time.perf_counter() - start:.2f}s"
-            + (f"; removed {', '.join(p.name for p in removed)}" if removed else "")
-        )
+        logger.info(f"checkpoint step {step}: {what} saved to {final} in {time.perf_counter() - start:.2f}s{pruned}")
 
     def _failed(self, step: int, path: Path, error: BaseException) -> None:
         """Drop the partial folder; stop (checkpoint.stop_on_save_error, or a seed checkpoint, which is the
         run's only product), or warn and keep training; the run's last save is reported by `confirm`."""
         message = save_failure(step, path, error)
         self._failures[step] = message
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+        if self.rank == 0 and path.exists():
+            try:
+                self._purger.submit(folders.retire(path))
+            except OSError as e:
+                logger.warning(f"checkpoint: could not remove {path}: {e}")
         if self.cfg.stop_on_save_error or self.cfg.create_seed_checkpoint:
             raise RunNotSaved(f"{message}; {self._last_good()}")
         if step != self._final:
@@ -292,10 +295,12 @@ class CheckpointManager:
         return str(folders.step_dir(self.root, done[-1])) if done else None
 
     def close(self) -> None:
-        """Wait for an async save in flight and finalise it."""
+        """Wait for an async save in flight and finalise it, then (rank 0) for the deletions it started."""
         self._wait_pending()
         if self._writer is not None:
             self._writer.close()
+        if self.rank == 0:
+            self._purger.finish(self.root, self.cfg.keep_latest_k)
 
     # --- load -------------------------------------------------------------------------------------------
 
@@ -303,6 +308,9 @@ class CheckpointManager:
         """Restore the newest usable checkpoint (or `load_step`, or `initial_load_path`); the step to resume from."""
         choice = folders.Choice()
         if self.cfg.enable:
+            if self.rank == 0:  # retired folders a crash left: deleted in the background
+                for path in folders.retired(self.root):
+                    self._purger.submit(path)
             choice = self._choose()
         if choice.error:
             raise CheckpointError(choice.error)
@@ -323,7 +331,7 @@ class CheckpointManager:
         rejected: dict[int, str] = {}
         while True:
             choice = self._broadcast(
-                folders.choose(self.root, self.cfg.load_step, rejected) if self.rank == 0 else None
+                folders.choose(self.root, self.cfg.load_step, self._purger.submit, rejected) if self.rank == 0 else None
             )
             if choice.error or choice.path is None:
                 return choice

@@ -368,7 +368,8 @@ class Comm:
     """Process-group timeouts, restarts, stop signals and the dry run's fake backend."""
 
     init_timeout_seconds: int = field(default=300, metadata=POSITIVE)
-    """Timeout of the process group's set-up and the first step (which includes compilation)."""
+    """Timeout of the process group's set-up and the first step (which includes compilation), and of the
+    async checkpoint writer's collectives (which wait for every rank's file writes)."""
     train_timeout_seconds: int = field(default=100, metadata=POSITIVE)
     """Timeout of each collective after the first step: a dead peer surfaces within it."""
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)

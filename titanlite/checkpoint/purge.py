@@ -1,0 +1,135 @@
+"""Deleting retired checkpoint folders on a background thread of rank 0 (`folders.py` retires them).
+
+Why a thread: deleting a checkpoint takes as long as the file system needs to free its files (a 405B
+checkpoint of about 4.9 TB on GPFS or NFS: minutes), while the other ranks are already in the next
+step's collectives, which fail after `comm.train_timeout_seconds`. The training thread only renames a
+folder out of the way (`folders.retire`: one metadata operation, after which no reader, lister or resume
+sees it as a checkpoint) and hands it to this thread, which deletes it.
+
+Bounded: pruning hands over an old checkpoint only while fewer than `PRUNE_BACKLOG` are queued or being
+deleted (`room`); a checkpoint due for pruning while the purge is behind stays a complete `step-N` and is
+pruned at a later save, so the queue never grows with the number of saves. Folders that must move out of
+a save's way at once (a `step-N` a new save of step N replaces, an interrupted or failed save's
+`.partial`) are retired whatever the backlog: at most one of each per save.
+
+Joined: `close` waits until every folder handed over is deleted (the manager calls it at the end of the
+run), so a run never ends with its deletions silently dropped; a deletion that fails is reported in
+one warning naming the folder. A crash before then leaves retired folders, never anything that looks
+like a checkpoint; the next run's rank 0 hands them to its own purge (`folders.retired`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from titanlite import faults
+from titanlite.checkpoint import folders
+
+logger = logging.getLogger("titanlite")
+
+PRUNE_BACKLOG = 1
+"""Pruned checkpoints queued or being deleted at most: one deletion in flight, as one save is."""
+
+
+class Purger:
+    """One background thread deleting the retired folders handed to it, in order (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._queue: list[Path] = []
+        self._pruned: set[Path] = set()  # the queued or in-flight folders that pruning handed over
+        self._busy: Path | None = None
+        self._failed: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    def room(self) -> int:
+        """How many more pruned checkpoints may be handed over now (`PRUNE_BACKLOG`)."""
+        with self._lock:
+            return max(0, PRUNE_BACKLOG - len(self._pruned))
+
+    def submit(self, path: Path, pruned: bool = False) -> None:
+        """Delete the retired folder `path` in the background; `pruned`: it counts against the backlog."""
+        with self._lock:
+            self._queue.append(path)
+            if pruned:
+                self._pruned.add(path)
+            if self._thread is None:
+                # A daemon: a crash does not wait for deletions (what it leaves is retired, see above).
+                self._thread = threading.Thread(target=self._run, name="titanlite-purge", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def pending(self) -> list[Path]:
+        """The folders handed over and not yet deleted, the one being deleted first."""
+        with self._lock:
+            return ([self._busy] if self._busy else []) + list(self._queue)
+
+    def prune(self, root: Path, keep: int) -> str:
+        """Retire and hand over the checkpoints in `root` beyond the newest `keep`, as many as there is
+        `room` for; what was done, as the end of the save's log line."""
+        pruned, held = folders.prune(root, keep, self._submit_pruned, self.room())
+        text = f"; deleting {', '.join(p.name for p in pruned)} in the background" if pruned else ""
+        if held:
+            text += (
+                f"; {', '.join(p.name for p in held)} kept until the deletion in progress ends"
+                " (deleting is slower than checkpoint.interval)"
+            )
+        return text
+
+    def finish(self, root: Path, keep: int) -> None:
+        """The end of the run: retire what pruning left for later and wait until every folder handed over
+        is deleted, so none is silently dropped; a failed deletion is one warning naming the folder."""
+        start = time.perf_counter()
+        try:
+            folders.prune(root, keep, self._submit_pruned)
+        except OSError as e:
+            logger.warning(f"checkpoint: could not retire old checkpoints in {root}: {e}")
+        if waiting := self.pending():
+            logger.info(f"checkpoint: waiting for the deletion of {', '.join(p.name for p in waiting)}")
+        for failure in self.join():
+            logger.warning(f"checkpoint: {failure}; delete it by hand")
+        if waiting:
+            logger.info(f"checkpoint: old checkpoints deleted ({time.perf_counter() - start:.2f}s waited)")
+
+    def _submit_pruned(self, path: Path) -> None:
+        self.submit(path, pruned=True)
+
+    def join(self) -> list[str]:
+        """Wait until every folder handed over is deleted; the failures since the last join, one line each."""
+        with self._lock:
+            while self._queue or self._busy is not None:
+                self._lock.wait()
+            failed, self._failed = self._failed, []
+        return failed
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._lock.wait()
+                path = self._busy = self._queue.pop(0)
+            error = _delete(path)
+            with self._lock:
+                if error:
+                    self._failed.append(error)
+                self._pruned.discard(path)
+                self._busy = None
+                self._lock.notify_all()
+
+
+def _delete(path: Path) -> str | None:
+    """Delete `path`; why not, in one line, or None."""
+    start = time.perf_counter()
+    faults.slow_purge(path)
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f"could not delete {path}: {e.strerror or e} ({e.filename})"
+    logger.debug(f"checkpoint: deleted {path} in {time.perf_counter() - start:.2f}s")
+    return None
