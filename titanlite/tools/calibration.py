@@ -100,11 +100,12 @@ def _cp(cp: int, seq: int) -> list[str]:
 
 
 def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: int = 1) -> list[str]:
-    """TorchTitan's pipeline of that time split the local batch into as many microbatches as stages
-    (`experimental.pipeline_parallel_microbatches` defaulted to the stage count)."""
+    """TorchTitan's pipeline of that time split the local batch into as many microbatches as pipeline ranks,
+    whatever the schedule (`experimental.pipeline_parallel_microbatches` defaulted to
+    `pipeline_parallel_degree`; its interleaved schedule ran 2 stages per rank over those 8)."""
     out = _args(local, global_, "full", True, seq, (8, 8 // cp, 8), reshard="never", cp=cp)
     out += ["--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_stages_per_rank"]
-    microbatch = local // (8 * v)
+    microbatch = local // 8
     return out + [
         str(v),
         "--parallelism.pipeline_parallel_microbatch_size",
