@@ -235,14 +235,19 @@ def kind_of(row: Row, efficiency: float | None = None) -> GpuKind:
     return kind if efficiency is None else dataclasses.replace(kind, training_efficiency=efficiency)
 
 
-def evaluate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Result:
+def estimate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Estimate:
     """The row as titanlite's estimates see it (the given layout of the layout search); `shapes` shares
     the parameter shapes read between rows of one model."""
     cfg = load_config(["--config", CONFIGS[row.flavor], *row.overrides])
-    search = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes)
-    est = search.given()
+    est = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes).given()
     if not isinstance(est, Estimate):
         raise ValueError(f"{row.name}: {est}")
+    return est
+
+
+def evaluate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Result:
+    """`estimate`'s tokens/s and peak GiB."""
+    est = estimate(row, efficiency, shapes)
     return Result(row, est.time.tokens_per_s, est.gib)
 
 
