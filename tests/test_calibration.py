@@ -10,14 +10,20 @@ from __future__ import annotations
 import pytest
 
 from harness import ROOT
-from titanlite.tools import calibration
+from titanlite.memory_plan import GiB
+from titanlite.tools import calibration, reconciliation
 
 pytestmark = pytest.mark.slow  # a second of arithmetic over 8B, 70B and 405B shapes
 
 
 @pytest.fixture(scope="module")
-def results():
-    return calibration.results({})
+def shapes():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def results(shapes):
+    return calibration.results(shapes)
 
 
 BF16_TPS, FEATURE_TPS, GIB = 0.05, 0.40, 0.20
@@ -46,3 +52,20 @@ def test_every_comparable_row_is_within_the_reported_error(results):
 def test_the_documented_table_is_the_models_output(results):
     doc = (ROOT / "docs" / "layout_search.md").read_text()
     assert calibration.table(results) in doc
+
+
+def test_the_reconciliation_table_is_the_models_output(shapes):
+    """docs/dry_run.md's table is `reconciliation.table`'s; its December 2024 stage outputs are hand counts:
+    the interleaved 405B row's worst rank as run is the last (its last stage runs each backward right after
+    the forward, so 7 of 8 microbatches' logits are kept beyond the model's: 4 x 8192 tokens x 128,256 / 8
+    vocabulary x 2 B each), and a 1F1B row's rank 0 (all 8 in flight) keeps none."""
+    recs = reconciliation.reconcile(shapes)
+    assert [r.row for r in recs] == [row for row in calibration.ROWS if row.gib is not None]
+    by_name = {r.row.name: r for r in recs}
+    interleaved = by_name["405B, 512 GPUs, FSDP 8 TP 8 PP 8, Interleaved 1F1B, full AC, compile + Float8 + async TP"]
+    assert interleaved.retained_gib * GiB == 7 * 4 * 8192 * 128256 // 8 * 2
+    assert by_name["405B, 512 GPUs, FSDP 8 TP 8 PP 8, 1F1B, full AC, compile + Float8 + async TP"].retained_gib == 0
+    assert all(r.float8_gib == 0 for r in recs if not r.row.features.float8)
+    doc = (ROOT / "docs" / "dry_run.md").read_text()
+    assert reconciliation.table(recs) in doc
+    assert reconciliation.commands() in doc

@@ -28,12 +28,13 @@ from harness import ROOT, assert_ok, child_env, end_worker, torchrun
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
-from titanlite.memory_plan import Layout
+from titanlite.memory_plan import Layout, stage_runtime
 from titanlite.models.llama3 import Transformer, llama3_configs
 from titanlite.models.llama3.memory import activation_bytes
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.pipeline import StagePlan
 from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss
 from titanlite.tools import dry_run as dry_run_tool
@@ -394,18 +395,56 @@ def test_pipeline_ranks_split_the_parameters_of_the_same_plan_without_pp():
 def test_pipeline_activations_follow_the_microbatches_in_flight():
     """Stage by stage the activation model adds up to the whole model's (validated against measurements
     above), and the schedules differ by what they keep in flight: rank 0 holds all 8 microbatches under
-    GPipe and p - rank = 2 under 1F1B."""
+    GPipe and p - rank = 2 under 1F1B, each with what it saved and its stage output (torch's stage keeps
+    it for the microbatch's backward)."""
     runs = {
         s: dry_run(cfg_of(*PP2, "--parallelism.pipeline_parallel_schedule", s, *ACT_BATCH)) for s in ("GPipe", "1F1B")
     }
     plan, layout = runs["1F1B"].plan, runs["1F1B"].layout
     sp = plan.pipeline
     assert sp.microbatches == BATCH and sp.in_flight(0) == 2 and runs["GPipe"].plan.pipeline.in_flight(0) == BATCH
-    held = [activation_bytes(plan.model_args, layout.stage(sp.blocks(s), s == 1, microbatch=1))["held"] for s in (0, 1)]
+    stages = [activation_bytes(plan.model_args, layout.stage(sp.blocks(s), s == 1, microbatch=1)) for s in (0, 1)]
+    held = [a["held"] for a in stages]
     whole = activation_bytes(plan.model_args, dataclasses.replace(layout, local_batch=1))["held"]
     assert abs(sum(held) - whole) <= 1e-6 * whole
     gpipe, one_f_one_b = (runs[s].pipeline_ranks[0].activations for s in ("GPipe", "1F1B"))
-    assert gpipe - one_f_one_b == (BATCH - 2) * held[0]
+    assert gpipe - one_f_one_b == (BATCH - 2) * (held[0] + stages[0]["boundary"])
+
+
+def test_pipeline_runtime_buffers_are_counted_as_torchs_stage_holds_them():
+    """Hand counts: at 405B, tp 8, microbatches of 4 x 8192 tokens the hidden state a stage hands on is
+    4 x 8192 x 16384 x 2 B / 8 = 128 MiB. Under 1F1B with 8 stages and 8 microbatches, pipeline rank 0 keeps
+    its 8 forwards' outputs and 8 gradient receive buffers (1 GiB each); a middle rank 1 keeps 7 outputs,
+    8 activation receive buffers of which 7 are its first block's saved inputs, and 8 gradient buffers;
+    the last keeps its activation buffers only. Without AC the first block saves an fp32 copy of its input,
+    not the buffer. Through the dry run on the debug model the same rules give every rank's buffers."""
+    mib = 2**20
+    args = llama3_configs["405B"]
+    full = Layout(8, "fully_shard", "fsdp2", torch.bfloat16, torch.float32, "never", True, "full", "op", 4, 8192)
+    acts = activation_bytes(args, full.stage(range(15, 31), False, 4))
+    assert acts["boundary"] == acts["input_saved"] == 128 * mib
+    none = activation_bytes(args, dataclasses.replace(full, ac_mode="none").stage(range(15, 31), False, 4))
+    assert none["boundary"] == 128 * mib and none["input_saved"] == 0
+    b = 128 * mib
+    assert stage_runtime(True, False, b, b, 8, 8) == (1024 * mib, 1024 * mib)
+    assert stage_runtime(False, False, b, b, 7, 8) == (7 * b, (8 - 7) * b + 8 * b)
+    assert stage_runtime(False, True, b, b, 1, 8) == (0, 7 * b)
+    assert stage_runtime(False, False, b, 0, 7, 8) == (7 * b, 16 * b)
+
+    # Interleaved, 8 ranks x 2 stages, 8 microbatches (TorchTitan's 405B row): rank 0 runs all 16 forwards
+    # before a backward; the last rank's last stage runs each backward right after its forward.
+    interleaved = StagePlan(8, "Interleaved1F1B", 2, tuple(range(16)), 126, 8)
+    assert interleaved.stage_in_flight(0) == (8, 8) and interleaved.stage_in_flight(7) == (8, 1)
+
+    run = dry_run(cfg_of(*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *ACT_BATCH))
+    sp, layout = run.plan.pipeline, run.layout
+    hidden = SEQ * run.plan.model_args.dim * 4  # microbatches of one sequence, fp32 (the debug config), no tp
+    first, last = run.pipeline_ranks
+    assert sp.microbatches == BATCH and layout.ac_mode == "none"
+    assert first.receive_buffers == BATCH * hidden  # gradients from stage 1
+    assert last.receive_buffers == BATCH * hidden  # activations from stage 0; no AC: none saved as is
+    outputs = first.activation_parts[f"stage 0 outputs x {sp.in_flight(0)} microbatches"]
+    assert outputs == sp.in_flight(0) * hidden and not any("stage 1 outputs" in k for k in last.activation_parts)
 
 
 @pytest.mark.parametrize(

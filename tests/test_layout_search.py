@@ -287,3 +287,21 @@ def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path)
     full = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--comm.fake_world_size", "1")
     assert full.returncode == 1 and not full.stdout and full.stderr.strip().count("\n") == 0
     assert full.stderr.startswith("titanlite: error: no layout fits 1 x h100: closest ")
+
+
+@pytest.mark.slow  # two searches of 8B on 8 GPUs, 12 s
+def test_plan_honours_the_gpu_memory_given(capsys, tmp_path):
+    """`comm.fake_gpu_memory_gib` on the command line (or in the config) replaces the GPU kind's memory
+    (whose own value `planned_config` writes otherwise, above): the search ranks against it, the dry run
+    confirms against it and plan.toml keeps it. 8B on 8 GPUs: the given layout needs about 49 GiB, so at
+    40 GiB it does not fit and the best layout holds at most 90% of 40; at 0.5 GiB nothing fits."""
+    base = ["--config", "train_configs/llama3_8b.toml", "--comm.fake_world_size", "8"]
+    rc, out, _ = run_plan(capsys, *base, "--comm.fake_gpu_memory_gib", "40", "--job.dump_folder", str(tmp_path))
+    assert rc == 0 and "8 x h100 (" in out and ", 40 GiB), seq 8192" in out
+    assert next(line for line in out.splitlines() if line.startswith("  given: ")).endswith("; does not fit")
+    written = load_config(["--config", str(tmp_path / "plan.toml")])
+    assert written.comm.fake_gpu_memory_gib == 40
+    assert dry_run(written).peak_total <= 0.9 * 40 * GiB
+    rc, out, err = run_plan(capsys, *base, "--comm.fake_gpu_memory_gib=0.5", "--job.dump_folder", str(tmp_path / "x"))
+    assert rc == 1 and not out and err.startswith("titanlite: error: no layout fits 8 x h100: closest ")
+    assert " GiB per GPU of 0.5 (within 90%: 0.5)" in err

@@ -192,8 +192,11 @@ def rank_estimate(plan: RunPlan, parts: dict[int | None, nn.Module], layout: Lay
         assert s is not None
         stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
         acts = spec.activation_bytes(args, stage_layout)
-        stages.append(StageMemory(s, estimate(part, spec.units(part), acts, stage_layout), acts["held"]))
-    return pipeline_estimate(stages, sp.in_flight(pp_rank), layout)
+        est = estimate(part, spec.units(part), acts, stage_layout)
+        first, last = s == 0, s == sp.n_stages - 1
+        in_flight = sp.stage_in_flight(pp_rank)[sp.stages_of(pp_rank).index(s)]
+        stages.append(StageMemory(s, est, acts["held"], acts["boundary"], acts["input_saved"], first, last, in_flight))
+    return pipeline_estimate(stages, sp.microbatches, layout)
 
 
 def choose_step_policy(

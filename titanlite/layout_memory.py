@@ -27,7 +27,15 @@ import torch
 
 from titanlite.build import build_model
 from titanlite.config import JobConfig
-from titanlite.memory_plan import Layout, MemoryEstimate, StageMemory, StepChoice, choose_step, pipeline_estimate
+from titanlite.memory_plan import (
+    Layout,
+    MemoryEstimate,
+    StageMemory,
+    StepChoice,
+    choose_step,
+    pipeline_estimate,
+    stage_runtime,
+)
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
@@ -123,6 +131,9 @@ class StageUnits:
     """Units before the blocks (the embedding): their backward needs no weights, so no re-gather."""
     memory: MemoryEstimate
     held_activations: int
+    boundary: int
+    """The family's `boundary` and `input_saved` (`memory_plan.STAGE_KEYS`)."""
+    input_saved: int
 
     @cached_property
     def numel(self) -> tuple[int, ...]:
@@ -152,7 +163,9 @@ class RankMemory:
     stages: list[StageUnits]
     layout: Layout
     """The whole model's layout (`memory_plan.pipeline_estimate` reads its step policy)."""
-    in_flight: int = 1
+    in_flight: tuple[int, ...] = (1,)
+    """Per stage, the microbatches the schedule keeps in flight at most (`StagePlan.stage_in_flight`)."""
+    microbatches: int = 1
     pipelined: bool = False
 
     @cached_property
@@ -160,9 +173,11 @@ class RankMemory:
         """The estimate as the dry run reports it (`memory_plan.pipeline_estimate` under PP)."""
         if not self.pipelined:
             return self.stages[0].memory
-        return pipeline_estimate(
-            [StageMemory(u.stage, u.memory, u.held_activations) for u in self.stages], self.in_flight, self.layout
-        )
+        stages = [
+            StageMemory(u.stage, u.memory, u.held_activations, u.boundary, u.input_saved, u.first, u.last, k)
+            for u, k in zip(self.stages, self.in_flight)
+        ]
+        return pipeline_estimate(stages, self.microbatches, self.layout)
 
     @cached_property
     def total(self) -> int:
@@ -170,13 +185,19 @@ class RankMemory:
         if not self.pipelined:
             return self.stages[0].memory.total
         ms, lay = [u.memory for u in self.stages], self.layout
-        copies = 1 if lay.keep_gathers or lay.dp_impl == "fsdp2" else self.in_flight
+        one_copy = lay.keep_gathers or lay.dp_impl == "fsdp2"
+        runtime = [
+            stage_runtime(u.first, u.last, u.boundary, u.input_saved, k, self.microbatches)
+            for u, k in zip(self.stages, self.in_flight)
+        ]
         return (
-            sum(m.params + m.grads + m.optimizer + copies * m.gather_held for m in ms)
+            sum(outputs + buffers for outputs, buffers in runtime)
+            + sum(m.params + m.grads + m.optimizer for m in ms)
+            + sum((1 if one_copy else k) * m.gather_held for m, k in zip(ms, self.in_flight))
             + max(m.gather_in_flight for m in ms)
             + (sum if lay.unreduced_grads else max)(m.reduce_buffer for m in ms)
             + max(m.reduce_transient for m in ms)
-            + sum(self.in_flight * u.held_activations for u in self.stages)
+            + sum(k * u.held_activations for u, k in zip(self.stages, self.in_flight))
             + max(u.memory.activations - u.held_activations for u in self.stages)
         )
 
@@ -276,12 +297,25 @@ class LayoutMemoryModel:
         held, in_flight, reduce, transient, held_units = self._buffers(layout, params, blocks)
         acts = dict(self.activations(layout))
         peak, held_acts = acts.pop("peak"), acts.pop("held", 0)
+        boundary, input_saved = acts.pop("boundary", 0), acts.pop("input_saved", 0)
         t = params.trainable
         memory = MemoryEstimate({}, params.nbytes, t, 2 * t, held, in_flight, reduce, peak, acts, transient)
         before = frozenset(u for u in params.units if _under(u, params.model_units.before))
         block_units = tuple(params.model_units.blocks)
         return StageUnits(
-            stage, blocks, first, last, params.units, params.tensors, block_units, held_units, before, memory, held_acts
+            stage,
+            blocks,
+            first,
+            last,
+            params.units,
+            params.tensors,
+            block_units,
+            held_units,
+            before,
+            memory,
+            held_acts,
+            boundary,
+            input_saved,
         )
 
     @staticmethod
@@ -355,7 +389,7 @@ class LayoutMemoryModel:
                     self._stage_layouts[key] = layout.stage(sp.blocks(s), last, microbatch)
                 stage_layout = self._stage_layouts[key]
                 stages.append(self.stage(stage_layout, plan, s, sp.blocks(s), s == 0, last))
-            ranks.append(RankMemory(stages, layout, sp.in_flight(r), pipelined=True))
+            ranks.append(RankMemory(stages, layout, sp.stage_in_flight(r), sp.microbatches, pipelined=True))
         return LayoutMemory(ranks)
 
 

@@ -22,7 +22,10 @@ rank's activations scale what a microbatch saves by the microbatches its schedul
 Gathered weights follow the same rule unless they are kept for the step: each SimpleFSDP forward
 gathers its own copy, so every microbatch in flight holds the copies its backward needs. FSDP2 under
 torch's pipeline stage holds every unit's unsharded weights from their first backward to the step's
-last (resharding after backward is off until then), whatever the reshard policy.
+last (resharding after backward is off until then), whatever the reshard policy. torch's pipeline
+runtime adds its own (`stage_runtime`): every forward's output is kept until that microbatch's backward,
+and each stage receives activations and gradients into buffers it allocates per microbatch of the
+schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 tokens: 128 MiB each).
 
 Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
 `models/llama3/memory.py`). The total adds every part as if all peaked together, which is conservative.
@@ -119,10 +122,15 @@ class MemoryEstimate:
     activation_parts: dict[str, int] = field(default_factory=dict)
     reduce_transient: int = 0
     """The once-per-step reduction's packing: one bucket (or the largest gradient) and its reduced shard."""
+    receive_buffers: int = 0
+    """Under PP: torch's stage buffers that receive each microbatch's activations and gradients
+    (`stage_runtime`), beyond the stage inputs the blocks already save."""
 
     @property
     def collective_buffers(self) -> int:
-        return self.gather_held + self.gather_in_flight + self.reduce_buffer + self.reduce_transient
+        return (
+            self.gather_held + self.gather_in_flight + self.reduce_buffer + self.reduce_transient + self.receive_buffers
+        )
 
     @property
     def total(self) -> int:
@@ -242,7 +250,8 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     held, in_flight, reduce, transient = _collective_buffers(model, units, layout)
     acts = dict(activations)
     peak = acts.pop("peak")
-    acts.pop("held", None)
+    for key in STAGE_KEYS:
+        acts.pop(key, None)
     return MemoryEstimate(
         local_numel=local,
         params=param_bytes,
@@ -257,38 +266,78 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     )
 
 
+STAGE_KEYS = ("held", "boundary", "input_saved")
+"""Keys of a family's activation estimate that are not parts of its peak: what a microbatch holds from its
+forward to its backward (`held`), the bytes of its hidden state at a stage boundary (`boundary`: what a
+pipeline stage hands on and its neighbour receives), and of those the bytes the first block saves of its
+input (`input_saved`: the same tensor as the stage's receive buffer)."""
+
+
 @dataclass(frozen=True)
 class StageMemory:
-    """One pipeline stage of a rank: its estimate (one microbatch's activations) and what one microbatch
-    leaves saved for backward (`held`), which the schedule multiplies by the microbatches in flight."""
+    """One pipeline stage of a rank: its estimate (one microbatch's activations), what one microbatch
+    leaves saved for backward (`held`), which the schedule multiplies by the microbatches in flight, and
+    the family's stage-boundary sizes (`STAGE_KEYS`)."""
 
     stage: int
     estimate: MemoryEstimate
     held: int
+    boundary: int
+    input_saved: int
+    first: bool
+    last: bool
+    in_flight: int
+    """Microbatches the schedule keeps in flight on this stage at most (`StagePlan.stage_in_flight`)."""
 
 
-def pipeline_estimate(stages: list[StageMemory], in_flight: int, layout: Layout) -> MemoryEstimate:
+def stage_runtime(
+    first: bool, last: bool, boundary: int, input_saved: int, in_flight: int, microbatches: int
+) -> tuple[int, int]:
+    """(outputs held, receive buffers) in bytes: what torch.distributed.pipelining's stage holds beyond the
+    model's own activations. Each forward's output stays in the stage's forward cache until that
+    microbatch's backward (`in_flight` of them; on the last stage the output is the logits, which the
+    family's `held` counts). At its first step the stage allocates, for every microbatch of the schedule and
+    for the whole run, a buffer that receives its input activations (all stages but the first) and one that
+    receives its output's gradients (all but the last); a microbatch in flight runs on its receive buffer,
+    which its first block saves (`input_saved`, counted in `held`), so that much is not counted twice."""
+    outputs = 0 if last else in_flight * boundary
+    activations = 0 if first else microbatches * boundary - in_flight * input_saved
+    gradients = 0 if last else microbatches * boundary
+    return outputs, activations + gradients
+
+
+def pipeline_estimate(stages: list[StageMemory], microbatches: int, layout: Layout) -> MemoryEstimate:
     """A pipeline rank's memory: its stages' model state adds up; one gather, one reduce-scatter and one
     packing transient are in flight at a time (the largest), unless the gradients stay unreduced until the
-    step's end (`Layout.unreduced_grads`: every stage's add up); each stage holds the activations of `in_flight`
-    microbatches waiting for backward, while one microbatch runs the largest backward peak above what it
-    had saved. Gathered weights held to backward are per microbatch in flight too (SimpleFSDP gathers a
-    copy per forward), unless they are kept for the step (one copy) or FSDP2's (one unsharded copy)."""
+    step's end (`Layout.unreduced_grads`: every stage's add up); each stage holds the activations of the
+    microbatches it keeps in flight waiting for backward and their outputs, and the receive buffers of all
+    `microbatches` (`stage_runtime`), while one microbatch runs the largest backward peak above what it had
+    saved. Each stage's peak in flight is added as if the stages peaked together (exact for 1F1B, and for
+    the interleaved schedule with as many microbatches as ranks; an upper bound with more). Gathered
+    weights held to backward are per microbatch in flight too (SimpleFSDP gathers a copy per forward),
+    unless they are kept for the step (one copy) or FSDP2's (one unsharded copy)."""
     es = [s.estimate for s in stages]
-    parts = {f"stage {s.stage} saved x {in_flight} microbatches": in_flight * s.held for s in stages}
+    runtime = {
+        s.stage: stage_runtime(s.first, s.last, s.boundary, s.input_saved, s.in_flight, microbatches) for s in stages
+    }
+    parts = {f"stage {s.stage} saved x {s.in_flight} microbatches": s.in_flight * s.held for s in stages}
+    parts |= {
+        f"stage {s.stage} outputs x {s.in_flight} microbatches": runtime[s.stage][0] for s in stages if not s.last
+    }
     parts["one microbatch's backward peak"] = max(s.estimate.activations - s.held for s in stages)
-    copies = 1 if layout.keep_gathers or layout.dp_impl == "fsdp2" else in_flight
+    one_copy = layout.keep_gathers or layout.dp_impl == "fsdp2"
     return MemoryEstimate(
         local_numel={k: v for e in es for k, v in e.local_numel.items()},
         params=sum(e.params for e in es),
         grads=sum(e.grads for e in es),
         optimizer=sum(e.optimizer for e in es),
-        gather_held=copies * sum(e.gather_held for e in es),
+        gather_held=sum((1 if one_copy else s.in_flight) * s.estimate.gather_held for s in stages),
         gather_in_flight=max(e.gather_in_flight for e in es),
         reduce_buffer=(sum if layout.unreduced_grads else max)(e.reduce_buffer for e in es),
         activations=sum(parts.values()),
         activation_parts=parts,
         reduce_transient=max(e.reduce_transient for e in es),
+        receive_buffers=sum(r[1] for r in runtime.values()),
     )
 
 

@@ -142,16 +142,43 @@ class StagePlan:
         return 1 - v * m / span
 
     def in_flight(self, pp_rank: int) -> int:
-        """Microbatches whose activations a rank holds at once at its peak, per stage it runs: all of them
-        for GPipe; for 1F1B the warm-up depth (p - rank); for the interleaved schedules the warm-up of
-        torch's implementation, about (v - 1) p + 2 (p - rank - 1) + 1 over v stages, rounded up."""
+        """The most microbatches one of the rank's stages holds at once (`stage_in_flight`)."""
+        return max(self.stage_in_flight(pp_rank))
+
+    def stage_in_flight(self, pp_rank: int) -> tuple[int, ...]:
+        """Per stage the rank runs (in `stages_of` order), the most microbatches whose forward has run and
+        whose backward has not: all of them for GPipe; for 1F1B the warm-up depth (p - rank); for the
+        interleaved schedules, the order torch's implementation runs: (v - 1) M + 2 (p - rank - 1) forwards
+        of warm-up (M microbatches per round, all of them at most), then a forward and a backward at a
+        time. Forwards go through the rank's stages first to last, M microbatches at a time, and backwards
+        last to first, so the last stage of the last rank runs each microbatch's backward right after its
+        forward while its first stage holds all M."""
         p, v, m = self.degree, self.stages_per_rank, self.microbatches
         if self.schedule == "GPipe":
-            return m
+            return (m,)
         if self.schedule == "1F1B":
-            return min(m, p - pp_rank)
-        warmup = (v - 1) * p + 2 * (p - pp_rank - 1) + 1
-        return min(m, -(-warmup // v))
+            return (min(m, p - pp_rank),)
+        per_round = m // max(1, m // p)
+        total = m * v
+        warmup = min((v - 1) * per_round + 2 * (p - pp_rank - 1), total)
+        held, peak = [0] * v, [0] * v
+
+        def forward(op: int) -> None:
+            s = (op // per_round) % v
+            held[s] += 1
+            peak[s] = max(peak[s], held[s])
+
+        def backward(op: int) -> None:
+            held[v - 1 - (op // per_round) % v] -= 1
+
+        for op in range(warmup):
+            forward(op)
+        for op in range(total - warmup):
+            forward(warmup + op)
+            backward(op)
+        for op in range(total - warmup, total):
+            backward(op)
+        return tuple(peak)
 
     def describe(self) -> str:
         spans = ", ".join(f"{b.start}-{b.stop - 1}" for b in map(self.blocks, range(self.n_stages)))

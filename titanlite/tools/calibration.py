@@ -100,11 +100,12 @@ def _cp(cp: int, seq: int) -> list[str]:
 
 
 def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: int = 1) -> list[str]:
-    """TorchTitan's pipeline of that time split the local batch into as many microbatches as stages
-    (`experimental.pipeline_parallel_microbatches` defaulted to the stage count)."""
+    """TorchTitan's pipeline of that time split the local batch into as many microbatches as pipeline ranks,
+    whatever the schedule (`experimental.pipeline_parallel_microbatches` defaulted to
+    `pipeline_parallel_degree`; its interleaved schedule ran 2 stages per rank over those 8)."""
     out = _args(local, global_, "full", True, seq, (8, 8 // cp, 8), reshard="never", cp=cp)
     out += ["--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_stages_per_rank"]
-    microbatch = local // (8 * v)
+    microbatch = local // 8
     return out + [
         str(v),
         "--parallelism.pipeline_parallel_microbatch_size",
@@ -234,14 +235,19 @@ def kind_of(row: Row, efficiency: float | None = None) -> GpuKind:
     return kind if efficiency is None else dataclasses.replace(kind, training_efficiency=efficiency)
 
 
-def evaluate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Result:
+def estimate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Estimate:
     """The row as titanlite's estimates see it (the given layout of the layout search); `shapes` shares
     the parameter shapes read between rows of one model."""
     cfg = load_config(["--config", CONFIGS[row.flavor], *row.overrides])
-    search = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes)
-    est = search.given()
+    est = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes).given()
     if not isinstance(est, Estimate):
         raise ValueError(f"{row.name}: {est}")
+    return est
+
+
+def evaluate(row: Row, efficiency: float | None = None, shapes: dict | None = None) -> Result:
+    """`estimate`'s tokens/s and peak GiB."""
+    est = estimate(row, efficiency, shapes)
     return Result(row, est.time.tokens_per_s, est.gib)
 
 

@@ -270,6 +270,14 @@ def format_report(r: DryRun) -> str:
         if m.reduce_transient:
             packing = "largest unit" if lay.dp_impl == "fsdp2" else "one bucket (or the largest gradient) + its shard"
             rows.append(("reduction packing", m.reduce_transient, packing))
+    if m.receive_buffers:
+        rows.append(
+            (
+                "pipeline receive buffers",
+                m.receive_buffers,
+                "torch's stages: activations and gradients, every microbatch",
+            )
+        )
     rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
     rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
     lines = [

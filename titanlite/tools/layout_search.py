@@ -1,6 +1,7 @@
 """Layout search: which parallel layout should this config use on N GPUs of a kind? One CPU process.
 
     ./run_train.sh --config FILE --plan [--comm.fake_world_size N] [--plan.gpu h100|h200|a100|b200|...]
+                                        [--comm.fake_gpu_memory_gib GIB: instead of the kind's memory]
     python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
 
 Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, context parallelism where
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
+from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.gpus import GpuKind, gpu_kind
 from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
@@ -254,11 +255,38 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"no TOML form for {v!r}")
 
 
+MEMORY_KEY = "comm.fake_gpu_memory_gib"
+
+
+def memory_given(argv: list[str], cfg: JobConfig) -> bool:
+    """Whether the config file or the command line sets `comm.fake_gpu_memory_gib`: the search then plans
+    for that memory per GPU instead of the GPU kind's (a part of it held back, a GPU of another size)."""
+    if cfg.job.config_file and "fake_gpu_memory_gib" in load_toml(cfg.job.config_file).get("comm", {}):
+        return True
+    rest = list(argv)
+    for i, arg in enumerate(rest):
+        if arg in ("--config", "--job.config_file"):
+            del rest[i : i + 2]
+            break
+        if arg.startswith(("--config=", "--job.config_file=")):
+            del rest[i]
+            break
+    return any(key == MEMORY_KEY for key, _ in parse_overrides(rest))
+
+
+def kind_of(argv: list[str], cfg: JobConfig) -> GpuKind:
+    """`plan.gpu`'s kind, with `comm.fake_gpu_memory_gib`'s memory where the config or command line sets it."""
+    kind = gpu_kind(cfg.plan.gpu)
+    if memory_given(argv, cfg):
+        kind = dataclasses.replace(kind, memory_gib=cfg.comm.fake_gpu_memory_gib)
+    return kind
+
+
 def main(argv: list[str]) -> int:
     started = time.perf_counter()
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     world = world_size_of(cfg)
-    kind = gpu_kind(cfg.plan.gpu)
+    kind = kind_of(argv, cfg)
     search = LayoutSearch(cfg, world, kind)
     given = search.given()
     global_batch = search.global_batch()

@@ -18,6 +18,10 @@ sequence) and adds, per block, what its attention saves beyond that: the keys an
 sequence (all-gathered), and off CUDA the additive bias in the compute dtype that SDPA makes of the dense
 mask and saves; in backward, the gathered keys' and values' gradients. The batch's mask (always built
 under cp: the rank's queries against every key) is counted once, by `mask_bytes`.
+
+For pipeline stages it also gives the hidden state a microbatch crosses a stage boundary with (`boundary`,
+d x e / tp bytes per local token) and whether the stage's first block saves it (`input_saved`), from which
+`memory_plan.stage_runtime` counts torch's pipeline buffers.
 """
 
 from __future__ import annotations
@@ -79,4 +83,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     # loss parallel); the loss gradients exist only during its backward.
     held_loss = vocab * (8 if layout.loss_parallel else 4) if layout.output else 0
     out["held"] = round((sum(saved) + final_norm + logits + held_loss) * tokens) + mask
+    # The hidden state between two blocks (sequence-parallel under TP): what a pipeline stage hands on; a
+    # block under AC (full or op) saves its input as is, so a stage's first block saves what it received.
+    out["boundary"] = round(d * e / t * tokens)
+    out["input_saved"] = out["boundary"] if len(blocks) and layout.block_ac(blocks[0]) != "none" else 0
     return out

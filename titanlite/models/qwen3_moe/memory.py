@@ -50,4 +50,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     out = {name: round(v * tokens) for name, v in parts.items()}
     out["peak"] = round(peak * tokens)
     out["held"] = round((sum(saved) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
+    # The hidden state a pipeline stage hands on (sequence-parallel under TP; the routing counts handed on
+    # beside it are a few numbers per layer); only a fully checkpointed block is counted as saving it.
+    out["boundary"] = round(d * e / t * tokens)
+    out["input_saved"] = out["boundary"] if len(blocks) and layout.block_ac(blocks[0]) == "full" else 0
     return out
