@@ -107,11 +107,15 @@ def test_cp_sits_inside_dp_and_outside_tp_and_counts_each_token_once():
 def test_attention_and_its_gradients_match_plain_pytorch(tmp_path):
     """Llama's attention (GQA) on 2 cp ranks: output, input gradient and the weights' gradients equal
     one process's over the whole sequence (fp32); the K/V gather's backward reduce-scatter gives each
-    rank the gradient every rank's queries give its keys and values."""
+    rank the gradient every rank's queries give its keys and values. The gather overlaps the query
+    projection (its matmul runs between the gather's issue and its wait) and the reduce-scatter the
+    query projection's backward (both matmuls)."""
     out = tmp_path / "diffs.json"
     assert_ok(torchrun(["tests/workers/cp_attention.py", str(out)], 2))
-    diffs = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    diffs = result["diffs"]
     assert max(diffs.values()) < 1e-5, diffs
+    assert result["mms_in_flight"] == {"gather": 1, "reduce_scatter": 2}, result
     assert {"out", "input_grad", "wq.weight.grad", "wk.weight.grad", "wv.weight.grad", "wo.weight.grad"} <= set(diffs)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from builders import config
+from host_syncs import SyncCounter
 
 import titanlite.trainer as trainer_module
 from harness import ROOT, child_env, tiny_args
@@ -31,10 +32,6 @@ from titanlite.tools.visible_gpus import visible_gpus
 from titanlite.trainer import Trainer
 
 TITANLITE = str(ROOT / "titanlite")
-# What waits for the device on CUDA: reading a tensor on the host (tolist/item/float/int/bool/numpy/cpu)
-# and explicit synchronisation.
-SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
-DATA_LOADER_FILES = ("torchdata/", "torch/utils/data/")
 
 
 @pytest.fixture(autouse=True)
@@ -48,34 +45,6 @@ RUN = dict(training__seq_len=8, training__local_batch_size=2, training__steps=3,
 
 def trainer_of(cfg: JobConfig) -> Trainer:
     return Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)))
-
-
-class SyncCounter:
-    """Counts host reads of tensors and `torch.cuda.synchronize` calls, with where they came from.
-
-    Left out, since they are host tensors on CUDA too and reading them does not wait for the GPU: the
-    optimizer's step counters (foreach AdamW keeps them on the host) and the data loader's own tensors
-    (it draws its sampler seed when an iterator starts)."""
-
-    def __init__(self, monkeypatch, optimizer: torch.optim.Optimizer):
-        self.calls: list[str] = []
-        self.optimizer = optimizer
-        for name in SYNC_METHODS:
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self._record("cuda.synchronize"))
-
-    def _record(self, what: str) -> None:
-        frame = traceback.extract_stack(limit=3)[0]
-        if not any(part in frame.filename for part in DATA_LOADER_FILES):
-            self.calls.append(f"{what} at {frame.filename}:{frame.lineno}")
-
-    def _wrap(self, name, method):
-        def counted(tensor, *args, **kwargs):
-            if not any(tensor is s.get("step") for s in self.optimizer.state.values()):
-                self._record(f"Tensor.{name}")
-            return method(tensor, *args, **kwargs)
-
-        return counted
 
 
 def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonfinite_step(
@@ -94,9 +63,10 @@ def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonf
 
     monkeypatch.setattr(torch.Tensor, "to", to)
     counter = SyncCounter(monkeypatch, trainer.optimizer)
-    trainer.train()  # 3 steps, each logged; step 3 is not finite and is skipped
-    calls = list(counter.calls)
-    torch.zeros(()).item()  # the negative control: a read the loop does not make is counted
+    with counter:
+        trainer.train()  # 3 steps, each logged; step 3 is not finite and is skipped
+        calls = list(counter.calls)
+        torch.zeros(()).item()  # the negative control: a read the loop does not make is counted
     monkeypatch.undo()
     trainer.close()
     assert len(counter.calls) == len(calls) + 1

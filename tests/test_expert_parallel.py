@@ -16,6 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
+from host_syncs import SyncCounter
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from harness import (
     LOSS_REL,
@@ -32,8 +36,12 @@ from harness import (
 from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
-from titanlite.config import load_config
+from titanlite.config import ActivationCheckpoint, load_config
 from titanlite.errors import ConfigError
+from titanlite.models.qwen3_moe.moe import MoE
+from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.parallelisms.expert_parallel import apply_expert_parallel
+from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.plan import RunPlan
 
 CONFIG = "train_configs/qwen3_moe_debug.toml"
@@ -85,6 +93,33 @@ def test_ep_borrows_the_shard_ranks_and_splits_them_into_efsdp_and_ep():
 def test_what_expert_parallelism_does_not_support_is_refused_before_any_rank_starts(world, keys, error):
     with pytest.raises(ConfigError, match=error):
         plan(world, *keys)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_one_host_sync_per_moe_layer_forward_and_none_in_the_full_ac_recompute(process_group, monkeypatch, ac):
+    """Two expert-parallel MoE layers (grouped GEMM, the CUDA path) forward and backward: at most one
+    host sync per layer's forward, counted as the trainer loop's are (`host_syncs.SyncCounter`), and
+    under full activation checkpointing the recompute adds none; the counter counts a read it is shown."""
+    torch.manual_seed(0)
+    layers = nn.ModuleDict({str(i): MoE(16, 8, 4, 2, norm_topk_prob=True, grouped=True) for i in range(2)})
+    replay = HostReplay()
+    apply_expert_parallel(layers, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)), replay)
+    checkpointed = apply_ac(dict(layers.items()), ActivationCheckpoint(mode=ac), replay)
+    assert len(checkpointed) == (2 if ac == "full" else 0)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with SyncCounter(monkeypatch) as counter:
+        h = x
+        for layer in layers.values():
+            h = layer(h)
+        forward = list(counter.calls)
+        h.square().sum().backward()
+        backward = counter.calls[len(forward) :]
+        torch.zeros(()).item()  # the negative control: a read the layers do not make is counted
+    monkeypatch.undo()
+    assert len(forward) <= len(layers), "\n".join(forward)
+    assert backward == [], "\n".join(backward)
+    assert len(counter.calls) == len(forward) + 1
+    assert all(p.grad is not None for p in layers.parameters())
 
 
 @pytest.mark.slow

@@ -223,12 +223,15 @@ def test_context_parallel_parity_needs_the_kv_gradient_reduction(records):
 @pytest.mark.slow
 def test_compiled_context_parallel_ran_bucketed_graphs(records):
     """cp2 compiled with per-block bucketing: one graph whose parameter gathers (over the cp ranks, the
-    shard dim here) are bucketed; the K/V gathers (one per block) stay."""
+    shard dim here) are bucketed; the K/V gathers (one per block) and their gradients' reduce-scatters
+    stay, counted under `cp` apart from the parameters' (the same group), each overlapped by compute."""
     report = records(2, CASES_2)[case_id(COMPILED_CP)]["compile_report"]
-    dp = report["dp"]
+    dp, cp, blocks = report["dp"], report["cp"], report["n_blocks"]
     assert report["scope"] == "model"
     assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
     assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
+    assert cp == {name: {"before": blocks, "after": blocks} for name in ("all_gather", "reduce_scatter")}, cp
+    assert report["overlapped_cp_all_gathers"] == report["overlapped_cp_reduce_scatters"] == blocks
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ and the same input; the reference runs it over the whole sequence in one process
 context-parallel copy runs on this rank's head-tail part under its queries' causal mask, with keys and
 values all-gathered over the world. Rank 0 writes the max abs differences of the output, the input's
 gradient (this rank's part) and the weights' gradients (summed over the ranks, as the data-parallel
-plan's reduction does), as JSON.
+plan's reduction does), and the overlap of the K/V gather and of its gradient's reduce-scatter: the
+matmuls run between each collective's issue and its wait (`OpOrder`), as JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +29,31 @@ from titanlite.models.llama3.model import Attention, rope_tables  # noqa: E402
 from titanlite.parallelisms.context_parallel import apply_context_parallel  # noqa: E402
 
 SEQ, BATCH = 24, 2
+C10D = torch.ops._c10d_functional
+
+
+class OpOrder(TorchDispatchMode):
+    """The collectives, their waits and the matmuls, in the order they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        names = {
+            C10D.all_gather_into_tensor.default: "all_gather",
+            C10D.reduce_scatter_tensor.default: "reduce_scatter",
+            C10D.wait_tensor.default: "wait",
+            torch.ops.aten.mm.default: "mm",
+        }
+        if func in names:
+            self.ops.append(names[func])
+        return func(*args, **(kwargs or {}))
+
+    def mms_in_flight(self, collective: str) -> int:
+        """The matmuls between the (one) `collective` and the next wait."""
+        start = self.ops.index(collective)
+        return self.ops[start : self.ops.index("wait", start)].count("mm")
 
 
 def main() -> None:
@@ -45,8 +72,16 @@ def main() -> None:
     shard = apply_context_parallel(cp_attention, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
     x_local = shard.shard(x.detach()).requires_grad_()
     held = shard.positions(SEQ // world, x.device)
-    out_local = cp_attention(x_local, cos[held], sin[held], causal_mask(BATCH, SEQ, held))
-    out_local.backward(shard.shard(grad_out))
+    with OpOrder() as forward:
+        out_local = cp_attention(x_local, cos[held], sin[held], causal_mask(BATCH, SEQ, held))
+    with OpOrder() as backward:
+        out_local.backward(shard.shard(grad_out))
+    # The query projection runs while the keys and values are gathered; its two backward matmuls while
+    # their gradient is reduce-scattered.
+    overlap = {
+        "gather": forward.mms_in_flight("all_gather"),
+        "reduce_scatter": backward.mms_in_flight("reduce_scatter"),
+    }
     diffs = {
         "out": (out_local - shard.shard(out.detach())).abs().max().item(),
         "input_grad": (x_local.grad - shard.shard(x.grad)).abs().max().item(),
@@ -59,7 +94,7 @@ def main() -> None:
     dist.all_gather_object(every, diffs)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({k: max(d[k] for d in every) for k in diffs}, f)
+            json.dump({"diffs": {k: max(d[k] for d in every) for k in diffs}, "mms_in_flight": overlap}, f)
     end_worker()
 
 

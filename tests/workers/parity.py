@@ -35,7 +35,7 @@ from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
-from titanlite.parallelisms.context_parallel import SequenceShard, unshard_sequence  # noqa: E402
+from titanlite.parallelisms.context_parallel import PendingGather, SequenceShard, unshard_sequence  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
@@ -152,9 +152,15 @@ def case_config(case: dict, dump: str) -> JobConfig:
     return cfg
 
 
-def gather_without_grad_reduction(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+def start_without_grad_reduction(self, t: torch.Tensor, dim: int) -> PendingGather:
+    """A negative control's K/V gather, issued where `finish_without_grad_reduction` runs it."""
+    return PendingGather(t, t)
+
+
+def finish_without_grad_reduction(self, pending: PendingGather, dim: int) -> torch.Tensor:
     """A negative control's K/V gather: the other ranks' parts arrive detached, so no rank receives the
     gradient other ranks' queries give its keys and values (no reduce-scatter in backward)."""
+    t = pending.local
     parts = list(funcol.all_gather_single(t.detach().contiguous(), dim, self.group_name).chunk(self.degree, dim))
     parts[self.rank] = t
     return unshard_sequence(torch.cat(parts, dim), self.degree, dim)
@@ -162,7 +168,10 @@ def gather_without_grad_reduction(self, t: torch.Tensor, dim: int) -> torch.Tens
 
 def run(case: dict, dump: str, batches):
     if case.get("no_kv_grad"):
-        with mock.patch.object(SequenceShard, "gather", gather_without_grad_reduction):
+        with (
+            mock.patch.object(SequenceShard, "start_gather", start_without_grad_reduction),
+            mock.patch.object(SequenceShard, "finish_gather", finish_without_grad_reduction),
+        ):
             return run({k: v for k, v in case.items() if k != "no_kv_grad"}, dump, batches)
     cfg = case_config(case, dump)
     torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries

@@ -21,6 +21,11 @@ an eager checkpoint around a compiled body (compile scope `block`: the compiler 
 whole-model graph (scope `model`), no checkpoint at all: the compiler sets `in_graph` and tags the
 block's operations for recomputation in its joint graph instead (`passes.RecomputeTagPass`). A
 selective-op block (which saves at least one op) is compiled whole, its checkpoint inside the graph.
+
+Host reads: a fully checkpointed block's recompute replays the host values its forward read from the
+device (`host_replay.HostReplay`, given by `apply_ac`'s caller: expert parallelism's row splits) instead
+of reading them again, so full checkpointing adds no host sync. The selective modes read them again in
+their recompute.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanlite.config import ActivationCheckpoint
+from titanlite.parallelisms.host_replay import HostReplay
 
 BlockAC = Literal["none", "full", "op", "op_all_mm"]
 OP_OPTIONS = ("op", "op_all_mm")
@@ -97,10 +103,14 @@ class CheckpointedBlock:
     """Full mode realised by the compiler's recompute tags: the forward calls `body` unwrapped."""
 
 
-def _checkpoint_block(block: nn.Module, mode: Literal["full", "op", "op_all_mm"]) -> CheckpointedBlock:
+def _checkpoint_block(
+    block: nn.Module, mode: Literal["full", "op", "op_all_mm"], replay: HostReplay | None
+) -> CheckpointedBlock:
     ac = CheckpointedBlock(mode, block.forward)
     kwargs: dict[str, Any] = dict(use_reentrant=False, preserve_rng_state=False)
-    if mode == "op":
+    if mode == "full" and replay is not None:
+        kwargs["context_fn"] = replay.checkpoint_contexts
+    elif mode == "op":
         kwargs["context_fn"] = _every_other_mm_context
     elif mode == "op_all_mm":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_all_policy)
@@ -114,8 +124,11 @@ def _checkpoint_block(block: nn.Module, mode: Literal["full", "op", "op_all_mm"]
     return ac
 
 
-def apply_ac(blocks: dict[str, nn.Module], cfg: ActivationCheckpoint) -> dict[str, CheckpointedBlock]:
+def apply_ac(
+    blocks: dict[str, nn.Module], cfg: ActivationCheckpoint, replay: HostReplay | None = None
+) -> dict[str, CheckpointedBlock]:
     """Checkpoint `blocks` (FQN -> block, in order) as `cfg` says; returns the checkpointed ones by FQN.
+    `replay`: the host reads the blocks' forwards make, replayed by full checkpointing's recompute.
 
     "Every k-th block" counts blocks by their key in the model (`layers.12` is block 12), so a pipeline
     stage holding blocks 12.. checkpoints the blocks the whole model would."""
@@ -124,5 +137,5 @@ def apply_ac(blocks: dict[str, nn.Module], cfg: ActivationCheckpoint) -> dict[st
         key = fqn.rsplit(".", 1)[-1]
         mode = block_ac(cfg, int(key) if key.isdigit() else i)
         if mode != "none":
-            out[fqn] = _checkpoint_block(block, mode)
+            out[fqn] = _checkpoint_block(block, mode, replay)
     return out

@@ -4,8 +4,12 @@ whether compute overlaps it.
 Counts are read from the forward and backward graphs AOTAutograd hands to the compilers (never at
 runtime: no dispatch mode may run inside compiled code). A collective is *overlapped* when at least one
 compute operation (one torch counts FLOPs for: matmuls, attention) lies between its start and its first
-wait in the graph's order, so the wire works while the device computes. The bucketing pass
-(`passes.py`) and the compile report (`compile_report.py`) read these counts.
+wait in the graph's order, so the wire works while the device computes. A collective moves
+*activations* (context or tensor parallelism) rather than parameters or their gradients when compute
+feeds it (an all-gather whose input depends on a compute operation) or it feeds compute (a
+reduce-scatter whose output flows into one): data parallelism's gathers depend on parameters only, and
+its reduce-scatters flow to the graph's outputs, bucketed or not. The bucketing pass (`passes.py`) and
+the compile report (`compile_report.py`) read these counts.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Collective:
     """Bytes of the larger side (the unsharded buffer of an all-gather or reduce-scatter)."""
     overlapped: bool = False
     """Compute runs between its start and its first wait in the graph (module docstring)."""
+    activation: bool = False
+    """It moves activations, not parameters or their gradients (module docstring)."""
 
     @classmethod
     def from_node(cls, node: fx.Node) -> Collective | None:
@@ -57,23 +63,36 @@ def _bytes(nodes: Any) -> int:
 
 
 def graph_collectives(gm: fx.GraphModule) -> list[Collective]:
-    """Every collective in `gm` in graph order, with whether compute overlaps it; collectives wrapped in
-    inductor `control_deps` subgraphs (its overlap ordering) count as the operation they wrap."""
+    """Every collective in `gm` in graph order, with whether compute overlaps it and whether it moves
+    activations; collectives wrapped in inductor `control_deps` subgraphs (its overlap ordering) count as
+    the operation they wrap, and only their data arguments count as inputs."""
     from torch._inductor.fx_passes.overlap_scheduling import is_compute_node
 
     nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
     ops = [_wrapped_op(gm, n) for n in nodes]
+    inputs = [[index[a] for a in tree_leaves(args) if isinstance(a, fx.Node) and a in index] for _, args in ops]
+    is_compute = [bool(is_compute_node(op)) for op, _ in ops]
     compute = [0]  # compute[i]: compute operations among nodes[:i]
+    after_compute = [False] * len(nodes)  # a compute operation's output reaches the node
     first_wait: dict[fx.Node, int] = {}
     for i, (op, args) in enumerate(ops):
-        compute.append(compute[-1] + is_compute_node(op))
+        compute.append(compute[-1] + is_compute[i])
+        after_compute[i] = any(is_compute[j] or after_compute[j] for j in inputs[i])
         if op.target is torch.ops._c10d_functional.wait_tensor.default and isinstance(args[0], fx.Node):
             first_wait.setdefault(args[0], i)
+    feeds_compute = [False] * len(nodes)  # the node's output reaches a compute operation
+    for i in reversed(range(len(nodes))):
+        if is_compute[i] or feeds_compute[i]:
+            for j in inputs[i]:
+                feeds_compute[j] = True
     out = []
     for i, (node, (op, _)) in enumerate(zip(nodes, ops)):
         if (c := Collective.from_node(op)) is not None:
             wait = first_wait.get(node)
-            out.append(dataclasses.replace(c, overlapped=wait is not None and compute[wait] > compute[i + 1]))
+            overlapped = wait is not None and compute[wait] > compute[i + 1]
+            activation = after_compute[i] if c.kind == "all_gather" else c.kind == "reduce_scatter" and feeds_compute[i]
+            out.append(dataclasses.replace(c, overlapped=overlapped, activation=activation))
     return out
 
 

@@ -12,9 +12,16 @@ Names in the report: `all_gather` (forward), `reduce_scatter` and `all_reduce` (
 FSDP/DDP collectives; anything else is prefixed by its phase, e.g. `backward_all_gather` (the re-gathers
 of reshard-after-forward) or `forward_reduce_scatter` (tensor parallelism's row-wise outputs).
 
+Context parallelism's K/V all-gathers and their gradients' reduce-scatters are counted under `cp`
+(`all_gather`, `reduce_scatter`, and `backward_all_gather` for a checkpointed block's recompute). Where
+the cp group is also the parameters' shard group (cp without dp_shard), its collectives are told from
+data parallelism's by what they move (`collectives.Collective.activation`): the only activation
+collectives on a data-parallel group are context parallelism's.
+
 Overlap (`collectives.Collective.overlapped`) is read from the graphs after the bucketing pass: the
 report's `prefetched_all_gathers` and `overlapped_reduce_scatters` count the overlapped data-parallel
-all-gathers (forward gathers and backward re-gathers) and reduce-scatters of one step.
+all-gathers (forward gathers and backward re-gathers) and reduce-scatters of one step;
+`overlapped_cp_all_gathers` and `overlapped_cp_reduce_scatters` the overlapped cp ones.
 """
 
 from __future__ import annotations
@@ -119,17 +126,26 @@ class CompileReport:
                 table.setdefault(label, {}).setdefault(name, {"before": 0, "after": 0})[key] = n
         return table
 
-    def _key(self, phase: str, c: Collective) -> tuple[str, str]:
+    def _label(self, c: Collective) -> str:
         label = self.labels.get(c.group_name, f"group_{c.group_name}")
-        return label, c.kind if (phase, c.kind) in _USUAL else f"{phase}_{c.kind}"
+        return "cp" if label == "dp" and c.activation else label  # (module docstring)
+
+    def _key(self, phase: str, c: Collective) -> tuple[str, str]:
+        return self._label(c), c.kind if (phase, c.kind) in _USUAL else f"{phase}_{c.kind}"
 
     def overlapped(self) -> dict[str, int]:
-        """Per step: data-parallel all-gathers (forward and backward) and reduce-scatters that compute
-        overlaps, after the passes."""
-        dp = [c for _, c in self._per_step(1) if c.overlapped and self.labels.get(c.group_name) == "dp"]
+        """Per step: data-parallel and context-parallel all-gathers (forward and backward) and
+        reduce-scatters that compute overlaps, after the passes."""
+        by_label: dict[str, list[Collective]] = {"dp": [], "cp": []}
+        for _, c in self._per_step(1):
+            if c.overlapped and self._label(c) in by_label:
+                by_label[self._label(c)].append(c)
+        dp, cp = by_label["dp"], by_label["cp"]
         return {
             "prefetched_all_gathers": sum(c.kind == "all_gather" for c in dp),
             "overlapped_reduce_scatters": sum(c.kind == "reduce_scatter" for c in dp),
+            "overlapped_cp_all_gathers": sum(c.kind == "all_gather" for c in cp),
+            "overlapped_cp_reduce_scatters": sum(c.kind == "reduce_scatter" for c in cp),
         }
 
     def bucket_sizes_mb(self) -> dict[str, dict[str, float]]:
@@ -170,7 +186,14 @@ class CompileReport:
             f"{sum(u.copies for u in self.units)} compiled units, {len(self.units)} traced): "
             f"collectives per step {', '.join(parts) or 'none'}; overlapping compute: "
             f"{overlap['prefetched_all_gathers']} dp all-gathers, {overlap['overlapped_reduce_scatters']} "
-            f"reduce-scatters; compile {self.compile_seconds:.1f} s"
+            f"reduce-scatters"
+            + (
+                f", {overlap['overlapped_cp_all_gathers']} cp all-gathers, "
+                f"{overlap['overlapped_cp_reduce_scatters']} cp reduce-scatters"
+                if "cp" in self.counts()
+                else ""
+            )
+            + f"; compile {self.compile_seconds:.1f} s"
             + ("; gradients reduced once per step after the backwards" if self.reduced_outside else "")
         )
 

@@ -6,11 +6,19 @@ a late one many). Every per-token tensor of a batch (inputs, labels, positions) 
 before the model runs (`SequenceShard.shard`), by the step runners through `StepContext`.
 
 Attention: the queries stay sharded; the keys and values of the whole sequence are all-gathered over cp
-(one collective per block for both) and put back in sequence order (`SequenceShard.gather`), so any
-mask works: a rank builds its mask from the global indices of its queries (`positions`) and of every
-key. The gather is torch's functional all-gather, which differentiates to a reduce-scatter (sum) of the
-keys' and values' gradients: each rank receives the gradient of every rank's loss with respect to its
-own keys and values.
+(one collective per block for both) and put back in sequence order, so any mask works: a rank builds its
+mask from the global indices of its queries (`positions`) and of every key. The gather differentiates to
+a reduce-scatter (sum) of the keys' and values' gradients: each rank receives the gradient of every
+rank's loss with respect to its own keys and values.
+
+Overlap: the gather is issued as soon as the keys and values exist (`SequenceShard.start_gather`) and
+waited for where attention needs them (`finish_gather`), so the queries' projection and RoPE run while it
+is on the wire, in forward and in a checkpoint's recompute alike. Backward mirrors it: the wait's
+backward issues the reduce-scatter of the gathered keys' and values' gradient and the start's backward
+waits for it, so the queries' backward (RoPE, the query projection's two matmuls) runs in between. Both
+are torch's functional collectives (`_c10d_functional`), an issue and a wait of their own, so eager runs
+them asynchronously and compiled graphs hold them as two nodes with the compute between them (the
+compile report counts them under `cp` with how many compute overlaps, `compile_report.py`).
 
 Loss and gradients: each rank's loss is the mean over its tokens, every rank holds the same number of
 tokens, and the data-parallel plan averages the gradients over dp_shard x cp (`ParallelDims.param_mesh`),
@@ -20,15 +28,15 @@ the global batch's tokens).
 
 The model sees only the seam: a module with a `context_parallel` attribute (None by default, a class
 attribute) gets this rank's `SequenceShard` there (`apply_context_parallel`); Llama's attention calls
-`positions` and `gather` through it and knows nothing of meshes.
+`positions`, `start_gather` and `finish_gather` through it and knows nothing of meshes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -85,11 +93,59 @@ class SequenceShard:
         """The global indices of this rank's `local_len` tokens (a sequence of degree x local_len)."""
         return sequence_positions(local_len * self.degree, self.degree, self.rank, device)
 
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's part of `t` along `dim`, in sequence order; its gradient is reduce-scattered (summed)
-        back to the ranks."""
-        gathered = funcol.all_gather_single(t.contiguous(), dim, self.group_name)
-        return unshard_sequence(gathered, self.degree, dim)
+    def start_gather(self, t: torch.Tensor, dim: int) -> PendingGather:
+        """Issue the all-gather of every rank's part of `t` along `dim` and return without waiting for it
+        (module docstring: Overlap); `finish_gather` gives the result."""
+        local = t.movedim(dim, 0).contiguous()  # the gather stacks the ranks' parts along dim 0
+        buffer = torch.ops._c10d_functional.all_gather_into_tensor(local.detach(), self.degree, self.group_name)
+        return PendingGather(buffer, _WaitGradient.apply(local))
+
+    def finish_gather(self, pending: PendingGather, dim: int) -> torch.Tensor:
+        """The gather `start_gather` issued, waited for: every rank's part along `dim`, in sequence order;
+        its gradient is reduce-scattered (summed) back to the ranks."""
+        gathered = _FinishGather.apply(pending.buffer, pending.local, self.degree, self.group_name)
+        return gathered.movedim(0, dim)
+
+
+@dataclass(frozen=True)
+class PendingGather:
+    """An all-gather in flight (`SequenceShard.start_gather`)."""
+
+    buffer: torch.Tensor
+    """The collective's output, [degree x n, ...] in rank order; valid once waited for."""
+    local: torch.Tensor
+    """This rank's part, [n, ...]: the gather's autograd edge (its gradient waits for the reduce-scatter)."""
+
+
+class _WaitGradient(torch.autograd.Function):
+    """Identity whose backward waits for its incoming gradient's collective (the reduce-scatter that
+    `_FinishGather.backward` issued): applied where the gather is issued, it runs in backward after the
+    queries' backward, which autograd orders first (created later in forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.wait_tensor(grad)
+
+
+class _FinishGather(torch.autograd.Function):
+    """Wait for the gathered buffer and put it in sequence order (forward); reorder the gradient back and
+    issue its reduce-scatter without waiting (backward: `_WaitGradient` waits)."""
+
+    @staticmethod
+    def forward(ctx: Any, buffer: torch.Tensor, local: torch.Tensor, degree: int, group_name: str) -> torch.Tensor:
+        ctx.degree, ctx.group_name = degree, group_name
+        return unshard_sequence(torch.ops._c10d_functional.wait_tensor(buffer), degree, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        chunks = grad.chunk(2 * ctx.degree, dim=0)
+        by_rank = torch.cat([chunks[c] for c in head_tail_order(ctx.degree)], dim=0)
+        reduced = torch.ops._c10d_functional.reduce_scatter_tensor(by_rank, "sum", ctx.degree, ctx.group_name)
+        return None, reduced, None, None
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> SequenceShard:

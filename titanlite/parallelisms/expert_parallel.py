@@ -7,7 +7,12 @@ experts only and never holds another rank's.
 
 Dispatch and combine (`ExpertShard.run`), for rows sorted by global expert and the per-expert counts:
   1. the counts are exchanged first (one all-to-all of E integers, no gradient): each rank learns how
-     many rows every rank sends to each of its local experts; the row splits go to the host (one sync);
+     many rows every rank sends to each of its local experts; the sent and received row splits go to
+     the host together (one `.tolist()`: the layer's one host sync per forward; every size that follows
+     is computed from them, e.g. `repeat_interleave`'s `output_size`, which would otherwise read its
+     output length from the device). A fully checkpointed block's recompute replays the splits its
+     forward read (`host_replay.HostReplay`) and checks on the device, without waiting, that the counts
+     it exchanges again are the same: the recompute adds no host sync;
   2. an all-to-all sends rank r's rows of experts [r E/ep, (r+1) E/ep) to rank r; they arrive grouped by
      (source rank, local expert) and are reordered to (local expert, source rank), so each local expert's
      rows are contiguous (a gather);
@@ -36,7 +41,7 @@ there; Qwen3-MoE's `Experts` calls `run` through it and knows nothing of meshes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +49,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from titanlite.parallelisms.host_replay import HostReplay
 
 SEAM = "expert_parallel"
 """The attribute a module declares (None) to receive the rank's `ExpertShard`."""
@@ -79,15 +86,16 @@ class Routing:
     """[num_experts / ep] rows per local expert."""
 
 
-def block_order(lengths: torch.Tensor) -> torch.Tensor:
+def block_order(lengths: torch.Tensor, total: int) -> torch.Tensor:
     """Indices that reorder rows laid out in blocks of `lengths` [a, b] (row-major: block (i, j) after
-    (i, j-1)) into column-major block order ((0, j), (1, j), ... before (0, j+1))."""
+    (i, j-1)) into column-major block order ((0, j), (1, j), ... before (0, j+1)); `total` is the sum of
+    `lengths`, known on the host (without it `repeat_interleave` reads its output length from the device)."""
     flat = lengths.flatten()
     starts = (torch.cumsum(flat, 0) - flat).view_as(lengths)
     t_lengths, t_starts = lengths.t().flatten(), starts.t().flatten()
-    first = torch.repeat_interleave(t_starts, t_lengths)
-    within = torch.arange(first.numel(), device=first.device) - torch.repeat_interleave(
-        torch.cumsum(t_lengths, 0) - t_lengths, t_lengths
+    first = torch.repeat_interleave(t_starts, t_lengths, output_size=total)
+    within = torch.arange(total, device=first.device) - torch.repeat_interleave(
+        torch.cumsum(t_lengths, 0) - t_lengths, t_lengths, output_size=total
     )
     return first + within
 
@@ -100,22 +108,27 @@ class ExpertShard:
     rank: int
     group_name: str
     """The ep process group, by name (functional collectives take it so)."""
+    replay: HostReplay = field(default_factory=HostReplay, compare=False)
+    """The row splits read in a checkpointed forward, handed back to its recompute (step 1 above)."""
 
     @classmethod
-    def of(cls, ep_mesh: DeviceMesh) -> ExpertShard:
-        return cls(ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group().group_name)
+    def of(cls, ep_mesh: DeviceMesh, replay: HostReplay | None = None) -> ExpertShard:
+        group_name = ep_mesh.get_group().group_name
+        return cls(ep_mesh.size(), ep_mesh.get_local_rank(), group_name, replay if replay is not None else HostReplay())
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """`rows` [n, H] sorted by global expert with `counts` [E] per expert -> the rows of this rank's
         experts from every ep rank, sorted by local expert, and their routing."""
         with torch.no_grad():
-            counts = counts.to(torch.int64)
-            received = funcol.all_to_all_single(counts, None, None, self.group_name)
-            received = funcol.wait_tensor(received).view(self.degree, -1)
-            sent = counts.view(self.degree, -1)
-            send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-            order = block_order(received)
-            local_counts = received.sum(0)
+            sent = counts.to(torch.int64)
+            received = funcol.wait_tensor(funcol.all_to_all_single(sent, None, None, self.group_name))
+            # [sent, received] x [ep rank] x [local expert]: both splits in one host read.
+            exchanged = torch.stack((sent, received)).view(2, self.degree, -1)
+            recorded, (send_splits, recv_splits) = self.replay.read(lambda: (exchanged, exchanged.sum(2).tolist()))
+            if recorded is not exchanged:  # a recompute: its exchange must be the forward's
+                torch._assert_async((recorded == exchanged).all(), "a recompute routed differently")
+            order = block_order(exchanged[1], sum(recv_splits))
+            local_counts = exchanged[1].sum(0)
         arrived = funcol.all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, self.group_name)
         return arrived[order], Routing(send_splits, recv_splits, order, local_counts)
 
@@ -161,10 +174,11 @@ def dispatches(module: nn.Module) -> bool:
     return any(getattr(m, SEAM) is not None for m in expert_modules(module))
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replay: HostReplay | None = None) -> list[nn.Module]:
     """Shard every seam module's parameters Shard(0) (the expert dim) over `ep_mesh` and give it this
-    rank's `ExpertShard`; returns those modules (the data-parallel plan places them on the experts' mesh)."""
-    shard = ExpertShard.of(ep_mesh)
+    rank's `ExpertShard` (its row splits replayed by `replay` in checkpoint recomputes); returns those
+    modules (the data-parallel plan places them on the experts' mesh)."""
+    shard = ExpertShard.of(ep_mesh, replay)
     modules = expert_modules(model)
     assert modules, "RunPlan.build refuses expert parallelism for a family without the seam"
     for module in modules:

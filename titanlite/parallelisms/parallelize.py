@@ -41,6 +41,7 @@ from titanlite.parallelisms.context_parallel import apply_context_parallel
 from titanlite.parallelisms.eager_reshard import apply_reshard
 from titanlite.parallelisms.expert_parallel import apply_expert_parallel
 from titanlite.parallelisms.fsdp2 import apply_fsdp2
+from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.simple_fsdp import DataParallelMesh, MixedPrecisionPolicy, data_parallel
@@ -59,8 +60,11 @@ def parallelize(
         apply_tp(model, units, tp_plan(dims.loss_parallel), dims.tp_mesh)
     if dims.cp_enabled:  # after TP, before AC and compile wrap the blocks
         apply_context_parallel(model, dims.cp_mesh)
-    experts = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_enabled else []
-    ac = apply_ac(units.blocks, cfg.activation_checkpoint)
+    # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
+    # recompute of full activation checkpointing instead of read again.
+    replay = HostReplay()
+    experts = apply_expert_parallel(model, dims.ep_mesh, replay) if dims.ep_enabled else []
+    ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
     # recompute tags and by the data-parallel wrapper alike.
     reshard = ReshardPlan.of(

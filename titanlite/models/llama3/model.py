@@ -196,15 +196,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         cp = self.context_parallel if kv is None else None
         if cp is not None and mask is None:
             raise ValueError("attention under context parallelism takes the mask of its queries (causal_mask)")
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cp is not None:
-            k, v = cp.gather(torch.stack((k, v)), dim=2).unbind(0)
+        k = apply_rope(k, cos, sin)
+        # Under CP the keys and values are gathered while the queries are projected (`start_gather`).
+        pending = cp.start_gather(torch.stack((k, v)), dim=2) if cp is not None else None
+        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
+        if pending is not None:
+            k, v = cp.finish_gather(pending, dim=2).unbind(0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         causal = True
         if kv is not None:  # generation: attend to every position so far (KVCache)
