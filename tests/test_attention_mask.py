@@ -184,7 +184,7 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     block attends through flex attention's BlockMask, never SDPA with a dense [S/cp, S] mask, which with
     grouped-query heads runs the math kernel (every score materialised: ~128 GiB per layer at 405B, cp 4,
     128k). CUDA is simulated at the device choice (`uses_flex`) with a marked stand-in for the BlockMask;
-    the keys and values a second cp rank would send are this rank's again (`gather`, one process). The
+    the keys and values a second cp rank would send are this rank's again (`start_gather`/`finish_gather`, one process). The
     stage's output equals the step's path (`model_forward` with the shard), bitwise."""
     torch.manual_seed(0)
     model = Transformer(ARGS, seq_len=SEQ)
@@ -193,7 +193,8 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     for module in model.modules():
         if hasattr(type(module), SEAM):
             setattr(module, SEAM, shard)
-    monkeypatch.setattr(SequenceShard, "gather", lambda self, t, dim: torch.cat([t, t], dim=dim))
+    monkeypatch.setattr(SequenceShard, "start_gather", lambda self, t, dim: t)
+    monkeypatch.setattr(SequenceShard, "finish_gather", lambda self, t, dim: torch.cat([t, t], dim=dim))
     monkeypatch.setattr(attention, "uses_flex", lambda device_type: True)
     monkeypatch.setattr(attention, "block_mask", lambda *ids: FlexMask(dense_mask(*ids)))
     masks, attend = [], llama3_model.attend
