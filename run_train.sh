@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch titanlite training: titanlite/launch.py (torch's elastic agent, torchrun's options) starts the
 # ranks of this node. SIGTERM, SIGUSR1 or Ctrl-C stop every rank at the next step with a checkpoint
-# (exit 0; Ctrl-C twice: at once, exit 130); a rank's error is printed once (exit 2 bad input, 3
+# (exit 0; Ctrl-C twice: at once, exit 130); before any rank started (the set-up, the launcher's imports)
+# they are one line and exit 128 + signal; a rank's error is printed once (exit 2 bad input, 3
 # divergence, 1 crash); if the launcher is killed, its ranks die with it.
 #
 #   ./run_train.sh [--config FILE] [--dry-run | --plan] [--section.key value ...]
@@ -30,6 +31,9 @@
 #   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the network interfaces NCCL / gloo use (passed to every rank
 #                as is; a name this node lacks: one line, exit code 2; docs/multinode.md)
 set -euo pipefail
+# A stop signal before the launcher runs (the set-up, the config check, counting the GPUs): scripts/env.sh's
+# trap prints this line (after "titanlite: SIG<NAME> "), as the launcher does after, and exits 128 + signal.
+TITANLITE_STOPPED="before any rank started: nothing was trained"
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 
 CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
@@ -76,10 +80,12 @@ fi
 # titanlite/tools/visible_gpus.py. A dry run or a plan runs on any machine.
 # Counting the GPUs imports torch (seconds): the config is checked first, so a mistyped key is one line at
 # once (with NGPU given, the launcher checks it before importing torch).
-[ -n "$GIVEN_NGPU" ] || "$PYTHON" -m titanlite.config --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}" >/dev/null
+# Both run in the background (_titanlite_run, scripts/env.sh): a stop signal meanwhile is one line.
+[ -n "$GIVEN_NGPU" ] || _titanlite_run "$PYTHON" -m titanlite.config --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"
 CHECK=()
 { [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; } && CHECK=(--no-check)
-NGPU=$("$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}")
+_titanlite_run "$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}"
+NGPU=$_TITANLITE_STDOUT
 [ "${TITANLITE_DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
 if [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; then
   # NGPU x NNODES when the user set NGPU; else the config's comm.fake_world_size, else WORLD_SIZE.
@@ -97,8 +103,11 @@ fi
 # takes comm.max_restarts from the config unless MAX_RESTARTS is set. DRY_LAUNCH runs it here.
 RESTARTS=()
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then
-  MAX_RESTARTS=${MAX_RESTARTS:-$(WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanlite.preflight --config "$CONFIG" \
-    "${ARGS[@]+"${ARGS[@]}"}")}
+  if [ -z "${MAX_RESTARTS:-}" ]; then
+    WORLD_SIZE=$((NGPU * NNODES)) _titanlite_run "$PYTHON" -m titanlite.preflight --config "$CONFIG" \
+      "${ARGS[@]+"${ARGS[@]}"}"
+    MAX_RESTARTS=$_TITANLITE_STDOUT
+  fi
 fi
 [ -n "${MAX_RESTARTS:-}" ] && RESTARTS=(--max-restarts "$MAX_RESTARTS")
 
@@ -120,4 +129,8 @@ if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${LAUNCH[@]}")"
   exit 0
 fi
-exec "${LAUNCH[@]}"
+# The launcher starts with the stop signals blocked (coreutils' env, 8.31 and later): one that comes before
+# its recorder exists (its first instruction, titanlite/signals.py) waits for it instead of killing it.
+BLOCKED=()
+env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)
+exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "${LAUNCH[@]}"

@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -230,8 +231,27 @@ def say(line: str) -> None:
     print(f"titanlite: {line}", file=sys.stderr, flush=True)
 
 
-def check_torch(own_venv: bool) -> dict[str, str | None] | None:
+TORCH_CHOICES = ("auto", "cpu", "cuda")
+
+OTHER_PYTHON = {
+    "variable": "or leave PYTHON unset to use .venv",
+    "active": "or deactivate that environment (`deactivate`, `conda deactivate`) to use .venv",
+    "path": "or set PYTHON to a Python that has a supported torch",
+}
+"""The way out of an unusable torch, by where env.sh found the Python (`--python-from`)."""
+
+
+def torch_choice() -> str:
+    """TITANLITE_TORCH: the torch build for titanlite's own .venv (auto: CUDA where nvidia-smi lists GPUs)."""
+    choice = os.environ.get("TITANLITE_TORCH", "auto")
+    if choice not in TORCH_CHOICES:
+        raise SetupError(f"TITANLITE_TORCH must be auto, cpu or cuda, got '{choice}'")
+    return choice
+
+
+def check_torch(own_venv: bool, python_from: str) -> dict[str, str | None] | None:
     """The torch build; None where titanlite's own .venv has no usable torch (it is installed then)."""
+    wanted = torch_choice()
     build = torch_build()
     if build is None:
         if own_venv:
@@ -240,27 +260,26 @@ def check_torch(own_venv: bool) -> dict[str, str | None] | None:
             f"{sys.executable} has no torch: install torch {torch_support.range_text()} (a CUDA or CPU build) "
             "into it, or leave PYTHON unset and run_train.sh sets up .venv"
         )
-    wanted = os.environ.get("TITANLITE_TORCH", "auto")
     if own_venv and (wanted, build["cuda"] is None) in (("cuda", True), ("cpu", False)):
         return None  # the other build was asked for: replaced
     if why := torch_support.problem(build["torch"]):
         if own_venv:
             return None
-        raise SetupError(f"{why}, in {sys.executable}: upgrade torch there, or leave PYTHON unset to use .venv")
+        raise SetupError(f"{why}, in {sys.executable}: upgrade torch there, {OTHER_PYTHON[python_from]}")
     if warn := torch_support.warning(build["torch"]):
         say(f"warning: {warn}")
     return build
 
 
-def install_torch(source: list[str]) -> None:
+def wants_cuda() -> bool:
+    choice = torch_choice()
+    return choice == "cuda" or (choice == "auto" and listed_gpus() > 0)
+
+
+def install_torch(source: list[str], cuda: bool) -> None:
     """torch for titanlite's own .venv: the CUDA build where GPUs are (or TITANLITE_TORCH=cuda: a cluster's
     login node), else the CPU build, which is a tenth of the size."""
-    choice = os.environ.get("TITANLITE_TORCH", "auto")
-    if choice not in ("auto", "cpu", "cuda"):
-        raise SetupError(f"TITANLITE_TORCH must be auto, cpu or cuda, got '{choice}'")
-    cuda = choice == "cuda" or (choice == "auto" and listed_gpus() > 0)
     v = torch_support.SETUP_VERSION
-    say(f"installing torch {v} ({'CUDA' if cuda else 'CPU'} build) into {sys.prefix}")
     install = ["install", "--quiet"]
     if cuda:
         attempts = [[f"torch=={v}"]]
@@ -284,27 +303,31 @@ def install_torch(source: list[str]) -> None:
     raise SetupError(f"torch {v}: {why}")
 
 
-def ensure(extras: list[str], own_venv: bool, check_only: bool = False) -> str:
-    """Make this Python ready; returns the overlay folder to put on PYTHONPATH ('' for none)."""
+def ensure(extras: list[str], own_venv: bool, check_only: bool = False, python_from: str = "variable") -> str:
+    """Make this Python ready; returns the overlay folder to put on PYTHONPATH ('' for none). `python_from`
+    says how env.sh found a Python other than the own .venv (`OTHER_PYTHON`)."""
     overlay = overlay_dir()
     if not own_venv and overlay.is_dir():
         sys.path.insert(0, str(overlay))  # what an earlier run installed there counts as installed
-    build = check_torch(own_venv)
+    build = check_torch(own_venv, python_from)
     reqs = requirements(extras)
     lacking = missing(reqs)
     if build is not None and not lacking:
         return str(overlay) if not own_venv and overlay.is_dir() else ""
-    names = ", ".join(r.name for r in lacking) or "torch"
+    names = ", ".join(["torch"] * (build is None) + [r.name for r in lacking])
     if check_only:
         raise NeedsInstall(names)
     if importlib.util.find_spec("pip") is None:
         raise SetupError(f"{sys.executable} lacks {names} and has no pip to install them: install them into it")
+    cuda = build is None and wants_cuda()
+    if build is None:  # said once, whichever source has it
+        say(f"installing torch {torch_support.SETUP_VERSION} ({'CUDA' if cuda else 'CPU'} build) into {sys.prefix}")
     failures = []
     for wheels in sources():
         source = source_options(wheels)
         try:
             if build is None:
-                install_torch(source)
+                install_torch(source, cuda)
                 build = torch_build()
             pins = plan(lacking, source, [], default_environment())
             break
@@ -389,11 +412,15 @@ def make_wheelhouse(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # env.sh ends this process with SIGTERM on a stop signal: pip, if running, is ended with it (subprocess.run
+    # kills its child on the way out), and nothing is printed (the shell prints the one line).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(prog="deps.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("ensure")
     e.add_argument("--extras", default="")
     e.add_argument("--own-venv", action="store_true")
+    e.add_argument("--python-from", choices=sorted(OTHER_PYTHON), default="variable", help="how env.sh found it")
     e.add_argument("--check", action="store_true", help="install nothing: exit code 3 if something is missing")
     w = sub.add_parser("wheelhouse")
     w.add_argument("dir")
@@ -406,7 +433,7 @@ def main(argv: list[str]) -> int:
     args.extras = [x for x in args.extras.split(",") if x]
     try:
         if args.command == "ensure":
-            print(ensure(args.extras, args.own_venv, check_only=args.check))
+            print(ensure(args.extras, args.own_venv, check_only=args.check, python_from=args.python_from))
         else:
             make_wheelhouse(args)
     except SetupError as err:

@@ -233,3 +233,56 @@ def test_a_bad_combination_stops_before_any_rank(tmp_path):
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert lines == ["titanlite: error: compile.bucketing=transformer_block needs SimpleFSDP data parallelism and "
                      "backend aot_eager or inductor"], lines  # fmt: skip
+
+
+@pytest.fixture
+def read_only_checkpoint_folder(tmp_path):
+    """A dump folder whose `checkpoint/` is a read-only mount (as root, a folder's mode does not stop writes)."""
+    folder = tmp_path / "dump" / "checkpoint"
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_folder_is_one_line_before_any_rank(tmp_path, read_only_checkpoint_folder):
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.enable"],
+        env=child_env(NGPU="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr.splitlines()) == (
+        2,
+        "",
+        [f"titanlite: error: checkpoint.folder '{read_only_checkpoint_folder}' is not writable: Read-only file system"],
+    ), proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_missing_validation_dataset_is_one_line_naming_its_key_before_any_rank(tmp_path):
+    proc = subprocess.run(
+        [
+            str(ROOT / "run_train.sh"),
+            "--job.dump_folder",
+            str(tmp_path / "dump"),
+            "--validation.enable",
+            "--validation.dataset_path",
+            "/nonexistent/x.jsonl",
+        ],
+        env=child_env(NGPU="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stderr.splitlines()
+    assert (proc.returncode, proc.stdout, len(lines)) == (2, "", 1), proc.stderr[-3000:]
+    assert lines[0].startswith("titanlite: error: validation.dataset_path '/nonexistent/x.jsonl' matches no .jsonl")

@@ -396,3 +396,86 @@ def test_a_finished_process_exits_with_its_code_after_its_threads_exit_functions
         command = [sys.executable, "-c", script.format(end=end)]
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=20)
         assert (proc.returncode, proc.stdout.splitlines()) == (3, lines), proc.stderr
+
+
+def session_processes(sid: int) -> list[str]:
+    """The live processes of session `sid` (a launch started in a session of its own), as command lines."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(cmdline)
+    return found
+
+
+def sigint_default(pid: int) -> bool:
+    """Whether process `pid` no longer ignores SIGINT (bit 2 of `SigIgn` in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return not int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1
+    return False
+
+
+EARLY = [
+    (sig, target, delay, ngpu)
+    for sig, target in ((signal.SIGINT, "group"), (signal.SIGTERM, "launcher"), (signal.SIGTERM, "group"))
+    for delay, ngpu in ((0.1, "1"), (0.3, None), (0.5, "1"))
+]
+
+
+def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | None, dump: Path) -> tuple:
+    """`run_train.sh` signalled `delay` seconds after it started (its set-up, the config check, counting the
+    GPUs, the launcher's imports): its exit code, its stderr lines (which end only once every process
+    holding the pipe has ended) and the processes of its session still there after (none may outlive it)."""
+    env = child_env()
+    env.pop("NGPU", None)
+    if ngpu:
+        env["NGPU"] = ngpu
+    # A Ctrl-C reaches a job only where SIGINT is not ignored (a background job of a non-interactive shell
+    # starts with it ignored, and bash cannot reset that): `env --default-signal` resets it before exec.
+    proc = subprocess.Popen(
+        ["env", "--default-signal=INT", str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *SMALL],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        start = time.monotonic()
+        while not sigint_default(proc.pid):
+            time.sleep(0.005)
+        time.sleep(max(0.0, delay - (time.monotonic() - start)))
+        os.killpg(proc.pid, sig) if target == "group" else os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(0.5)
+    return proc.returncode, err.splitlines(), session_processes(proc.pid)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_in_the_first_half_second_is_one_line_and_leaves_no_process(tmp_path):
+    """Ctrl-C or SIGTERM while run_train.sh sets up, checks the config, counts the GPUs or while the
+    launcher imports: the documented line and exit code 128 + signal at every moment, no traceback, and
+    no child process left behind."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            case: pool.submit(stopped_early, *case, tmp_path / f"{case[0].name}-{case[1]}-{case[2]}-{case[3]}")
+            for case in EARLY
+        }
+        results = {case: f.result() for case, f in futures.items()}
+    line = "titanlite: {} before any rank started: nothing was trained"
+    wrong = [
+        (f"{sig.name} to the {target} after {delay} s (NGPU={ngpu})", code, lines[-3:], left)
+        for (sig, target, delay, ngpu), (code, lines, left) in results.items()
+        if (code, lines, left) != (128 + sig, [line.format(sig.name)], [])
+    ]
+    assert wrong == [], "\n".join(map(str, wrong))

@@ -258,3 +258,82 @@ def test_config_mistakes_are_one_line_and_exit_2(tmp_path):
         proc = run_train(tmp_path, *args)
         assert proc.returncode == 2 and proc.stdout == "", args
         assert proc.stderr.startswith(f"titanlite: error: {line}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def own_venv_without_torch(root: Path) -> Path:
+    """`root`'s .venv as a bare venv of the base Python, seeing its site-packages (pip) but no torch."""
+    venv = root / ".venv"
+    subprocess.run(
+        [sys._base_executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True
+    )
+    has = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('pip'))",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    if has[0] != "None" or has[1] == "None":
+        pytest.skip(f"the base Python {sys._base_executable} has torch, or no pip: {has}")
+    return venv
+
+
+def test_a_bad_torch_choice_is_one_line_naming_the_variable_whatever_the_python(tmp_path):
+    """TITANLITE_TORCH is checked before anything is chosen or created: with a user's Python, with a
+    .venv that exists, and on a fresh machine (where a .venv would be created first)."""
+    want = "titanlite: error: TITANLITE_TORCH must be auto, cpu or cuda, got 'bogus'\n"
+    root = checkout(tmp_path)
+    proc, _ = run_env_sh(root, TITANLITE_TORCH="bogus", **OFFLINE)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", want)
+    # No PYTHON, no active environment, a python3 without torch: a fresh machine.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys._base_executable} -S "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = child_env(TITANLITE_TORCH="bogus", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **OFFLINE)
+    for key in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX"):
+        env.pop(key, None)
+    fresh = subprocess.run(["bash", "scripts/env.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert (fresh.returncode, fresh.stdout, fresh.stderr) == (2, "", want)
+    assert not (root / ".venv").exists()
+    own_venv_without_torch(root)  # a .venv that exists
+    proc = subprocess.run(["bash", "scripts/env.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", want)
+
+
+def test_an_active_environment_with_an_unsupported_torch_is_told_to_deactivate_not_to_unset_python(tmp_path):
+    root = checkout(tmp_path)
+    old = fake_torch(tmp_path / "old", "2.9.1+cu128", "12.8")
+    bin_dir = tmp_path / "active" / "bin"  # an activated virtualenv: its python first on PATH
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = child_env(
+        VIRTUAL_ENV=str(bin_dir.parent), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(old)
+    )
+    env.pop("PYTHON", None)
+    env.update(OFFLINE)
+    proc = subprocess.run(["bash", "scripts/env.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"titanlite: error: torch 2.9.1+cu128 is older than 2.11, the oldest supported (supported: 2.11 to 2.15), "
+        f"in {bin_dir / 'python'}: upgrade torch there, or deactivate that environment (`deactivate`, "
+        "`conda deactivate`) to use .venv\n",
+    )
+
+
+def test_torch_is_announced_once_however_many_sources_are_tried(tmp_path):
+    """The own .venv lacks torch; the checkout's wheel folder has no torch and the index is unreachable:
+    both sources are tried, torch is announced once and the failure names torch first."""
+    root = checkout(tmp_path)
+    venv = own_venv_without_torch(root)
+    (root / ".wheelhouse").mkdir()
+    env = child_env(TITANLITE_TORCH="cpu", **OFFLINE)
+    for key in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "TITANLITE_WHEELHOUSE"):
+        env.pop(key, None)
+    proc = subprocess.run(["bash", "scripts/env.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 2, proc.stderr
+    assert lines[0] == f"titanlite: installing torch {torch_support.SETUP_VERSION} (CPU build) into {venv}", lines
+    assert lines[1].startswith("titanlite: error: cannot install torch, torchdata, ") and ".wheelhouse: " in lines[1]

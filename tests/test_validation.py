@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import tiny_args
+from harness import SMALL, tiny_args, train
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.data.loader import build_dataloader
@@ -22,8 +22,9 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
+from titanlite.run_loader import build_validation_loader
 from titanlite.step import LocalRunner, cross_entropy_loss
-from titanlite.validation import Validator, build_validation_loader
+from titanlite.validation import Validator
 
 TOK = build_tokenizer(None)
 DOCS = [f"Document {i}: " + " ".join(["held", "out", "text", str(i)] * (i % 7 + 1)) for i in range(40)]
@@ -149,3 +150,31 @@ def test_bad_validation_settings_are_config_errors(args, message):
     """Each key alone is checked by the loader, the rules between keys by the run plan (the preflight)."""
     with pytest.raises(ConfigError, match=message):
         RunPlan.build(load_config(args), 2)
+
+
+@pytest.mark.slow
+def test_held_out_data_smaller_than_one_evaluation_is_said_once(tmp_path, data):
+    """Through run_train.sh: 4 held-out documents, far fewer tokens than an evaluation of 10 batches reads.
+    Every evaluation reads them again from their start (each repeats documents); that is one warning in
+    the run, and no `data: epoch` line at any evaluation."""
+    result = train(
+        tmp_path / "dump",
+        1,
+        *SMALL,
+        "--training.dataset_path",
+        str(data),
+        "--training.steps",
+        "2",
+        "--validation.enable",
+        "--validation.holdout_documents",
+        "4",
+        "--validation.local_batch_size",
+        "2",
+        "--validation.freq",
+        "1",
+        launcher="run_train",
+    ).ok()
+    assert [r["step"] for r in result.metrics if "val_loss" in r] == [1, 2]
+    warned = [line for line in result.log.splitlines() if "validation: the held-out data is smaller" in line]
+    assert len(warned) == 1 and "up to " in warned[0], result.log[-3000:]
+    assert "data: epoch" not in result.log, result.log[-3000:]

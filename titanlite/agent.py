@@ -38,7 +38,7 @@ from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_USER_ERROR
 from titanlite.preflight import check_run
 from titanlite.resilience import LAUNCHER_PID_ENV
-from titanlite.signals import STOP_SIGNALS, Preemption, blocked, handled
+from titanlite.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
 IMMEDIATE_SIGNALS = (signal.SIGHUP, signal.SIGQUIT)  # left to torch: it sends them on to the ranks and shuts down
 EXIT_INTERRUPTED = 128 + signal.SIGINT
@@ -64,7 +64,7 @@ class Stopper:
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGALRM, self._on_grace_over)
         if self.received is not None:
-            self._kill(f"{self.received.name} before any rank started: nothing was trained", 128 + self.received)
+            self._kill(before_any_rank(self.received.name), 128 + self.received)
 
     def _rank_pids(self) -> list[int]:
         return [w.id for w in self.agent.get_worker_group().workers if isinstance(w.id, int)]

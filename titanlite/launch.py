@@ -36,7 +36,7 @@ import signal
 import sys
 
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.signals import Preemption
+from titanlite.signals import Preemption, before_any_rank
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
@@ -93,6 +93,9 @@ def main(argv: list[str]) -> int:
             print(cfg.to_json(), flush=True)
             return 0
     check_log_ranks(argv)
+    if early.received is not None:  # already stopped: no need to import torch to start nothing
+        print(f"titanlite: {before_any_rank(early.name)}", file=sys.stderr, flush=True)
+        return 128 + early.received
     # torch's C++ warnings of the launcher's own store and rendezvous (a peer node's agent gone first, say)
     # are for torch's developers, not the user: off, unless asked for. c10 reads the level when torch is
     # imported; the ranks get the user's environment back.

@@ -2,8 +2,9 @@
 
 Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
 WORLD_SIZE, the model's shape, the network interfaces named for NCCL and gloo (`socket_interfaces.py`),
-optional packages it needs (wandb), the tokenizer file, the dataset path,
-the checkpoint to load and the dump folder in one process, so bad input is one line and exit code 2
+optional packages it needs (wandb), the tokenizer file, the training and validation data, the checkpoint
+to load, and that the dump and checkpoint folders are writable, in one process, so bad input is one line
+and exit code 2
 instead of one traceback per rank. On success prints the torchrun
 restart budget (`comm.max_restarts`) for run_train.sh.
 """
@@ -18,20 +19,23 @@ from pathlib import Path
 from titanlite.checkpoint import folders, lock
 from titanlite.checkpoint.hf import check_hf_config
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
+from titanlite.data.data_source import DataSource
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
-from titanlite.run_loader import build_loader
+from titanlite.run_loader import build_loader, build_validation_loader
 from titanlite.socket_interfaces import check as check_socket_interfaces
 
 
-def check_dump_folder(path: str) -> None:
+def check_writable(key: str, path: str | Path) -> None:
+    """The folder `key` names exists (it is created) and takes a new file: a read-only mount, a full
+    disk's inodes or missing permissions are one line here instead of a traceback in a rank."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ConfigError(f"job.dump_folder {path!r} is not writable: {e.strerror}") from None
+        raise ConfigError(f"{key} {str(path)!r} is not writable: {e.strerror}") from None
 
 
 def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
@@ -55,6 +59,8 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
             raise CheckpointError(f"checkpoint {path} is unusable: {why}")
     if cfg.initial_load_path and not done and not Path(cfg.initial_load_path).is_dir():
         raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
+    if cfg.enable:  # every run that checkpoints saves at its end
+        check_writable("checkpoint.folder", root)
 
 
 def check_initial_hf(plan: RunPlan) -> None:
@@ -74,10 +80,12 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     plan = RunPlan.build(cfg, world_size)
     check_socket_interfaces(os.environ)
     check_wandb(cfg.metrics)
-    check_dump_folder(cfg.job.dump_folder)
+    check_writable("job.dump_folder", cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
     if plan.data.local:  # indexes the data once for the ranks (data/index.py); hf:// streams are the ranks'
         build_loader(plan, dp_rank=0)
+    if cfg.validation.enable and DataSource.parse(cfg.validation.dataset_path or cfg.training.dataset_path).local:
+        build_validation_loader(plan, dp_rank=0)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
     return plan

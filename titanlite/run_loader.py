@@ -1,17 +1,22 @@
-"""A run's data loader, built from its run plan: the training loader of a data-parallel rank.
+"""A run's data loaders, built from its run plan: the training and the held-out (validation) loader of a
+data-parallel rank.
 
-The launcher's preflight builds it too (it indexes the local data files once for the ranks and reports
+The launcher's preflight builds them too (it indexes the local data files once for the ranks and reports
 bad data before any rank starts), so this module imports only the plan and the data package, nothing of
-the model build (`build.py`: the parallelisms, the compiler).
+the model build (`build.py`: the parallelisms, the compiler). A data error names the config key of the
+path it is about (`training.dataset_path`, `validation.dataset_path`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from titanlite.config import JobConfig
-from titanlite.data.loader import build_dataloader
+from titanlite.data.loader import TokenLoader, build_dataloader
+from titanlite.errors import DataError
 from titanlite.plan import RunPlan
 
 AUTO_CUDA_WORKERS = 2
@@ -37,6 +42,17 @@ def data_index_dir(cfg: JobConfig) -> str:
     return os.path.join(cfg.job.dump_folder, "data_index")
 
 
+@contextlib.contextmanager
+def naming_key(section: str) -> Iterator[None]:
+    """The data package's errors about `dataset_path` name the key in full: `section.dataset_path`."""
+    try:
+        yield
+    except DataError as e:
+        if str(e).startswith("dataset_path"):
+            raise DataError(f"{section}.{e}") from None
+        raise
+
+
 def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True) -> Any:
     """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
     for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes);
@@ -44,19 +60,44 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: 
 
     Built before the process group: a bad dataset path is reported before any rank starts work."""
     t = plan.cfg.training
-    return build_dataloader(
-        tokenizer=plan.tokenizer,
-        dataset_path=t.dataset_path,
-        text_field=t.dataset_text_field,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
-        global_batch_size=plan.global_batch,
-        dp_rank=dp_rank,
-        dp_degree=plan.dims.dp,
-        virtual_shards=plan.virtual_shards,
-        num_workers=loader_workers(plan, device_type),
-        pin_memory=device_type == "cuda",
-        holdout_documents=plan.cfg.validation.holdout_documents,
-        index_dir=data_index_dir(plan.cfg),
-        report=report,
-    )
+    with naming_key("training"):
+        return build_dataloader(
+            tokenizer=plan.tokenizer,
+            dataset_path=t.dataset_path,
+            text_field=t.dataset_text_field,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=plan.global_batch,
+            dp_rank=dp_rank,
+            dp_degree=plan.dims.dp,
+            virtual_shards=plan.virtual_shards,
+            num_workers=loader_workers(plan, device_type),
+            pin_memory=device_type == "cuda",
+            holdout_documents=plan.cfg.validation.holdout_documents,
+            index_dir=data_index_dir(plan.cfg),
+            report=report,
+        )
+
+
+def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
+    """The held-out loader of data-parallel rank `dp_rank` (`validation.py`): `validation.dataset_path`, or
+    the training data's last `validation.holdout_documents` documents. It logs no `data: epoch` lines:
+    every evaluation starts it over (a held-out set smaller than one evaluation is reported once, by the
+    validator)."""
+    t, v = plan.cfg.training, plan.cfg.validation
+    with naming_key("validation" if v.dataset_path else "training"):
+        return build_dataloader(
+            tokenizer=plan.tokenizer,
+            dataset_path=v.dataset_path or t.dataset_path,
+            text_field=t.dataset_text_field,
+            seq_len=t.seq_len,
+            local_batch_size=v.local_batch_size,
+            global_batch_size=v.local_batch_size * plan.dims.dp,
+            dp_rank=dp_rank,
+            dp_degree=plan.dims.dp,
+            holdout_documents=0 if v.dataset_path else v.holdout_documents,
+            heldout=not v.dataset_path,
+            index_dir=data_index_dir(plan.cfg),
+            report=bool(v.dataset_path),  # the training data's warnings are printed by its own loader
+            log_epochs=False,
+        )

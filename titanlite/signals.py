@@ -35,6 +35,12 @@ def blocked(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def before_any_rank(name: str) -> str:
+    """The launcher's report of stop signal `name` (SIGINT, ...) received before it started any rank
+    (run_train.sh's set-up prints the same words)."""
+    return f"{name} before any rank started: nothing was trained"
+
+
 class Preemption:
     """Records SIGTERM/SIGUSR1 instead of dying, so the trainer can stop at a step boundary.
 

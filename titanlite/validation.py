@@ -5,7 +5,8 @@ Data. A loader of its own, over `validation.dataset_path` or, when that is empty
 never reads, whether validation is on or not). It is packed like training data (`training.seq_len`,
 one virtual shard per sample of a `validation.local_batch_size x dp` batch). Every evaluation starts
 from the loader's initial state and reads the same `validation.steps` batches, so successive values
-compare the same tokens, and there is no validation state to checkpoint.
+compare the same tokens, and there is no validation state to checkpoint. Held-out data smaller than
+that is read more than once per evaluation: one warning after the first.
 
 Training does not notice it: it reads no training batch, runs the forward under `no_grad` (the
 gradients and the optimizer are untouched), and the random-number states are forked and restored
@@ -25,36 +26,24 @@ The model stays in training mode (it has no dropout): compiled blocks are traced
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
-from titanlite.data.loader import TokenLoader, build_dataloader
+from titanlite.data.loader import TokenLoader
 from titanlite.metrics import ValidationResult
 from titanlite.plan import RunPlan
-from titanlite.run_loader import data_index_dir
+from titanlite.run_loader import build_validation_loader
 from titanlite.step import StepRunner
 
+logger = logging.getLogger("titanlite")
 
-def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
-    """The held-out loader of data-parallel rank `dp_rank` (built before the process group, as the
-    training loader is: bad held-out data is reported before any rank starts work)."""
-    t, v = plan.cfg.training, plan.cfg.validation
-    return build_dataloader(
-        tokenizer=plan.tokenizer,
-        dataset_path=v.dataset_path or t.dataset_path,
-        text_field=t.dataset_text_field,
-        seq_len=t.seq_len,
-        local_batch_size=v.local_batch_size,
-        global_batch_size=v.local_batch_size * plan.dims.dp,
-        dp_rank=dp_rank,
-        dp_degree=plan.dims.dp,
-        holdout_documents=0 if v.dataset_path else v.holdout_documents,
-        heldout=not v.dataset_path,
-        index_dir=data_index_dir(plan.cfg),
-        report=bool(v.dataset_path),  # the training data's warnings are printed by its own loader
-    )
+
+def passes_read(loader: TokenLoader) -> int:
+    """The passes over its data that `loader`'s most-read virtual shard has begun (1: none wrapped)."""
+    return 1 + max(shard["epoch"] for shard in loader.state_dict()["shards"].values())
 
 
 class Validator:
@@ -65,6 +54,7 @@ class Validator:
         self.cfg = plan.cfg.validation
         self.loader = build_validation_loader(plan, dp_rank)
         self._start = self.loader.state_dict()
+        self._passes_checked = False
 
     @classmethod
     def create(cls, plan: RunPlan, dp_rank: int) -> Validator | None:
@@ -85,9 +75,27 @@ class Validator:
             for _ in range(self.cfg.steps):
                 total += runner.evaluate(next(batches)).float()
         total /= self.cfg.steps
+        if not self._passes_checked:
+            self._passes_checked = True
+            self._report_repeats(device)
         # The mean over the replicas and, under context parallelism, over each sequence's equal parts.
         for mesh in (self.plan.dims.dp_mesh, self.plan.dims.cp_mesh):
             if mesh is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
         tokens = self.cfg.steps * self.cfg.local_batch_size * self.plan.dims.dp * self.plan.cfg.training.seq_len
         return ValidationResult(total.item(), time.perf_counter() - start, tokens)
+
+    def _report_repeats(self, device: torch.device) -> None:
+        """After the first evaluation: held-out data smaller than one evaluation is read more than once
+        by every evaluation (its shards start over); said once, as a warning, on every rank."""
+        passes = torch.tensor(passes_read(self.loader), device=device)
+        if self.plan.dims.dp_mesh is not None:
+            dist.all_reduce(passes, op=dist.ReduceOp.MAX, group=self.plan.dims.dp_mesh.get_group())
+        if passes.item() > 1:
+            v, t = self.cfg, self.plan.cfg.training
+            logger.warning(
+                f"validation: the held-out data is smaller than one evaluation (validation.steps {v.steps} x "
+                f"validation.local_batch_size {v.local_batch_size} x dp {self.plan.dims.dp} sequences of "
+                f"training.seq_len {t.seq_len} tokens): each evaluation reads some of its documents up to "
+                f"{passes.item()} times; hold out more documents or lower validation.steps"
+            )

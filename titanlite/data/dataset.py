@@ -224,7 +224,9 @@ class PackedShards(IterableDataset):
     merged), so the dp degree can change between runs at a step boundary.
     """
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: ShardLayout) -> None:
+    def __init__(
+        self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: ShardLayout, log_epochs: bool = True
+    ) -> None:
         if seq_len < 1:
             raise ConfigError(f"training.seq_len must be positive, got {seq_len}")
         self.source = source
@@ -234,7 +236,8 @@ class PackedShards(IterableDataset):
         self._round = layout.rank_shards  # the shards this process reads, in step order
         self._round_pos = 0  # samples produced in the current round (a worker's round: its share of a step)
         self._step: int | None = 0  # completed rounds, i.e. optimizer steps; None = unknown
-        self._log_epochs = True
+        self._epochs_logged = log_epochs  # off for held-out data, which every evaluation reads from its start
+        self._log_epochs = log_epochs
         self._streams = {v: self._stream(v, ShardCursor()) for v in self._round}
         self._epoch = 0  # the newest epoch any of this process's shards is in
 
@@ -245,7 +248,7 @@ class PackedShards(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self._round, self._round_pos = self.layout.worker_round(worker, num_workers, self._round_pos)
-        self._log_epochs = worker == 0
+        self._log_epochs = self._epochs_logged and worker == 0
         return self._samples()
 
     def _samples(self) -> Iterator[Batch]:

@@ -127,6 +127,7 @@ def build_dataloader(
     heldout: bool = False,
     index_dir: str | None = None,
     report: bool = True,
+    log_epochs: bool = True,
 ) -> TokenLoader:
     """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
 
@@ -134,7 +135,7 @@ def build_dataloader(
     without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
     the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
     keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
-    launch does)."""
+    launch does); `log_epochs` logs each new pass over the data (`data: epoch E begins at step N`)."""
     layout = ShardLayout.create(
         global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,
@@ -171,7 +172,7 @@ def build_dataloader(
         logger.info(f"data: {n:,} {what} in {len(source.files)} files from {source.name}")
     elif next(source.shard_documents(0, 1, 0), None) is None:
         raise DataError(f"dataset_path {source.name}: no usable documents")
-    dataset = PackedShards(source, tokenizer, seq_len, layout)
+    dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
         return TokenLoader(
