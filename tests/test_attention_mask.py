@@ -184,8 +184,9 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     block attends through flex attention's BlockMask, never SDPA with a dense [S/cp, S] mask, which with
     grouped-query heads runs the math kernel (every score materialised: ~128 GiB per layer at 405B, cp 4,
     128k). CUDA is simulated at the device choice (`uses_flex`) with a marked stand-in for the BlockMask;
-    the keys and values a second cp rank would send are this rank's again (`start_gather`/`finish_gather`, one process). The
-    stage's output equals the step's path (`model_forward` with the shard), bitwise."""
+    the keys and values a second cp rank would send are this rank's again (`start_gather` and
+    `finish_gather`, one process). The stage's output equals the step's path (`model_forward` with the
+    shard), bitwise."""
     torch.manual_seed(0)
     model = Transformer(ARGS, seq_len=SEQ)
     model.init_weights(seed=0)
