@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanlite.optim import clip_grad_norm_, lr_factor
 
@@ -64,3 +66,22 @@ def test_the_gradient_norm_on_cpu_is_the_float64_norm_rounded_once():
         assert abs(clip_grad_norm_(params, 0.0).item() - exact) / exact < 1e-7
     fp32 = torch.nn.utils.get_total_norm([grad]).item()
     assert abs(fp32 - exact) / exact > 1e-6
+
+
+def test_the_norm_of_sharded_gradients_is_the_norm_of_the_plain_ones(process_group):
+    """DTensor gradients (sharded over a one-rank data-parallel mesh, as the trainer's are) give the same
+    norm, bit for bit, as the same gradients as plain tensors, and are clipped to `max_norm`. Every
+    supported torch must propagate the norm's sharding (torch 2.15's rule for `_foreach_norm` fails on
+    a `dtype` argument)."""
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g) * 1e-2 for shape in ((2256, 256), (256, 768), (256,))]
+    plain = [torch.nn.Parameter(torch.empty_like(t)) for t in grads]
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.empty_like(t), mesh, [Shard(0)])) for t in grads]
+    for p, s, t in zip(plain, sharded, grads):
+        p.grad, s.grad = t.clone(), distribute_tensor(t.clone(), mesh, [Shard(0)])
+    expected = clip_grad_norm_(plain, 0.0)
+    norm = clip_grad_norm_(sharded, 1.0)
+    assert not isinstance(norm, DTensor) and torch.equal(norm, expected)
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s.grad.full_tensor()) for s in sharded]))
+    assert expected.item() > 2 and clipped.item() == pytest.approx(1.0, rel=1e-5)

@@ -71,10 +71,17 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     elements drifts by 1e-6-1e-4 relative (the debug model's first gradient norm: 1.5356675 in float32,
     1.5357589 exactly), and by a different amount for each shard size, so one process, replicas and
     shards would each log, and clip by, a slightly different norm of the same gradients. Elsewhere
-    torch's own per-tensor norms are used as they are."""
-    dtype = torch.float64 if grads[0].device.type == "cpu" else None
-    norms = torch._foreach_norm(grads, 2.0, dtype=dtype)
-    return torch.linalg.vector_norm(torch.stack(list(norms))).to(grads[0].dtype)
+    torch's own per-tensor norms are used as they are.
+
+    The float64 norms are taken one tensor at a time (`dtype` a keyword of vector_norm): DTensor's
+    sharding rule for `_foreach_norm` in torch 2.15 reads its positional `dtype` as reduction dims and
+    fails. On CPU `_foreach_norm` runs this same per-tensor kernel, so the result is bit for bit the
+    same."""
+    if grads[0].device.type == "cpu":
+        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
+    else:
+        norms = list(torch._foreach_norm(grads, 2.0))
+    return torch.linalg.vector_norm(torch.stack(norms)).to(grads[0].dtype)
 
 
 @torch.no_grad()
