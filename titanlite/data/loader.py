@@ -180,12 +180,14 @@ def build_dataloader(
     dataset = PackedShards(source, tokenizer, seq_len, layout)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
-        workers = dict(multiprocessing_context=worker_context(), worker_init_fn=WorkerSetup.here(logger))
+        workers = {}  # (torch refuses a start method for a loader without workers)
+        if num_workers:
+            workers = dict(multiprocessing_context=worker_context(), worker_init_fn=WorkerSetup.here(logger))
         return TokenLoader(
             dataset,
             batch_size=local_batch_size,
             num_workers=num_workers,
             collate_fn=collate,
             pin_memory=pin_memory,
-            **(workers if num_workers else {}),
+            **workers,
         )
