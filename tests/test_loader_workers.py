@@ -131,6 +131,7 @@ def batches(dl, n: int) -> list[list[list[list[int]]]]:
     return [[field.tolist() for field in next(it)] for _ in range(n)]
 
 
+@pytest.mark.slow  # a 128,000-rank tokenizer built and pickled into 2 workers: about 5 s
 def test_workers_read_parquet_and_gzip_with_a_llama3_sized_tokenizer(tmp_path):
     """What a worker reads crosses a pickle (the fork server shares no memory with the loader's process):
     parquet and gzip sources and a 128,256-token vocabulary give the single-process stream."""
