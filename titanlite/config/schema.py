@@ -144,7 +144,8 @@ class Training:
     dataloader_num_workers: int = field(default=-1, metadata=_range(low=0, also=-1, also_means="auto"))
     """Data-loading worker processes per rank. -1 = auto: on CUDA up to 2 (as many as the layout allows:
     they must divide the microbatches per step), so tokenizing overlaps the GPU's work; on CPU 0, since
-    workers would take cores from the ranks' own compute."""
+    workers would take cores from the ranks' own compute. Started by multiprocessing's fork server, never
+    forked from the rank (which holds CUDA and NCCL state by then)."""
     local_batch_size: int = field(default=8, metadata=POSITIVE)
     """Sequences per rank per micro-batch."""
     global_batch_size: int = field(default=-1, metadata=_range(low=0, low_open=True, also=-1, also_means="local x dp"))

@@ -24,6 +24,11 @@ shards it owns. Nothing is repeated or skipped, and the global batches continue 
 uninterrupted run would have produced them. Mid-step states cannot be merged (a partial step would
 be split between layouts), and the number of virtual shards V can never change. Global and local
 batch sizes may change at a step boundary (each shard's stream simply continues).
+
+Workers. With `num_workers` > 0 the worker processes are started by multiprocessing's fork server, never
+forked from the process that iterates (on CUDA it holds a CUDA context and NCCL communicators by then):
+`workers.py`. A resume drops the iterator (`load_state_dict`) and the next iteration starts new workers the
+same way.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
 from titanlite.data.sources import LocalSource, open_source
 from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.workers import WorkerSetup, worker_context
 from titanlite.errors import CheckpointError, DataError
 
 logger = logging.getLogger("titanlite")
@@ -175,6 +181,14 @@ def build_dataloader(
     dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
+        workers = {}  # (torch refuses a start method for a loader without workers)
+        if num_workers:
+            workers = dict(multiprocessing_context=worker_context(), worker_init_fn=WorkerSetup.here(logger))
         return TokenLoader(
-            dataset, batch_size=local_batch_size, num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory
+            dataset,
+            batch_size=local_batch_size,
+            num_workers=num_workers,
+            collate_fn=collate,
+            pin_memory=pin_memory,
+            **workers,
         )

@@ -1,0 +1,94 @@
+"""How the data loader's worker processes start: from multiprocessing's fork server, never forked from the
+process that iterates the loader.
+
+A training rank first iterates its loader after its process group exists: on CUDA it then holds a CUDA
+context and NCCL communicators (InfiniBand memory registrations, proxy threads), and a fork of it would
+carry them into each worker (copy-on-write pages under registered memory, locks held by threads that do
+not exist in the child). The fork server is a fresh interpreter that the rank starts by exec (on its first
+worker start), so it holds none of that; it imports the data package once (`worker_context`'s preload) and
+forks each worker from itself. The same start is used on CPU and CUDA, so the tested path is the shipped
+one.
+
+What a worker needs crosses a pickle: the dataset with its source and tokenizer (open files and streams
+stay behind and are reopened from the cursors) and `WorkerSetup`, the workers' `worker_init_fn`, which
+gives a worker what a fork would have inherited and it lacks: the `titanlite` logger's handlers, and an
+end when the loader's process ends (torch's worker watchdog watches the worker's parent, which is the fork
+server, and the fork server lives while any worker does).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import select
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+
+WORKER_START = "forkserver"
+"""The start method of the loader's worker processes (module docstring)."""
+WORKER_PRELOAD = "titanlite.data.loader"
+"""What the fork server imports before its first fork: torch, torchdata and the data package."""
+
+
+def worker_context() -> BaseContext:
+    """The multiprocessing context that starts the loader's workers: the fork server, preloaded with the
+    data package and the main module (each worker runs the main module as `__mp_main__`, as a spawned
+    process does; preloaded, its imports are already done).
+
+    The preload is multiprocessing's setting for this process's one fork server, read when the server
+    starts (the process's first worker start); the loader is its only user here."""
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)
+    preload = [WORKER_PRELOAD] + ([main] if main and not main.endswith("__main__") else [])
+    context = multiprocessing.get_context(WORKER_START)
+    context.set_forkserver_preload(preload)
+    return context
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """A worker's `worker_init_fn`, made where the loader is built (`here`): the `titanlite` logger's level
+    and its stdout/stderr handlers' formats (the worker's lines reach the same file descriptors), and the
+    pid of the loader's process, whose end ends the worker."""
+
+    loader_pid: int
+    level: int
+    handlers: tuple[tuple[str, logging.Formatter | None], ...]
+
+    @classmethod
+    def here(cls, log: logging.Logger) -> WorkerSetup:
+        streams = {id(sys.stdout): "stdout", id(sys.stderr): "stderr"}
+        handlers = tuple(
+            (streams[id(h.stream)], h.formatter)
+            for h in log.handlers
+            if isinstance(h, logging.StreamHandler) and id(h.stream) in streams
+        )
+        return cls(os.getpid(), log.level, handlers)
+
+    def __call__(self, worker_id: int) -> None:
+        log = logging.getLogger("titanlite")
+        log.setLevel(self.level)
+        for stream, formatter in self.handlers:
+            handler = logging.StreamHandler(getattr(sys, stream))
+            handler.setFormatter(formatter)
+            log.addHandler(handler)
+        threading.Thread(target=_exit_with, args=(self.loader_pid,), name="loader-process", daemon=True).start()
+
+
+def _exit_with(pid: int) -> None:
+    """End this worker when process `pid` ends (its pidfd becomes readable; polled where there is none)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])
+    os._exit(0)
