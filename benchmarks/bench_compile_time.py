@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--blocks", default="6,24,48")
     parser.add_argument("--backend", default="inductor", choices=["aot_eager", "inductor"])
     parser.add_argument("--bucketing", default="transformer_block")
-    parser.add_argument("--scope", default="auto", choices=["auto", "block", "model"])
+    parser.add_argument("--scope", default="auto", choices=["auto", "block", "model", "prefetch"])
     parser.add_argument("--ac", default="full", choices=["none", "full", "selective"])
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child's depth
     args = parser.parse_args()
