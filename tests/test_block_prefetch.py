@@ -14,6 +14,7 @@ from builders import config
 from harness import tiny_args
 from titanlite.errors import ConfigError
 from titanlite.parallelisms import activation_checkpoint, block_prefetch
+from titanlite.parallelisms.compile_scope import resolve_scope
 from titanlite.parallelisms.step_reduction import StepReduction
 from titanlite.tools.dry_run import compile_report
 
@@ -124,3 +125,23 @@ def test_report_counts_the_eager_collectives(tmp_path):
 def test_refused_where_the_prefetcher_does_not_apply(tmp_path, over, why):
     with pytest.raises(ConfigError, match=f"compile.scope=prefetch needs {why}"):
         compile_report(prefetched(tmp_path, **over), 2, tiny_args(n_layers=N))
+
+
+@pytest.mark.parametrize(
+    "over,pp,scope",
+    [
+        ({}, 1, "prefetch"),  # the 70B / 405B recipe: full AC, SimpleFSDP, transformer_block bucketing
+        ({"activation_checkpoint__mode": "selective"}, 1, "model"),
+        ({"activation_checkpoint__mode": "none"}, 1, "model"),
+        ({}, 2, "model"),
+        ({"parallelism__gradient_reduction": "per_step"}, 1, "model"),
+        ({"compile__bucketing": "auto"}, 1, "model"),
+        ({"compile__reorder": False}, 1, "model"),
+        ({"compile__bucketing": "none"}, 1, "block"),
+    ],
+)
+def test_auto_is_prefetch_only_where_the_prefetcher_applies(tmp_path, over, pp, scope):
+    """`auto` keeps one graph (or per-block graphs) wherever the prefetcher does not apply."""
+    cfg = prefetched(tmp_path, compile__scope="auto", **over)
+    assert resolve_scope(cfg, dp_enabled=True, ep=1, pp=pp) == scope
+    assert resolve_scope(cfg, dp_enabled=True, ep=2, pp=pp) == "block"
