@@ -11,7 +11,8 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     per-block graphs, scope block), FSDP2 eager / compiled, replicate (SimpleFSDP's DDP mode), tp=2 (the
     dp x tp variant at 2 ranks: dp is 1), pp=2 (two pipeline stages, 1F1B over microbatches of
     `parallelism.pipeline_parallel_microbatch_size`; dp is 1), and under full activation checkpointing
-    SimpleFSDP compiled + bucketing (one graph and per-block graphs) against FSDP2 eager; SimpleFSDP eager
+    SimpleFSDP compiled + bucketing (one graph, per-block graphs, and per-block graphs with the eager
+    prefetcher: scope prefetch, what auto compiles there) against FSDP2 eager; SimpleFSDP eager
     and compiled with `model.attn_mask_type = block_causal` (packed documents of about a quarter of the
     sequence each, `packed_positions`) against the same variants causal; with
     `--nproc 4` or more also pp=2 x dp over 4 microbatches, weights kept for the step or gathered
@@ -101,8 +102,9 @@ VARIANTS: dict[str, list[str]] = {
     "tp=2 (dp x tp)": ["--parallelism.tensor_parallel_degree", "2"],
     "pp=2 (1F1B)": ["--parallelism.pipeline_parallel_degree", "2"],
     # Full activation checkpointing (the 70B/405B configs), against FSDP2 eager with the same checkpointing.
-    "SimpleFSDP compiled + bucketing, full AC": [*BUCKETED, *FULL_AC],
+    "SimpleFSDP compiled + bucketing, full AC": [*BUCKETED, *FULL_AC, "--compile.scope", "model"],
     "SimpleFSDP compiled + bucketing, full AC, per-block graphs": [*BUCKETED, *FULL_AC, *PER_BLOCK],
+    "SimpleFSDP compiled + bucketing, full AC, prefetch (auto)": [*BUCKETED, *FULL_AC],
     "FSDP2 eager, full AC": ["--parallelism.dp_impl", "fsdp2", *FULL_AC],
     # Document masks over the batch's packed documents, against the same variant with causal attention.
     "SimpleFSDP eager, block_causal": BLOCK_CAUSAL,

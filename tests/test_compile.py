@@ -81,13 +81,13 @@ def test_transformer_block_bucketing_gives_one_bucket_per_block(tmp_path, scope)
 @pytest.mark.parametrize(
     "ac,scope",
     [
-        ("full", "auto"),
+        ("full", "model"),
         pytest.param("none", "model", marks=pytest.mark.slow),
         pytest.param("full", "block", marks=pytest.mark.slow),
     ],
 )
 def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, ac, scope):
-    """N blocks, transformer_block bucketing. In one graph (scope auto = model), under every AC mode:
+    """N blocks, transformer_block bucketing. In one graph (scope model), under every AC mode:
     forward prefetches the gathers of blocks 1..N-1 and of [norm, output] during the previous unit's
     compute (block 0's only follows the embedding, which has no matmul); backward prefetches the
     re-gathers of blocks N-2..0 and leaves the reduce-scatters of [norm, output] and blocks N-1..1 in
@@ -315,12 +315,18 @@ def test_invalid_combinations_are_config_errors():
 # --- numerical parity through the torchrun harness --------------------------------------------------------
 
 COMPILED = {"compile": True, "backend": "aot_eager"}
-# Full activation checkpointing in one graph (scope auto = model with bucketing), 6 blocks as the debug
-# model: parity with one process and with eager full checkpointing (FULL_AC_EAGER, same launch), and the
-# compile report's overlap counts (at least 5 prefetched all-gathers and 5 overlapped reduce-scatters).
+# Full activation checkpointing in one graph (scope model: recompute tags), and in per-block graphs with
+# the eager prefetcher (scope prefetch, what auto compiles under full AC; aot_eager and inductor), 6 blocks
+# as the debug model: parity with one process and with eager full checkpointing (FULL_AC_EAGER, same
+# launch), and the compile report's overlap counts (at least 5 prefetched all-gathers and 5 overlapped
+# reduce-scatters).
 FULL_AC = {"shard": 2, "ac": "full", "layers": 6}
 FULL_AC_EAGER = FULL_AC
-FULL_AC_COMPILED = [{**COMPILED, **FULL_AC, "bucketing": "transformer_block"}]
+FULL_AC_COMPILED = [{**COMPILED, **FULL_AC, "bucketing": "transformer_block", "scope": "model"}]
+FULL_AC_PREFETCH = [
+    {**COMPILED, **FULL_AC, "bucketing": "transformer_block"},
+    {**COMPILED, **FULL_AC, "bucketing": "transformer_block", "backend": "inductor", "reshard": "always"},
+]
 CASES_2 = [
     {**COMPILED, "shard": 2, "bucketing": "transformer_block", "scope": "block"},
     {**COMPILED, "shard": 2, "bucketing": "auto", "scope": "model"},
@@ -337,6 +343,7 @@ CASES_2 = [
     },
     FULL_AC_EAGER,
     *FULL_AC_COMPILED,
+    *FULL_AC_PREFETCH,
 ]
 # dp x tp with compiled blocks runs in the 4-rank launch of tests/test_parallel_parity.py.
 # bf16 parameters / fp32 reduction (the GPU recipe) under each bucketing mode, against eager SimpleFSDP in
@@ -346,6 +353,7 @@ BF16_EAGER = [BF16]
 BF16_COMPILED = [
     {**COMPILED, **BF16, "bucketing": "auto"},
     {**COMPILED, **BF16, "bucketing": "transformer_block", "reshard": "always"},
+    {**COMPILED, **BF16, "bucketing": "transformer_block", "ac": "full", "backend": "inductor"},  # prefetch
 ]
 BF16_LOSS_REL = 1e-3
 if not AUTO_BUCKETING:  # an older torch runs the other cases
@@ -370,11 +378,18 @@ def _parity(cases, nproc, tmp_path):
 def test_compiled_parity_2_ranks(tmp_path):
     records = _parity(CASES_2 + BF16_EAGER + BF16_COMPILED, 2, tmp_path)
     full_eager = records[CASES_2.index(FULL_AC_EAGER)]
-    for r in records[CASES_2.index(FULL_AC_EAGER) + 1 : len(CASES_2)]:
+    first = CASES_2.index(FULL_AC_EAGER) + 1
+    for r in records[first : first + len(FULL_AC_COMPILED)]:
         diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], full_eager["losses"])]
         assert max(diffs) <= LOSS_REL, (r["case"], diffs)
         report = r["compile_report"]
         assert report["scope"] == "model", r["case"]
+        assert report["prefetched_all_gathers"] >= 5 and report["overlapped_reduce_scatters"] >= 5, r["case"]
+    for r in records[first + len(FULL_AC_COMPILED) : len(CASES_2)]:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], full_eager["losses"])]
+        assert max(diffs) <= LOSS_REL, (r["case"], diffs)
+        report = r["compile_report"]
+        assert report["scope"] == "prefetch" and report["traces"] == 2, r["case"]  # one block trace + eager unit
         assert report["prefetched_all_gathers"] >= 5 and report["overlapped_reduce_scatters"] >= 5, r["case"]
     eager, compiled = records[len(CASES_2)], records[len(CASES_2) + 1 :]
     assert eager["loss_rel"] > 1e-5  # bf16 really ran: fp32 rounding alone stays below this

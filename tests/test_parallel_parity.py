@@ -14,6 +14,8 @@ import torch
 from harness import GRAD_ABS, LOSS_REL, TINY, check_parity, parity
 
 COMPILED_CP = {"cp": 2, "compile": True, "bucketing": "transformer_block"}
+_COMPILED_ACCUM = {"shard": 2, "accum": 2, "ac": "full", "compile": True, "backend": "aot_eager",
+                   "bucketing": "transformer_block"}  # fmt: skip
 CASES_2 = [
     {"shard": 2},
     {"rep": 2},
@@ -34,7 +36,9 @@ CASES_2 = [
     {"shard": 2, "accum": 2, "reshard": "always"},
     {"shard": 2, "accum": 2, "ac": "full"},
     # The same in one compiled, bucketed graph: the graph reads the weights kept for the step.
-    {"shard": 2, "accum": 2, "ac": "full", "compile": True, "backend": "aot_eager", "bucketing": "transformer_block"},
+    {**_COMPILED_ACCUM, "scope": "model"},
+    # Per-block graphs with the eager prefetcher (scope auto under full AC): reduced in every backward.
+    _COMPILED_ACCUM,
     {"shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
@@ -69,9 +73,12 @@ CASES_2 = [
     {"cp": 2, "no_kv_grad": True},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
+_PREFETCH_ACCUMULATED = _COMPILED_ACCUM
 # Compiled blocks (per-block bucketing) under dp x tp with full AC and document masks; checked for buckets below.
 COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
-                    "ac": "full", "mask": "block_causal"}  # fmt: skip
+                    "ac": "full", "mask": "block_causal", "scope": "model"}  # fmt: skip
+# The same with per-block graphs and the eager prefetcher (scope auto under full AC), and under HSDP.
+PREFETCH_DP_X_TP = {**COMPILED_DP_X_TP, "scope": "auto"}
 CASES_4 = [
     {"shard": 4},
     {"rep": 2, "shard": 2},
@@ -95,6 +102,8 @@ CASES_4 = [
     # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph, with
     # packed documents masked apart (selective AC compiled: test_compile's 1D cases).
     COMPILED_DP_X_TP,
+    PREFETCH_DP_X_TP,
+    {"rep": 2, "shard": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block", "ac": "full"},
     # Context parallelism inside dp (FSDP over dp_shard x cp; HSDP), beside tp, under pipeline stages.
     {"cp": 2, "shard": 2},
     {"rep": 2, "cp": 2},
@@ -279,12 +288,30 @@ def test_train_timeout_reaches_every_mesh_group(records, nproc, cases):
 @pytest.mark.slow
 def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
     """The compiled dp x tp case's parity above is that of bucketed graphs (fewer gathers and
-    reductions) in one graph per model (scope auto), whose gathers compute overlaps."""
+    reductions) in one graph per model (scope model), whose gathers compute overlaps."""
     report = records(4, CASES_4)[case_id(COMPILED_DP_X_TP)]["compile_report"]
     dp = report["dp"]
     assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
     assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
     assert report["scope"] == "model" and report["prefetched_all_gathers"] > 0
+
+
+@pytest.mark.slow
+def test_prefetched_cases_issued_their_collectives_eagerly(records):
+    """Scope auto under full AC is the eager prefetcher around per-block graphs: over dp x tp its flat
+    gathers and reductions (fewer than per parameter) are overlapped by the neighbouring blocks; with
+    gradient accumulation every backward reduces its own gradients (per_microbatch, no weights kept for
+    the step)."""
+    report = records(4, CASES_4)[case_id(PREFETCH_DP_X_TP)]["compile_report"]
+    dp = report["dp"]
+    assert report["scope"] == "prefetch" and report["traces"] == 2  # one trace for every block + the eager unit
+    assert dp["all_gather"]["after"] < dp["all_gather"]["before"]
+    assert dp["reduce_scatter"]["after"] < dp["reduce_scatter"]["before"]
+    assert report["prefetched_all_gathers"] > 0 and report["overlapped_reduce_scatters"] > 0
+    accumulated = records(2, CASES_2)[case_id(_PREFETCH_ACCUMULATED)]
+    assert accumulated["compile_report"]["scope"] == "prefetch"
+    policy = accumulated["step"]["policy"]
+    assert not policy["reduce_once"] and not policy["keep_gathers"]
 
 
 @pytest.mark.slow

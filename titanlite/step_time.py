@@ -120,11 +120,13 @@ class StepTime:
 
 def prefetches(plan: RunPlan) -> bool:
     """Whether the data-parallel implementation overlaps a unit's collectives with its neighbour's compute:
-    FSDP2, or SimpleFSDP compiled as one graph (`compile_scope` model) whose passes bucket and reorder."""
+    FSDP2, SimpleFSDP compiled as one graph (`compile_scope` model) whose passes bucket and reorder, or
+    per-block graphs with the eager prefetcher (`prefetch`)."""
     if plan.cfg.parallelism.dp_impl == "fsdp2":
         return True
     c = plan.cfg.compile
-    return plan.compile_passes and compile_scope(plan.cfg, plan.dims) == "model" and c.bucketing != "none" and c.reorder
+    scope = compile_scope(plan.cfg, plan.dims) if plan.compile_passes else None
+    return scope == "prefetch" or (scope == "model" and c.bucketing != "none" and c.reorder)
 
 
 class Link:

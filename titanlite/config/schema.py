@@ -306,9 +306,10 @@ class Compile:
     reorder: bool = True
     """With bucketing: also move the bucketed collectives to overlap compute (prefetch all-gathers, defer
     reduce-scatter waits); off = bucketing only."""
-    scope: Literal["auto", "block", "model"] = "auto"
+    scope: Literal["auto", "block", "model", "prefetch"] = "auto"
     """`block` (compile each transformer block), `model` (one graph for the model's forward: the next
-    block's gather overlaps this block's compute) or `auto` (`model` with SimpleFSDP bucketing, else `block`)."""
+    block's gather overlaps this block's compute), `prefetch` (per-block graphs, SimpleFSDP's collectives
+    issued eagerly one block ahead: full AC only) or `auto` (`compile.compile_scope`)."""
     cost_model: Literal["measure", "config"] = "measure"
     """CPU figures for `auto` bucketing's runtime estimates: `measure` (time a matmul, a copy and a gloo
     all-gather at start-up) or `config` (the four figures below). CUDA uses torch's GPU estimators."""

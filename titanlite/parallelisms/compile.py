@@ -14,8 +14,11 @@ backend per kind of block; see `apply_compile`), and a fully checkpointed block 
 checkpoint around its compiled body (`CheckpointedBlock.body`). The embedding, final norm and output stay
 eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and bucketing
 cannot cross a block boundary: block i+1's gather waits for block i's graph to end.
-Scope `auto` (the default, `compile_scope`): `model` where SimpleFSDP's collectives are bucketed, `block`
-otherwise.
+Scope `prefetch`: per-block graphs as `block`, whose SimpleFSDP gathers and reductions leave the graphs
+for eager hooks that issue them one unit ahead (`block_prefetch`; fully checkpointed blocks only): the
+compile cost of `block` with the cross-block overlap of `model`.
+Scope `auto` (the default, `compile_scope`): `prefetch`, `model` or `block` by the rule in
+`compile_scope.py`.
 
 With SimpleFSDP and the `aot_eager` or `inductor` backend every compile unit gets its own backend (see
 `_Backend`): AOTAutograd with the min-cut partitioner (which honours the recompute tags of
@@ -46,6 +49,7 @@ from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
 from titanlite.parallelisms.collectives import graph_collectives
 from titanlite.parallelisms.compile_report import REPORT_NAME, CompileReport, Unit
+from titanlite.parallelisms.compile_scope import resolve_scope, with_passes
 from titanlite.parallelisms.expert_parallel import dispatches
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.partitioner import Partitioner
@@ -71,12 +75,31 @@ def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
             f"compile.scope=model with expert_parallel_degree {dims.ep}: the token dispatch runs eager between "
             "graphs (a break per MoE layer), which one model-wide graph cannot have; use scope block or auto"
         )
+    if c.scope == "prefetch":
+        _check_prefetch(cfg, dims, with_passes)
     if compile_scope(cfg, dims) == "model" and full_ac and not with_passes:
         raise ConfigError(
             "compile.scope=model with full activation checkpointing needs SimpleFSDP data parallelism and "
             "backend aot_eager or inductor (the checkpoint becomes recompute tags in the graph); use scope=block"
         )
     return with_passes
+
+
+def _check_prefetch(cfg: JobConfig, dims: ParallelDims, with_passes: bool) -> None:
+    """Refuse what the eager prefetcher (`block_prefetch`) does not handle, in one line each."""
+    why = None
+    if not with_passes:
+        why = "SimpleFSDP data parallelism and backend aot_eager or inductor"
+    elif cfg.activation_checkpoint.mode != "full":
+        why = "activation_checkpoint.mode full (each block's eager checkpoint is what frees its weights)"
+    elif dims.ep > 1 or dims.pp > 1:
+        why = "no expert or pipeline parallelism"
+    elif cfg.compile.bucketing != "transformer_block" or not cfg.compile.reorder:
+        why = "bucketing transformer_block with reorder on (one flat gather per unit, issued a unit ahead)"
+    elif cfg.parallelism.gradient_reduction == "per_step":
+        why = "gradients reduced in every backward (gradient_reduction auto or per_microbatch)"
+    if why is not None:
+        raise ConfigError(f"compile.scope=prefetch needs {why}; use scope block or model")
 
 
 def apply_compile(
@@ -111,13 +134,18 @@ def apply_compile(
             "reorder": c.reorder,
             "n_blocks": len(units.blocks),
         },
-        eager_params=0 if scope == "model" else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
+        eager_params=0
+        if scope in ("model", "prefetch")
+        else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
-        routing_to_sinks=lambda: any(s.unreduced for s in simple_fsdp_states(model)),
+        # Under `prefetch` every backward reduces its unit's sinks itself (`block_prefetch`).
+        routing_to_sinks=(lambda: False)
+        if scope == "prefetch"
+        else lambda: any(s.unreduced for s in simple_fsdp_states(model)),
     )
     bucketing = None
-    if c.bucketing != "none":
+    if c.bucketing != "none" and scope != "prefetch":  # prefetch: the graphs hold no collectives
         plans = (BLOCK_PLAN,) if scope == "block" else _model_plans(units)
         bucketing = BucketingPass(
             c.bucketing,
@@ -154,23 +182,26 @@ def apply_compile(
     return report
 
 
+def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report: CompileReport) -> None:
+    """Under scope `prefetch`, after data parallelism: install the eager prefetcher on `model` and add
+    its collectives to `report` as one more unit (`block_prefetch`); nothing under other scopes."""
+    if report.settings["scope"] != "prefetch":
+        return
+    from titanlite.parallelisms import block_prefetch
+
+    block_prefetch.install(model, units, reshard)
+    unit = report.add_unit("prefetch (eager)", recompute_forward=False)
+    for phase, (before, after) in block_prefetch.prefetch_collectives(model, units, reshard).items():
+        report.record(unit, phase, before, after)
+
+
 def _with_passes(cfg: JobConfig, dims: ParallelDims) -> bool:
-    """Whether SimpleFSDP's graph passes (and the compile report) apply: SimpleFSDP data parallelism
-    under a backend that runs AOTAutograd."""
-    simple_fsdp = dims.dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp"
-    return simple_fsdp and cfg.compile.backend in ("aot_eager", "inductor")
+    return with_passes(cfg, dims.dp_enabled)
 
 
 def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
-    """`compile.scope` resolved: `auto` is `model` where collectives are bucketed (only one graph lets the
-    scheduler prefetch the next block's gather and defer the previous block's reduce-scatter), else
-    `block` (small graphs that identical blocks share, and nothing to reorder across blocks); always `block`
-    under expert parallelism, whose dispatch breaks the graph."""
-    scope = cfg.compile.scope
-    if scope == "auto":
-        model_wide = cfg.compile.bucketing != "none" and _with_passes(cfg, dims) and dims.ep == 1
-        return "model" if model_wide else "block"
-    return scope
+    """`compile.scope` resolved for the built mesh (`compile_scope.resolve_scope`)."""
+    return resolve_scope(cfg, dims.dp_enabled, dims.ep, dims.pp)
 
 
 def _compile_units(

@@ -9,6 +9,8 @@
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
                             the experts on their own mesh (efsdp x ep) under expert parallelism
+    eager prefetch          compile scope `prefetch` only (`compile.apply_prefetch`): SimpleFSDP's gathers and
+                            reductions leave the per-block graphs for hooks that issue them a block ahead
 
 Why this order:
 - TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
@@ -65,6 +67,7 @@ def parallelize(
     replay = HostReplay()
     experts = apply_expert_parallel(model, dims.ep_mesh, replay) if dims.ep_enabled else []
     ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
+    report = None
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
     # recompute tags and by the data-parallel wrapper alike.
     reshard = ReshardPlan.of(
@@ -74,9 +77,13 @@ def parallelize(
         # Imported here: the compiler (torch._dynamo, seconds of import) is loaded by compiled runs only.
         from titanlite.parallelisms.compile import apply_compile
 
-        apply_compile(model, units, ac, cfg, dims, reshard)
+        report = apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
         _data_parallel(model, units, dims, cfg, reshard, experts)
+    if report is not None:
+        from titanlite.parallelisms.compile import apply_prefetch
+
+        apply_prefetch(model, units, reshard, report)
     return model
 
 

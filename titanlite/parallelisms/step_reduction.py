@@ -39,6 +39,10 @@ REDUCE_BUCKET_BYTES = 64 * 2**20
 """Unreduced gradients are reduced in buckets of about this many bytes (in the reduce dtype): one
 collective per bucket."""
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""`reduce_scatter_single` where torch has it (2.13 deprecates the older name, which torch 2.11 and 2.12
+alone have), the same signature."""
+
 
 @contextlib.contextmanager
 def unreduced(model: nn.Module, backwards: int = 0) -> Iterator[Callable[[bool], None]]:
@@ -50,7 +54,7 @@ def unreduced(model: nn.Module, backwards: int = 0) -> Iterator[Callable[[bool],
     holding the rank's gradients unsharded in fp32 until the reduction. The forward's all-gathers are
     unchanged. Leaving on an exception drops what accumulated.
     """
-    reduction = _StepReduction(parametrized(model), backwards)
+    reduction = StepReduction(parametrized(model), backwards)
     try:
         with contextlib.ExitStack() as routing:
             for state in simple_fsdp_states(model):
@@ -79,8 +83,9 @@ class _Bucket:
     """(parameter, gradient shape, rows per rank, width per rank) of each packed member."""
 
 
-class _StepReduction:
-    """The buckets of one `unreduced` context, started from the sinks' accumulation hooks."""
+class StepReduction:
+    """The buckets of one `unreduced` context, started from the sinks' accumulation hooks (also one
+    unit's gradients of one backward, for `block_prefetch`)."""
 
     def __init__(self, pairs: list[tuple[ReplicateComputation, DTensor]], backwards: int):
         self.backwards, self.last = backwards, False
@@ -91,7 +96,7 @@ class _StepReduction:
         for gather, param in pairs:
             if gather.sink is None:
                 gather.make_sink(param)
-            gather.on_sink_grad = self._accumulated
+            gather.on_sink_grad = self.accumulated
         self.pairs = pairs
 
     def _plan(self, pairs: list[tuple[ReplicateComputation, DTensor]]) -> list[_Bucket]:
@@ -116,7 +121,11 @@ class _StepReduction:
     def before_backward(self, last: bool) -> None:
         self.last = last
 
-    def _accumulated(self, gather: ReplicateComputation) -> None:
+    def all_started(self) -> bool:
+        """Every bucket's reduction has started (its gradients were final)."""
+        return all(b.started for b in self.buckets)
+
+    def accumulated(self, gather: ReplicateComputation) -> None:
         key = id(gather)
         self.counts[key] += 1
         if not (self.last or (self.backwards and self.counts[key] >= self.backwards)):
@@ -150,9 +159,7 @@ class _StepReduction:
             bucket.work = dist.all_reduce(bucket.out, group=mesh.get_group(), async_op=True)
         else:
             bucket.out = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
-            bucket.work = dist.reduce_scatter_tensor(
-                bucket.out, flat.view(-1), group=mesh.get_group(shard_dim), async_op=True
-            )
+            bucket.work = _REDUCE_SCATTER(bucket.out, flat.view(-1), group=mesh.get_group(shard_dim), async_op=True)
         bucket.flat = flat  # alive until the collective is done with it
         self.started.append(bucket)
 
@@ -166,7 +173,7 @@ class _StepReduction:
         late = [(g, p) for g, p in self.pairs if g.sink is not None and g.sink.grad is not None]
         self._detach()
         if late:
-            rest = _StepReduction(late, 0)
+            rest = StepReduction(late, 0)
             for bucket in rest.buckets:
                 rest._start(bucket)
             rest._complete(rest.started)

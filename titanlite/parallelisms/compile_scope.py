@@ -1,0 +1,44 @@
+"""What `compile.scope = auto` compiles, decided from the config alone (the run plan's step policies read
+it before any compiler is imported; `compile.compile_scope` is the same answer from the built mesh).
+
+    prefetch  fully checkpointed blocks under SimpleFSDP with transformer_block bucketing and reorder
+              on, no pipeline or expert parallelism, gradient_reduction not fixed to per_step:
+              per-block graphs (compiled once for identical blocks, whatever the depth) with the next
+              block's gather prefetched and each reduce-scatter overlapped by the next block's
+              backward, issued eagerly (`block_prefetch`)
+    model     other bucketed SimpleFSDP runs: one graph whose scheduler prefetches and overlaps; its
+              compile time and host memory grow with the number of blocks. Kept for what the prefetcher
+              does not handle: selective or no AC (a graph that saves its weights holds them anyway),
+              pipeline stages, gradients reduced once per step (the prefetcher reduces each backward),
+              torch's `auto` bucketing (the prefetcher's buckets are the units) and reorder off
+    block     no bucketing, no graph passes, or expert parallelism (its dispatch breaks the graph)
+"""
+
+from __future__ import annotations
+
+from titanlite.config import JobConfig
+
+
+def with_passes(cfg: JobConfig, dp_enabled: bool) -> bool:
+    """Whether SimpleFSDP's graph passes (and the compile report) apply: SimpleFSDP data parallelism
+    (on: `dp_enabled`) under a backend that runs AOTAutograd."""
+    return dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp" and cfg.compile.backend in ("aot_eager", "inductor")
+
+
+def resolve_scope(cfg: JobConfig, dp_enabled: bool, ep: int, pp: int) -> str:
+    """`cfg.compile.scope` with `auto` resolved (module docstring), for a run with data parallelism on or
+    off (`dp_enabled`) and expert and pipeline degrees `ep` and `pp`."""
+    scope = cfg.compile.scope
+    if scope != "auto":
+        return scope
+    if cfg.compile.bucketing == "none" or not with_passes(cfg, dp_enabled) or ep > 1:
+        return "block"
+    c, p = cfg.compile, cfg.parallelism
+    prefetch = (
+        c.bucketing == "transformer_block"
+        and c.reorder
+        and cfg.activation_checkpoint.mode == "full"
+        and pp == 1
+        and p.gradient_reduction != "per_step"
+    )
+    return "prefetch" if prefetch else "model"
