@@ -135,13 +135,17 @@ def test_refused_where_the_prefetcher_does_not_apply(tmp_path, over, why):
         ({"activation_checkpoint__mode": "none"}, 1, "model"),
         ({}, 2, "model"),
         ({"parallelism__gradient_reduction": "per_step"}, 1, "model"),
+        ({"training__global_batch_size": 16, "training__local_batch_size": 4}, 1, "model"),  # 2 per step on dp 2
+        ({"training__global_batch_size": 8, "training__local_batch_size": 4}, 1, "prefetch"),  # one per step
         ({"compile__bucketing": "auto"}, 1, "model"),
         ({"compile__reorder": False}, 1, "model"),
         ({"compile__bucketing": "none"}, 1, "block"),
     ],
 )
 def test_auto_is_prefetch_only_where_the_prefetcher_applies(tmp_path, over, pp, scope):
-    """`auto` keeps one graph (or per-block graphs) wherever the prefetcher does not apply."""
+    """`auto` keeps one graph (or per-block graphs) wherever the prefetcher does not apply, and where a
+    step accumulates (one graph keeps the gathered weights and reduces once per step; the prefetcher
+    would regather and reduce in every backward)."""
     cfg = prefetched(tmp_path, compile__scope="auto", **over)
-    assert resolve_scope(cfg, dp_enabled=True, ep=1, pp=pp) == scope
-    assert resolve_scope(cfg, dp_enabled=True, ep=2, pp=pp) == "block"
+    assert resolve_scope(cfg, dp_enabled=True, ep=1, pp=pp, dp=2) == scope
+    assert resolve_scope(cfg, dp_enabled=True, ep=2, pp=pp, dp=2) == "block"

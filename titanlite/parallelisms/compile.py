@@ -201,7 +201,7 @@ def _with_passes(cfg: JobConfig, dims: ParallelDims) -> bool:
 
 def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
     """`compile.scope` resolved for the built mesh (`compile_scope.resolve_scope`)."""
-    return resolve_scope(cfg, dims.dp_enabled, dims.ep, dims.pp)
+    return resolve_scope(cfg, dims.dp_enabled, dims.ep, dims.pp, dims.dp)
 
 
 def _compile_units(

@@ -2,14 +2,15 @@
 it before any compiler is imported; `compile.compile_scope` is the same answer from the built mesh).
 
     prefetch  fully checkpointed blocks under SimpleFSDP with transformer_block bucketing and reorder
-              on, no pipeline or expert parallelism, gradient_reduction not fixed to per_step:
+              on, no pipeline or expert parallelism, one backward per step (no accumulation):
               per-block graphs (compiled once for identical blocks, whatever the depth) with the next
               block's gather prefetched and each reduce-scatter overlapped by the next block's
               backward, issued eagerly (`block_prefetch`)
     model     other bucketed SimpleFSDP runs: one graph whose scheduler prefetches and overlaps; its
               compile time and host memory grow with the number of blocks. Kept for what the prefetcher
               does not handle: selective or no AC (a graph that saves its weights holds them anyway),
-              pipeline stages, gradients reduced once per step (the prefetcher reduces each backward),
+              pipeline stages, accumulated steps (the prefetcher reduces and regathers in each backward,
+              where one graph keeps the gathered weights and reduces once per step),
               torch's `auto` bucketing (the prefetcher's buckets are the units) and reorder off
     block     no bucketing, no graph passes, or expert parallelism (its dispatch breaks the graph)
 """
@@ -25,9 +26,16 @@ def with_passes(cfg: JobConfig, dp_enabled: bool) -> bool:
     return dp_enabled and cfg.parallelism.dp_impl == "simple_fsdp" and cfg.compile.backend in ("aot_eager", "inductor")
 
 
-def resolve_scope(cfg: JobConfig, dp_enabled: bool, ep: int, pp: int) -> str:
+def accumulates(cfg: JobConfig, dp: int) -> bool:
+    """Whether a step of `cfg` on `dp` data-parallel ranks accumulates several local batches
+    (`training.global_batch_size` above local batch x dp; -1 means exactly that)."""
+    t = cfg.training
+    return t.global_batch_size > t.local_batch_size * dp
+
+
+def resolve_scope(cfg: JobConfig, dp_enabled: bool, ep: int, pp: int, dp: int) -> str:
     """`cfg.compile.scope` with `auto` resolved (module docstring), for a run with data parallelism on or
-    off (`dp_enabled`) and expert and pipeline degrees `ep` and `pp`."""
+    off (`dp_enabled`) over `dp` ranks, and expert and pipeline degrees `ep` and `pp`."""
     scope = cfg.compile.scope
     if scope != "auto":
         return scope
@@ -40,5 +48,6 @@ def resolve_scope(cfg: JobConfig, dp_enabled: bool, ep: int, pp: int) -> str:
         and cfg.activation_checkpoint.mode == "full"
         and pp == 1
         and p.gradient_reduction != "per_step"
+        and not accumulates(cfg, dp)
     )
     return "prefetch" if prefetch else "model"

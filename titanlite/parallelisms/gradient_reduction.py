@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
-from titanlite.parallelisms.compile_scope import resolve_scope
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,8 @@ def step_candidates(cfg: JobConfig, dp_mode: str | None, backwards: int) -> tupl
         keep = [p.fsdp_reshard_after_forward == "never"]
         why.append(f"fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward}")
     policies = [StepPolicy(r, k) for k in keep for r in reduce]
-    prefetch = resolve_scope(cfg, True, p.expert_parallel_degree, p.pipeline_parallel_degree) == "prefetch"
+    # `auto` never resolves to prefetch for a step of several backwards (`compile_scope`): only asked for.
+    prefetch = cfg.compile.scope == "prefetch"
     if simple and cfg.compile.enable and "model" in cfg.compile.components and prefetch:
         # The eager prefetcher reduces each unit's sinks in every backward and gathers in every forward.
         why.append("compile.scope = prefetch reduces per microbatch and gathers every forward")
