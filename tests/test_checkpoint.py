@@ -496,8 +496,11 @@ def test_a_failed_dcp_write_warns_and_keeps_training(tmp_path, caplog, failing_w
         run.ckpt.close()
     (message,) = warnings_of(caplog)
     assert message.startswith("checkpoint step 2 could not be saved to ") and "\n" not in message
-    assert "OSError on rank 0: [Errno 28] No space left on device (" in message
-    assert message.endswith(" MiB free on its file system); training continues (checkpoint.stop_on_save_error = false)")
+    assert f"saved to {root(tmp_path)}/step-2.partial: the disk under {root(tmp_path)} is full (" in message
+    assert message.endswith(
+        " MiB free; OSError on rank 0: [Errno 28] No space left on device); training continues "
+        "(checkpoint.stop_on_save_error = false)"
+    )
     assert folders.scan(root(tmp_path)) == ([1, 3], [])
     assert run.ckpt.last_complete() == str(root(tmp_path) / "step-3")
 
@@ -507,7 +510,8 @@ def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_writ
     run = Run(tmp_path, async_mode=async_mode, stop_on_save_error=True)
     with pytest.raises(
         CheckpointError,
-        match=r"checkpoint step 2 could not be saved .*No space left on device \([\d,]+ MiB free on its file system\); "
+        match=r"checkpoint step 2 could not be saved .*: the disk under .* is full \([\d,]+ MiB free; "
+        r"OSError on rank 0: \[Errno 28\] No space left on device\); "
         r"the last good checkpoint is .*step-1$",
     ):
         run.train(1, 3)
