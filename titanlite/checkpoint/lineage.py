@@ -17,8 +17,8 @@ overwrite nor prune them, and the next plain launch resumes the newest step of t
 Why move them rather than refuse: naming an older step is the request to train from it; the newer
 steps stay exactly as they were, one folder away, and the line says where. Why not leave them in place:
 the run would overwrite them one by one as it reaches their steps, pruning would count them as the
-newest (`keep_latest_k 1` deleted the checkpoint the run had just written and kept the abandoned one),
-and a later plain launch would resume the abandoned line.
+newest (`keep_latest_k 1` would delete the checkpoint the run has just written and keep an old one),
+and a later plain launch would resume the old line.
 
 Restarts: torch elastic restarts every rank with the same command line, `load_step N` included. The
 first attempt has already moved the old line aside, so `step-M` folders newer than N that this launch
