@@ -3,7 +3,8 @@ newer checkpoints are moved aside, never deleted or overwritten, pruning keeps t
 and the next plain launch resumes the new line (the rule: titanlite/checkpoint/lineage.py).
 
 One launch makes a folder with step-2, step-4 and step-6; each scenario trains in a copy of it:
-`load_step 2` to step 4 with `keep_latest_k 1`, and without it followed by a plain launch to step 6.
+`load_step 2` to step 4 with `keep_latest_k 1`, and without it followed by a plain launch to step 6;
+and `load_step 2` to step 6 with a rank dying before step 6 and one restart, which resumes the new line.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.slow
 BASE = [*SMALL, "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
-def run(dump: Path, steps: int, *overrides: str) -> RunResult:
-    return train(dump, 2, *BASE, "--training.steps", str(steps), *overrides, launcher="run_train")
+def run(dump: Path, steps: int, *overrides: str, env: dict[str, str] | None = None) -> RunResult:
+    return train(dump, 2, *BASE, "--training.steps", str(steps), *overrides, launcher="run_train", env=env)
 
 
 def markers(root: Path) -> dict[str, str]:
@@ -67,8 +68,8 @@ def branches(old_line, tmp_path_factory) -> dict[str, tuple[Path, RunResult, dic
     root = tmp_path_factory.mktemp("branches")
     results: dict[str, tuple[Path, RunResult, dict[str, str]]] = {}
 
-    def launch(name: str, dump: Path, steps: int, *extra: str) -> None:
-        result = run(dump, steps, *extra)
+    def launch(name: str, dump: Path, steps: int, *extra: str, env: dict[str, str] | None = None) -> None:
+        result = run(dump, steps, *extra, env=env)
         results[name] = dump, result, markers(dump / "checkpoint")
 
     def branch(name: str, *extra: str) -> None:
@@ -78,10 +79,17 @@ def branches(old_line, tmp_path_factory) -> dict[str, tuple[Path, RunResult, dic
         if name == "keep_all":
             launch("plain", dump, 6)
 
+    def restarted() -> None:
+        dump = root / "restarted"
+        shutil.copytree(old_line / "checkpoint", dump / "checkpoint")
+        crash = {"TITANLITE_FAULT_EXIT_AT": "6", "TITANLITE_FAULT_ONCE": str(root / "fired")}
+        launch("restarted", dump, 6, "--checkpoint.load_step", "2", "--comm.max_restarts", "1", env=crash)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         for future in [
             pool.submit(branch, "keep_1", "--checkpoint.keep_latest_k", "1"),
             pool.submit(branch, "keep_all"),
+            pool.submit(restarted),
         ]:
             future.result()
     return results
@@ -147,3 +155,26 @@ def test_without_keep_latest_k_nothing_is_overwritten_and_a_plain_launch_resumes
     assert folders.read_marker(ckpt / "step-4") == new_step_4  # the new line's step-4, resumed, not rewritten
     assert new_step_4["launch"] != folders.read_marker(aside / "step-4")["launch"]
     assert [r["step"] for r in plain.metrics[-2:]] == [5, 6]
+
+
+def test_a_restart_resumes_the_new_line_not_load_step_again(old_line, branches):
+    """The restart runs the same command line, load_step 2 included: it resumes the step-4 its launch
+    saved, and moves nothing aside a second time."""
+    dump, result, after = branches["restarted"]
+    assert result.returncode == 0, result.log[-3000:]
+    restart = [line for line in result.stderr.splitlines() if line.startswith("titanlite: restarting")]
+    assert len(restart) == 1 and "(restart 1 of 1) after: rank 0 exited with code 17" in restart[0], restart
+    ckpt = dump / "checkpoint"
+    aside = assert_old_line_aside(old_line, dump)  # one abandoned folder: the first attempt's
+    resumed = [line for line in checkpoint_lines(result) if "resumed from" in line]
+    assert resumed == [
+        f"checkpoint: resumed from {ckpt}/step-2 at step 2 in T (checksums verified in T)",
+        f"checkpoint: resumed from {ckpt}/step-4 at step 4 in T (checksums verified in T)",
+    ]
+    assert folders.scan(ckpt) == ([2, 4, 6], []) and set(after) == {
+        "step-2",
+        "step-4",
+        "step-6",
+        *(f"{aside.name}/step-{s}" for s in (4, 6)),
+    }
+    assert [r["step"] for r in result.metrics] == [3, 4, 5, 5, 6]
