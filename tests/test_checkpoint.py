@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from harness import ROOT, child_env, tiny_args
-from titanlite.checkpoint import folders, lock, purge, rank_state
+from titanlite.checkpoint import folders, lineage, lock, purge, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.data.tokenizer import build_tokenizer
@@ -173,13 +173,48 @@ def test_disabled_saves_nothing_unless_forced(tmp_path):
     assert folders.scan(root(tmp_path)) == ([2], [])
 
 
-def test_a_later_save_of_an_existing_step_replaces_it(tmp_path):
-    saved_run(tmp_path, steps=2)
-    again = Run(tmp_path, load_step=1, seed=3)
-    assert again.ckpt.load() == 1
+def aside(dump: Path, step: int) -> Path:
+    """The one folder a resume from `step` moved the newer checkpoints into (`lineage.py`)."""
+    (path,) = root(dump).glob(f"{lineage.ABANDONED}*-from-step-{step}")
+    return path
+
+
+def test_a_resume_from_an_older_step_moves_the_newer_ones_aside(tmp_path, caplog):
+    saved_run(tmp_path, steps=3)
+    old = {s: folders.read_marker(root(tmp_path) / f"step-{s}") for s in (2, 3)}
+    again = Run(tmp_path, load_step=1, seed=3, keep_latest_k=1)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        assert again.ckpt.load() == 1
+    moved = aside(tmp_path, 1)
+    assert f"the newer step-2, step-3 moved to {moved} (kept, never resumed or pruned)" in caplog.text
+    assert {s: folders.read_marker(moved / f"step-{s}") for s in (2, 3)} == old
     again.train(2, 2)
     again.ckpt.close()
-    assert folders.scan(root(tmp_path)) == ([1, 2], []) and folders.problem(root(tmp_path) / "step-2") is None
+    assert folders.scan(root(tmp_path)) == ([2], []) and folders.problem(root(tmp_path) / "step-2") is None
+    assert folders.scan(moved) == ([2, 3], [])  # neither overwritten nor pruned
+
+
+def test_pruning_never_takes_the_checkpoint_just_saved(tmp_path):
+    for step in (2, 4, 6):
+        (root(tmp_path) / f"step-{step}").mkdir(parents=True)
+    assert folders.prune(root(tmp_path), 1, folders.delete_now, saved=4) == ([root(tmp_path) / "step-2"], [])
+    assert folders.scan(root(tmp_path)) == ([4, 6], [])
+    assert folders.prune(root(tmp_path), 1, folders.delete_now) == ([root(tmp_path) / "step-4"], [])
+
+
+def test_a_restart_with_load_step_resumes_the_line_its_launch_saved(tmp_path, monkeypatch):
+    """torch elastic restarts every rank with the same `load_step`: the steps after it that this launch
+    wrote (its run id in their markers) are the new line, resumed; another launch's are not."""
+    for step, launch in ((2, "old"), (4, "old"), (6, "this")):
+        (root(tmp_path) / f"step-{step}").mkdir(parents=True)
+        (root(tmp_path) / f"step-{step}" / folders.MARKER).write_text(json.dumps({"launch": launch}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert lineage.load_step(root(tmp_path), 2) == 2  # the first attempt: as asked
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert lineage.load_step(root(tmp_path), 2) == -1 and lineage.load_step(root(tmp_path), 6) == 6
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
+    assert lineage.load_step(root(tmp_path), 2) == 2
 
 
 # --- deleting old checkpoints -----------------------------------------------------------------------------
@@ -345,7 +380,6 @@ def test_only_an_interrupted_save_starts_fresh(tmp_path, caplog):
 
 def test_load_step(tmp_path):
     saved_run(tmp_path, steps=3)
-    assert Run(tmp_path, load_step=2).ckpt.load() == 2
     with pytest.raises(
         CheckpointError, match=r"load_step 7: .*step-7 does not exist \(complete checkpoints: step-1, step-2, step-3\)"
     ):
@@ -356,6 +390,9 @@ def test_load_step(tmp_path):
     (root(tmp_path) / "step-2" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"step-2 is unusable: file __0_0.distcp has 1 bytes"):
         Run(tmp_path, load_step=2).ckpt.load()
+    assert folders.scan(root(tmp_path)) == ([1, 2, 3], [])  # a refused resume moves nothing
+    assert Run(tmp_path, load_step=1).ckpt.load() == 1
+    assert folders.scan(root(tmp_path)) == ([1], []) and folders.scan(aside(tmp_path, 1)) == ([2, 3], [])
 
 
 def test_another_model_shape_is_refused_before_loading(tmp_path):
@@ -387,15 +424,19 @@ def test_last_save_model_only_in_export_dtype(tmp_path, caplog):
     assert set(meta) == set(run.model.state_dict())
     assert all(m.properties.dtype == torch.bfloat16 for m in meta.values())
     assert not (path / "rank_state").exists()
-    # Resuming skips the weights-only folder and takes the full one before it.
+    shutil.copytree(root(tmp_path), root(tmp_path / "copy"))
+    # Resuming skips the weights-only folder and takes the full one before it; the weights are moved
+    # aside, out of the way of the resumed run's save of step 20.
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         assert Run(tmp_path).ckpt.load() == 10
     assert "step-20 is unusable: holds only the model weights" in caplog.text
-    # An explicit load_step takes its weights (cast back to fp32) and starts over.
-    fresh = Run(tmp_path, load_step=20, seed=4)
+    assert folders.scan(aside(tmp_path, 10)) == ([20], [])
+    # An explicit load_step takes its weights (cast back to fp32) and starts over, a new line from step 0.
+    fresh = Run(tmp_path / "copy", load_step=20, seed=4)
     assert fresh.ckpt.load() == 0
     for k, v in full_state(run.model).items():
         assert torch.equal(full_state(fresh.model)[k], v.bfloat16().float()), k
+    assert folders.scan(aside(tmp_path / "copy", 0)) == ([10, 20], [])
 
 
 def test_seed_checkpoint_and_initial_load(tmp_path):
@@ -496,8 +537,11 @@ def test_a_failed_dcp_write_warns_and_keeps_training(tmp_path, caplog, failing_w
         run.ckpt.close()
     (message,) = warnings_of(caplog)
     assert message.startswith("checkpoint step 2 could not be saved to ") and "\n" not in message
-    assert "OSError on rank 0: [Errno 28] No space left on device (" in message
-    assert message.endswith(" MiB free on its file system); training continues (checkpoint.stop_on_save_error = false)")
+    assert f"saved to {root(tmp_path)}/step-2.partial: the disk under {root(tmp_path)} is full (" in message
+    assert message.endswith(
+        " MiB free; OSError on rank 0: [Errno 28] No space left on device); training continues "
+        "(checkpoint.stop_on_save_error = false)"
+    )
     assert folders.scan(root(tmp_path)) == ([1, 3], [])
     assert run.ckpt.last_complete() == str(root(tmp_path) / "step-3")
 
@@ -507,7 +551,8 @@ def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_writ
     run = Run(tmp_path, async_mode=async_mode, stop_on_save_error=True)
     with pytest.raises(
         CheckpointError,
-        match=r"checkpoint step 2 could not be saved .*No space left on device \([\d,]+ MiB free on its file system\); "
+        match=r"checkpoint step 2 could not be saved .*: the disk under .* is full \([\d,]+ MiB free; "
+        r"OSError on rank 0: \[Errno 28\] No space left on device\); "
         r"the last good checkpoint is .*step-1$",
     ):
         run.train(1, 3)

@@ -64,7 +64,10 @@ def full_disk(tmp_path) -> Iterator[tuple[Path, str]]:
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(mount)], capture_output=True)
     if mounted.returncode == 0:
         try:
-            yield mount / "checkpoint", "(0 MiB free on its file system)"
+            yield (
+                mount / "checkpoint",
+                f"the disk under {mount / 'checkpoint'} is full (0 MiB free; RuntimeError on rank 0: ",
+            )
         finally:
             subprocess.run(["umount", str(mount)], check=True)
         return
@@ -95,7 +98,12 @@ def full_dump_disk(tmp_path) -> Iterator[tuple[Path, dict[str, str], str]]:
         try:
             disk = os.statvfs(mount)
             (mount / "filler").write_bytes(b"\0" * ((disk.f_bavail - 1) * disk.f_frsize))
-            yield mount / "run", {}, "(0 MiB free on its file system)"
+            yield (
+                mount / "run",
+                {},
+                f"the disk under {mount / 'run' / 'checkpoint'} is full "
+                "(0 MiB free; OSError: [Errno 28] No space left on device)",
+            )
         finally:
             subprocess.run(["umount", str(mount)], check=True)
         return
@@ -113,7 +121,10 @@ def test_a_full_disk_warns_once_per_output_and_a_failed_final_save_exits_4(full_
     dump, env, cause = full_dump_disk
     proc = train(dump, 1, *BASE, "--training.steps", "2", "--metrics.enable_tensorboard", launcher="run_train", env=env)
     assert proc.returncode == 4, proc.log[-3000:]
-    warned = [line.split(" WARNING ", 1)[1] for line in proc.stderr.splitlines() if " WARNING " in line]
+    lines = proc.stderr.splitlines()
+    # TensorBoard's events are written on the training thread: no traceback of a writer thread.
+    assert not [line for line in lines if "Traceback" in line or "Exception in thread" in line], proc.stderr
+    warned = [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
     assert [w.split(" (")[0] for w in warned[:2]] == [  # TensorBoard's at its start, metrics.jsonl's at step 1
         "metrics: cannot write TensorBoard events",
         "metrics: cannot write metrics.jsonl",

@@ -80,7 +80,7 @@ def partial_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}.partial"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -103,7 +103,7 @@ def retire(path: Path) -> Path:
     while (target := path.with_name(path.name + RETIRED + (f"-{k}" if k else ""))).exists():
         k += 1
     os.rename(path, target)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return target
 
 
@@ -151,8 +151,9 @@ def complete(root: Path, step: int, info: dict, discard: Discard) -> Path:
     """Write the marker into `step-N.partial` and publish it as `step-N`; returns the final path.
 
     A folder without every rank's files (ranks writing into folders of their own) raises
-    FileNotFoundError and stays partial. An existing `step-N` (a run that resumed from an older step and
-    reached N again) is retired first and discarded once the new folder is in place.
+    FileNotFoundError and stays partial. An existing `step-N` (a new seed checkpoint's step 0; the newer
+    steps of a run resumed from an older one are moved aside before it trains, `lineage.py`) is retired
+    first and discarded once the new folder is in place.
     """
     partial, final = partial_dir(root, step), step_dir(root, step)
     if missing := missing_files(partial, info.get("world_size", 1), info.get("model_only", False)):
@@ -177,10 +178,10 @@ def complete(root: Path, step: int, info: dict, discard: Discard) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, partial / MARKER)
-    _fsync_dir(partial)
+    fsync_dir(partial)
     replaced = retire(final) if final.exists() else None
     os.rename(partial, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if replaced is not None:
         discard(replaced)
     return final
@@ -312,11 +313,17 @@ def newest(root: Path) -> Path | None:
     return step_dir(root, done[-1]) if done else None
 
 
-def prune(root: Path, keep: int, discard: Discard, room: int | None = None) -> tuple[list[Path], list[Path]]:
+def prune(
+    root: Path, keep: int, discard: Discard, room: int | None = None, saved: int | None = None
+) -> tuple[list[Path], list[Path]]:
     """Retire and discard all but the newest `keep` complete checkpoints (0: keep all), the oldest first
     and at most `room` of them (None: all); returns (the discarded folders by their former names, those
-    due but left for a later call)."""
-    done, _ = scan(root)
+    due but left for a later call).
+
+    `saved`: the step this run saved last. Only the steps up to it are counted, so pruning never
+    discards the checkpoint just written, whatever else the folder holds (`lineage.py` moves a left
+    line's newer steps aside; this keeps that true even for a folder it did not see)."""
+    done = [s for s in scan(root)[0] if saved is None or s <= saved]
     due = [step_dir(root, s) for s in done[:-keep]] if keep > 0 else []
     now = due if room is None else due[:room]
     for path in now:

@@ -27,7 +27,8 @@ rank as a `CheckpointException`, which is a `BaseException`: it is caught by nam
 Resuming checks, before anything is loaded, that the checkpoint's files match their checksums (each
 rank verifies its share; a mismatch is reported in one line and the previous checkpoint is tried) and
 that no setting changed that cannot change (`resume_policy.py`: which keys stop a resume, which are
-resharded, which take the new value); changed settings are listed in one log line.
+resharded, which take the new value); changed settings are listed in one log line. A resume from an older
+step starts a new line of training: the newer checkpoints are moved aside first (`lineage.py`).
 
 Tests kill a save between and inside saves with `faults.checkpoint_kill` (`TITANLITE_FAULT_KILL_AT`).
 """
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite import faults
-from titanlite.checkpoint import folders, rank_state
+from titanlite.checkpoint import folders, lineage, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
@@ -102,6 +103,7 @@ class CheckpointManager:
         quiet_single_process_dcp()
         self._pending: Pending | None = None
         self._last_saved = -1
+        self._published: int | None = None  # the step of this run's newest published checkpoint (rank 0)
         self._final = -1  # the step of a save whose failure ends the run (the last step's, a stop signal's)
         self._failures: dict[int, str] = {}  # step -> why its save failed
         self._verify_seconds = 0.0
@@ -200,6 +202,7 @@ class CheckpointManager:
             "model_only": model_only,
             "dtype": self.cfg.export_dtype if dtype is not None else "float32",
             **self._record.layout(),
+            "launch": lineage.launch_id(),
             **(self._record.inputs() if self.rank == 0 else {}),
         }
         self._last_saved = step
@@ -231,7 +234,8 @@ class CheckpointManager:
         faults.checkpoint_kill(step, "mid_save")
         try:
             final = folders.complete(self.root, step, info, self._purger.submit)
-            pruned = self._purger.prune(self.root, self.cfg.keep_latest_k)
+            self._published = step
+            pruned = self._purger.prune(self.root, self.cfg.keep_latest_k, step)
         except OSError as e:
             self._failed(step, path, e)
             return
@@ -300,7 +304,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.close()
         if self.rank == 0:
-            self._purger.finish(self.root, self.cfg.keep_latest_k)
+            self._purger.finish(self.root, self.cfg.keep_latest_k, self._published)
 
     # --- load -------------------------------------------------------------------------------------------
 
@@ -318,20 +322,37 @@ class CheckpointManager:
             if choice.marker.get("model_only"):
                 self._log(f"checkpoint: loading model weights from {choice.path} (model-only); starting at step 0")
                 load_model_weights(self.model, choice.path)
-                return 0
-            return self._load_full(choice.path, choice.marker)
+                step = 0
+            else:
+                step = self._load_full(choice.path, choice.marker)
+            self._set_aside(step)
+            return step
         if self.cfg.initial_load_path:
             load_initial_weights(self.model, self.plan, self.cfg.initial_load_path, self._log)
         return 0
+
+    def _set_aside(self, step: int) -> None:
+        """Collective, once every rank has loaded step `step`: rank 0 moves the newer checkpoints (the line
+        this run leaves) aside (`lineage.py`); if it cannot, the run stops before its saves overwrite them."""
+        error = None
+        if self._all_ok(True) and self.rank == 0:  # no rank reads the folders any more
+            try:
+                if line := lineage.set_aside(self.root, step):
+                    logger.info(line)
+            except OSError as e:
+                error = f"checkpoint: cannot move the checkpoints after step {step} aside in {self.root}: {e}"
+        if not self._all_ok(error is None):
+            raise CheckpointError(error or f"checkpoint: rank 0 cannot move the checkpoints after step {step} aside")
 
     def _choose(self) -> folders.Choice:
         """Rank 0 picks a folder by the cheap checks (`folders.choose`), then every rank verifies its share
         of the checksums; a mismatch is reported in one line and the previous folder is tried (an explicit
         `load_step` fails instead)."""
         rejected: dict[int, str] = {}
+        load_step = lineage.load_step(self.root, self.cfg.load_step) if self.rank == 0 else self.cfg.load_step
         while True:
             choice = self._broadcast(
-                folders.choose(self.root, self.cfg.load_step, self._purger.submit, rejected) if self.rank == 0 else None
+                folders.choose(self.root, load_step, self._purger.submit, rejected) if self.rank == 0 else None
             )
             if choice.error or choice.path is None:
                 return choice
@@ -341,7 +362,7 @@ class CheckpointManager:
             if why is None:
                 return choice
             rejected[choice.marker["step"]] = why
-            if self.cfg.load_step < 0 and self.rank == 0:
+            if load_step < 0 and self.rank == 0:
                 logger.warning(f"checkpoint {choice.path} is unusable: {why}; trying the previous one")
 
     def _log(self, message: str) -> None:

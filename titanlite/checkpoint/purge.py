@@ -68,10 +68,11 @@ class Purger:
         with self._lock:
             return ([self._busy] if self._busy else []) + list(self._queue)
 
-    def prune(self, root: Path, keep: int) -> str:
-        """Retire and hand over the checkpoints in `root` beyond the newest `keep`, as many as there is
-        `room` for; what was done, as the end of the save's log line."""
-        pruned, held = folders.prune(root, keep, self._submit_pruned, self.room())
+    def prune(self, root: Path, keep: int, saved: int) -> str:
+        """Retire and hand over the checkpoints in `root` beyond the newest `keep` up to step `saved` (the
+        one just saved, which is never pruned: `folders.prune`), as many as there is `room` for; what was
+        done, as the end of the save's log line."""
+        pruned, held = folders.prune(root, keep, self._submit_pruned, self.room(), saved)
         text = f"; deleting {', '.join(p.name for p in pruned)} in the background" if pruned else ""
         if held:
             text += (
@@ -80,12 +81,13 @@ class Purger:
             )
         return text
 
-    def finish(self, root: Path, keep: int) -> None:
-        """The end of the run: retire what pruning left for later and wait until every folder handed over
-        is deleted, so none is silently dropped; a failed deletion is one warning naming the folder."""
+    def finish(self, root: Path, keep: int, saved: int | None) -> None:
+        """The end of the run: retire what pruning left for later (up to step `saved`, the run's last
+        save; None: the run saved nothing) and wait until every folder handed over is deleted, so none
+        is silently dropped; a failed deletion is one warning naming the folder."""
         start = time.perf_counter()
         try:
-            folders.prune(root, keep, self._submit_pruned)
+            folders.prune(root, keep, self._submit_pruned, saved=saved)
         except OSError as e:
             logger.warning(f"checkpoint: could not retire old checkpoints in {root}: {e}")
         if waiting := self.pending():

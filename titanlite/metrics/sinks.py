@@ -128,14 +128,17 @@ class Sinks:
         logger.info(f"metrics: {os.path.abspath(self.jsonl.path)} (run {self.jsonl.run} in this file)")
 
     def open_tensorboard(self, dump_folder: str, tb_folder: str, layout: dict) -> None:
-        """An events file under `<dump_folder>/<tb_folder>/<start time>/` with the custom-scalars `layout`."""
-        from torch.utils.tensorboard import SummaryWriter
+        """An events file under `<dump_folder>/<tb_folder>/<start time>/` with the custom-scalars `layout`
+        (written on this thread, so a full disk is this output's one warning: `event_file.py`)."""
+        from torch.utils.tensorboard.summary import custom_scalars
+
+        from titanlite.metrics.event_file import EventFile
 
         log_dir = os.path.join(dump_folder, tb_folder, time.strftime("%Y%m%d-%H%M%S"))
 
         def open_tensorboard() -> None:
-            self.writer = SummaryWriter(log_dir)
-            self.writer.add_custom_scalars(layout)
+            self.writer = EventFile(log_dir)
+            self.writer.summaries([custom_scalars(layout)], 0)
 
         logger.info(f"TensorBoard events: {log_dir}")
         self.outputs[self.TENSORBOARD].write(open_tensorboard)
@@ -164,16 +167,9 @@ class Sinks:
         jsonl = self.jsonl
         self.outputs[JsonLines.NAME].write(lambda: jsonl.append(row))
         scalars = {m.tag: values[m.name] for m in metrics if values.get(m.name) is not None}
-        if self.writer is not None:
-
-            def tensorboard() -> None:
-                writer = self.writer._get_file_writer()
-                for m in metrics:
-                    if m.tag in scalars:
-                        writer.add_summary(self._summary(m, scalars[m.tag]), step)
-                self.writer.flush()
-
-            self.outputs[self.TENSORBOARD].write(tensorboard)
+        if (writer := self.writer) is not None:
+            summaries = [self._summary(m, scalars[m.tag]) for m in metrics if m.tag in scalars]
+            self.outputs[self.TENSORBOARD].write(lambda: writer.summaries(summaries, step))
         if self.wandb_run is not None:
             self.outputs[self.WANDB].write(lambda: self.wandb_run.log(scalars, step=step))
 
