@@ -37,8 +37,9 @@ CASES_2 = [
     {"shard": 2, "accum": 2, "ac": "full"},
     # The same in one compiled, bucketed graph: the graph reads the weights kept for the step.
     {**_COMPILED_ACCUM, "scope": "model"},
-    # Per-block graphs with the eager prefetcher (scope auto under full AC): reduced in every backward.
-    _COMPILED_ACCUM,
+    # Per-block graphs with the eager prefetcher (asked for: auto keeps one graph when a step accumulates):
+    # reduced in every backward.
+    {**_COMPILED_ACCUM, "scope": "prefetch"},
     {"shard": 2, "dp_impl": "fsdp2"},
     {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
@@ -73,7 +74,7 @@ CASES_2 = [
     {"cp": 2, "no_kv_grad": True},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
-_PREFETCH_ACCUMULATED = _COMPILED_ACCUM
+_PREFETCH_ACCUMULATED = {**_COMPILED_ACCUM, "scope": "prefetch"}
 # Compiled blocks (per-block bucketing) under dp x tp with full AC and document masks; checked for buckets below.
 COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
                     "ac": "full", "mask": "block_causal", "scope": "model"}  # fmt: skip
@@ -299,9 +300,9 @@ def test_compiled_dp_x_tp_ran_bucketed_graphs(records):
 @pytest.mark.slow
 def test_prefetched_cases_issued_their_collectives_eagerly(records):
     """Scope auto under full AC is the eager prefetcher around per-block graphs: over dp x tp its flat
-    gathers and reductions (fewer than per parameter) are overlapped by the neighbouring blocks; with
-    gradient accumulation every backward reduces its own gradients (per_microbatch, no weights kept for
-    the step)."""
+    gathers and reductions (fewer than per parameter) are overlapped by the neighbouring blocks; asked for
+    with gradient accumulation, every backward reduces its own gradients (per_microbatch, no weights kept
+    for the step)."""
     report = records(4, CASES_4)[case_id(PREFETCH_DP_X_TP)]["compile_report"]
     dp = report["dp"]
     assert report["scope"] == "prefetch" and report["traces"] == 2  # one trace for every block + the eager unit
