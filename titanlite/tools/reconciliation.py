@@ -21,6 +21,9 @@ computed here from the same model, never typed in:
   the published figure is the reserved peak over all GPUs (allocations plus the caching allocator's
   reserve), and rows the model holds to the same allocations that published different figures show a
   part of the figure the layout does not set.
+- the planner's margin: a layout fits when its estimate is at most `COMFORT_FRACTION` of the GPU, so a
+  run's published peak is covered when it is at most the estimate / `COMFORT_FRACTION`; the last column
+  but one says by how much a row's peak exceeds that (what the planner would have let through).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from titanlite.memory_plan import GiB
+from titanlite.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.step_time import Features
 from titanlite.tools.calibration import CONFIGS, ROWS, Result, Row, estimate, evaluate
 from titanlite.tools.layout_search import Estimate
@@ -55,6 +58,13 @@ class Reconciled:
     as_run_gib: float
     """The worst rank with both changes."""
 
+    @property
+    def margin_short_gib(self) -> float:
+        """How far the published peak exceeds what the planner's comfort margin leaves above the estimate
+        (<= 0: covered)."""
+        assert self.row.gib is not None
+        return self.row.gib - self.estimate.gib / COMFORT_FRACTION
+
 
 def _rank_changes(est: Estimate, vocab: int) -> list[tuple[int, int, int]]:
     """Per pipeline rank (the only one without PP): (estimated total, Float8 weights' change, December
@@ -75,6 +85,17 @@ def _rank_changes(est: Estimate, vocab: int) -> list[tuple[int, int, int]]:
                 kept += (rank.microbatches - k) * (logits if u.last else u.boundary)
         out.append((rank.total, float8, kept))
     return out
+
+
+def per_stage_reduction_gib(est: Estimate) -> float:
+    """The worst rank's estimate where torch's schedule reduces each stage's gradients after its last
+    backward: on a rank of several stages the last (highest) one runs all its backwards before the others
+    start theirs, so its unreduced gradients are gone before theirs exist (one stage per rank: no change)."""
+    worst = 0
+    for rank in est.memory.ranks:
+        first_done = max(rank.stages, key=lambda u: u.stage) if len(rank.stages) > 1 else None
+        worst = max(worst, rank.total - (first_done.memory.reduce_buffer if first_done else 0))
+    return worst / GiB
 
 
 def _tps(row: Row, features: Features, shapes: dict) -> float:
@@ -151,12 +172,18 @@ def _gib_note(r: Reconciled, recs: list[Reconciled]) -> str:
     return note
 
 
+def _margin(r: Reconciled) -> str:
+    covers = r.estimate.gib / COMFORT_FRACTION
+    short = r.margin_short_gib
+    return f"{covers:.1f}, covers" if short <= 0 else f"{covers:.1f}, {short:.1f} short"
+
+
 def table(recs: list[Reconciled]) -> str:
     """The markdown table of docs/dry_run.md (`reconcile()`'s rows)."""
     lines = [
         "| # | run | tok/s published | estimated | diff | GiB published | estimated | diff | Float8 weights | "
-        "torch 2024 outputs | as run | diff | beyond 10% |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"torch 2024 outputs | as run | diff | estimate / {COMFORT_FRACTION:.0%} | beyond 10% |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for i, r in enumerate(recs, 1):
         row, est = r.row, r.estimate
@@ -165,7 +192,7 @@ def table(recs: list[Reconciled]) -> str:
         lines.append(
             f"| {i} | {row.name} | {row.tps:,.0f} | {est.tps:,.0f} | {_pct(est.tps, row.tps)} | {row.gib:.1f} | "
             f"{est.gib:.1f} | {_pct(est.gib, row.gib)} | {r.float8_gib:+.1f} | {r.retained_gib:+.1f} | "
-            f"{r.as_run_gib:.1f} | {_pct(r.as_run_gib, row.gib)} | {note} |"
+            f"{r.as_run_gib:.1f} | {_pct(r.as_run_gib, row.gib)} | {_margin(r)} | {note} |"
         )
     return "\n".join(lines)
 
