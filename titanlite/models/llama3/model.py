@@ -195,17 +195,25 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None, kv: LayerKV | None = None
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+
+        def heads(w: nn.Linear) -> torch.Tensor:
+            # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
+            return w(x).view(bsz, seq, -1, self.head_dim)
+
         cp = self.context_parallel if kv is None else None
-        if cp is not None and mask is None:
-            raise ValueError("attention under context parallelism takes the mask of its queries (causal_mask)")
-        k = apply_rope(k, cos, sin)
-        # Under CP the keys and values are gathered while the queries are projected (`start_gather`).
-        pending = cp.start_gather(torch.stack((k, v)), dim=2) if cp is not None else None
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), cos, sin)
-        if pending is not None:
+        if cp is None:
+            # Queries first: the order of the projections is the order autograd sums their gradients into
+            # x's, so reordering them changes every run's losses in their last bits.
+            q, k, v = heads(self.wq), heads(self.wk), heads(self.wv)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            if mask is None:
+                raise ValueError("attention under context parallelism takes the mask of its queries (causal_mask)")
+            k, v = heads(self.wk), heads(self.wv)
+            k = apply_rope(k, cos, sin)
+            # The keys and values are gathered while the queries are projected (`start_gather`).
+            pending = cp.start_gather(torch.stack((k, v)), dim=2)
+            q = apply_rope(heads(self.wq), cos, sin)
             k, v = cp.finish_gather(pending, dim=2).unbind(0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         causal = True
