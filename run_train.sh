@@ -104,7 +104,7 @@ fi
 RESTARTS=()
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   if [ -z "${MAX_RESTARTS:-}" ]; then
-    WORLD_SIZE=$((NGPU * NNODES)) _titanlite_run "$PYTHON" -m titanlite.preflight --config "$CONFIG" \
+    WORLD_SIZE=$((NGPU * NNODES)) _titanlite_run "$PYTHON" -m titanlite.launcher.preflight --config "$CONFIG" \
       "${ARGS[@]+"${ARGS[@]}"}"
     MAX_RESTARTS=$_TITANLITE_STDOUT
   fi
@@ -121,7 +121,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 NUMA=()
 [ -n "${NUMA_BINDING:-}" ] && NUMA=(--numa-binding "$NUMA_BINDING")
-LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
+LAUNCH=("$PYTHON" -m titanlite.launcher.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
         "${NUMA[@]+"${NUMA[@]}"}"
         --local-ranks-filter "$LOG_RANK" --role rank --tee 3
         -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")

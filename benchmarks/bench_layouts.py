@@ -154,7 +154,7 @@ def cpu_kind(machine: dict[str, float]):
     """The measured machine as a GPU kind: every rate as measured (the model's efficiencies divided out),
     one node of the 4 ranks sharing this machine's cores, collectives that do not overlap compute (gloo
     runs on the same cores)."""
-    from titanlite.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
+    from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
 
     mm = machine["matmul_flops"] / 1e12
     gloo = machine["gloo_bytes_per_s"] / 1e9 / COLLECTIVE_EFFICIENCY

@@ -16,7 +16,7 @@ trainer needs: a signal that arrives while the rank starts is honoured, never lo
 from __future__ import annotations
 
 from titanlite.errors import exit_now
-from titanlite.signals import Preemption
+from titanlite.launcher.signals import Preemption
 
 
 def main(argv: list[str], preemption: Preemption | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
     preemption = preemption or Preemption(interrupt=True)
     from titanlite.build import world_from_env
     from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
-    from titanlite.resilience import note_failure
+    from titanlite.launcher.resilience import note_failure
     from titanlite.trainer import Trainer
 
     if help_requested(argv):
@@ -48,6 +48,6 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
 
 if __name__ == "__main__":
     stop = Preemption(interrupt=True)
-    from titanlite.resilience import run_rank  # torch: after the recorder
+    from titanlite.launcher.resilience import run_rank  # torch: after the recorder
 
     exit_now(run_rank(lambda argv: main(argv, stop)))

@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass, field
 
 from titanlite.config import load_config
-from titanlite.gpus import GPU_KINDS, GpuKind, gpu_kind
-from titanlite.step_time import Features
+from titanlite.planning.gpus import GPU_KINDS, GpuKind, gpu_kind
+from titanlite.planning.step_time import Features
 from titanlite.tools.layout_search import Estimate, LayoutSearch
 
 CONFIGS = {

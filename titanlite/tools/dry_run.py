@@ -55,10 +55,10 @@ from titanlite.build import build_model, choose_step_policy, rank_estimate
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile_report import REPORT_NAME
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.parallelisms.pipeline import StageUnion
 from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss

@@ -31,12 +31,12 @@ from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.gpus import GpuKind, gpu_kind
-from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
-from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
-from titanlite.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.plan import RunPlan
-from titanlite.step_time import Features, StepTime, StepTimeModel
+from titanlite.planning.gpus import GpuKind, gpu_kind
+from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
+from titanlite.planning.layout_space import ParallelLayout, least_memory, structures, with_choices
+from titanlite.planning.step_time import Features, StepTime, StepTimeModel
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
 
 PLAN_NAME = "plan.toml"

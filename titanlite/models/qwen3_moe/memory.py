@@ -20,8 +20,8 @@ rows, and its experts' saved activations grow with them (routing is dropless: no
 
 from __future__ import annotations
 
-from titanlite.memory_plan import Layout, activation_peak
 from titanlite.models.qwen3_moe.model import ModelArgs
+from titanlite.parallelisms.memory_plan import Layout, activation_peak
 
 
 def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:

@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.mfu import GPU_PEAK_TFLOPS
+from titanlite.metrics.mfu import GPU_PEAK_TFLOPS
 
 COLLECTIVE_EFFICIENCY = 0.8
 """Ring bus bandwidth NCCL reaches over the link rate at large messages: nccl-tests on 8 x A100 NVLink

@@ -27,7 +27,7 @@ import torch
 
 from titanlite.build import build_model
 from titanlite.config import JobConfig
-from titanlite.memory_plan import (
+from titanlite.parallelisms.memory_plan import (
     Layout,
     MemoryEstimate,
     StageMemory,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import UserError, exit_code, run_cli
-from titanlite.signals import Preemption
+from titanlite.launcher.signals import Preemption
 
 logger = logging.getLogger("titanlite")
 
