@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch titanlite training: titanlite/launch.py (torch's elastic agent, torchrun's options) starts the
+# Launch titanlite training: titanlite/launcher/launch.py (torch's elastic agent, torchrun's options) starts the
 # ranks of this node. SIGTERM, SIGUSR1 or Ctrl-C stop every rank at the next step with a checkpoint
 # (exit 0; Ctrl-C twice: at once, exit 130); before any rank started (the set-up, the launcher's imports)
 # they are one line and exit 128 + signal; a rank's error is printed once (exit 2 bad input, 3
@@ -130,7 +130,7 @@ if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   exit 0
 fi
 # The launcher starts with the stop signals blocked (coreutils' env, 8.31 and later): one that comes before
-# its recorder exists (its first instruction, titanlite/signals.py) waits for it instead of killing it.
+# its recorder exists (its first instruction, titanlite/launcher/signals.py) waits for it instead of killing it.
 BLOCKED=()
 env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)
 exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "${LAUNCH[@]}"

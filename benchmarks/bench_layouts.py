@@ -9,7 +9,7 @@ rank at once as in training: the matmul rate at the model's shapes, the attentio
 backward) rate, the copy bandwidth, and gloo's all-gather bandwidth and latency over the 4 ranks. Then
 every layout below is built by the trainer itself and stepped with the shipped `Trainer.train_step`
 (`bench_suite.Variant`), in interleaved rounds; the median step time is its measurement. After the
-launch this process estimates each layout with `titanlite.step_time` on the measured kind (the layout
+launch this process estimates each layout with `titanlite.planning.step_time` on the measured kind (the layout
 search's `given` estimate of that config) and prints both rankings.
 """
 

@@ -1,7 +1,7 @@
 """The step-time and memory estimates against TorchTitan's published Llama 3 runs (titanlite/tools/calibration.py).
 
 Pure arithmetic on parameter shapes read once per model: the calibration rows reproduce their published
-tokens/s with the efficiencies titanlite/gpus.py holds (so the table is the fit), every comparable
+tokens/s with the efficiencies titanlite/planning/gpus.py holds (so the table is the fit), every comparable
 row stays within the error docs/layout_search.md reports, and that page's table is this model's output.
 """
 

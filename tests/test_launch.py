@@ -1,5 +1,5 @@
-"""The launch command lines (titanlite.launch with torchrun's options) that run_train.sh and multinode_trainer.slurm
-run (DRY_LAUNCH=1 prints it)."""
+"""The launch command lines (titanlite.launcher.launch with torchrun's options) that run_train.sh and
+multinode_trainer.slurm run (DRY_LAUNCH=1 prints it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""run_train.sh and its launcher (titanlite/launch.py) as a scheduler and a terminal use them.
+"""run_train.sh and its launcher (titanlite/launcher/launch.py) as a scheduler and a terminal use them.
 
 Each case starts `run_train.sh` in a session of its own (as a job is), waits for the first logged step,
 signals the launcher or its whole process group the way SLURM, Kubernetes or a terminal do, and checks

@@ -1,11 +1,11 @@
 """The training entry point: `python -m titanlite.train --config FILE [--section.key value ...]`.
 
-Under `titanlite.launch` (`run_train.sh`), under torchrun or alone: a single process is a world of one
+Under `titanlite.launcher.launch` (`run_train.sh`), under torchrun or alone: a single process is a world of one
 and gets the same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and
 process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader ->
 `train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
 exit code 3, work that could not be saved exit code 4; Ctrl-C saves and stops, twice stops at once with
-exit code 130 (`resilience.run_rank`). Under `titanlite.launch` a failing rank's message goes to the
+exit code 130 (`resilience.run_rank`). Under `titanlite.launcher.launch` a failing rank's message goes to the
 launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.trainer`, tools
 build runs through `titanlite.build`.
 

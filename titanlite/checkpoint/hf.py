@@ -45,7 +45,7 @@ CONFIG = "config.json"
 
 
 def generation_config(bos_id: int, eos_id: int) -> dict:
-    """`generation_config.json`: greedy by default (what `titanlite.generate` does at temperature 0),
+    """`generation_config.json`: greedy by default (what `titanlite.tools.generate` does at temperature 0),
     stopping at EOS; the pad id is EOS so `generate()` does not warn about a missing one."""
     return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}
 

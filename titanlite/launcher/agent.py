@@ -1,5 +1,5 @@
 """The launcher's agent: torch's elastic agent (`LocalElasticAgent`, what torchrun runs) with titanlite's
-stop signals, restart rule and error report. `titanlite.launch` checks the command line, then calls
+stop signals, restart rule and error report. `titanlite.launcher.launch` checks the command line, then calls
 `launch` here (this module imports torch).
 
 * Stop signals (`Stopper`): the first SIGTERM, SIGUSR1 or SIGINT is forwarded once to every rank, and

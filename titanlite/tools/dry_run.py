@@ -8,7 +8,7 @@ The process joins torch's fake process group as rank `comm.fake_rank` of a world
 model as the trainer does (`build.build_model`) on the meta device, with the model's real parallelize
 plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
 reports per GPU what
-`titanlite.memory_plan` estimates from the sharded parameters: model state, collective buffers,
+`titanlite.parallelisms.memory_plan` estimates from the sharded parameters: model state, collective buffers,
 activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. With several
 backwards per step it chooses the step's policy as the trainer does (`build.choose_step_policy`: gradients
 reduced per step or per microbatch, gathered weights kept for the step or not), reports it with the

@@ -1,4 +1,4 @@
-"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/memory_plan.py`).
+"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/parallelisms/memory_plan.py`).
 
 Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
 by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
