@@ -25,7 +25,7 @@ from titanlite.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorde
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import preflight
-from titanlite.models.init import InitSpec, init_parameter_, init_parameters_
+from titanlite.models.common.init import InitSpec, init_parameter_, init_parameters_
 from titanlite.plan import RunPlan
 from titanlite.run_loader import build_loader, loader_workers
 from titanlite.tools.visible_gpus import visible_gpus

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from titanlite.errors import CheckpointError
-from titanlite.models.init import local_block
+from titanlite.models.common.init import local_block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -26,7 +26,7 @@ d x e / tp bytes per local token) and whether the stage's first block saves it (
 
 from __future__ import annotations
 
-from titanlite.models.attention import mask_bytes
+from titanlite.models.common.attention import mask_bytes
 from titanlite.models.llama3.model import ModelArgs
 from titanlite.parallelisms.memory_plan import Layout, activation_peak
 

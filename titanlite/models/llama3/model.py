@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.attention import Mask, attend, causal_mask
-from titanlite.models.init import InitSpec, init_parameters_
+from titanlite.models.common.attention import Mask, attend, causal_mask
+from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         positions after the cached ones: one sequence, one document, causal.
 
         `positions` [b, s] (each token's position in its document) replace 0 .. s - 1 in RoPE and `mask`
-        (`models/attention.py`, built once per batch by the caller, outside any compiled code) replaces
+        (`models/common/attention.py`, built once per batch by the caller, outside any compiled code) replaces
         causal attention in every block; without them the model is causal over the whole row. Under
         context parallelism without them (a pipeline stage, whose rows are `seq_len` tokens: the plan
         refuses validation under pipeline parallelism) the tokens are this rank's part of every row: RoPE
