@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch titanlite training: titanlite/launch.py (torch's elastic agent, torchrun's options) starts the
+# Launch titanlite training: titanlite/launcher/launch.py (torch's elastic agent, torchrun's options) starts the
 # ranks of this node. SIGTERM, SIGUSR1 or Ctrl-C stop every rank at the next step with a checkpoint
 # (exit 0; Ctrl-C twice: at once, exit 130); before any rank started (the set-up, the launcher's imports)
 # they are one line and exit 128 + signal; a rank's error is printed once (exit 2 bad input, 3
@@ -104,7 +104,7 @@ fi
 RESTARTS=()
 if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   if [ -z "${MAX_RESTARTS:-}" ]; then
-    WORLD_SIZE=$((NGPU * NNODES)) _titanlite_run "$PYTHON" -m titanlite.preflight --config "$CONFIG" \
+    WORLD_SIZE=$((NGPU * NNODES)) _titanlite_run "$PYTHON" -m titanlite.launcher.preflight --config "$CONFIG" \
       "${ARGS[@]+"${ARGS[@]}"}"
     MAX_RESTARTS=$_TITANLITE_STDOUT
   fi
@@ -121,7 +121,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 NUMA=()
 [ -n "${NUMA_BINDING:-}" ] && NUMA=(--numa-binding "$NUMA_BINDING")
-LAUNCH=("$PYTHON" -m titanlite.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
+LAUNCH=("$PYTHON" -m titanlite.launcher.launch "${RDZV[@]}" --nproc_per_node="$NGPU" "${RESTARTS[@]+"${RESTARTS[@]}"}"
         "${NUMA[@]+"${NUMA[@]}"}"
         --local-ranks-filter "$LOG_RANK" --role rank --tee 3
         -m titanlite.train --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}")
@@ -130,7 +130,7 @@ if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   exit 0
 fi
 # The launcher starts with the stop signals blocked (coreutils' env, 8.31 and later): one that comes before
-# its recorder exists (its first instruction, titanlite/signals.py) waits for it instead of killing it.
+# its recorder exists (its first instruction, titanlite/launcher/signals.py) waits for it instead of killing it.
 BLOCKED=()
 env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)
 exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "${LAUNCH[@]}"

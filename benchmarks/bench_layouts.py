@@ -9,7 +9,7 @@ rank at once as in training: the matmul rate at the model's shapes, the attentio
 backward) rate, the copy bandwidth, and gloo's all-gather bandwidth and latency over the 4 ranks. Then
 every layout below is built by the trainer itself and stepped with the shipped `Trainer.train_step`
 (`bench_suite.Variant`), in interleaved rounds; the median step time is its measurement. After the
-launch this process estimates each layout with `titanlite.step_time` on the measured kind (the layout
+launch this process estimates each layout with `titanlite.planning.step_time` on the measured kind (the layout
 search's `given` estimate of that config) and prints both rankings.
 """
 
@@ -154,7 +154,7 @@ def cpu_kind(machine: dict[str, float]):
     """The measured machine as a GPU kind: every rate as measured (the model's efficiencies divided out),
     one node of the 4 ranks sharing this machine's cores, collectives that do not overlap compute (gloo
     runs on the same cores)."""
-    from titanlite.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
+    from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
 
     mm = machine["matmul_flops"] / 1e12
     gloo = machine["gloo_bytes_per_s"] / 1e9 / COLLECTIVE_EFFICIENCY

@@ -76,8 +76,8 @@ sys.path.insert(0, str(ROOT))
 from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
-from titanlite.memory_plan import local_tensor  # noqa: E402
 from titanlite.metrics import mfu_pct, peak_tflops  # noqa: E402
+from titanlite.parallelisms.memory_plan import local_tensor  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]

@@ -26,8 +26,8 @@ import torch
 from titanlite.config import load_config
 from titanlite.data.batch import Batch
 from titanlite.errors import run_cli
-from titanlite.memory_plan import GiB, estimate
 from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
+from titanlite.parallelisms.memory_plan import GiB, estimate
 from titanlite.trainer import Trainer
 
 CONFIG = "train_configs/llama3_1b_gpu.toml"

@@ -67,9 +67,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titanlite.config import load_config
 from titanlite.errors import ConfigError, run_cli
-from titanlite.memory_plan import GiB
 from titanlite.metrics import peak_tflops
 from titanlite.parallelisms.compile_report import REPORT_NAME
+from titanlite.parallelisms.memory_plan import GiB
 from titanlite.tools.dry_run import dry_run, format_report
 
 ROOT = Path(__file__).resolve().parents[1]

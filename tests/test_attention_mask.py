@@ -18,14 +18,14 @@ from titanlite.config import ActivationCheckpoint
 from titanlite.data.batch import Batch
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
-from titanlite.memory_plan import Layout
-from titanlite.models import attention
-from titanlite.models.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
+from titanlite.models.common import attention
+from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
 from titanlite.models.llama3 import memory
 from titanlite.models.llama3 import model as llama3_model
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SEAM, SequenceShard
+from titanlite.parallelisms.memory_plan import Layout
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss, model_forward

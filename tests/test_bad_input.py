@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from harness import ROOT, child_env
-from titanlite import preflight
 from titanlite.errors import run_cli
+from titanlite.launcher import preflight
 
 BASE = str(ROOT / "train_configs/debug_model.toml")
 

@@ -1,7 +1,7 @@
 """The step-time and memory estimates against TorchTitan's published Llama 3 runs (titanlite/tools/calibration.py).
 
 Pure arithmetic on parameter shapes read once per model: the calibration rows reproduce their published
-tokens/s with the efficiencies titanlite/gpus.py holds (so the table is the fit), every comparable
+tokens/s with the efficiencies titanlite/planning/gpus.py holds (so the table is the fit), every comparable
 row stays within the error docs/layout_search.md reports, and that page's table is this model's output.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness import ROOT
-from titanlite.memory_plan import GiB
+from titanlite.parallelisms.memory_plan import GiB
 from titanlite.tools import calibration, reconciliation
 
 pytestmark = pytest.mark.slow  # a second of arithmetic over 8B, 70B and 405B shapes

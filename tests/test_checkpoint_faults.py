@@ -240,7 +240,7 @@ def test_a_locked_dump_folder_is_refused_in_one_line(tmp_path):
         assert f"job.dump_folder {dump} is in use by another run ({holder}" in line, line
         assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint").exists()
         pre = subprocess.run(
-            [sys.executable, "-m", "titanlite.preflight", "--job.dump_folder", str(dump), *BASE],
+            [sys.executable, "-m", "titanlite.launcher.preflight", "--job.dump_folder", str(dump), *BASE],
             env=child_env(),
             cwd=ROOT,
             capture_output=True,

@@ -24,9 +24,9 @@ from harness import ROOT, child_env, tiny_args
 from titanlite.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorder
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.models.init import InitSpec, init_parameter_, init_parameters_
+from titanlite.launcher.preflight import preflight
+from titanlite.models.common.init import InitSpec, init_parameter_, init_parameters_
 from titanlite.plan import RunPlan
-from titanlite.preflight import preflight
 from titanlite.run_loader import build_loader, loader_workers
 from titanlite.tools.visible_gpus import visible_gpus
 from titanlite.trainer import Trainer

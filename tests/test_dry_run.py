@@ -28,12 +28,12 @@ from harness import ROOT, assert_ok, child_env, end_worker, torchrun
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
-from titanlite.memory_plan import Layout, stage_runtime
 from titanlite.models.llama3 import Transformer, llama3_configs
 from titanlite.models.llama3.memory import activation_bytes
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.memory_plan import Layout, stage_runtime
 from titanlite.parallelisms.pipeline import StagePlan
 from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss
@@ -325,7 +325,7 @@ def test_gradients_reduced_once_per_step_are_held_unsharded_in_fp32():
     """4 accumulated microbatches reduced once per step hold every gradient unsharded in fp32 (whatever the
     reduce dtype) until the reduction, which packs one bucket (here: all of the debug model's gradients) and
     its shard at a time; reduced per microbatch, or in a step of one backward, only one unit's."""
-    from titanlite.memory_plan import gathered_numel
+    from titanlite.parallelisms.memory_plan import gathered_numel
 
     world = ["--comm.fake_world_size", "2", "--training.mixed_precision_reduce", "bfloat16"]
     accum = [*world, "--training.global_batch_size", "64"]  # local 8 x dp 2 x accum 4
@@ -343,7 +343,7 @@ def test_gradients_reduced_once_per_step_are_held_unsharded_in_fp32():
 def test_weights_kept_for_the_step_are_counted_whole():
     """Kept for a step of 4 backwards (auto, it fits): every gathered weight, the embedding's too, and no
     gather in flight; regathered (reshard `default`), the last block and the norm and output only."""
-    from titanlite.memory_plan import gathered_numel
+    from titanlite.parallelisms.memory_plan import gathered_numel
 
     accum = ["--comm.fake_world_size", "2", "--training.global_batch_size", "64"]
     kept = dry_run(cfg_of(*accum))
@@ -472,7 +472,7 @@ def test_pipeline_gathers_are_held_per_microbatch_in_flight_unless_kept():
     """pp 2, 1F1B, 8 microbatches: regathered, pipeline rank 0 (blocks 0-2) holds a copy of its last block's
     gathered weights for each of the 2 microbatches in flight; kept for the step, one copy of everything;
     FSDP2 under torch's pipeline stage holds every unit's unsharded weights whatever the policy."""
-    from titanlite.memory_plan import gathered_numel
+    from titanlite.parallelisms.memory_plan import gathered_numel
 
     again = dry_run(cfg_of(*PP2, "--parallelism.fsdp_reshard_after_forward", "default"))
     kept = dry_run(cfg_of(*PP2))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from harness import tiny_args
-from titanlite.generate import generate
 from titanlite.models.llama3.model import Transformer
+from titanlite.tools.generate import generate
 
 
 @pytest.fixture(scope="module")

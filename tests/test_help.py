@@ -11,9 +11,10 @@ import typing
 import pytest
 
 from harness import ROOT, child_env
-from titanlite import agent, launch, train, trainer
+from titanlite import train, trainer
 from titanlite.config import JobConfig, field_docs, first_sentence, help_text
-from titanlite.signals import Preemption
+from titanlite.launcher import agent, launch
+from titanlite.launcher.signals import Preemption
 
 
 def schema_keys() -> list[tuple[str, dataclasses.Field]]:

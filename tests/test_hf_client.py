@@ -22,11 +22,11 @@ from titanlite.checkpoint.hf import check_hf_config, export_hf, import_hf
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
 from titanlite.data.tokenizer import LLAMA3_N_RANKS, Tokenizer, build_tokenizer, load_ranks
 from titanlite.errors import CheckpointError, run_cli
-from titanlite.generate import generate
-from titanlite.generate import main as generate_main
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
 from titanlite.models.llama3.model import rope_tables
-from titanlite.sampling import next_token
+from titanlite.tools.generate import generate
+from titanlite.tools.generate import main as generate_main
+from titanlite.tools.sampling import next_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,7 +168,7 @@ def test_mismatched_config_is_one_line_before_any_rank(tmp_path, capsys):
     transformers.LlamaForCausalLM(hf_config(rope_theta=10000.0)).save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(CheckpointError, match=r"rope_theta = 10000.0 in its config.json, 500000.0 in this model$"):
         check_hf_config(tmp_path / "hf", ARGS, SPEC.hf_adapter)
-    from titanlite.preflight import main as preflight_main
+    from titanlite.launcher.preflight import main as preflight_main
 
     argv = ["--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run")]
     argv += ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"]

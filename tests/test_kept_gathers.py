@@ -22,8 +22,8 @@ from harness import tiny_args
 from titanlite.build import build_training
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
-from titanlite.memory_plan import COMFORT_FRACTION, GiB, choose_step
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, choose_step
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss

@@ -1,5 +1,5 @@
-"""The launch command lines (titanlite.launch with torchrun's options) that run_train.sh and multinode_trainer.slurm
-run (DRY_LAUNCH=1 prints it)."""
+"""The launch command lines (titanlite.launcher.launch with torchrun's options) that run_train.sh and
+multinode_trainer.slurm run (DRY_LAUNCH=1 prints it)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_two_nodes_use_the_c10d_rendezvous():
             ["./run_train.sh", "--training.steps", "5"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
     )
-    assert argv[0].startswith("OMP_NUM_THREADS=") and argv[2:4] == ["-m", "titanlite.launch"]
+    assert argv[0].startswith("OMP_NUM_THREADS=") and argv[2:4] == ["-m", "titanlite.launcher.launch"]
     assert "--standalone" not in argv
     assert (
         option(argv, "--nnodes"),

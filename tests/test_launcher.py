@@ -1,4 +1,4 @@
-"""run_train.sh and its launcher (titanlite/launch.py) as a scheduler and a terminal use them.
+"""run_train.sh and its launcher (titanlite/launcher/launch.py) as a scheduler and a terminal use them.
 
 Each case starts `run_train.sh` in a session of its own (as a job is), waits for the first logged step,
 signals the launcher or its whole process group the way SLURM, Kubernetes or a terminal do, and checks
@@ -23,8 +23,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness import ROOT, SMALL, child_env
-from titanlite.agent import root_cause
-from titanlite.resilience import write_failure
+from titanlite.launcher.agent import root_cause
+from titanlite.launcher.resilience import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
 RUN = [*SMALL, "--training.steps", "1000"]
@@ -137,7 +137,7 @@ def rank_processes(marker: str, ranks_only: bool = False) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if ranks_only and (b"-m\0titanlite.train" not in cmdline or b"titanlite.launch" in cmdline):
+        if ranks_only and (b"-m\0titanlite.train" not in cmdline or b"titanlite.launcher.launch" in cmdline):
             continue
         if marker.encode() in cmdline.split(b"\0") and state != "Z":
             pids.append(int(entry.name))
@@ -320,7 +320,7 @@ def test_the_launcher_reports_a_mistyped_key_before_importing_torch():
     line within a second instead of after torch's import (seconds)."""
     code = (
         "import sys\n"
-        "from titanlite import launch\n"
+        "from titanlite.launcher import launch\n"
         "from titanlite.errors import run_cli\n"
         "argv = ['--standalone', '--nproc_per_node=2', '-m', 'titanlite.train', '--training.step', '20']\n"
         "rc = run_cli(launch.main, argv)\n"
@@ -362,8 +362,8 @@ def test_the_launchers_preflight_imports_neither_dtensor_nor_the_compiler(tmp_pa
     heavy = ["torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo"]
     code = (
         "import sys\n"
-        "import titanlite.agent\n"
-        "from titanlite.preflight import preflight\n"
+        "import titanlite.launcher.agent\n"
+        "from titanlite.launcher.preflight import preflight\n"
         f"base = ['--job.dump_folder', {str(tmp_path)!r}]\n"
         "for layout in ([], ['--parallelism.tensor_parallel_degree', '2'], "
         "['--parallelism.pipeline_parallel_degree', '2'], ['--parallelism.context_parallel_degree', '2']):\n"

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite import metrics, mfu, preflight
+from titanlite import metrics
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
-from titanlite.metrics import METRICS, MetricsLogger, StepStats, ValidationResult, peak_tflops
+from titanlite.launcher import preflight
+from titanlite.metrics import METRICS, MetricsLogger, StepStats, ValidationResult, mfu, peak_tflops
 from titanlite.tools.dashboard import describe, read_dashboard
 
 

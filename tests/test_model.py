@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlite.models.attention import attend
-from titanlite.models.init import InitSpec, init_parameter_
+from titanlite.models.common.attention import attend
+from titanlite.models.common.init import InitSpec, init_parameter_
 from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.model import Attention, apply_rope, rope_tables
 
@@ -49,7 +49,7 @@ def test_init_is_deterministic_and_seed_dependent():
 @pytest.mark.parametrize("shape,rows,cols", [((300, 70), (100, 150), (10, 40)), ((257,), (128, 257), None)])
 def test_init_of_a_block_equals_the_slice_of_the_full_tensor(monkeypatch, shape, rows, cols):
     """A rank that holds rows [r0, r1) x cols [c0, c1) gets exactly that slice of the full init."""
-    import titanlite.models.init as init_mod
+    import titanlite.models.common.init as init_mod
 
     monkeypatch.setattr(init_mod, "CHUNK_ELEMENTS", 1000)  # many chunks, so blocks straddle them
     spec = InitSpec("trunc_normal", std=0.02)

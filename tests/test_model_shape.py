@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlite import preflight
 from titanlite.checkpoint.resume_policy import compare_settings
 from titanlite.config import load_config
 from titanlite.config.schema import shape_fields
 from titanlite.errors import ConfigError, run_cli
+from titanlite.launcher import preflight
 from titanlite.models.llama3.hf_adapter import hf_config
 from titanlite.models.registry import get_model_spec
 from titanlite.plan import RunPlan, describe_shape

@@ -9,7 +9,7 @@ import torch
 
 from harness import SMALL, train
 from titanlite.config import Profiling
-from titanlite.profiling import Profiler
+from titanlite.metrics.profiling import Profiler
 
 
 def _run(tmp_path, freq: int, start: int, steps: int, **flags) -> list[str]:

@@ -15,11 +15,11 @@ from builders import config
 
 from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, ConfigError
-from titanlite.generate import generate
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
 from titanlite.models.qwen3_moe import moe as moe_module
 from titanlite.models.qwen3_moe.moe import Experts, MoE, grouped_gemm_dtype
 from titanlite.plan import RunPlan
+from titanlite.tools.generate import generate
 
 ARGS = dataclasses.replace(
     SPEC.flavors["debugmodel"], dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,

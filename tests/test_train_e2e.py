@@ -110,7 +110,7 @@ def test_bad_dataset_path_is_one_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "titanlite.preflight",
+            "titanlite.launcher.preflight",
             "--config",
             "train_configs/debug_model.toml",
             "--training.dataset_path",
@@ -132,7 +132,7 @@ def test_preflight_reports_bad_mesh(tmp_path):
         [
             sys.executable,
             "-m",
-            "titanlite.preflight",
+            "titanlite.launcher.preflight",
             "--config",
             "train_configs/debug_model.toml",
             "--parallelism.data_parallel_shard_degree",

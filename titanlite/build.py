@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.memory_plan import (
+from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.kept_gathers import keep_for_step
+from titanlite.parallelisms.memory_plan import (
     Layout,
     MemoryEstimate,
     StageMemory,
@@ -36,8 +38,6 @@ from titanlite.memory_plan import (
     estimate,
     pipeline_estimate,
 )
-from titanlite.parallelisms.context_parallel import SequenceShard
-from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import parallelize
 from titanlite.parallelisms.pipeline import PipelineRunner, keep_stage

@@ -32,10 +32,10 @@ from titanlite.data.dataset import virtual_shard_count
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.errors import ConfigError
-from titanlite.memory_plan import Layout, StepChoice
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.memory_plan import Layout, StepChoice
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import StagePlan
 

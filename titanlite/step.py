@@ -20,7 +20,7 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
-from titanlite.models.attention import AttnMaskType, build_mask, causal_mask
+from titanlite.models.common.attention import AttnMaskType, build_mask, causal_mask
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
@@ -64,7 +64,7 @@ def model_forward(
 ) -> torch.Tensor:
     """The model's output for one batch already on its device. Under `block_causal` the batch's positions
     go to RoPE and its document mask is built here, once for every block and outside any compiled code
-    (`models/attention.py`); under `causal` the model sees the tokens alone. Under context parallelism
+    (`models/common/attention.py`); under `causal` the model sees the tokens alone. Under context parallelism
     (`sequence`) the model sees this rank's part of every sequence: the mask is that of its queries'
     global indices against every key (causal: one document per row) and RoPE takes its tokens' positions
     (causal: their global indices); its labels are `StepContext.shard(labels)`."""

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite import faults, socket_interfaces
+from titanlite import faults
 from titanlite.build import (
     apply_train_timeout,
     build_training,
@@ -29,19 +29,20 @@ from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
-from titanlite.metrics import METRICS, MetricsLogger, StepStats
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.replica_batches import replica_batches
-from titanlite.plan import RunPlan, describe_shape
-from titanlite.profiling import Profiler
-from titanlite.resilience import (
+from titanlite.launcher import socket_interfaces
+from titanlite.launcher.resilience import (
     LAUNCHER_PID_ENV,
     StepVerdict,
     agree,
     stop_agreed,
 )
+from titanlite.launcher.signals import Preemption
+from titanlite.metrics import METRICS, MetricsLogger, StepStats
+from titanlite.metrics.profiling import Profiler
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallelisms.replica_batches import replica_batches
+from titanlite.plan import RunPlan, describe_shape
 from titanlite.run_loader import build_loader
-from titanlite.signals import Preemption
 from titanlite.validation import Validator
 
 logger = logging.getLogger("titanlite")

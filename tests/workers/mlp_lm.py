@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from titanlite.errors import run_cli
-from titanlite.models.init import InitSpec, init_parameter_
+from titanlite.models.common.init import InitSpec, init_parameter_
 from titanlite.models.registry import ModelSpec, register_model
 from titanlite.parallelisms.units import Units
 

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from titanlite.errors import CheckpointError
-from titanlite.models.init import local_block
+from titanlite.models.common.init import local_block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -45,7 +45,7 @@ CONFIG = "config.json"
 
 
 def generation_config(bos_id: int, eos_id: int) -> dict:
-    """`generation_config.json`: greedy by default (what `titanlite.generate` does at temperature 0),
+    """`generation_config.json`: greedy by default (what `titanlite.tools.generate` does at temperature 0),
     stopping at EOS; the pad id is EOS so `generate()` does not warn about a missing one."""
     return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}
 

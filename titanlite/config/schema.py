@@ -26,7 +26,7 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 """The dtypes a config can name; `titanlite.dtypes.DTYPES` maps them to torch's."""
 
 GpuName = Literal["h100", "h100-96gb-500w", "h200", "a100", "b200"]
-"""The GPU kinds the layout search can plan for; `titanlite.gpus.GPU_KINDS` holds their figures."""
+"""The GPU kinds the layout search can plan for; `titanlite.planning.gpus.GPU_KINDS` holds their figures."""
 
 
 @dataclass
@@ -360,7 +360,7 @@ class Profiling:
     enable_memory_snapshot: bool = False
     """CUDA only: the allocator's history at each profiled step (and on OOM), for pytorch.org/memory_viz.
     On CPU, where there is none, each profiled step writes its allocated bytes over time instead
-    (`rank<r>_memory_timeline.json`, see titanlite/profiling.py)."""
+    (`rank<r>_memory_timeline.json`, see titanlite/metrics/profiling.py)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to `job.dump_folder`."""
 
@@ -395,7 +395,7 @@ class Plan:
     """The layout search (`--plan`, titanlite/tools/layout_search.py)."""
 
     gpu: GpuName = "h100"
-    """GPU kind to plan for (titanlite/gpus.py lists their figures and sources)."""
+    """GPU kind to plan for (titanlite/planning/gpus.py lists their figures and sources)."""
     top: int = field(default=5, metadata=POSITIVE)
     """Ranked layouts shown."""
     confirm: int = field(default=1, metadata=POSITIVE)

@@ -9,9 +9,9 @@ are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`) too, for the
 
 from titanlite.metrics.logger import MetricsLogger, clock
 from titanlite.metrics.memory import MemoryMonitor
+from titanlite.metrics.mfu import mfu_pct, peak_tflops
 from titanlite.metrics.schema import METRICS, Metric, StepStats, ValidationResult
 from titanlite.metrics.sinks import check_wandb
-from titanlite.mfu import mfu_pct, peak_tflops
 
 __all__ = [
     "METRICS",

@@ -16,9 +16,9 @@ import time
 import torch
 
 from titanlite.metrics.memory import MemoryMonitor
+from titanlite.metrics.mfu import Peak
 from titanlite.metrics.schema import METRICS, RENAMED, StepStats, ValidationResult
 from titanlite.metrics.sinks import Sinks
-from titanlite.mfu import Peak
 
 logger = logging.getLogger("titanlite")
 

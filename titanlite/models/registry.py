@@ -11,7 +11,7 @@ The model it builds follows a small protocol:
     model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
     model(tokens, positions=, mask=)    with `block_causal` in `attn_mask_types`: each token's position in
-                                        its document and the batch's mask (`models/attention.py`)
+                                        its document and the batch's mask (`models/common/attention.py`)
     model.args                          the args it was built from (the checkpoint code reads the shape
                                         of the model it loads into, e.g. for Hugging Face weights)
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)

@@ -17,7 +17,7 @@ parallelism would run them (K/V all-gathered per block, head-tail sharding, `ste
 runs used torch's experimental context parallelism (ring attention over SDPA, also head-tail sharded),
 so these rows test the model's cp terms against another implementation of the same idea. Sequences over
 the flavors' 131,072 tokens raise `model.max_seq_len`.
-`fit()` solves for the training efficiency that makes a calibration row exact; `titanlite/gpus.py` holds
+`fit()` solves for the training efficiency that makes a calibration row exact; `titanlite/planning/gpus.py` holds
 the fitted values.
 """
 
@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass, field
 
 from titanlite.config import load_config
-from titanlite.gpus import GPU_KINDS, GpuKind, gpu_kind
-from titanlite.step_time import Features
+from titanlite.planning.gpus import GPU_KINDS, GpuKind, gpu_kind
+from titanlite.planning.step_time import Features
 from titanlite.tools.layout_search import Estimate, LayoutSearch
 
 CONFIGS = {

@@ -8,7 +8,7 @@ The process joins torch's fake process group as rank `comm.fake_rank` of a world
 model as the trainer does (`build.build_model`) on the meta device, with the model's real parallelize
 plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
 reports per GPU what
-`titanlite.memory_plan` estimates from the sharded parameters: model state, collective buffers,
+`titanlite.parallelisms.memory_plan` estimates from the sharded parameters: model state, collective buffers,
 activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. With several
 backwards per step it chooses the step's policy as the trainer does (`build.choose_step_policy`: gradients
 reduced per step or per microbatch, gathered weights kept for the step or not), reports it with the
@@ -55,10 +55,10 @@ from titanlite.build import build_model, choose_step_policy, rank_estimate
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile_report import REPORT_NAME
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
 from titanlite.parallelisms.pipeline import StageUnion
 from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss

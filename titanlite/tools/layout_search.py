@@ -4,11 +4,11 @@
                                         [--comm.fake_gpu_memory_gib GIB: instead of the kind's memory]
     python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
 
-Every valid layout for the world (`titanlite/layout_space.py`: mesh degrees, context parallelism where
+Every valid layout for the world (`titanlite/planning/layout_space.py`: mesh degrees, context parallelism where
 the model family has it, activation checkpointing, batch split, pipeline schedule, reshard policy) is
 estimated for peak memory per GPU (the dry run's model applied to parameter shapes:
-`titanlite/layout_memory.py`) and step time (`titanlite/step_time.py`, with the GPU kind's figures from
-`titanlite/gpus.py`). Layouts within
+`titanlite/planning/layout_memory.py`) and step time (`titanlite/planning/step_time.py`, with the GPU
+kind's figures from `titanlite/planning/gpus.py`). Layouts within
 `COMFORT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
 estimated first (the `given` row); the `plan.confirm` fastest and the given one are then planned by the
 dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
@@ -31,12 +31,12 @@ from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.gpus import GpuKind, gpu_kind
-from titanlite.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
-from titanlite.layout_space import ParallelLayout, least_memory, structures, with_choices
-from titanlite.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.plan import RunPlan
-from titanlite.step_time import Features, StepTime, StepTimeModel
+from titanlite.planning.gpus import GpuKind, gpu_kind
+from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
+from titanlite.planning.layout_space import ParallelLayout, least_memory, structures, with_choices
+from titanlite.planning.step_time import Features, StepTime, StepTimeModel
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
 
 PLAN_NAME = "plan.toml"

@@ -32,8 +32,8 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from titanlite.memory_plan import COMFORT_FRACTION, GiB
-from titanlite.step_time import Features
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.planning.step_time import Features
 from titanlite.tools.calibration import CONFIGS, ROWS, Result, Row, estimate, evaluate
 from titanlite.tools.layout_search import Estimate
 

@@ -1,4 +1,4 @@
-"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/memory_plan.py`).
+"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/parallelisms/memory_plan.py`).
 
 Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
 by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
@@ -26,9 +26,9 @@ d x e / tp bytes per local token) and whether the stage's first block saves it (
 
 from __future__ import annotations
 
-from titanlite.memory_plan import Layout, activation_peak
-from titanlite.models.attention import mask_bytes
+from titanlite.models.common.attention import mask_bytes
 from titanlite.models.llama3.model import ModelArgs
+from titanlite.parallelisms.memory_plan import Layout, activation_peak
 
 
 def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:

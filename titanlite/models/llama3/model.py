@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.attention import Mask, attend, causal_mask
-from titanlite.models.init import InitSpec, init_parameters_
+from titanlite.models.common.attention import Mask, attend, causal_mask
+from titanlite.models.common.feed_forward import FeedForward
+from titanlite.models.common.init import InitSpec, init_parameters_
+from titanlite.models.common.norm import RMSNorm
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
@@ -166,16 +167,6 @@ class KVCache:
         return pos
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
-
-
 class Attention(nn.Module):
     context_parallel: SequenceShard | None = None
     """Under context parallelism this rank's part of every sequence (set by the framework): the input
@@ -224,17 +215,6 @@ class Attention(nn.Module):
             causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
         out = attend(q, k, v, mask, causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -289,7 +269,7 @@ class Transformer(nn.Module):
         positions after the cached ones: one sequence, one document, causal.
 
         `positions` [b, s] (each token's position in its document) replace 0 .. s - 1 in RoPE and `mask`
-        (`models/attention.py`, built once per batch by the caller, outside any compiled code) replaces
+        (`models/common/attention.py`, built once per batch by the caller, outside any compiled code) replaces
         causal attention in every block; without them the model is causal over the whole row. Under
         context parallelism without them (a pipeline stage, whose rows are `seq_len` tokens: the plan
         refuses validation under pipeline parallelism) the tokens are this rank's part of every row: RoPE

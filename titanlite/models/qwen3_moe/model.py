@@ -8,7 +8,7 @@ or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`), and RoPE rotates hal
 Hugging Face does (`rotate_half`), so the export is a renaming (`hf_adapter.py`).
 
 Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name
-(`models/init.py`) and zeroes the routing counters, so every parallel layout starts from the same weights.
+(`models/common/init.py`) and zeroes the routing counters, so every parallel layout starts from the same weights.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.init import InitSpec, init_parameters_
-from titanlite.models.llama3.model import FeedForward, RMSNorm
+from titanlite.models.common.feed_forward import FeedForward
+from titanlite.models.common.init import InitSpec, init_parameters_
+from titanlite.models.common.norm import RMSNorm
 from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
 SHAPE_KEYS = (

@@ -1,7 +1,7 @@
 """The dry run's memory estimate for many layouts at once, from parameter shapes instead of a model build.
 
 The dry run builds the parallelized model on the meta device and reads its shard shapes
-(`titanlite/memory_plan.py`). A layout search asks the same question for thousands of layouts, so the
+(`titanlite/parallelisms/memory_plan.py`). A layout search asks the same question for thousands of layouts, so the
 shapes are read once per tensor-parallel degree (`ShapeTable`: the model built on the meta device with
 TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
 SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`ParallelDims.shard_degree`;
@@ -27,7 +27,7 @@ import torch
 
 from titanlite.build import build_model
 from titanlite.config import JobConfig
-from titanlite.memory_plan import (
+from titanlite.parallelisms.memory_plan import (
     Layout,
     MemoryEstimate,
     StageMemory,

@@ -1,4 +1,4 @@
-"""The launcher: `python -m titanlite.launch [torchrun options] -m titanlite.train [--config FILE ...]`.
+"""The launcher: `python -m titanlite.launcher.launch [torchrun options] -m titanlite.train [--config FILE ...]`.
 
 It takes torchrun's command line and runs torch's elastic agent (`agent.py`) to start, watch and
 restart the ranks of this node. Around it, it gives a scheduler and a terminal what they expect of a
@@ -36,7 +36,7 @@ import signal
 import sys
 
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.signals import Preemption, before_any_rank
+from titanlite.launcher.signals import Preemption, before_any_rank
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    from titanlite.agent import launch  # torch: seconds
+    from titanlite.launcher.agent import launch  # torch: seconds
 
     if quiet:
         del os.environ["TORCH_CPP_LOG_LEVEL"]

@@ -53,13 +53,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.config import ActivationCheckpoint
-from titanlite.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
-from titanlite.layout_memory import LayoutMemory, StageUnits
-from titanlite.memory_plan import Layout
 from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.compile import compile_scope
+from titanlite.parallelisms.memory_plan import Layout
 from titanlite.plan import RunPlan
+from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
+from titanlite.planning.layout_memory import LayoutMemory, StageUnits
 
 ZERO_BUBBLE_SHARE = 1 / 3
 """The zero-bubble schedule's bubble over interleaved 1F1B's: ZB-H1 (Qi et al., "Zero Bubble Pipeline

@@ -1,7 +1,7 @@
 """GPU kinds for the layout search: memory, matmul and attention throughput, memory and link bandwidth.
 
 Every figure is a published one (the source is named on its field or row); none was measured here. The
-step-time model (`titanlite/step_time.py`) reads them as:
+step-time model (`titanlite/planning/step_time.py`) reads them as:
 
     matmul time      FLOPs / (matmul_tflops x training_efficiency)
     attention time   FLOPs / (attention_tflops x training_efficiency)
@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.mfu import GPU_PEAK_TFLOPS
+from titanlite.metrics.mfu import GPU_PEAK_TFLOPS
 
 COLLECTIVE_EFFICIENCY = 0.8
 """Ring bus bandwidth NCCL reaches over the link rate at large messages: nccl-tests on 8 x A100 NVLink

@@ -6,7 +6,7 @@ all-reduce, so all ranks agree on the same step to save a checkpoint and stop, w
 reached; one more such all-reduce before the first step (`stop_agreed`) stops a run that was signalled
 while it started, before it trains anything.
 
-Under the launcher (`titanlite.launch`, which sets `LAUNCHER_PID_ENV`) a rank dies with the launcher
+Under the launcher (`titanlite.launcher.launch`, which sets `LAUNCHER_PID_ENV`) a rank dies with the launcher
 (Linux parent-death signal) and reports its failure into the error file torch elastic gives it
 (`TORCHELASTIC_ERROR_FILE`) instead of its own stderr, so the launcher prints the root cause once.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import UserError, exit_code, run_cli
-from titanlite.signals import Preemption
+from titanlite.launcher.signals import Preemption
 
 logger = logging.getLogger("titanlite")
 
@@ -86,7 +86,7 @@ def stop_agreed(preemption: Preemption, device: torch.device) -> bool:
 # --- under the launcher ---------------------------------------------------------------------------------
 
 LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
-"""Set by `titanlite.launch` for its ranks: the launcher's pid."""
+"""Set by `titanlite.launcher.launch` for its ranks: the launcher's pid."""
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _FAILED_AT = "_titanlite_failed_at"  # attribute note_failure sets on the exception

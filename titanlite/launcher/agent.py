@@ -1,5 +1,5 @@
 """The launcher's agent: torch's elastic agent (`LocalElasticAgent`, what torchrun runs) with titanlite's
-stop signals, restart rule and error report. `titanlite.launch` checks the command line, then calls
+stop signals, restart rule and error report. `titanlite.launcher.launch` checks the command line, then calls
 `launch` here (this module imports torch).
 
 * Stop signals (`Stopper`): the first SIGTERM, SIGUSR1 or SIGINT is forwarded once to every rank, and
@@ -36,9 +36,9 @@ from torch.distributed.run import config_from_args, parse_args, parse_min_max_nn
 
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_USER_ERROR
-from titanlite.preflight import check_run
-from titanlite.resilience import LAUNCHER_PID_ENV
-from titanlite.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
+from titanlite.launcher.preflight import check_run
+from titanlite.launcher.resilience import LAUNCHER_PID_ENV
+from titanlite.launcher.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
 IMMEDIATE_SIGNALS = (signal.SIGHUP, signal.SIGQUIT)  # left to torch: it sends them on to the ranks and shuts down
 EXIT_INTERRUPTED = 128 + signal.SIGINT

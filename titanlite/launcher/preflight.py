@@ -1,4 +1,4 @@
-"""Check a run before torchrun starts any rank: `python -m titanlite.preflight --config FILE [overrides]`.
+"""Check a run before torchrun starts any rank: `python -m titanlite.launcher.preflight --config FILE [overrides]`.
 
 Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
 WORLD_SIZE, the model's shape, the network interfaces named for NCCL and gloo (`socket_interfaces.py`),
@@ -21,10 +21,10 @@ from titanlite.checkpoint.hf import check_hf_config
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.data.data_source import DataSource
 from titanlite.errors import CheckpointError, ConfigError, run_cli
+from titanlite.launcher.socket_interfaces import check as check_socket_interfaces
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
 from titanlite.run_loader import build_loader, build_validation_loader
-from titanlite.socket_interfaces import check as check_socket_interfaces
 
 
 def check_writable(key: str, path: str | Path) -> None:

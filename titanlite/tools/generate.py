@@ -1,6 +1,6 @@
 """Sample text from a trained model, in one process.
 
-usage: python -m titanlite.generate [--config FILE] [--checkpoint DIR | --step N | --hf DIR] --prompt TEXT
+usage: python -m titanlite.tools.generate [--config FILE] [--checkpoint DIR | --step N | --hf DIR] --prompt TEXT
                                     [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]
                                     [--threads N] [--section.key value ...]
 
@@ -42,8 +42,8 @@ from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.plan import RunPlan
-from titanlite.sampling import next_token
 from titanlite.tools.options import number, split_options
+from titanlite.tools.sampling import next_token
 
 OPTIONS = {
     "--checkpoint": "",
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
         return 0
     opts, rest = split_options(argv, OPTIONS)
     if not opts["--prompt"]:
-        raise ConfigError("--prompt is required (python -m titanlite.generate --help)")
+        raise ConfigError("--prompt is required (python -m titanlite.tools.generate --help)")
     if opts["--hf"] and (opts["--checkpoint"] or opts["--step"] != "-1"):
         raise ConfigError("--hf excludes --checkpoint and --step")
     max_new, top_k, seed, threads = (

@@ -94,7 +94,7 @@ class Layout:
     shard_ranks: int = 1
     """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
     attn_mask: str = "causal"
-    """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/attention.py`)."""
+    """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/common/attention.py`)."""
     device_type: str = "cuda"
     """Where the step runs: the mask is a flex BlockMask on CUDA, a dense boolean matrix elsewhere."""
 
