@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import ROOT, child_env
 from titanlite import metrics, mfu, preflight
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
@@ -344,3 +346,26 @@ def test_an_output_that_fails_is_warned_about_once_and_training_goes_on(tmp_path
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     [run] = (tmp_path / "tb").iterdir()
     assert [step for step, _ in read_dashboard(str(run)).scalars["loss/loss"].values] == [1, 10, 20]
+
+
+def test_dashboard_takes_the_tensorboard_folder_and_refuses_a_missing_one_in_one_line(tmp_path):
+    """`python -m titanlite.tools.dashboard` as the docs run it: on `<dump_folder>/tb` it shows the newest
+    run and names it; a folder that does not exist is one line and exit code 2 (not a traceback)."""
+    log_rows(Metrics(peak_tflops=0.5), tmp_path)
+    log_rows(Metrics(peak_tflops=0.5), tmp_path)
+
+    def dashboard(folder: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "titanlite.tools.dashboard", str(folder)]
+        return subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    missing = dashboard(tmp_path / "nope")
+    assert (missing.returncode, missing.stdout) == (2, ""), missing.stderr[-3000:]
+    assert missing.stderr.splitlines() == [
+        f"titanlite: error: {tmp_path / 'nope'} does not exist (give <dump_folder>/tb or one run folder in it)"
+    ]
+    tb = dashboard(tmp_path / "tb")
+    assert (tb.returncode, tb.stderr) == (0, ""), tb.stderr[-3000:]
+    lines = tb.stdout.splitlines()
+    assert lines[0] == f"run002-1proc (the newest run in {tmp_path / 'tb'}):"
+    one = dashboard(tmp_path / "tb" / "run001-1proc")
+    assert one.returncode == 0 and one.stdout.splitlines() == lines[1:] and len(lines) == 14, one.stdout
