@@ -256,9 +256,9 @@ def test_a_locked_dump_folder_is_refused_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory) -> Path:
-    """Steps 1-2 of the debug model with a checkpoint after each."""
+    """Steps 1-2 of the debug model with a checkpoint after each (and TensorBoard events)."""
     dump = tmp_path_factory.mktemp("two_checkpoints")
-    run(dump).ok()
+    run(dump, "--metrics.enable_tensorboard").ok()
     assert folders.scan(dump / "checkpoint") == ([1, 2], [])
     return dump
 
@@ -290,7 +290,10 @@ def resumes(two_checkpoints, tmp_path_factory) -> dict[str, tuple[Path, RunResul
     runs: dict[str, tuple[Path, RunResult]] = {}
     launches = {
         "bit_flip": (export_then_resume, copy_of(two_checkpoints, root / "bit_flip")),
-        "nothing_to_train": (lambda dump: run(dump, steps=2), copy_of(two_checkpoints, root / "nothing")),
+        "nothing_to_train": (
+            lambda dump: run(dump, "--metrics.enable_tensorboard", "--metrics.peak_tflops", "1e-4", steps=2),
+            Path(shutil.copytree(two_checkpoints, root / "nothing")),
+        ),
         "new_global_batch": (
             lambda dump: run(dump, "--training.global_batch_size", "4", steps=3),
             copy_of(two_checkpoints, root / "batch"),
@@ -332,11 +335,35 @@ def test_a_new_lr_is_used_after_resume(resumes):
         assert row["lr"] == pytest.approx(1e-3 * factor, rel=1e-6), row
 
 
-def test_a_resume_with_nothing_to_train_says_so(resumes):
+def test_a_resume_with_nothing_to_train_says_so_and_adds_no_run(resumes, two_checkpoints):
+    """In the dump folder of the run it resumes: no TensorBoard run, no run number, no metrics row. At a
+    peak of 1e-4 TFLOP/s a debug step takes a minute: the launcher says so before any rank starts."""
     dump, proc = resumes["nothing_to_train"]
     assert proc.returncode == 0, proc.log[-3000:]
+    assert proc.stderr.startswith(
+        "titanlite: warning: train_configs/debug_model.toml is sized for a GPU: on this CPU a step is 4.2e+09 "
+        "FLOP per process, at least 0:00:42 at metrics.peak_tflops of 0.0001 TFLOP/s, 0:01:24 for 2 steps; "
+        "training anyway (Ctrl-C stops)\n[rank0]: "
+    ), proc.stderr
     assert "nothing to train: resumed at step 2, training.steps is 2 (raise training.steps to train on)" in proc.stderr
-    assert "training finished" not in proc.stderr and not (dump / "metrics.jsonl").read_text()
+    assert "training finished" not in proc.stderr and "metrics:" not in proc.stderr
+    # The warning, and 7 rank lines (one of them the changed peak_tflops since the checkpoint).
+    assert len(proc.stderr.splitlines()) == 8 and proc.stdout == "", proc.stderr
+    assert [p.name for p in (dump / "tb").iterdir()] == ["run001-1proc"]
+    for name in ("metrics.jsonl", "runs.jsonl"):
+        assert (dump / name).read_text() == (two_checkpoints / name).read_text()
+    assert [json.loads(line)["run"] for line in (dump / "metrics.jsonl").read_text().splitlines()] == [1, 1]
+
+
+def test_generate_names_the_checkpoint_it_loaded(two_checkpoints):
+    """`python -m titanlite.tools.generate` on the run's folder: the newest checkpoint, named on stderr."""
+    cmd = [sys.executable, "-m", "titanlite.tools.generate", "--job.dump_folder", str(two_checkpoints)]
+    cmd += ["--training.seq_len", "64", "--prompt", "The", "--max_new_tokens", "4"]
+    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == f"loaded {two_checkpoints / 'checkpoint' / 'step-2'}", lines
+    assert lines[1].startswith("generated 4 tokens in ") and proc.stdout.startswith("The"), lines
 
 
 def test_a_new_global_batch_stops_the_resume_in_one_line(resumes):

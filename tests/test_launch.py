@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import socket
 import subprocess
@@ -158,3 +159,25 @@ def test_nodes_with_dump_folders_of_their_own_stop_before_training(tmp_path):
             "system, not node-local disk)"
         ], err[-3000:]
         assert "step 1" not in err and not list((tmp_path / f"node{i}").glob("checkpoint/step-*"))
+
+
+@pytest.mark.slow
+def test_a_gpu_config_on_a_cpu_says_what_a_step_costs_and_goes_on(tmp_path):
+    """`NGPU=1 ./run_train.sh --config train_configs/llama3_1b_gpu.toml` on a machine without CUDA: before
+    any rank starts, one warning with the step's FLOPs and its time at the CPU's measured peak, and the
+    launch goes on (DRY_LAUNCH: the preflight, then the launch command instead of hours of training)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for machines without CUDA")
+    env = child_env(NGPU="1", DRY_LAUNCH="1")
+    cmd = ["./run_train.sh", "--config", "train_configs/llama3_1b_gpu.toml", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert launched(proc)[-4:] == cmd[1:] and len(proc.stdout.splitlines()) == 1
+    [line] = proc.stderr.splitlines()
+    assert re.fullmatch(
+        r"titanlite: warning: train_configs/llama3_1b_gpu\.toml is sized for a GPU: on this CPU a step is "
+        r"5\.5e\+13 FLOP per process, at least \d+:\d\d:\d\d at this CPU's measured fp32 peak of [\d.]+ TFLOP/s, "
+        r"\d+:\d\d:\d\d for 40 steps plus compilation; training anyway \(Ctrl-C stops\)",
+        line,
+    ), line

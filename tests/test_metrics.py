@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import ROOT, child_env
 from titanlite import metrics
 from titanlite.config import Metrics
 from titanlite.errors import run_cli
 from titanlite.launcher import preflight
 from titanlite.metrics import METRICS, MetricsLogger, StepStats, ValidationResult, mfu, peak_tflops
+from titanlite.metrics.runs import layout_label
 from titanlite.tools.dashboard import describe, read_dashboard
 
 
@@ -143,12 +146,16 @@ def test_step_line_shows_progress_elapsed_and_eta_without_colour_off_a_terminal(
     assert not any("\x1b" in line for line in log_rows(cfg, tmp_path / "c")[1])
 
 
-def test_eta_is_the_mean_step_time_after_the_first_log(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_eta_is_the_mean_step_time_after_the_first_log(monkeypatch, compiled):
+    """The first log's window holds the first step: under compile all it measured is the compilation,
+    so it gives no ETA (a 2-minute run showed 0:23:23); eager, that step's time is the estimate."""
     now = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    logger = MetricsLogger(Metrics(enable_tensorboard=False), "", torch.device("cpu"), 1e6, enabled=False)
+    cfg = Metrics(enable_tensorboard=False)
+    logger = MetricsLogger(cfg, "", torch.device("cpu"), 1e6, enabled=False, compiled=compiled)
     logger.begin(0, 100)
-    assert logger._eta(1, window_step_s=5.0) == pytest.approx(99 * 5.0)  # compile-heavy first window
+    assert logger._eta(1, window_step_s=5.0) == (None if compiled else pytest.approx(99 * 5.0))
     now[0] = 120.0
     assert logger._eta(11, window_step_s=9.0) == pytest.approx(89 * 2.0)  # 20 s over 10 steps
     assert metrics.clock(3725.4) == "1:02:05"
@@ -264,6 +271,38 @@ def test_rows_name_their_run_and_a_torn_last_row_is_cut(tmp_path):
     assert [(r["run"], r["step"]) for r in rows] == [(1, 1), (1, 10), (1, 20), (2, 1), (2, 10), (2, 20)]
 
 
+def test_runs_are_numbered_once_named_by_layout_and_listed(tmp_path):
+    """Every run that starts training takes the next number, even one that dies before its first row
+    (the next run must not print the same number), and is listed in runs.jsonl under the name of its
+    TensorBoard folder; a start that trains nothing writes nothing."""
+    cfg = Metrics(peak_tflops=0.5)
+
+    def start(from_step: int, label: str, world: int, log: bool = True) -> MetricsLogger:
+        logger = MetricsLogger(cfg, str(tmp_path), torch.device("cpu"), 1e6, True, run_label=label, world_size=world)
+        logger.begin(from_step, 20)
+        if log:
+            logger.log(rows()[0], 1)
+        logger.close()
+        return logger
+
+    idle = MetricsLogger(cfg, str(tmp_path), torch.device("cpu"), 1e6, True)  # resumed at its last step
+    idle.close()
+    assert not list(tmp_path.iterdir())
+    start(0, "dp_shard2", 2)
+    start(10, "dp_shard2-tp2-compile", 4, log=False)  # killed in its first step
+    start(10, "1proc", 1)
+    listed = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    names = ["run001-dp_shard2", "run002-dp_shard2-tp2-compile-from_step10", "run003-1proc-from_step10"]
+    assert [(r["run"], r["name"], r["from_step"], r["world_size"]) for r in listed] == [
+        (1, names[0], 0, 2),
+        (2, names[1], 10, 4),
+        (3, names[2], 10, 1),
+    ]
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == names
+    assert [json.loads(line)["run"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 3]
+    assert layout_label({"dp_shard": 1}, "fsdp2", False, "ep2") == "1proc-ep2-fsdp2"
+
+
 class FailingWandb:
     name = "fake"
 
@@ -282,6 +321,7 @@ def test_an_output_that_fails_is_warned_about_once_and_training_goes_on(tmp_path
     """W&B fails at once, metrics.jsonl at its second row (a short write, then ENOSPC): one warning each,
     no torn row, and TensorBoard goes on."""
     logger = MetricsLogger(Metrics(peak_tflops=0.5), str(tmp_path), torch.device("cpu"), 1e6, enabled=True)
+    logger.begin(0, 20)
     logger.sinks.wandb_run = wandb = FailingWandb()
     write, writes = os.write, []
 
@@ -307,3 +347,26 @@ def test_an_output_that_fails_is_warned_about_once_and_training_goes_on(tmp_path
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     [run] = (tmp_path / "tb").iterdir()
     assert [step for step, _ in read_dashboard(str(run)).scalars["loss/loss"].values] == [1, 10, 20]
+
+
+def test_dashboard_takes_the_tensorboard_folder_and_refuses_a_missing_one_in_one_line(tmp_path):
+    """`python -m titanlite.tools.dashboard` as the docs run it: on `<dump_folder>/tb` it shows the newest
+    run and names it; a folder that does not exist is one line and exit code 2 (not a traceback)."""
+    log_rows(Metrics(peak_tflops=0.5), tmp_path)
+    log_rows(Metrics(peak_tflops=0.5), tmp_path)
+
+    def dashboard(folder: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "titanlite.tools.dashboard", str(folder)]
+        return subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    missing = dashboard(tmp_path / "nope")
+    assert (missing.returncode, missing.stdout) == (2, ""), missing.stderr[-3000:]
+    assert missing.stderr.splitlines() == [
+        f"titanlite: error: {tmp_path / 'nope'} does not exist (give <dump_folder>/tb or one run folder in it)"
+    ]
+    tb = dashboard(tmp_path / "tb")
+    assert (tb.returncode, tb.stderr) == (0, ""), tb.stderr[-3000:]
+    lines = tb.stdout.splitlines()
+    assert lines[0] == f"run002-1proc (the newest run in {tmp_path / 'tb'}):"
+    one = dashboard(tmp_path / "tb" / "run001-1proc")
+    assert one.returncode == 0 and one.stdout.splitlines() == lines[1:] and len(lines) == 14, one.stdout

@@ -11,6 +11,7 @@ tests/test_context_parallel.py; every layout through the trainer's step in tests
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,10 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
         assert "; attention block_causal (packed documents masked apart)" in run.log, name
         report = json.loads((run.dump / "compile_report.json").read_text())
         assert report["backend"] == "aot_eager" and report["units"] == report["n_blocks"] > 0, (name, report)
+        # The first step compiles: its time says nothing of the steps left, so the first line has no ETA.
+        steps = [line for line in run.log.splitlines() if " INFO step " in line]
+        assert len(steps) == 8 and steps[0].endswith("  eta n/a (the first step compiles)"), (name, steps[0])
+        assert all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in steps[1:]), (name, steps)
     assert "mesh {'dp_shard': 1} (simple_fsdp, fully_shard)" in runs["python"].log
     reference = runs["ngpu2"].losses
     for name in ("python", "ngpu1"):
@@ -73,6 +78,9 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
         diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
         assert len(diffs) == 8 and max(diffs) < LOSS_REL, (name, diffs)
     check_metrics_and_tensorboard(runs["ngpu2"].metrics, runs["ngpu2"].dump / "tb")
+    # The run's TensorBoard folder says what tells it from the dump folder's other runs, as the log does.
+    assert [p.name for p in (runs["ngpu2"].dump / "tb").iterdir()] == ["run001-dp_shard2-compile"]
+    assert "(run 1 in this file: run001-dp_shard2-compile, listed in runs.jsonl)" in runs["ngpu2"].log
 
 
 def check_metrics_and_tensorboard(records: list[dict], tb: Path) -> None:

@@ -39,6 +39,7 @@ from titanlite.launcher.resilience import (
 from titanlite.launcher.signals import Preemption
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.profiling import Profiler
+from titanlite.metrics.runs import layout_label
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.plan import RunPlan, describe_shape
@@ -108,10 +109,11 @@ class Trainer:
         self.keep_gathers = self.runner.context.keep_gathers
         self.model.train()
         n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
+        mesh = {n: getattr(self.dims, n) for n in self.dims.mesh_dim_names}
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
-            f"mesh {dict(zip(self.dims.mesh_dim_names, [getattr(self.dims, n) for n in self.dims.mesh_dim_names]))} "
+            f"mesh {mesh} "
             f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}"
             + (f"; experts over ep {self.dims.ep} x efsdp {self.dims.efsdp}" if self.dims.ep_enabled else "")
             + "); "
@@ -147,6 +149,11 @@ class Trainer:
             run_config=cfg.to_dict(),
             validation=self.validator is not None,
             family_metrics=FAMILY_METRICS if self.plan.spec.step_metrics is not None else (),
+            run_label=layout_label(
+                mesh, cfg.parallelism.dp_impl, cfg.compile.enable, f"ep{self.dims.ep}" if self.dims.ep_enabled else ""
+            ),
+            world_size=self.world_size,
+            compiled=cfg.compile.enable,
         )
 
     # --- set-up helpers ---------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ to load, and that the dump and checkpoint folders are writable, in one process, 
 and exit code 2
 instead of one traceback per rank. On success prints the torchrun
 restart budget (`comm.max_restarts`) for run_train.sh.
+
+One warning, not a refusal: a run on a machine without CUDA whose step costs more than
+`CPU_STEP_WARNING_S` at the CPU's peak (a config sized for a GPU) says so, with the cost, and goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -25,6 +29,8 @@ from titanlite.launcher.socket_interfaces import check as check_socket_interface
 from titanlite.metrics import check_wandb
 from titanlite.plan import RunPlan
 from titanlite.run_loader import build_loader, build_validation_loader
+
+logger = logging.getLogger("titanlite")
 
 
 def check_writable(key: str, path: str | Path) -> None:
@@ -75,6 +81,42 @@ def check_initial_hf(plan: RunPlan) -> None:
     check_hf_config(cfg.initial_load_path, plan.model_args, adapter, f"model.flavor {plan.cfg.model.flavor!r}")
 
 
+CPU_STEP_WARNING_S = 10.0
+"""A step whose FLOPs alone take longer than this at the CPU's peak is announced before any rank starts:
+otherwise a config sized for a GPU (the 1B one: 5.5e13 FLOP per step, about 10 minutes on a 2-core
+machine) shows nothing for minutes while it builds, compiles and runs its first step."""
+
+
+def cpu_step_warning(plan: RunPlan) -> str | None:
+    """Where the ranks will train on CPU (no CUDA here) and a step's FLOPs per process (the MFU's: 6N plus
+    attention per token, the plan's tokens per process) take over `CPU_STEP_WARNING_S` at the peak MFU is
+    measured against (`metrics.peak_tflops`, else this CPU's measured fp32 peak), the line that says so;
+    None otherwise."""
+    import torch
+
+    from titanlite.metrics import clock
+    from titanlite.metrics.mfu import Peak
+
+    if torch.cuda.is_available() or plan.cfg.checkpoint.create_seed_checkpoint:
+        return None
+    cfg = plan.cfg
+    flops = plan.model_args.flops_per_token(cfg.training.seq_len) * plan.tokens_per_gpu_step
+    peak = Peak(cfg.metrics.peak_tflops, torch.device("cpu"))
+    assert peak.tflops is not None  # a CPU's is always known
+    seconds = flops / (peak.tflops * 1e12)
+    if seconds <= CPU_STEP_WARNING_S:
+        return None
+    which = "metrics.peak_tflops" if cfg.metrics.peak_tflops else "this CPU's measured fp32 peak"
+    name = cfg.job.config_file or "this config"
+    compiled = " plus compilation" if cfg.compile.enable else ""
+    steps = cfg.training.steps
+    return (
+        f"{name} is sized for a GPU: on this CPU a step is {flops:.2g} FLOP per process, at least "
+        f"{clock(seconds)} at {which} of {peak.tflops:.3g} TFLOP/s, {clock(seconds * steps)} for {steps} "
+        f"steps{compiled}; training anyway (Ctrl-C stops)"
+    )
+
+
 def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     """Every check of the module docstring on a loaded config; returns the run plan they built."""
     plan = RunPlan.build(cfg, world_size)
@@ -88,6 +130,8 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
         build_validation_loader(plan, dp_rank=0)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
+    if warning := cpu_step_warning(plan):
+        logger.warning(warning)
     return plan
 
 
@@ -97,6 +141,10 @@ def preflight(argv: list[str], world_size: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    handler = logging.StreamHandler()  # warnings as the launcher prints them
+    handler.setFormatter(logging.Formatter("titanlite: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
     print(preflight(argv, int(os.environ.get("WORLD_SIZE", "1"))))
     return 0
 

@@ -3,7 +3,8 @@
 `schema.py` declares every scalar once (its metrics.jsonl key, TensorBoard tag and W&B key) and the
 records the trainer logs; `logger.py` turns a step or a held-out evaluation into the console line and
 one row; `sinks.py` fans a row out to metrics.jsonl, TensorBoard and W&B, each output dropped with one
-warning at its first failure; `memory.py` measures the window's peak memory. The names other modules use
+warning at its first failure; `runs.py` numbers and names the runs of a dump folder (runs.jsonl, the
+TensorBoard folders); `memory.py` measures the window's peak memory. The names other modules use
 are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`) too, for the benchmarks.
 """
 

@@ -17,6 +17,7 @@ import torch
 
 from titanlite.metrics.memory import MemoryMonitor
 from titanlite.metrics.mfu import Peak
+from titanlite.metrics.runs import Run
 from titanlite.metrics.schema import METRICS, RENAMED, StepStats, ValidationResult
 from titanlite.metrics.sinks import Sinks
 
@@ -45,7 +46,11 @@ class MetricsLogger:
 
     `run_config` (the whole config as a dict) is recorded with the W&B run; `validation` adds the
     held-out metrics to the TensorBoard layout, `family_metrics` the names of the model family's own
-    scalars (`StepStats.family`, on the step line after the data share)."""
+    scalars (`StepStats.family`, on the step line after the data share). `run_label` (`runs.layout_label`)
+    and `world_size` describe the run in runs.jsonl and name its TensorBoard folder; `compiled`: the
+    first step of the process compiles, so it gives no ETA.
+
+    The outputs are opened when training starts (`begin`): a start that trains nothing is no run."""
 
     def __init__(
         self,
@@ -57,8 +62,13 @@ class MetricsLogger:
         run_config: dict | None = None,
         validation: bool = False,
         family_metrics: tuple[str, ...] = (),
+        run_label: str = "1proc",
+        world_size: int = 1,
+        compiled: bool = False,
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
+        self.dump_folder, self.run_config = dump_folder, run_config
+        self.run_label, self.world_size, self.compiled = run_label, world_size, compiled
         self.memory = MemoryMonitor(device)
         self.peak = Peak(cfg.peak_tflops, device) if enabled else None
         shown = [m for m in METRICS if not m.family or m.name in family_metrics]
@@ -73,15 +83,20 @@ class MetricsLogger:
         self.c = {k: (v if color else "") for k, v in COLORS.items()}
         if not enabled:
             return
-        self.sinks = Sinks(dump_folder)
         peak = f"{self.peak.tflops:.2f} TFLOP/s ({self.peak.source})" if self.peak.tflops else self.peak.source
         logger.info(f"MFU peak: {peak}; memory: {self.memory.kind}")
         if self.peak.tflops is None:
             self.metrics = [m for m in self.metrics if m.name != "mfu_pct"]
-        if cfg.enable_tensorboard:
-            self.sinks.open_tensorboard(dump_folder, cfg.save_tb_folder, self.layout())
-        if cfg.enable_wandb:
-            self.sinks.open_wandb(cfg, dump_folder, run_config)
+
+    def _open(self, from_step: int) -> Sinks:
+        """This run's outputs: metrics.jsonl and runs.jsonl, TensorBoard and W&B when enabled."""
+        run = Run(self.run_label, from_step, self.total_steps, self.world_size)
+        sinks = self.sinks = Sinks(self.dump_folder, run)
+        if self.cfg.enable_tensorboard:
+            sinks.open_tensorboard(self.dump_folder, self.cfg.save_tb_folder, self.layout())
+        if self.cfg.enable_wandb:
+            sinks.open_wandb(self.cfg, self.dump_folder, self.run_config)
+        return sinks
 
     def layout(self) -> dict:
         """The TensorBoard custom-scalars layout: one category per group, one chart per logged metric,
@@ -92,17 +107,27 @@ class MetricsLogger:
         return groups
 
     def begin(self, step: int, total_steps: int) -> None:
-        """Training starts after `step` (0, or the resumed step) and ends at `total_steps`."""
+        """Training starts after `step` (0, or the resumed step) and ends at `total_steps`: the run's
+        outputs are opened."""
         self.total_steps, self.began = total_steps, time.perf_counter()
+        if self.enabled and self.sinks is None:
+            self._open(step)
 
-    def _eta(self, step: int, window_step_s: float) -> float:
-        """Seconds left: the mean step time since the first log (which includes compilation, so it is
-        left out), or the current window's before there are two logs."""
+    def _eta(self, step: int, window_step_s: float) -> float | None:
+        """Seconds left: the mean step time since the first log (whose window holds the first step, and
+        its compilation, so it is left out), or the current window's before there are two logs; None at
+        the first log of a compiled run (all it has measured is the compiling step)."""
         now = time.perf_counter()
+        first = self.start is None
         if self.start is None:
             self.start = (now, step)
         t0, s0 = self.start
-        per_step = (now - t0) / (step - s0) if step > s0 else window_step_s
+        if step > s0:
+            per_step = (now - t0) / (step - s0)
+        elif first and self.compiled:
+            return None
+        else:
+            per_step = window_step_s
         return per_step * max(self.total_steps - step, 0)
 
     def log(self, s: StepStats, n_steps: int) -> dict:
@@ -128,10 +153,12 @@ class MetricsLogger:
         self.memory.reset()
         if not self.enabled:
             return record
+        sinks = self.sinks or self._open(0)
         c = self.c
         total = self.total_steps or s.step
         elapsed = time.perf_counter() - self.began
-        eta = self._eta(s.step, record["step_time_s"])
+        seconds_left = self._eta(s.step, record["step_time_s"])
+        eta = "n/a (the first step compiles)" if seconds_left is None else clock(seconds_left)
         family = "".join(f"{name}: {value:.4f}  " for name, value in s.family.items())
         mfu = "n/a" if record["mfu_pct"] is None else format(record["mfu_pct"], ".2f") + "%"
         logger.info(
@@ -139,11 +166,10 @@ class MetricsLogger:
             f"{c['yellow']}grad_norm: {s.grad_norm:7.4f}  "
             f"{c['cyan']}lr: {s.lr:.3e}  {c['blue']}memory: {mem:5.2f}GiB  "
             f"{c['magenta']}tps: {tps:,.0f}  tflops: {tflops:.3f}  mfu: {mfu}  "
-            f"data: {record['data_pct']:.1f}%{c['reset']}  {family}elapsed {clock(elapsed)}  eta {clock(eta)}"
+            f"data: {record['data_pct']:.1f}%{c['reset']}  {family}elapsed {clock(elapsed)}  eta {eta}"
         )
         legacy = {old: record[new] for old, new in RENAMED.items()}
-        assert self.sinks is not None
-        self.sinks.write(s.step, {**record, **legacy}, self.metrics, record)
+        sinks.write(s.step, {**record, **legacy}, self.metrics, record)
         return record
 
     def log_validation(self, step: int, result: ValidationResult) -> dict:
@@ -158,13 +184,13 @@ class MetricsLogger:
         )
         if not self.enabled:
             return record
+        sinks = self.sinks or self._open(0)
         c = self.c
         logger.info(
             f"{c['red']}step: {step:5d}  {c['green']}val_loss: {result.loss:8.4f}  val_ppl: {result.perplexity:,.2f}  "
             f"{c['magenta']}({result.tokens:,} held-out tokens in {result.seconds:.2f}s){c['reset']}"
         )
-        assert self.sinks is not None
-        self.sinks.write(step, record, self.val_metrics, record)
+        sinks.write(step, record, self.val_metrics, record)
         return record
 
     def close(self) -> None:

@@ -4,10 +4,10 @@ Protocol: `Sinks.write(step, row, metrics, values)` appends `row` to metrics.jso
 values to TensorBoard (scalar events carrying each metric's display name and description) and W&B; the
 step line and a held-out evaluation both log through it.
 
-metrics.jsonl: rank 0 appends one row per log; every row carries `run`, the number of the trainer start
-that wrote it in this dump folder (1, 2, ... counted from the file's last row), so the rows of a resumed
-or restarted run, which repeat the steps since the last checkpoint, can be told apart. A row is written
-whole or not at all: a failed write is cut back off the file.
+metrics.jsonl: rank 0 appends one row per log; every row carries `run`, the number of the run that
+wrote it in this dump folder (`runs.py`: numbered and recorded in runs.jsonl when it starts training),
+so the rows of a resumed or restarted run, which repeat the steps since the last checkpoint, can be told
+apart. A row is written whole or not at all: a failed write is cut back off the file.
 
 Outputs that fail (a full disk, a file size limit, permissions): metrics.jsonl, TensorBoard and W&B each
 get one warning naming the output and the error, and are not written again in this run; training goes
@@ -20,11 +20,11 @@ import importlib.util
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 
 from titanlite import faults
 from titanlite.errors import ConfigError
+from titanlite.metrics.runs import RUNS_FILE, Run
 from titanlite.metrics.schema import Metric
 
 logger = logging.getLogger("titanlite")
@@ -69,16 +69,17 @@ class Output:
 
 
 class JsonLines:
-    """metrics.jsonl: whole rows appended, each tagged with this trainer start's `run` number."""
+    """A JSON-lines file of whole rows appended, each tagged with the `run` number given (metrics.jsonl,
+    runs.jsonl); `last_run` is the number its last row carries (0 when empty)."""
 
-    NAME = "metrics.jsonl"
-
-    def __init__(self, dump_folder: str) -> None:
-        self.path = os.path.join(dump_folder, self.NAME)
+    def __init__(self, dump_folder: str, name: str) -> None:
+        self.name = name
+        self.path = os.path.join(dump_folder, name)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.size = os.fstat(self.fd).st_size
         last = self._last_row()
-        self.run = int(last.get("run", 1 if last else 0)) + 1
+        self.last_run = int(last.get("run", 1 if last else 0))
+        self.run = self.last_run + 1
 
     def _last_row(self) -> dict:
         """The file's last complete row ({} when empty); a torn row at its end (a crash mid-write) is cut."""
@@ -116,25 +117,33 @@ class Sinks:
     """Rank 0's outputs: metrics.jsonl always, TensorBoard and W&B when opened; each written by the failure
     policy of the module docstring."""
 
-    TENSORBOARD, WANDB = "TensorBoard events", "the W&B run"
+    METRICS_FILE, TENSORBOARD, WANDB = "metrics.jsonl", "TensorBoard events", "the W&B run"
 
-    def __init__(self, dump_folder: str) -> None:
-        self.outputs = {name: Output(name) for name in (JsonLines.NAME, self.TENSORBOARD, self.WANDB)}
+    def __init__(self, dump_folder: str, run: Run) -> None:
+        """Opens metrics.jsonl and records `run` in runs.jsonl under the next number of this dump folder."""
+        names = (self.METRICS_FILE, RUNS_FILE, self.TENSORBOARD, self.WANDB)
+        self.outputs = {name: Output(name) for name in names}
         self.writer = None
         self.wandb_run = None
         self._described: set[str] = set()  # tags whose TensorBoard metadata was written
         os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl: JsonLines | None = JsonLines(dump_folder)
-        logger.info(f"metrics: {os.path.abspath(self.jsonl.path)} (run {self.jsonl.run} in this file)")
+        self.jsonl: JsonLines | None = JsonLines(dump_folder, self.METRICS_FILE)
+        runs = JsonLines(dump_folder, RUNS_FILE)
+        self.run = run.numbered(max(self.jsonl.last_run, runs.last_run) + 1)
+        self.jsonl.run = runs.run = self.run.number
+        self.outputs[RUNS_FILE].write(lambda: runs.append(self.run.row()))
+        runs.close()
+        path, number = os.path.abspath(self.jsonl.path), self.run.number
+        logger.info(f"metrics: {path} (run {number} in this file: {self.run.name}, listed in {RUNS_FILE})")
 
     def open_tensorboard(self, dump_folder: str, tb_folder: str, layout: dict) -> None:
-        """An events file under `<dump_folder>/<tb_folder>/<start time>/` with the custom-scalars `layout`
+        """An events file under `<dump_folder>/<tb_folder>/<run name>/` with the custom-scalars `layout`
         (written on this thread, so a full disk is this output's one warning: `event_file.py`)."""
         from torch.utils.tensorboard.summary import custom_scalars
 
         from titanlite.metrics.event_file import EventFile
 
-        log_dir = os.path.join(dump_folder, tb_folder, time.strftime("%Y%m%d-%H%M%S"))
+        log_dir = os.path.join(dump_folder, tb_folder, self.run.name)
 
         def open_tensorboard() -> None:
             self.writer = EventFile(log_dir)
@@ -165,7 +174,7 @@ class Sinks:
         """One row to metrics.jsonl, and `metrics`' values to TensorBoard and W&B."""
         assert self.jsonl is not None
         jsonl = self.jsonl
-        self.outputs[JsonLines.NAME].write(lambda: jsonl.append(row))
+        self.outputs[self.METRICS_FILE].write(lambda: jsonl.append(row))
         scalars = {m.tag: values[m.name] for m in metrics if values.get(m.name) is not None}
         if (writer := self.writer) is not None:
             summaries = [self._summary(m, scalars[m.tag]) for m in metrics if m.tag in scalars]

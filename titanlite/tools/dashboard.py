@@ -1,13 +1,17 @@
 """What TensorBoard shows for a run, read back from its event files:
-`python -m titanlite.tools.dashboard <dump_folder>/tb/<run>`.
+`python -m titanlite.tools.dashboard <dump_folder>/tb[/<run>]`.
 
 Prints the custom-scalars layout (category, chart title, tags) and every scalar tag with its display
 name, description and last value, through the event loader TensorBoard's own server uses, so the
-description of the dashboards in docs/metrics.md and the tests check what a browser would show.
+description of the dashboards in docs/metrics.md and the tests check what a browser would show. Given
+the TensorBoard folder itself (`<dump_folder>/tb`), it shows the newest run (the last name: runs are
+named in order, docs/metrics.md#runs) and names it on the first line. A folder that does not exist or
+holds no events is one line and exit code 2.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -60,6 +64,19 @@ def read_dashboard(run_dir: str) -> Dashboard:
     return Dashboard(layout, scalars)
 
 
+def newest_run(folder: str) -> str | None:
+    """The run folder to show for `folder`: itself when it holds event files, else its newest run
+    subfolder that does (the last by name), else None."""
+    if any(name.startswith("events.out.tfevents") for name in os.listdir(folder)):
+        return folder
+    runs = sorted(
+        entry.path
+        for entry in os.scandir(folder)
+        if entry.is_dir() and any(name.startswith("events.out.tfevents") for name in os.listdir(entry.path))
+    )
+    return runs[-1] if runs else None
+
+
 def describe(board: Dashboard) -> str:
     """The dashboard in words, as docs/metrics.md shows it."""
     lines = []
@@ -77,7 +94,16 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    print(describe(read_dashboard(argv[0])))
+    folder = argv[0]
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"{folder} {what} (give <dump_folder>/tb or one run folder in it)")
+    run = newest_run(folder)
+    if run is None:
+        raise UserError(f"no TensorBoard events in {folder} or its run folders")
+    if run != folder:
+        print(f"{os.path.basename(run)} (the newest run in {folder}):")
+    print(describe(read_dashboard(run)))
     return 0
 
 

@@ -18,7 +18,8 @@ usage: python -m titanlite.tools.generate [--config FILE] [--checkpoint DIR | --
                        minus the 1-minute load average, at least 1)
   -h, --help           this text
 
-Prints the prompt and its continuation on stdout, and the speed on stderr. The prompt runs through the
+Prints the prompt and its continuation on stdout; on stderr, the weights it loaded (`loaded
+<dump_folder>/checkpoint/step-N`, or the Hugging Face folder) and the speed. The prompt runs through the
 model once, then each new token alone against a KV cache of the keys and values so far (the model's
 `new_cache`; the same tokens as recomputing the whole sequence, tests/test_generate.py). Runs on the first
 CUDA device if there is one, else on the CPU, in float32. On CPU, one token at a time is a chain of small
@@ -96,16 +97,19 @@ def generate(
     return new
 
 
-def load_model(plan: RunPlan, device: torch.device, seq_len: int, *, checkpoint: str, step: int, hf: str) -> nn.Module:
+def load_model(
+    plan: RunPlan, device: torch.device, seq_len: int, *, checkpoint: str, step: int, hf: str
+) -> tuple[nn.Module, str]:
     """The plain (unparallelized) model with RoPE tables for `seq_len` positions, weights from `hf` (an HF
-    folder) or a checkpoint of the run (`load_tool_weights`)."""
+    folder) or a checkpoint of the run (`load_tool_weights`), and where they came from."""
     with device:
         model = plan.spec.model_cls(plan.model_args, seq_len=seq_len)
     if hf:
         import_hf(model, hf, adapter=plan.spec.require_hf_adapter(), what=f"model.flavor {plan.cfg.model.flavor!r}")
+        source = f"{hf} (Hugging Face)"
     else:
-        load_tool_weights(model, plan.cfg, checkpoint, step)
-    return model.eval()
+        source = str(load_tool_weights(model, plan.cfg, checkpoint, step))
+    return model.eval(), source
 
 
 def main(argv: list[str]) -> int:
@@ -136,9 +140,10 @@ def main(argv: list[str]) -> int:
     device = init_device()
     init_distributed(cfg, device)  # a one-rank group: DCP reads checkpoints through it
     try:
-        model = load_model(
+        model, source = load_model(
             plan, device, len(ids) + max_new, checkpoint=opts["--checkpoint"], step=int(opts["--step"]), hf=opts["--hf"]
         )
+        print(f"loaded {source}", file=sys.stderr, flush=True)
         generator = torch.Generator(device=device).manual_seed(seed)
         start = time.perf_counter()
         new = generate(
