@@ -261,6 +261,12 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert err.startswith("titanlite: error: no layout fits 1 x h100: closest one rank, AC full, ")
     assert float(err.split(" needs ")[1].split()[0]) > 120 and " GiB per GPU of 79.1" in err
     assert not any(tmp_path.iterdir())
+    # A family without a step-time model: the line names what it lacks and what plans it instead.
+    rc, out, err = run_plan(capsys, "--config", "train_configs/qwen3_moe_debug.toml", *dump)
+    assert (rc, out) == (2, "") and err == (
+        "titanlite: error: model 'qwen3_moe' has no step-time model (ModelSpec): --plan cannot rank its layouts; "
+        "--dry-run plans the memory of the layout you give"
+    )
 
 
 @pytest.mark.slow

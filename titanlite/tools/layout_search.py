@@ -74,8 +74,12 @@ class LayoutSearch:
         plan, self.notes = _plan_for(cfg, world)
         self.base_plan = plan
         spec = plan.spec
-        if spec.step_cost is None or spec.activation_bytes is None:
-            raise ConfigError(f"model {spec.name!r} has no step-cost or activation model: no layout search")
+        missing = [what for what, f in (("step-time", spec.step_cost), ("activation", spec.activation_bytes)) if not f]
+        if missing:
+            raise ConfigError(
+                f"model {spec.name!r} has no {' or '.join(missing)} model (ModelSpec): --plan cannot rank its "
+                "layouts" + ("; --dry-run plans the memory of the layout you give" if spec.activation_bytes else "")
+            )
         shapes = {} if shapes is None else shapes
         key = repr(plan.model_args)
         if key not in shapes:
