@@ -124,7 +124,11 @@ class LayoutSearch:
         """Every layout estimated, structure by structure (degrees, batch split, schedule): each AC and
         reshard choice of a structure, or only its least-memory choices when none of those fits."""
         limit = self.capacity * COMFORT_FRACTION
+        mesh = None
         for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
+            if structure.layout.degrees != mesh:
+                mesh = structure.layout.degrees
+                self.memory_model.forget_layouts()
             smallest = [self.estimate(plan, layout) for layout, plan in least_memory(structure, self.build)]
             if smallest and min(e.memory.peak_total for e in smallest) > limit:
                 yield from smallest
