@@ -159,6 +159,22 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and "training.stepz" in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_an_unknown_section_is_named_whatever_follows_it(tmp_path):
+    """run_train.sh checks the config before importing torch (under a second a launch): one line naming
+    the section and exit code 2, whether the unknown key has another option after it, nothing, a `no-`
+    or a value."""
+    cases = [
+        "--float8.enable --job.dump_folder X",
+        "--job.dump_folder X --float8.enable",
+        "--no-float8.enable --job.dump_folder X",
+        "--float8.enable 1",
+    ]
+    script = "".join(f"{ROOT}/run_train.sh {case} 2>&1; echo rc=$?\n" for case in cases)
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=child_env(), capture_output=True, text=True)
+    line = "titanlite: error: unknown config section 'float8' in the command line"
+    assert proc.stdout.splitlines() == [line, "rc=2"] * len(cases), proc.stdout
+
+
 def test_print_config_roundtrip():
     cfg = load_config(["--training.steps", "11"])
     assert '"steps": 11' in cfg.to_json()

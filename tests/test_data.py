@@ -548,7 +548,7 @@ def test_a_truncated_gzip_file_keeps_its_readable_part_and_a_json_array_gets_a_h
     assert docs == [json.loads(line)["text"] for line in lines[:kept]]  # every kept document reads back whole
     cut, array = sorted((r.getMessage() for r in caplog.records), key=lambda m: "array" in m)
     assert "cut.jsonl.gz: cannot read all of it (Compressed file ended" in cut
-    assert cut.endswith(f"kept the {kept} documents before the damage")
+    assert cut.endswith(f"kept the {kept:,} documents before the damage")
     assert "array.json: skipped" in array and "kept 0 documents" in array
     assert "it looks like one JSON array: JSON Lines is expected, one object per line" in array
 
@@ -584,3 +584,18 @@ def test_the_index_is_kept_and_its_digest_sees_a_change_anywhere(tmp_path, docs,
     assert changed.digests[0] != first.digests[0] and changed.digests[1] == first.digests[1]
     assert dataset_fingerprint(changed, "text")["digest"] != before["digest"]
     assert dataset_fingerprint(open_source(str(data), "text"), "text") == dataset_fingerprint(changed, "text")
+
+
+def test_the_data_lines_count_in_words_that_agree(tmp_path, caplog):
+    """One file of one document reads "1 document in 1 file", not "1 documents in 1 files"; an empty
+    folder's one line likewise."""
+    one = tmp_path / "one.txt"
+    one.write_text("a single document\n")
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        loader(one, gbs=1, shards=1)
+    assert [r.getMessage() for r in caplog.records] == [f"data: 1 document in 1 file from {one}"]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("")
+    with pytest.raises(DataError) as e:
+        loader(tmp_path / "empty", gbs=1, shards=1)
+    assert str(e.value) == f"dataset_path {tmp_path / 'empty'}: no usable documents in 1 file"

@@ -31,7 +31,7 @@ from titanlite.planning.gpus import GPU_KINDS, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemoryModel, ShapeTable
 from titanlite.planning.layout_space import Degrees, context_degrees
 from titanlite.planning.step_time import Link
-from titanlite.tools import layout_search
+from titanlite.tools import layout_search, search_progress
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group
 from titanlite.tools.layout_search import LayoutSearch, planned_config, toml_text
 
@@ -129,7 +129,8 @@ def debug_search():
     """Every layout of the debug model on 4 H200s: (the search, the layouts that fit, layouts tried)."""
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "4"])
     search = LayoutSearch(cfg, 4, gpu_kind("h200"))
-    return (search, *search.run()[::2])
+    every = list(search.estimates())
+    return search, [e for e in every if search.fits(e)], len(every)
 
 
 def test_a_sample_of_enumerated_layouts_matches_the_dry_run(debug_search):
@@ -143,12 +144,48 @@ def test_a_sample_of_enumerated_layouts_matches_the_dry_run(debug_search):
         assert dry_run(out).peak_total == est.memory.peak_total, est.layout.describe()
 
 
+def test_the_ranking_keeps_the_fastest_of_each_structure_and_nothing_else(debug_search):
+    """`run` keeps `keep` layouts whatever the world (a search of 100,000 GPUs estimates millions): the
+    fastest of each structure, in the order that ranking every layout gives, and the counts of all."""
+    search, fits, tried = debug_search
+    ordered = sorted(fits, key=lambda e: (e.time.step, e.memory.peak_total))  # stable: enumeration order
+    structures = list(dict.fromkeys(map(layout_search.structure_of, ordered)))
+    fastest = [next(e for e in ordered if layout_search.structure_of(e) == s) for s in structures]
+    result = search.run(keep=3)
+    assert (result.tried, result.fit, result.closest) == (tried, len(fits), None)
+    assert [e.layout for e in result.ranked] == [e.layout for e in fastest[:3]]
+    assert len(structures) > 20 and len(fits) > 200  # so that keeping 3 leaves most out
+    # Negative control: a ranking by memory alone would differ.
+    assert [e.layout for e in fastest[:3]] != [e.layout for e in sorted(fits, key=lambda e: e.gib)[:3]]
+
+
+def test_a_long_search_says_how_far_it_is(capsys, tmp_path, monkeypatch):
+    """A line on stderr every 30 s of search (none in a short one): the clock here jumps 31 s after the
+    start, so exactly one line comes, at the first layout; the table on stdout is the same either way.
+    A row's reason gives the gap and its parts in a unit that shows them: the debug model's step takes
+    milliseconds, which read "+0.00 s"."""
+    args = ["--config", "train_configs/debug_model.toml", "--comm.fake_world_size", "2", "--plan.gpu", "h200"]
+    rc, quiet, err = run_plan(capsys, *args, "--job.dump_folder", str(tmp_path / "a"))
+    assert (rc, err) == (0, "")
+    assert [line for line in quiet.splitlines() if line.startswith("  given: ")] == [
+        "  given: 119.5% slower per step (+1.5 ms): exposed dp collectives +1.5 ms, optimizer -0.024 ms"
+    ]
+    times = iter([0.0])
+    monkeypatch.setattr(search_progress, "clock", lambda: next(times, 31.0))
+    rc, out, err = run_plan(capsys, *args, "--job.dump_folder", str(tmp_path / "b"))
+    assert rc == 0 and err.splitlines() == [
+        "layout search: mesh 1 of 5 (tp 2) after 31 s; layouts so far: 1 estimated, 0 fit"
+    ]
+    assert len(out.splitlines()) == len(quiet.splitlines()) == 20
+
+
 def test_the_search_offers_only_layouts_the_run_plan_accepts():
     """Compiled as one graph, full AC needs SimpleFSDP's passes (data parallelism) and a split-backward
     schedule cannot run compiled blocks: the search leaves out what the launch would refuse."""
     compiled = ["--compile.enable", "--compile.scope", "model", "--compile.backend", "aot_eager"]
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2", *compiled])
-    fits = LayoutSearch(cfg, 2, gpu_kind("h200")).run()[0]
+    search = LayoutSearch(cfg, 2, gpu_kind("h200"))
+    fits = [e for e in search.estimates() if search.fits(e)]
     full = {e.layout.degrees for e in fits if e.layout.ac in ("full", "every 2")}  # blocks under full AC
     assert Degrees(dp_shard=2) in full and all(d.dp > 1 for d in full)
     tp = {e.layout.ac for e in fits if e.layout.degrees == Degrees(tp=2)}
@@ -163,7 +200,8 @@ def test_the_search_plans_context_parallelism_where_the_model_allows():
     cp keeps 4096 tokens a rank (cp <= 32), never shares a factor with the microbatch (a data-parallel
     layout would do the same without the K/V gathers), and a family without the seam gets none."""
     cfg = load_config(["--config", "train_configs/llama3_8b_128k.toml"])
-    fits = LayoutSearch(cfg, 64, gpu_kind("h100")).run()[0]
+    search = LayoutSearch(cfg, 64, gpu_kind("h100"))
+    fits = [e for e in search.estimates() if search.fits(e)]
     assert {e.layout.degrees.cp for e in fits} == {2, 4, 8, 16, 32}
     assert all(math.gcd(e.layout.degrees.cp, e.layout.microbatch) == 1 for e in fits)
     assert context_degrees(cfg, 64) == {1, 2, 4, 8, 16, 32}
@@ -261,6 +299,12 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert err.startswith("titanlite: error: no layout fits 1 x h100: closest one rank, AC full, ")
     assert float(err.split(" needs ")[1].split()[0]) > 120 and " GiB per GPU of 79.1" in err
     assert not any(tmp_path.iterdir())
+    # A family without a step-time model: the line names what it lacks and what plans it instead.
+    rc, out, err = run_plan(capsys, "--config", "train_configs/qwen3_moe_debug.toml", *dump)
+    assert (rc, out) == (2, "") and err == (
+        "titanlite: error: model 'qwen3_moe' has no step-time model (ModelSpec): --plan cannot rank its layouts; "
+        "--dry-run plans the memory of the layout you give"
+    )
 
 
 @pytest.mark.slow

@@ -73,7 +73,8 @@ def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
     raise ConfigError(f"config key '{key}'{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
 
 
-def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
+def _type_of(key: str, origin: str) -> Any:
+    """The schema's type of `section.key`, or one line naming the unknown section or key."""
     where = f" in {origin}" if origin else ""
     section, _, name = key.partition(".")
     known = sections()
@@ -82,7 +83,13 @@ def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
     hints = typing.get_type_hints(known[section])
     if not name or name not in hints:
         raise ConfigError(f"unknown config key '{key}'{where}{_suggest(key, all_keys())}")
-    setattr(getattr(cfg, section), name, _coerce(key, value, hints[name], origin))
+    return hints[name]
+
+
+def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
+    typ = _type_of(key, origin)
+    section, _, name = key.partition(".")
+    setattr(getattr(cfg, section), name, _coerce(key, value, typ, origin))
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -123,11 +130,14 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             out.append((key[3:], False))
         elif key in bool_keys and (i + 1 == len(args) or args[i + 1].startswith("--")):
             out.append((key, True))
-        elif i + 1 < len(args):
+        else:
+            # An unknown key is named before a value is looked for: `--float8.enable --job.dump_folder X`
+            # says float8 is no section, as `--float8.enable 1` does (not that X is unexpected).
+            _type_of(key.removeprefix("no-"), "the command line")
+            if i + 1 == len(args):
+                raise ConfigError(f"command-line option '--{key}' needs a value")
             out.append((key, args[i + 1]))
             i += 1
-        else:
-            raise ConfigError(f"command-line option '--{key}' needs a value")
         i += 1
     return out
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlite.data.batch import Batch
-from titanlite.data.sources import DocumentSource
+from titanlite.data.sources import DocumentSource, counted
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
 
@@ -272,7 +272,7 @@ class PackedShards(IterableDataset):
         if self._step is not None:
             when = f"at step {self._step + 1}"
         else:  # resumed from a state that did not count steps
-            when = f"after {stream.pass_documents:,} documents of virtual shard {shard}"
+            when = f"after {counted(stream.pass_documents, 'document')} of virtual shard {shard}"
         logger.info(f"data: epoch {self._epoch + 1} begins {when}")
 
     def state_dict(self) -> dict:

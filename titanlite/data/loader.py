@@ -41,7 +41,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
-from titanlite.data.sources import LocalSource, open_source
+from titanlite.data.sources import LocalSource, counted, open_source
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.workers import WorkerSetup, worker_context
 from titanlite.errors import CheckpointError, DataError
@@ -151,7 +151,7 @@ def build_dataloader(
         num_workers=num_workers,
     )
     source = open_source(dataset_path, text_field, index_dir=index_dir, report=report)
-    what = "held-out documents" if heldout else "documents"
+    what = "held-out document" if heldout else "document"
     if holdout_documents:
         if not isinstance(source, LocalSource):
             raise DataError(f"dataset_path {source.name}: documents can be held out of local data only")
@@ -159,13 +159,13 @@ def build_dataloader(
         if holdout_documents >= n:
             raise DataError(
                 f"dataset_path {source.name}: validation.holdout_documents {holdout_documents} leaves none of its "
-                f"{n} documents to train on"
+                f"{counted(n, 'document')} to train on"
             )
         source = source.part(n - holdout_documents, n) if heldout else source.part(0, n - holdout_documents)
     if isinstance(source, LocalSource):
         n = source.num_documents
         if n == 0:
-            raise DataError(f"dataset_path {source.name}: no usable documents in {len(source.files)} files")
+            raise DataError(f"dataset_path {source.name}: no usable documents in {counted(len(source.files), 'file')}")
         if n < layout.num_shards:
             hint = (
                 "validation.local_batch_size x dp (each sample of a batch is one stream); hold out more or lower it"
@@ -173,9 +173,10 @@ def build_dataloader(
                 else "set training.dataset_virtual_shards lower"
             )
             raise DataError(
-                f"dataset_path {source.name}: {n} {what}, fewer than the {layout.num_shards} virtual shards ({hint})"
+                f"dataset_path {source.name}: {counted(n, what)}, fewer than the {layout.num_shards} virtual shards "
+                f"({hint})"
             )
-        logger.info(f"data: {n:,} {what} in {len(source.files)} files from {source.name}")
+        logger.info(f"data: {counted(n, what)} in {counted(len(source.files), 'file')} from {source.name}")
     elif next(source.shard_documents(0, 1, 0), None) is None:
         raise DataError(f"dataset_path {source.name}: no usable documents")
     dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)

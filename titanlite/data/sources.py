@@ -158,13 +158,18 @@ def resolve_files(path: str) -> list[Path]:
     return files
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and the noun, plural unless n is one ("1 document", "3 files"): the data's lines count both."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def warn_skipped_files(path: str) -> None:
     """One warning per unsupported suffix among the files `path` names, with their count."""
     if os.path.isfile(path):
         return
     for suffix, n in sorted(_walk(path)[1].items()):
-        files = "file" if n == 1 else "files"
-        logger.warning(f"data: skipped {n} {suffix} {files} in {path}: not one of {', '.join(SUPPORTED_SUFFIXES)}")
+        files = counted(n, f"{suffix} file")
+        logger.warning(f"data: skipped {files} in {path}: not one of {', '.join(SUPPORTED_SUFFIXES)}")
 
 
 def _require_zstandard() -> None:
@@ -357,7 +362,7 @@ class LocalSource:
         found.lengths.extend(n for _, n in spans)
         issues = +issues  # drop zero counts
         if error is not None:
-            what = f"kept the {len(spans)} documents before the damage" if spans else "nothing readable"
+            what = f"kept the {counted(len(spans), 'document')} before the damage" if spans else "nothing readable"
             found.notes.append(f"data: {path}: cannot read all of it ({error}); {what}")
         elif not spans and not issues:
             found.notes.append(f"data: skipped {path}: empty file")
@@ -369,7 +374,7 @@ class LocalSource:
                     " (it looks like one JSON array: JSON Lines is expected, one object per line; "
                     f"convert it with: jq -c '.[]' {path} > {path.with_suffix('.jsonl')})"
                 )
-            found.notes.append(f"data: {path}: skipped {detail}; kept {len(spans)} documents{hint}")
+            found.notes.append(f"data: {path}: skipped {detail}; kept {counted(len(spans), 'document')}{hint}")
         return found
 
     def _load(self, i: int) -> mmap.mmap | bytes | list[str | None]:

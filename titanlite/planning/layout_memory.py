@@ -241,6 +241,13 @@ class LayoutMemoryModel:
         self._stages: dict[tuple, StageUnits] = {}
         self._stage_layouts: dict[tuple, Layout] = {}
 
+    def forget_layouts(self) -> None:
+        """Drop what is kept per layout (the parameter tables stay): a search calls it between meshes,
+        whose layouts share little, so that its memory does not grow with the world."""
+        self._activations.clear()
+        self._stages.clear()
+        self._stage_layouts.clear()
+
     def activations(self, layout: Layout) -> dict[str, int]:
         if layout not in self._activations:
             assert self.spec.activation_bytes is not None

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, Sh
 from titanlite.planning.layout_space import ParallelLayout, least_memory, structures, with_choices
 from titanlite.planning.step_time import Features, StepTime, StepTimeModel
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
+from titanlite.tools.search_progress import SearchProgress
 
 PLAN_NAME = "plan.toml"
 
@@ -74,8 +76,12 @@ class LayoutSearch:
         plan, self.notes = _plan_for(cfg, world)
         self.base_plan = plan
         spec = plan.spec
-        if spec.step_cost is None or spec.activation_bytes is None:
-            raise ConfigError(f"model {spec.name!r} has no step-cost or activation model: no layout search")
+        missing = [what for what, f in (("step-time", spec.step_cost), ("activation", spec.activation_bytes)) if not f]
+        if missing:
+            raise ConfigError(
+                f"model {spec.name!r} has no {' or '.join(missing)} model (ModelSpec): --plan cannot rank its "
+                "layouts" + ("; --dry-run plans the memory of the layout you give" if spec.activation_bytes else "")
+            )
         shapes = {} if shapes is None else shapes
         key = repr(plan.model_args)
         if key not in shapes:
@@ -111,41 +117,73 @@ class LayoutSearch:
             return t.global_batch_size
         return t.local_batch_size * self.base_plan.dims.dp
 
-    def run(self) -> tuple[list[Estimate], Estimate | None, int]:
-        """(layouts that fit, fastest first; the closest that does not fit when none does; layouts tried)."""
-        fits: list[Estimate] = []
-        closest: Estimate | None = None
-        tried = 0
+    def fits(self, est: Estimate) -> bool:
+        return est.memory.peak_total <= self.capacity * COMFORT_FRACTION
+
+    def estimates(self) -> Iterator[Estimate]:
+        """Every layout estimated, structure by structure (degrees, batch split, schedule): each AC and
+        reshard choice of a structure, or only its least-memory choices when none of those fits."""
         limit = self.capacity * COMFORT_FRACTION
+        mesh = None
         for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
+            if structure.layout.degrees != mesh:
+                mesh = structure.layout.degrees
+                self.memory_model.forget_layouts()
             smallest = [self.estimate(plan, layout) for layout, plan in least_memory(structure, self.build)]
-            if not smallest:
-                continue
-            if min(e.memory.peak_total for e in smallest) > limit:
-                tried += len(smallest)
-                closest = min([*smallest, *([closest] if closest else [])], key=lambda e: e.memory.peak_total)
-                continue
-            for layout, plan in with_choices(structure, self.build):
-                tried += 1
-                est = self.estimate(plan, layout)
-                if est.memory.peak_total <= limit:
-                    fits.append(est)
-                elif closest is None or est.memory.peak_total < closest.memory.peak_total:
+            if smallest and min(e.memory.peak_total for e in smallest) > limit:
+                yield from smallest
+            elif smallest:
+                yield from (self.estimate(plan, layout) for layout, plan in with_choices(structure, self.build))
+
+    def run(self, keep: int, progress: SearchProgress | None = None) -> Ranking:
+        """The fastest layout of each of the `keep` fastest structures, the closest layout when none fits,
+        and the counts. Only those are kept, not every layout that fits: a search of 100,000 GPUs
+        estimates millions, and memory stays the same whatever the world."""
+        ranked: list[tuple[float, float, int, Estimate]] = []
+        closest: Estimate | None = None
+        tried = fit = 0
+        best: tuple[float, float, int, Estimate] | None = None  # of the structure being estimated
+        for est in self.estimates():
+            tried += 1
+            if progress is not None:
+                progress.update(est.layout.degrees, tried, fit)
+            if not self.fits(est):
+                if closest is None or est.memory.peak_total < closest.memory.peak_total:
                     closest = est
-        fits.sort(key=lambda e: (e.time.step, e.memory.peak_total))
-        return fits, closest, tried
+                continue
+            fit += 1
+            entry = (est.time.step, est.memory.peak_total, tried, est)
+            if best is not None and structure_of(best[3]) != structure_of(est):
+                ranked = _keep_fastest([*ranked, best], keep)
+                best = None
+            if best is None or entry[:3] < best[:3]:
+                best = entry
+        if best is not None:
+            ranked = _keep_fastest([*ranked, best], keep)
+        return Ranking([e for *_, e in ranked], closest, tried, fit)
 
 
-def distinct(fits: list[Estimate]) -> list[Estimate]:
-    """The fastest of each structure (degrees, batch split, schedule): AC and reshard variants of a
-    structure above would repeat one row with small differences."""
-    seen, out = set(), []
-    for e in fits:
-        key = dataclasses.replace(e.layout, ac_mode="", ac_option="", reshard="")
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-    return out
+def _keep_fastest(entries: list[tuple[float, float, int, Estimate]], keep: int) -> list:
+    """The `keep` fastest entries (less memory, then the earlier enumerated, first among equals)."""
+    return sorted(entries, key=lambda entry: entry[:3])[:keep]
+
+
+def structure_of(est: Estimate) -> ParallelLayout:
+    """The layout without its AC and reshard choices: its degrees, batch split and schedule."""
+    return dataclasses.replace(est.layout, ac_mode="", ac_option="", reshard="")
+
+
+@dataclass
+class Ranking:
+    ranked: list[Estimate]
+    """The fastest layout of each of the fastest structures, fastest first (AC and reshard variants of a
+    structure above would repeat one row with small differences)."""
+    closest: Estimate | None
+    """The layout nearest to fitting, when no layout fits."""
+    tried: int
+    """Layouts estimated."""
+    fit: int
+    """Layouts that fit."""
 
 
 def _plan_for(cfg: JobConfig, world: int) -> tuple[RunPlan, list[str]]:
@@ -194,9 +232,18 @@ def why_slower(est: Estimate, best: Estimate) -> str:
     ratio = b.tokens_per_s / a.tokens_per_s - 1
     if ratio <= 1e-9:
         return "as fast as the best"
-    costs = sorted(((d, n) for n, d in parts.items() if d > 0.005 * b.step), reverse=True)[:2]
-    what = ", ".join(f"{n} +{d:.2f} s" for d, n in costs) or "small differences everywhere"
-    return f"{ratio:.1%} slower per step: {what}"
+    noise = 0.005 * b.step
+    costs = sorted(((d, n) for n, d in parts.items() if d > noise), reverse=True)[:2]
+    gap = a.step - b.step
+    if sum(d for d, _ in costs) > gap + noise:  # what the layout saves elsewhere, so that the parts add up
+        costs.append(min((d, n) for n, d in parts.items()))
+    what = ", ".join(f"{n} {'+' if d > 0 else ''}{duration(d)}" for d, n in costs) or "small differences everywhere"
+    return f"{ratio:.1%} slower per step (+{duration(gap)}): {what}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds in the unit that shows them: a small model's step takes milliseconds, which `0.00 s` hides."""
+    return f"{seconds:.2f} s" if abs(seconds) >= 0.1 else f"{seconds * 1e3:.2g} ms"
 
 
 def _row(rank: str, e: Estimate) -> list[str]:
@@ -290,9 +337,9 @@ def main(argv: list[str]) -> int:
     search = LayoutSearch(cfg, world, kind)
     given = search.given()
     global_batch = search.global_batch()
-    fits, closest, tried = search.run()
-    ranked = distinct(fits)
-    if not fits:
+    result = search.run(max(cfg.plan.top, cfg.plan.confirm), SearchProgress(world))
+    ranked, closest = result.ranked, result.closest
+    if not ranked:
         if closest is None:
             raise ConfigError(
                 f"no valid layout of {cfg.model.flavor} on {world} GPUs at a global batch of {global_batch} "
@@ -320,30 +367,30 @@ def main(argv: list[str]) -> int:
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
     header = (
         f"Written by ./run_train.sh --config {cfg.job.config_file or DEFAULT_CONFIG} --plan: the fastest of "
-        f"{len(fits):,} layouts that fit {world} x {kind.name} (estimated)\n"
+        f"{result.fit:,} layouts that fit {world} x {kind.name} (estimated)\n"
         f"{best.layout.describe()}\n"
         f"estimated {best.time.tokens_per_s:,.0f} tokens/s per GPU, MFU {best.time.mfu:.1f}%, "
         f"{best.exact_gib:.1f} GiB per GPU (dry run)"
     )
     with open(out, "w") as f:
         f.write(toml_text(best_cfg, header))
-    print(report(cfg, world, kind, given, ranked, len(fits), tried, best, out, elapsed, search.notes), flush=True)
+    print(report(cfg, world, kind, given, result, best, out, elapsed, search.notes), flush=True)
     return 0
 
 
-def report(cfg, world, kind, given, ranked, n_fit, tried, best, out, elapsed, notes) -> str:
+def report(cfg, world, kind, given, result: Ranking, best, out, elapsed, notes) -> str:
     lines = [
         f"layout search: {cfg.model.name} {cfg.model.flavor} on {world} x {kind.name} ({kind.description}, "
         f"{kind.memory_gib:g} GiB), seq {cfg.training.seq_len}",
-        f"  {tried:,} layouts estimated, {n_fit:,} fit within {COMFORT_FRACTION:.0%} of memory; the fastest of each "
-        "mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's",
+        f"  {result.tried:,} layouts estimated, {result.fit:,} fit within {COMFORT_FRACTION:.0%} of memory; the "
+        "fastest of each mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's",
         *(f"  note: {n}" for n in notes),
         "",
     ]
     rows = []
     if isinstance(given, Estimate):
         rows.append(_row("given", given))
-    top = ranked[: cfg.plan.top]
+    top = result.ranked[: cfg.plan.top]
     rows += [_row(str(i + 1), e) for i, e in enumerate(top)]
     lines.append(format_table(rows))
     lines.append("")
