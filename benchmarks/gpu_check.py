@@ -9,9 +9,9 @@ reduction; AC and compile as configured) and each timed step is the shipped `Tra
 fixed random tokens, so the data pipeline is not measured.
 
 Without CUDA the same path runs on CPU in seconds (debug flavor, 2 x 64 tokens, aot_eager, 3 steps):
-its numbers say nothing about GPUs; it keeps the script working where there is no GPU. The CPU peak is
-the process's resident set (VmHWM), which also holds the Python runtime, so it is larger than the
-estimate of tensors alone.
+its numbers say nothing about GPUs, and MFU, a GPU's figure, is left out; it keeps the script working
+where there is no GPU. The CPU's peak memory is the process's resident set (VmHWM), which also holds the
+Python runtime, so it is larger than the estimate of tensors alone.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def run(argv: list[str]) -> dict:
     elapsed = time.perf_counter() - start
     peak, _ = memory.peak_gib()
     tps = args.steps * t.local_batch_size * plan.grad_accum * t.seq_len / elapsed
-    peak_rate, peak_source = peak_tflops(device)
+    # MFU is a GPU's figure (its data-sheet peak); the CPU form leaves it out rather than divide by a CPU's.
+    peak_rate, peak_source = peak_tflops(device) if device.type == "cuda" else (None, "not defined on a CPU")
     tflops = plan.model_args.flops_per_token(t.seq_len) * tps / 1e12
     layout = plan.layout()
     planned = estimate(
@@ -119,8 +120,11 @@ def report(r: dict) -> str:
             f"{r['steps']} timed steps after {r['warmup']} warm-up ({r['warmup_s']:.1f} s): "
             f"{r['tokens_per_s']:,.0f} tokens/s, "
             f"{r['tflops']:.1f} TFLOP/s, MFU "
-            + (f"{r['mfu_pct']:.1f}% of {r['peak_tflops']:.0f} TFLOP/s " if r["mfu_pct"] is not None else "n/a ")
-            + f"({r['peak_source']})",
+            + (
+                f"{r['mfu_pct']:.1f}% of {r['peak_tflops']:.0f} TFLOP/s ({r['peak_source']})"
+                if r["mfu_pct"] is not None
+                else f"n/a ({r['peak_source']})"
+            ),
             f"peak memory {r['peak_gib']:.2f} GiB ({r['memory_kind']}) vs dry-run estimate {r['estimate_gib']:.2f} GiB "
             f"(estimate / measured = {r['estimate_gib'] / max(r['peak_gib'], 1e-9):.2f}; "
             f"activations {r['estimate_activations_gib']:.2f} GiB of it, eager-kernel model)",
