@@ -168,10 +168,14 @@ RULES: list[Rule] = [
     Rule(r"--job\.dump_folder /tmp/demo/run$", "run", "", chain="llama", append="--training.steps 2"),
     Rule(r"qwen3_moe_debug\.toml --checkpoint\.enable$", "run", "", chain="moe", append="--training.steps 2"),
     Rule(
-        r"-m titanlite\.generate .*--job\.dump_folder outputs/sample ", "run", "", chain="llama", seed="/tmp/demo/run"
+        r"-m titanlite\.tools\.generate .*--job\.dump_folder outputs/sample ",
+        "run",
+        "",
+        chain="llama",
+        seed="/tmp/demo/run",
     ),
     Rule(r"-m titanlite\.tools\.hf export --config \S+qwen3_moe", "run", "", chain="moe"),
-    Rule(r"-m titanlite\.(generate|tools\.hf export) --config ", "run", "", chain="llama"),
+    Rule(r"-m titanlite\.tools\.(generate|hf export) --config ", "run", "", chain="llama"),
     Rule(r"-m titanlite\.tools\.dashboard ", "run", "", chain="llama"),
     Rule(r"-m tensorboard\.main ", "run", "a server: its version only", chain="llama", append="--version_tb"),
     Rule(r"^scripts/python\.sh -m titanlite\.[\w. ]+ --help$", "run", ""),
