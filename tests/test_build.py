@@ -74,3 +74,46 @@ def test_tokens_per_gpu_do_not_depend_on_the_layout():
     assert dp2.tokens_per_gpu_step == tp2.tokens_per_gpu_step == 8 * 64 / 2
     # Per-rank counting (local batch x seq x accumulation) would give tp=2 twice the tokens.
     assert tp2.cfg.training.local_batch_size * 64 * tp2.grad_accum == 2 * tp2.tokens_per_gpu_step
+
+
+@pytest.mark.parametrize("public", [True, False], ids=["set_timeout", "private_setter"])
+def test_train_timeouts_are_set_through_the_public_api_where_torch_has_one(process_group, monkeypatch, public):
+    """torch >= 2.15 deprecates `_set_pg_timeout` with a FutureWarning every rank printed; where the public
+    `dist.set_timeout` exists it is the one called, and the older torch's private setter warns nothing."""
+    import warnings
+
+    calls = []
+    if public:
+        monkeypatch.setattr(dist, "set_timeout", lambda timeout, group: calls.append(timeout), raising=False)
+    else:
+        monkeypatch.delattr(dist, "set_timeout", raising=False)
+        monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout", lambda t, g: calls.append(t))
+    cfg = JobConfig()
+    plan = RunPlan.build(cfg, 1, args=tiny_args())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeouts = apply_train_timeout(cfg, plan.dims)
+    assert len(calls) == len(timeouts) >= 1
+    assert {t.total_seconds() for t in calls} == {cfg.comm.train_timeout_seconds}
+
+
+def test_dtensors_sequential_redistribution_advice_is_not_in_a_ranks_output(caplog):
+    """DTensor logs "While redistributing from ... may give inconsistent results between ranks" once per
+    mesh for a tensor-parallel run's gradient norm; the ranks' logging drops that one record of torch's
+    logger and keeps every other (the negative control), and torch still words it so."""
+    import inspect
+    import logging
+
+    from torch.distributed.tensor import _redistribute
+
+    from titanlite.trainer import REDISTRIBUTE_LOGGER, init_logging
+
+    assert '"While redistributing from %s to %s' in inspect.getsource(_redistribute)
+    assert _redistribute.logger.name == REDISTRIBUTE_LOGGER
+    init_logging(0)
+    init_logging(0)  # a second trainer in one process adds no second filter
+    torch_logger = logging.getLogger(REDISTRIBUTE_LOGGER)
+    assert len(torch_logger.filters) == 1
+    torch_logger.warning("While redistributing from %s to %s, %d sequential %s operations", "P", "R", 2, "ar")
+    torch_logger.warning("another DTensor warning")
+    assert [r.getMessage() for r in caplog.records if r.name == REDISTRIBUTE_LOGGER] == ["another DTensor warning"]

@@ -139,8 +139,10 @@ def apply_train_timeout(cfg: JobConfig, dims: ParallelDims) -> dict[str, timedel
     timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
     dist.barrier()
     groups = {"world": dist.group.WORLD, **(dims.process_groups() if dims.mesh_built else {})}
+    # torch >= 2.15 deprecates the private setter (a FutureWarning in every rank's output) for a public one.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in groups.values():
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_timeout(timeout, group)
     return {name: timeout for name in groups}
 
 

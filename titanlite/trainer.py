@@ -50,6 +50,20 @@ logger = logging.getLogger("titanlite")
 FAMILY_METRICS = tuple(m.name for m in METRICS if m.family)
 
 
+class _UnactionableTorchAdvice(logging.Filter):
+    """Drops DTensor's advice that a redistribution runs one collective per mesh dim ("While
+    redistributing from ... sequential ... operations"), which torch logs once per mesh for the gradient
+    norm of a tensor-parallel run (a `_NormPartial` reduced over dp and tp): the user can do nothing about
+    it, and its "may give inconsistent results between ranks" reads like a fault. Every other record of
+    that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
 def init_logging(rank: int) -> None:
     """One stderr handler on the `titanlite` logger (replaced, not added, when a process builds several
     trainers); records still propagate, so handlers on the root logger see them too. Under the launcher,
@@ -62,6 +76,9 @@ def init_logging(rank: int) -> None:
     handler.titanlite = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    torch_logger = logging.getLogger(REDISTRIBUTE_LOGGER)
+    if not any(isinstance(f, _UnactionableTorchAdvice) for f in torch_logger.filters):
+        torch_logger.addFilter(_UnactionableTorchAdvice())
 
 
 class Trainer:
