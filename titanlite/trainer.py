@@ -111,10 +111,7 @@ class Trainer:
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
-            f"mesh {dict(zip(self.dims.mesh_dim_names, [getattr(self.dims, n) for n in self.dims.mesh_dim_names]))} "
-            f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}"
-            + (f"; experts over ep {self.dims.ep} x efsdp {self.dims.efsdp}" if self.dims.ep_enabled else "")
-            + "); "
+            f"{self.dims.describe()}; "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
         logger.info(f"plan: {self.plan.describe(self.step_choice)}")
@@ -224,7 +221,7 @@ class Trainer:
             )
             return
         t = self.cfg.training
-        # One rank of each data-parallel replica reads; its tp/pp peers receive its batches.
+        # One rank of each data-parallel replica reads; its other ranks receive its batches.
         shape, timeout = (t.local_batch_size, t.seq_len), self.cfg.comm.init_timeout_seconds
         data_iter = replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
         gc.disable()
