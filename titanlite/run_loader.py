@@ -92,7 +92,7 @@ def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
             text_field=t.dataset_text_field,
             seq_len=t.seq_len,
             local_batch_size=v.local_batch_size,
-            global_batch_size=v.local_batch_size * plan.dims.dp,
+            global_batch_size=plan.dims.sequences(v.local_batch_size),
             dp_rank=dp_rank,
             dp_degree=plan.dims.dp,
             holdout_documents=0 if v.dataset_path else v.holdout_documents,

@@ -126,14 +126,10 @@ class Trainer:
         self.keep_gathers = self.runner.context.keep_gathers
         self.model.train()
         n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
-        mesh = {n: getattr(self.dims, n) for n in self.dims.mesh_dim_names}
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
-            f"mesh {mesh} "
-            f"({cfg.parallelism.dp_impl}, {self.dims.dp_mode if self.dims.dp_enabled else 'no dp'}"
-            + (f"; experts over ep {self.dims.ep} x efsdp {self.dims.efsdp}" if self.dims.ep_enabled else "")
-            + "); "
+            f"{self.dims.describe()}; "
             f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
         )
         logger.info(f"plan: {self.plan.describe(self.step_choice)}")
@@ -167,7 +163,7 @@ class Trainer:
             validation=self.validator is not None,
             family_metrics=FAMILY_METRICS if self.plan.spec.step_metrics is not None else (),
             run_label=layout_label(
-                mesh, cfg.parallelism.dp_impl, cfg.compile.enable, f"ep{self.dims.ep}" if self.dims.ep_enabled else ""
+                self.dims.mesh_degrees, cfg.parallelism.dp_impl, cfg.compile.enable, self.dims.experts_label
             ),
             world_size=self.world_size,
             compiled=cfg.compile.enable,
@@ -248,7 +244,7 @@ class Trainer:
             )
             return
         t = self.cfg.training
-        # One rank of each data-parallel replica reads; its tp/pp peers receive its batches.
+        # One rank of each data-parallel replica reads; its other ranks receive its batches.
         shape, timeout = (t.local_batch_size, t.seq_len), self.cfg.comm.init_timeout_seconds
         data_iter = replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
         gc.disable()

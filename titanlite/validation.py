@@ -79,10 +79,9 @@ class Validator:
             self._passes_checked = True
             self._report_repeats(device)
         # The mean over the replicas and, under context parallelism, over each sequence's equal parts.
-        for mesh in (self.plan.dims.dp_mesh, self.plan.dims.cp_mesh):
-            if mesh is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
-        tokens = self.cfg.steps * self.cfg.local_batch_size * self.plan.dims.dp * self.plan.cfg.training.seq_len
+        for mesh in self.plan.dims.loss_meshes:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh.get_group())
+        tokens = self.cfg.steps * self.plan.dims.sequences(self.cfg.local_batch_size) * self.plan.cfg.training.seq_len
         return ValidationResult(total.item(), time.perf_counter() - start, tokens)
 
     def _report_repeats(self, device: torch.device) -> None:

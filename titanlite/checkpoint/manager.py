@@ -69,6 +69,7 @@ from titanlite.checkpoint.weights import (
 )
 from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, RunNotSaved
+from titanlite.parallelisms.parallel_dims import WorldLayout
 from titanlite.plan import RunPlan
 
 logger = logging.getLogger("titanlite")
@@ -381,8 +382,7 @@ class CheckpointManager:
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
         fresh = config_groups(self.optimizer)
-        old_world, old_dp, old_tp = marker["world_size"], marker["dp_degree"], marker["tp_degree"]
-        old_cp, old_ep = marker.get("cp_degree", 1), marker.get("ep_degree", 1)
+        old, new = WorldLayout.from_marker(marker), self.dims.world_layout
         cache: dict[int, dict] = {}
 
         def read_rank(r: int) -> dict:
@@ -394,7 +394,7 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.warning(resume.dataset_changed)
         elif self.dataloader is not None:
-            loader_state = rank_state.loader_state_for(self.dp_rank, self.dp_degree, old_dp, old_cp * old_tp, read_rank)
+            loader_state = rank_state.loader_state_for(self.dp_rank, new.dp, old.dp, old.replica_width, read_rank)
             if loader_state is None:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
@@ -408,14 +408,11 @@ class CheckpointManager:
             options=_OPTIONS,
         )
         restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
-        rank_state.restore_rng(read_rank(self.rank % old_world), self.device)
+        rank_state.restore_rng(read_rank(self.rank % old.world_size), self.device)
         step = int(state["train_state"]["step"])
-        old = (old_world, old_dp, old_cp, old_tp, old_ep)
-        resharded = old != (self.world_size, self.dp_degree, self.dims.cp, self.dims.tp, self.dims.ep)
-        cp_text = (f", cp {old_cp}" if old_cp > 1 else "") + (f", ep {old_ep}" if old_ep > 1 else "")
         self._log(
             f"checkpoint: resumed from {path} at step {step} in {time.perf_counter() - start:.2f}s "
             f"(checksums verified in {self._verify_seconds:.2f}s)"
-            + (f" (resharded from world {old_world}, dp {old_dp}{cp_text}, tp {old_tp})" if resharded else "")
+            + (f" (resharded from {old.describe()})" if old != new else "")
         )
         return step

@@ -4,11 +4,12 @@ DCP reshards tensors, but this state is per rank and not a tensor: each rank wri
 `rank_state/rank-<r>.pt` into the step folder before the folder is completed (the completion marker
 lists these files too), and a resuming rank picks what it needs from the old ranks' files.
 
-Resharding rule for the data loader (ranks are laid out (dp_replicate, dp_shard, cp, tp), so the old
-rank `d * cp_old * tp_old` is the first rank of old dp rank `d`; all cp and tp ranks of a dp rank read
-the same data, and its first rank holds the state, `parallelisms/replica_batches.py`):
+Resharding rule for the data loader (the ranks of a dp rank are consecutive, `ParallelDims.replica_width`
+of them per pipeline stage, so the old rank `d * old_replica_width` is the first rank of old dp rank `d`;
+all ranks of a dp rank read the same data, and its first rank holds the state,
+`parallelisms/replica_batches.py`):
 
-- same dp degree (any cp or tp degree): new dp rank d loads the state of old dp rank d, unchanged;
+- same dp degree (any other degree): new dp rank d loads the state of old dp rank d, unchanged;
 - different dp degree: the states of all old dp ranks are merged with `merge_loader_states` into one
   state holding the cursor of every virtual shard, and every new rank loads it, keeping the shards it
   owns (`v % dp == d`). Saves happen between optimizer steps, where every old rank has produced
@@ -74,7 +75,7 @@ def loader_state_for(
     dp_rank: int, dp_degree: int, old_dp: int, old_replica: int, read_rank: Callable[[int], dict]
 ) -> dict | None:
     """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring);
-    `old_replica` is the old layout's ranks per dp rank and pipeline stage (cp x tp).
+    `old_replica` is the old layout's ranks per dp rank and pipeline stage (`WorldLayout.replica_width`).
 
     `read_rank(r)` returns old rank r's saved state; only the files needed are read.
     """

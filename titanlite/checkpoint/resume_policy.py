@@ -151,13 +151,9 @@ class RunRecord:
 
     def layout(self) -> dict:
         """The parallel layout that wrote a checkpoint: a resume on another one reshards."""
-        dims, cfg = self.plan.dims, self.plan.cfg
+        cfg = self.plan.cfg
         return {
-            "world_size": dims.world_size,
-            "dp_degree": dims.dp,
-            "tp_degree": dims.tp,
-            "cp_degree": dims.cp,
-            "ep_degree": dims.ep,
+            **self.plan.dims.world_layout.to_marker(),
             "dp_impl": cfg.parallelism.dp_impl,
             "flavor": cfg.model.flavor,
         }

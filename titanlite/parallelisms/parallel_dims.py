@@ -15,6 +15,12 @@ cp is unflattened into (`efsdp`, `ep`), ep innermost, so the ranks that exchange
 the experts are sharded over `ep` and data-parallel over `efsdp` (and dp_replicate) on their own mesh
 (`expert_param_mesh`), the other weights over dp_shard x cp as without it. A pipeline stage's plan (TP, SimpleFSDP,
 FSDP2) runs on the mesh without `pp` (`dim_names`); `pp_mesh` carries the stages' point-to-point traffic.
+
+This is the one module that names the degrees: what the rest of the framework needs of them it asks here
+(the replica's width, the batch split and the meshes a loss is averaged over, the layout a checkpoint
+records, the words a run describes itself with, the config keys a tool sets), so adding a degree
+touches this module, the config schema and the parallelism's own unit, not the checkpoint, trainer,
+validation, step or tools code.
 """
 
 from __future__ import annotations
@@ -27,6 +33,66 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.errors import ConfigError
+
+DEGREE_KEYS: dict[str, str] = {
+    "pp": "pipeline_parallel_degree",
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
+    "tp": "tensor_parallel_degree",
+    "ep": "expert_parallel_degree",
+}
+"""Each degree's key in config section `parallelism`, by its dim name."""
+
+
+def degree_overrides(**degrees: int) -> list[str]:
+    """Command-line overrides setting the given degrees (by dim name: `pp=8, tp=8`), in the order given."""
+    return [arg for name, d in degrees.items() for arg in (f"--parallelism.{DEGREE_KEYS[name]}", str(d))]
+
+
+def reset_to_data_parallel(p: Any) -> None:
+    """Config section `parallelism` (`p`) set to plain data parallelism: every degree 1, the shard degree
+    the rest of the world, no pipeline split points or stage count."""
+    for name, key in DEGREE_KEYS.items():
+        setattr(p, key, -1 if name == "dp_shard" else 1)
+    p.pipeline_parallel_split_points, p.pipeline_parallel_stages_per_rank = [], -1
+
+
+_MARKER_KEYS = {"world_size": "world_size", "dp": "dp_degree", "tp": "tp_degree", "cp": "cp_degree", "ep": "ep_degree"}
+"""`WorldLayout`'s fields by their keys in a checkpoint's completion marker."""
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """The parallel layout that wrote a checkpoint, as its completion marker records it: a resume on another
+    one reshards (the data loader's states by `replica_width`, DCP the tensors). The marker's keys are fixed
+    (`to_marker`); a degree recorded later than the first markers is read as 1 where a marker lacks it."""
+
+    world_size: int
+    dp: int
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def replica_width(self) -> int:
+        """Ranks of one data-parallel replica in one pipeline stage (cp x tp): rank `d * replica_width` is
+        the first rank of dp rank `d`, the one that reads its data."""
+        return self.cp * self.tp
+
+    def to_marker(self) -> dict[str, int]:
+        """The completion marker's entries."""
+        return {key: getattr(self, name) for name, key in _MARKER_KEYS.items()}
+
+    @classmethod
+    def from_marker(cls, marker: dict) -> WorldLayout:
+        """The layout a completion marker recorded (cp and ep: 1 in markers written without them)."""
+        return cls(**{name: marker[key] for name, key in _MARKER_KEYS.items() if key in marker})
+
+    def describe(self) -> str:
+        """In words, for the resume's log line: `world 4, dp 2, cp 2, tp 1`."""
+        extra = (f", cp {self.cp}" if self.cp > 1 else "") + (f", ep {self.ep}" if self.ep > 1 else "")
+        return f"world {self.world_size}, dp {self.dp}{extra}, tp {self.tp}"
 
 
 @dataclass
@@ -108,6 +174,52 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def replica_width(self) -> int:
+        """Ranks of one data-parallel replica in one pipeline stage (cp x tp): they train on the same batches."""
+        return self.cp * self.tp
+
+    @property
+    def world_layout(self) -> WorldLayout:
+        """The layout a checkpoint records and a resume compares with."""
+        return WorldLayout(self.world_size, self.dp, tp=self.tp, cp=self.cp, ep=self.ep)
+
+    def sequences(self, local_batch: int) -> int:
+        """Sequences of one batch over the world: `local_batch` per data-parallel rank (the ranks of a replica
+        share them)."""
+        return local_batch * self.dp
+
+    def rank_tokens(self, seq_len: int) -> int:
+        """Tokens of each sequence one rank computes (its part under context parallelism)."""
+        return seq_len // self.cp
+
+    def describe_sequence(self, seq_len: int) -> str:
+        """How a sequence is split over ranks, in words: `seq 8192`, or `seq 8192 / cp 2`."""
+        return f"seq {seq_len}" + (f" / cp {self.cp}" if self.cp_enabled else "")
+
+    @property
+    def mesh_degrees(self) -> dict[str, int]:
+        """Each dim of the world mesh with its degree, outermost first."""
+        return {name: getattr(self, name) for name in self.mesh_dim_names}
+
+    @property
+    def experts_label(self) -> str:
+        """The experts' split in a run's name (`ep2`), empty where experts are not spread."""
+        return f"ep{self.ep}" if self.ep_enabled else ""
+
+    def describe_degrees(self) -> str:
+        """The degrees in words: `dp_shard 4 x tp 2` (and how the experts are split), or `single rank`."""
+        text = " x ".join(f"{n} {d}" for n, d in self.mesh_degrees.items()) or "single rank"
+        return text + (f" ({self._experts_text()})" if self.ep_enabled else "")
+
+    def describe(self) -> str:
+        """The start-up log's words for the layout: the mesh, the data-parallel plan and its mode, the experts."""
+        experts = f"; {self._experts_text()}" if self.ep_enabled else ""
+        return f"mesh {self.mesh_degrees} ({self.dp_impl}, {self.dp_mode if self.dp_enabled else 'no dp'}{experts})"
+
+    def _experts_text(self) -> str:
+        return f"experts over ep {self.ep} x efsdp {self.efsdp}"
 
     @property
     def dp_enabled(self) -> bool:
@@ -288,6 +400,12 @@ class ParallelDims:
     def pp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh["pp"] if self.pp_enabled else None
 
+    @property
+    def loss_meshes(self) -> tuple[DeviceMesh, ...]:
+        """The meshes a rank's mean loss is averaged over to give the batch's: the data-parallel replicas
+        and, under context parallelism, each sequence's equal parts."""
+        return tuple(m for m in (self.dp_mesh, self.cp_mesh) if m is not None)
+
     def process_groups(self) -> dict[str, dist.ProcessGroup]:
         """Every process group of the mesh by dim name (and the flattened `dp`): what a collective can run on."""
         mesh = self.world_mesh
@@ -301,7 +419,7 @@ class ParallelDims:
     def dp_rank_of(self, rank: int) -> int:
         """Global `rank`'s index on the flattened dp mesh (ranks are laid out pp, dp_replicate, dp_shard,
         cp, tp); arithmetic only, so it is known before any process group exists."""
-        return (rank // (self.cp * self.tp)) % self.dp
+        return (rank // self.replica_width) % self.dp
 
     def cp_rank_of(self, rank: int) -> int:
         """Global `rank`'s context-parallel rank: which two chunks of every sequence it holds."""
@@ -309,4 +427,4 @@ class ParallelDims:
 
     def pp_rank_of(self, rank: int) -> int:
         """Global `rank`'s pipeline rank (0 holds the first stage)."""
-        return rank // (self.dp * self.cp * self.tp)
+        return rank // (self.dp * self.replica_width)

@@ -4,7 +4,7 @@ train on the same batches, so only its first rank reads them and the others rece
 Without this every rank of a replica would read and tokenize the same documents: for an `hf://` dataset
 that is the same shards streamed tp x pp times over the network, and for local data the same
 tokenization on every rank. The reader is the replica's lowest global rank (pipeline rank 0, tensor rank
-0), whose data loader state is the one a resume reads (`checkpoint/rank_state.py`: old rank `d * tp`);
+0), whose data loader state is the one a resume reads (`checkpoint/rank_state.py`: old rank `d * replica_width`);
 the other ranks' loaders are built (a bad dataset is still reported before training) but never iterated,
 so their saved loader state stays at its start and is never read. Each microbatch costs one broadcast of
 its token ids, labels and positions over the replica's ranks ([3, local batch, seq_len] int64, on the

@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field
 
 from titanlite.config import load_config
+from titanlite.parallelisms.parallel_dims import degree_overrides
 from titanlite.planning.gpus import GPU_KINDS, GpuKind, gpu_kind
 from titanlite.planning.step_time import Features
 from titanlite.tools.layout_search import Estimate, LayoutSearch
@@ -80,9 +81,7 @@ def _args(
     out = [*FSDP2, "--training.seq_len", str(seq), "--training.local_batch_size", str(local)]
     out += ["--training.global_batch_size", str(global_), "--activation_checkpoint.mode", mode]
     out += ["--activation_checkpoint.selective_ac_option", option, "--parallelism.fsdp_reshard_after_forward", reshard]
-    out += ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.data_parallel_shard_degree", str(dp)]
-    out += ["--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_replicate_degree", "1"]
-    out += ["--parallelism.context_parallel_degree", str(cp)]
+    out += degree_overrides(pp=pp, dp_shard=dp, tp=tp, dp_replicate=1, cp=cp)
     if seq > MAX_SEQ_LEN:
         out += ["--model.max_seq_len", str(seq)]
     return out + ["--compile.enable" if compile_ else "--no-compile.enable"]

@@ -210,13 +210,11 @@ def _dtype(d: torch.dtype) -> str:
 def format_report(r: DryRun) -> str:
     cfg, plan, lay, m = r.cfg, r.plan, r.layout, r.memory
     dims, t = plan.dims, cfg.training
-    degrees = " x ".join(f"{n} {getattr(dims, n)}" for n in dims.mesh_dim_names) or "single rank"
-    if dims.ep > 1:
-        degrees += f" (experts over ep {dims.ep} x efsdp {dims.efsdp})"
+    degrees = dims.describe_degrees()
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
     compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
     ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
-    per_gpu = t.local_batch_size * t.seq_len // plan.dims.cp * plan.grad_accum
+    per_gpu = t.local_batch_size * dims.rank_tokens(t.seq_len) * plan.grad_accum
     root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
     # SimpleFSDP's fully checkpointed blocks hold nothing: their recompute gathers again.
     blocks_held = lay.dp_impl == "fsdp2" or lay.ac_mode != "full"
@@ -288,8 +286,7 @@ def format_report(r: DryRun) -> str:
         + f": {degrees}; {dp}",
         f"  AC {ac}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
         + ("; loss parallel" if lay.loss_parallel else ""),
-        f"  batch: local {t.local_batch_size} x seq {t.seq_len}"
-        + (f" / cp {plan.dims.cp}" if plan.dims.cp_enabled else "")
+        f"  batch: local {t.local_batch_size} x {dims.describe_sequence(t.seq_len)}"
         + f" x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
         *(f"  note: {n}" for n in r.notes),

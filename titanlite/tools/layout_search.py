@@ -33,6 +33,7 @@ from typing import Any
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.plan import RunPlan
 from titanlite.planning.gpus import GpuKind, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
@@ -193,11 +194,7 @@ def _plan_for(cfg: JobConfig, world: int) -> tuple[RunPlan, list[str]]:
         return build_run_plan(cfg, world)
     except ConfigError:
         trial = copy.deepcopy(cfg)
-        p = trial.parallelism
-        p.tensor_parallel_degree = p.pipeline_parallel_degree = p.data_parallel_replicate_degree = 1
-        p.context_parallel_degree = 1
-        p.data_parallel_shard_degree, p.pipeline_parallel_split_points = -1, []
-        p.pipeline_parallel_stages_per_rank = -1
+        reset_to_data_parallel(trial.parallelism)
         trial.training.global_batch_size = -1
         return build_run_plan(trial, world)
 
