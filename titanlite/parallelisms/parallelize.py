@@ -57,12 +57,12 @@ PARALLELISMS: tuple[Parallelism, ...] = (tensor_parallel.UNIT, context_parallel.
 """The parallelism units in the order they are applied (module docstring)."""
 
 
-def enabled(dims: ParallelDims, order: tuple[Parallelism, ...] = PARALLELISMS) -> list[Parallelism]:
-    """The units of `order` this mesh runs (degree above one), in order."""
-    return [unit for unit in order if unit.enabled(dims)]
+def enabled(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> list[Parallelism]:
+    """The units of `order` (default `PARALLELISMS`, read when called) this mesh runs (degree above one)."""
+    return [unit for unit in (PARALLELISMS if order is None else order) if unit.enabled(dims)]
 
 
-def step_hooks(dims: ParallelDims, order: tuple[Parallelism, ...] = PARALLELISMS) -> tuple[StepHook, ...]:
+def step_hooks(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> tuple[StepHook, ...]:
     """The step hooks of the units this mesh runs, in order (`step_context.StepContext.hooks`)."""
     return tuple(hook for unit in enabled(dims, order) if (hook := unit.step_hook(dims)) is not None)
 
@@ -73,12 +73,12 @@ def parallelize(
     tp_plan: TensorParallelPlanFn | None,
     dims: ParallelDims,
     cfg: JobConfig,
-    order: tuple[Parallelism, ...] = PARALLELISMS,
+    order: tuple[Parallelism, ...] | None = None,
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
     the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
     family's tensor-parallel plan (None: the family has none, and TP must be off); `order` the units
-    (`PARALLELISMS`)."""
+    (default `PARALLELISMS`)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()

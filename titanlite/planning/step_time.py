@@ -15,8 +15,10 @@ attention work, so attention too is the whole sequence's over cp. Attention runs
 whatever the kernel (under cp, and under block_causal, CUDA runs flex attention with a block mask: its
 rate against flash attention's is assumed equal, not measured).
 
-Collectives (ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an
-all-reduce twice that; plus a fixed latency). A group spans nodes when its ranks do (the mesh is laid
+Collectives (tensor and context parallelism's are their units' terms, `parallelism.Parallelism.step_time`,
+summed by name into `StepTime.comm`; data parallelism's and the pipeline's are here. Ring: an all-gather
+or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an all-reduce twice that; plus a fixed
+latency). A group spans nodes when its ranks do (the mesh is laid
 out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at the network's per-GPU
 bandwidth, else at NVLink's.
     tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
@@ -59,7 +61,7 @@ from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.compile import compile_scope
 from titanlite.parallelisms.memory_plan import Layout
 from titanlite.parallelisms.parallelism import StageWork
-from titanlite.parallelisms.parallelize import PARALLELISMS, enabled
+from titanlite.parallelisms.parallelize import enabled
 from titanlite.plan import RunPlan
 from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
 from titanlite.planning.layout_memory import LayoutMemory, StageUnits
@@ -205,7 +207,7 @@ class StepTimeModel:
         # Each parallelism unit's term and the link its group runs on (`parallelism.Parallelism.group`).
         terms = [
             (u.name, u.step_time, Link.of(kind, *u.group(dims)))
-            for u in enabled(dims, PARALLELISMS)
+            for u in enabled(dims)
             if u.step_time is not None and u.group is not None
         ]
         shard_link = Link.of(kind, shard, tp)  # dp_shard x cp, one group (`ParallelDims.param_mesh`)
