@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.kept_gathers import keep_for_step
 from titanlite.parallelisms.memory_plan import (
     Layout,
@@ -39,7 +38,7 @@ from titanlite.parallelisms.memory_plan import (
     pipeline_estimate,
 )
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import parallelize
+from titanlite.parallelisms.parallelize import parallelize, step_hooks
 from titanlite.parallelisms.pipeline import PipelineRunner, keep_stage
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
@@ -257,7 +256,7 @@ def step_context(plan: RunPlan, step: StepChoice) -> StepContext:
         reduce_once=policy.reduce_once,
         keep_gathers=policy.keep_gathers,
         extra_loss=plan.spec.extra_loss,
-        sequence=SequenceShard.of(plan.dims.cp_mesh) if plan.dims.cp_mesh is not None else None,
+        hooks=step_hooks(plan.dims),
     )
 
 

@@ -37,6 +37,7 @@ from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.memory_plan import Layout, StepChoice
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelize import enabled
 from titanlite.parallelisms.pipeline import StagePlan
 
 
@@ -138,37 +139,6 @@ def check_mask(cfg: JobConfig, spec: ModelSpec) -> None:
         )
 
 
-def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec) -> None:
-    """What context parallelism needs (`parallelisms/context_parallel.py`): a model with the seam, and
-    sequences that cut into 2 x cp equal chunks (whose cp shares tensor parallelism cuts again)."""
-    seq, cp = cfg.training.seq_len, dims.cp
-    if not spec.context_parallel:
-        raise ConfigError(f"model {spec.name} does not support context parallelism: set context_parallel_degree 1")
-    if seq % (2 * cp):
-        raise ConfigError(
-            f"training.seq_len {seq} is not a multiple of 2 x context_parallel_degree {cp} "
-            "(each rank holds two equal chunks of every sequence, one from each end)"
-        )
-    if dims.tp_enabled and (seq // cp) % dims.tp:
-        raise ConfigError(
-            f"training.seq_len {seq} / context_parallel_degree {cp} is not a multiple of tensor_parallel_degree "
-            f"{dims.tp} (sequence parallelism splits each rank's tokens again)"
-        )
-
-
-def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, args: Any) -> None:
-    """What expert parallelism needs (`parallelisms/expert_parallel.py`) beyond the mesh's own rule (ep
-    divides dp_shard x cp, no PP: `ParallelDims`): a family whose experts declare the seam, experts that
-    divide evenly over the ep ranks, and SimpleFSDP."""
-    ep, p = dims.ep, cfg.parallelism
-    if spec.num_experts is None:
-        raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")
-    if (experts := spec.num_experts(args)) % ep:
-        raise ConfigError(f"parallelism.expert_parallel_degree {ep} does not divide the model's {experts} experts")
-    if p.dp_impl != "simple_fsdp":
-        raise ConfigError(f"parallelism.expert_parallel_degree {ep} needs dp_impl simple_fsdp (got {p.dp_impl})")
-
-
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:
     """A seed checkpoint is written by one process (on a GPU node NGPU defaults to every GPU)."""
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -222,13 +192,9 @@ class RunPlan:
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
         if why := spec.check_layout(args, dims):
             raise ConfigError(f"model {cfg.model.name}: {why}")
-        if dims.ep_enabled:
-            check_expert_parallel(cfg, dims, spec, args)
-        if dims.tp_enabled and spec.tp_plan is None:
-            raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
+        for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
+            unit.rules(cfg, dims, spec, args)
         t = cfg.training
-        if dims.cp_enabled:
-            check_context_parallel(cfg, dims, spec)
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
         if global_batch % (t.local_batch_size * dims.dp):
             raise ConfigError(

@@ -62,18 +62,13 @@ from titanlite.parallelisms.units import Units
 def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
     """Whether compilation installs graph passes (`_with_passes`), after refusing what cannot compile:
     bucketing without those passes, and one model-wide graph over fully checkpointed blocks (`full_ac`)
-    without them. The run plan checks it before any rank starts; `apply_compile` asks it again for its
-    answer."""
+    without them (a parallelism's own rules with compilation are its unit's). The run plan checks it before
+    any rank starts; `apply_compile` asks it again for its answer."""
     c = cfg.compile
     with_passes = _with_passes(cfg, dims)
     if c.bucketing != "none" and not with_passes:
         raise ConfigError(
             f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
-        )
-    if dims.ep > 1 and c.scope == "model":
-        raise ConfigError(
-            f"compile.scope=model with expert_parallel_degree {dims.ep}: the token dispatch runs eager between "
-            "graphs (a break per MoE layer), which one model-wide graph cannot have; use scope block or auto"
         )
     if c.scope == "prefetch":
         _check_prefetch(cfg, dims, with_passes)

@@ -40,6 +40,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StageWork
+
 SEAM = "context_parallel"
 """The attribute a module declares (None) to receive the rank's `SequenceShard`."""
 
@@ -88,6 +93,14 @@ class SequenceShard:
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a per-token tensor of the batch ([batch, seq, ...] with `dim` 1)."""
         return shard_sequence(t, self.degree, self.rank, dim)
+
+    def batch(self, t: torch.Tensor) -> torch.Tensor:
+        """The step hook (`parallelism.StepHook`): this rank's tokens of a microbatch's per-token tensor."""
+        return self.shard(t)
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step hook: a rank's loss is the mean over its own tokens, as it is (module docstring)."""
+        return loss
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """The global indices of this rank's `local_len` tokens (a sequence of degree x local_len)."""
@@ -156,3 +169,53 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> SequenceSha
     for module in seams:
         setattr(module, SEAM, shard)
     return shard
+
+
+def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
+    """What context parallelism needs: a model with the seam, and sequences that cut into 2 x cp equal
+    chunks (whose cp shares tensor parallelism cuts again)."""
+    seq, cp = cfg.training.seq_len, dims.cp
+    if not spec.context_parallel:
+        raise ConfigError(f"model {spec.name} does not support context parallelism: set context_parallel_degree 1")
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len {seq} is not a multiple of 2 x context_parallel_degree {cp} "
+            "(each rank holds two equal chunks of every sequence, one from each end)"
+        )
+    if dims.tp_enabled and (seq // cp) % dims.tp:
+        raise ConfigError(
+            f"training.seq_len {seq} / context_parallel_degree {cp} is not a multiple of tensor_parallel_degree "
+            f"{dims.tp} (sequence parallelism splits each rank's tokens again)"
+        )
+
+
+def step_time(work: StageWork) -> float:
+    """Per block: the all-gather of the whole sequence's keys and values (TP-local, compute dtype), its
+    reduce-scatter of their gradients in backward, and the gather again when the block is recomputed (full
+    or selective AC: the selective policy saves no all-gather); all exposed, since attention waits for
+    the gather and the keys' and values' projections' backward for the reduction."""
+    kv_bytes = work.microbatch * work.seq_len * work.cost.block.context_parallel_elements * work.itemsize / work.tp
+    return (2 * work.blocks + work.full + work.selective) * work.ring(kv_bytes)
+
+
+def _apply(a: ApplyArgs) -> dict:
+    """After TP (whose layouts split each rank's tokens further), before AC and compile wrap the blocks."""
+    assert a.dims.cp_mesh is not None
+    apply_context_parallel(a.model, a.dims.cp_mesh)
+    return {}
+
+
+def _step_hook(dims: ParallelDims) -> SequenceShard | None:
+    return SequenceShard.of(dims.cp_mesh) if dims.cp_mesh is not None else None
+
+
+UNIT = Parallelism(
+    name="context",
+    degree=lambda dims: dims.cp,
+    rules=check_context_parallel,
+    apply=_apply,
+    step_hook=_step_hook,
+    step_time=step_time,
+    group=lambda dims: (dims.cp, dims.tp),
+)
+"""Context parallelism as one unit (`parallelism.Parallelism`)."""

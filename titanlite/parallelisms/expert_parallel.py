@@ -50,7 +50,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.parallelisms.host_replay import HostReplay
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism
+from titanlite.parallelisms.simple_fsdp import DataParallelMesh
 
 SEAM = "expert_parallel"
 """The attribute a module declares (None) to receive the rank's `ExpertShard`."""
@@ -189,3 +194,35 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replay: HostRep
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         setattr(module, SEAM, shard)
     return modules
+
+
+def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
+    """What expert parallelism needs beyond the mesh's own rule (ep divides dp_shard x cp, no PP:
+    `ParallelDims`): a family whose experts declare the seam, experts that divide evenly over the ep ranks,
+    SimpleFSDP, and no model-wide graph (the dispatch runs eager between graphs)."""
+    ep, p = dims.ep, cfg.parallelism
+    if spec.num_experts is None:
+        raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")
+    if (experts := spec.num_experts(args)) % ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree {ep} does not divide the model's {experts} experts")
+    if p.dp_impl != "simple_fsdp":
+        raise ConfigError(f"parallelism.expert_parallel_degree {ep} needs dp_impl simple_fsdp (got {p.dp_impl})")
+    if cfg.compile.enable and cfg.compile.scope == "model":
+        raise ConfigError(
+            f"compile.scope=model with expert_parallel_degree {ep}: the token dispatch runs eager between "
+            "graphs (a break per MoE layer), which one model-wide graph cannot have; use scope block or auto"
+        )
+
+
+def _apply(a: ApplyArgs) -> dict[nn.Module, DataParallelMesh]:
+    """After TP and CP, before AC (whose recompute replays the row splits, `a.replay`) and data parallelism,
+    which shards each rank's experts further over efsdp on the experts' own mesh."""
+    assert a.dims.ep_mesh is not None and a.dims.expert_param_mesh is not None
+    experts = apply_expert_parallel(a.model, a.dims.ep_mesh, a.replay)
+    where = DataParallelMesh(a.dims.expert_param_mesh, a.dims.expert_dp_mode, a.dims.expert_param_ndim)
+    return dict.fromkeys(experts, where)
+
+
+UNIT = Parallelism(name="expert", degree=lambda dims: dims.ep, rules=check_expert_parallel, apply=_apply)
+"""Expert parallelism as one unit (`parallelism.Parallelism`); its all-to-alls are not in the step-time
+model, and their buffers are the family's activation model's (`models/qwen3_moe/memory.py`)."""

@@ -5,6 +5,9 @@
                             part of every sequence (after TP, whose layouts split it further)
     expert parallelism      `expert_parallel.apply_expert_parallel`: the experts' weights become DTensors sharded
                             over `ep`, and the MoE layers dispatch their tokens to the experts' ranks
+The three are units (`parallelism.Parallelism`), listed in this order in `PARALLELISMS`, which the run plan
+(their rules), the step context (their step hooks, `step_hooks`) and the step-time model (their terms) read
+too: a new parallelism is its unit, its setting and its place in that tuple.
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
@@ -38,34 +41,51 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.parallelisms import context_parallel, expert_parallel, tensor_parallel
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.context_parallel import apply_context_parallel
 from titanlite.parallelisms.eager_reshard import apply_reshard
-from titanlite.parallelisms.expert_parallel import apply_expert_parallel
 from titanlite.parallelisms.fsdp2 import apply_fsdp2
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StepHook
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.simple_fsdp import DataParallelMesh, MixedPrecisionPolicy, data_parallel
-from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn, apply_tp
+from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
+
+PARALLELISMS: tuple[Parallelism, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
+"""The parallelism units in the order they are applied (module docstring)."""
+
+
+def enabled(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> list[Parallelism]:
+    """The units of `order` (default `PARALLELISMS`, read when called) this mesh runs (degree above one)."""
+    return [unit for unit in (PARALLELISMS if order is None else order) if unit.enabled(dims)]
+
+
+def step_hooks(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> tuple[StepHook, ...]:
+    """The step hooks of the units this mesh runs, in order (`step_context.StepContext.hooks`)."""
+    return tuple(hook for unit in enabled(dims, order) if (hook := unit.step_hook(dims)) is not None)
 
 
 def parallelize(
-    model: nn.Module, units: Units, tp_plan: TensorParallelPlanFn | None, dims: ParallelDims, cfg: JobConfig
+    model: nn.Module,
+    units: Units,
+    tp_plan: TensorParallelPlanFn | None,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    order: tuple[Parallelism, ...] | None = None,
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
     the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
-    family's tensor-parallel plan (None: the family has none, and TP must be off)."""
-    if dims.tp_enabled:
-        assert tp_plan is not None, "RunPlan.build refuses tensor parallelism for a family without a plan"
-        apply_tp(model, units, tp_plan(dims.loss_parallel), dims.tp_mesh)
-    if dims.cp_enabled:  # after TP, before AC and compile wrap the blocks
-        apply_context_parallel(model, dims.cp_mesh)
+    family's tensor-parallel plan (None: the family has none, and TP must be off); `order` the units
+    (default `PARALLELISMS`)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()
-    experts = apply_expert_parallel(model, dims.ep_mesh, replay) if dims.ep_enabled else []
+    applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay)
+    own: dict[nn.Module, DataParallelMesh] = {}
+    for unit in enabled(dims, order):
+        own |= unit.apply(applied)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
     report = None
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
@@ -79,7 +99,7 @@ def parallelize(
 
         report = apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
-        _data_parallel(model, units, dims, cfg, reshard, experts)
+        _data_parallel(model, units, dims, cfg, reshard, own)
     if report is not None:
         from titanlite.parallelisms.compile import apply_prefetch
 
@@ -88,20 +108,20 @@ def parallelize(
 
 
 def _data_parallel(
-    model: nn.Module, units: Units, dims: ParallelDims, cfg: JobConfig, reshard: ReshardPlan, experts: list[nn.Module]
+    model: nn.Module,
+    units: Units,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    reshard: ReshardPlan,
+    own: dict[nn.Module, DataParallelMesh],
 ) -> None:
     """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan;
-    `experts` (expert-parallel modules) on the experts' mesh."""
+    `own`: the modules a parallelism placed on a mesh of their own (expert parallelism's experts)."""
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if cfg.parallelism.dp_impl == "fsdp2":
         apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
         return
-    own = {}
-    if experts:
-        assert dims.expert_param_mesh is not None
-        where = DataParallelMesh(dims.expert_param_mesh, dims.expert_dp_mode, dims.expert_param_ndim)
-        own = dict.fromkeys(experts, where)
     data_parallel(
         model,
         dims.param_mesh,

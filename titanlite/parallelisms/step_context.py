@@ -6,9 +6,11 @@ per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
   step's backwards, so the summed gradient is that of the mean over the rank's batch.
 - The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
   the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain).
-- The batch: under context parallelism each rank takes its part of every sequence of a microbatch
-  (`shard`, `context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient
-  averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call it.
+- The batch and the loss: each parallelism's step hook (`parallelism.StepHook`, from the units the mesh
+  runs: `parallelize.step_hooks`) takes its part of a microbatch's per-token tensors (`shard`) and sees its
+  loss (`microbatch_loss`). Under context parallelism each rank takes its part of every sequence
+  (`context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient averaging
+  over dp_shard x cp turns into the batch's mean. Both runners and validation call `shard`.
 - The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
   chosen from the memory plan), over all of the step's backwards.
 - Clipping: by the global gradient norm, after the last backward.
@@ -31,6 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.gradient_reduction import reduce_once
+from titanlite.parallelisms.parallelism import StepHook
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`loss_fn(pred, labels)`: the mean loss of one microbatch's logits against its labels."""
@@ -54,8 +57,13 @@ class StepContext:
     """Gather the weights once per step, for all of its microbatches."""
     extra_loss: ExtraLoss | None = None
     """Added to each training microbatch's loss (`ModelSpec.extra_loss`); not to validation's."""
-    sequence: SequenceShard | None = None
-    """Context parallelism: this rank's part of every sequence."""
+    hooks: tuple[StepHook, ...] = ()
+    """The step hooks of the parallelisms the mesh runs, in their order (`parallelize.step_hooks`)."""
+
+    @property
+    def sequence(self) -> SequenceShard | None:
+        """Context parallelism's hook: this rank's part of every sequence (the forward's positions)."""
+        return next((h for h in self.hooks if isinstance(h, SequenceShard)), None)
 
     def with_loss(self, loss_fn: LossFn) -> StepContext:
         """The same context with another loss (a test's injected fault)."""
@@ -63,8 +71,10 @@ class StepContext:
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a per-token tensor of a microbatch ([batch, seq]: inputs, labels): all of
-        them, or its part of every sequence under context parallelism."""
-        return t if self.sequence is None else self.sequence.shard(t)
+        them, or what the step hooks keep (its part of every sequence under context parallelism)."""
+        for hook in self.hooks:
+            t = hook.batch(t)
+        return t
 
     def loss_scope(self) -> contextlib.AbstractContextManager:
         """Where a microbatch's forward-to-loss and its backward run (training and validation alike)."""
@@ -74,7 +84,7 @@ class StepContext:
         self, pred: torch.Tensor, labels: torch.Tensor, backwards: int, model: nn.Module | None = None
     ) -> torch.Tensor:
         """One microbatch's share of the step's loss: its loss plus the extra term of `model` (the module
-        whose forward just ran), over the step's `backwards`."""
+        whose forward just ran), as the step hooks see it, over the step's `backwards`."""
         loss = self.loss_fn(pred, labels)
         if self.extra_loss is not None:
             assert model is not None, "the extra loss term needs the module whose forward ran"
@@ -85,6 +95,8 @@ class StepContext:
                 mesh = loss.device_mesh
                 extra = DTensor.from_local(extra, mesh, [Replicate()] * mesh.ndim, run_check=False)
             loss = loss + extra
+        for hook in self.hooks:
+            loss = hook.loss(loss)
         return loss / backwards
 
     def reduction(

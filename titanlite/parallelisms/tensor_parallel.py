@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StageWork
 from titanlite.parallelisms.units import Units
 
 
@@ -68,3 +73,44 @@ def _has(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
+    """What tensor parallelism needs beyond the mesh's own rule (tp divides the family's sizes:
+    `ParallelDims`): a family with a plan."""
+    if spec.tp_plan is None:
+        raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
+
+
+def step_time(work: StageWork) -> float:
+    """The hidden-state all-gathers and reduce-scatters of sequence parallelism (`ModelCost.block`'s
+    `tp_collectives` per block and pass: forward, backward, and the forward again under full AC; selective
+    AC repeats `tp_recomputed_selective`), two more around the embedding and two around the output; exposed,
+    since they sit between the matmuls that need them (unless async TP, compared with only, hides them)."""
+    coll = 0.0 if work.features.async_tp else work.ring(work.tokens * work.cost.hidden * work.itemsize)
+    b = work.cost.block
+    n = b.tp_collectives * (2 * work.blocks + work.full) + b.tp_recomputed_selective * work.selective
+    if work.last:
+        n += 2
+    if work.first:
+        n += 2
+    return n * coll
+
+
+def _apply(a: ApplyArgs) -> dict:
+    """First: it replaces parameters with DTensors on the tp mesh, which data parallelism shards further."""
+    assert a.tp_plan is not None, "RunPlan.build refuses tensor parallelism for a family without a plan"
+    assert a.dims.tp_mesh is not None
+    apply_tp(a.model, a.units, a.tp_plan(a.dims.loss_parallel), a.dims.tp_mesh)
+    return {}
+
+
+UNIT = Parallelism(
+    name="tensor",
+    degree=lambda dims: dims.tp,
+    rules=check_tensor_parallel,
+    apply=_apply,
+    step_time=step_time,
+    group=lambda dims: (dims.tp, 1),
+)
+"""Tensor parallelism as one unit (`parallelism.Parallelism`)."""

@@ -15,8 +15,10 @@ attention work, so attention too is the whole sequence's over cp. Attention runs
 whatever the kernel (under cp, and under block_causal, CUDA runs flex attention with a block mask: its
 rate against flash attention's is assumed equal, not measured).
 
-Collectives (ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an
-all-reduce twice that; plus a fixed latency). A group spans nodes when its ranks do (the mesh is laid
+Collectives (tensor and context parallelism's are their units' terms, `parallelism.Parallelism.step_time`,
+summed by name into `StepTime.comm`; data parallelism's and the pipeline's are here. Ring: an all-gather
+or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an all-reduce twice that; plus a fixed
+latency). A group spans nodes when its ranks do (the mesh is laid
 out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at the network's per-GPU
 bandwidth, else at NVLink's.
     tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
@@ -50,6 +52,7 @@ and AdamW (reads parameter, gradient and both moments, writes three, reads the g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from titanlite.config import ActivationCheckpoint
@@ -57,6 +60,8 @@ from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.compile import compile_scope
 from titanlite.parallelisms.memory_plan import Layout
+from titanlite.parallelisms.parallelism import StageWork
+from titanlite.parallelisms.parallelize import enabled
 from titanlite.plan import RunPlan
 from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
 from titanlite.planning.layout_memory import LayoutMemory, StageUnits
@@ -88,7 +93,6 @@ class StepTime:
     step: float
     compute: float
     recompute: float
-    tp_comm: float
     dp_comm: float
     """Exposed data-parallel collectives."""
     pp_comm: float
@@ -101,9 +105,19 @@ class StepTime:
     peak_tflops: float
     dp_comm_total: float = 0.0
     """Every data-parallel collective, hidden or not."""
-    cp_comm: float = 0.0
-    """Context-parallel K/V all-gathers and their gradients' reduce-scatters (all exposed)."""
+    comm: dict[str, float] = field(default_factory=dict)
+    """Exposed collectives of each parallelism unit with a step-time term, by its name, in their order."""
     parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tp_comm(self) -> float:
+        """Exposed tensor-parallel collectives."""
+        return self.comm.get("tensor", 0.0)
+
+    @property
+    def cp_comm(self) -> float:
+        """Context-parallel K/V all-gathers and their gradients' reduce-scatters (all exposed)."""
+        return self.comm.get("context", 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,7 +129,10 @@ class StepTime:
 
     @property
     def exposed_comm(self) -> float:
-        return self.tp_comm + self.cp_comm + self.dp_comm + self.pp_comm
+        units = 0.0
+        for seconds in self.comm.values():
+            units += seconds
+        return units + self.dp_comm + self.pp_comm
 
 
 def prefetches(plan: RunPlan) -> bool:
@@ -187,8 +204,12 @@ class StepTimeModel:
         fused_loss = compiled and "loss" in cfg.compile.components
         tp = dims.tp
         cp, shard = dims.cp, dims.shard_degree
-        tp_link = Link.of(kind, tp, 1)
-        cp_link = Link.of(kind, cp, tp)
+        # Each parallelism unit's term and the link its group runs on (`parallelism.Parallelism.group`).
+        terms = [
+            (u.name, u.step_time, Link.of(kind, *u.group(dims)))
+            for u in enabled(dims)
+            if u.step_time is not None and u.group is not None
+        ]
         shard_link = Link.of(kind, shard, tp)  # dp_shard x cp, one group (`ParallelDims.param_mesh`)
         rep_link = Link.of(kind, dims.dp_replicate, tp * shard)
         # Neighbouring stages are dp x cp x tp ranks apart: one pair per send.
@@ -212,10 +233,16 @@ class StepTimeModel:
             "op_all_mm": blk_ew,
         }
         hidden_bytes = tokens * cost.hidden * e
-        tp_coll = 0.0 if self.features.async_tp else tp_link.ring(hidden_bytes)
-        # The whole sequence's keys and values of the microbatch, TP-local: what a block's gather produces.
-        kv_bytes = microbatch * cfg.training.seq_len * b.context_parallel_elements * e / tp
-        cp_coll = cp_link.ring(kv_bytes)
+        work = functools.partial(
+            StageWork,
+            microbatch=microbatch,
+            seq_len=cfg.training.seq_len,
+            tokens=tokens,
+            itemsize=e,
+            tp=tp,
+            cost=cost,
+            features=self.features,
+        )
         out_mm = tokens * cost.output_matmul_flops / tp / mm_rate
         loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
         prefetch = prefetches(plan) and kind.comm_overlaps_compute
@@ -259,16 +286,17 @@ class StepTimeModel:
         worst = None
         busy: list[float] = []
         for rank in memory.ranks:
-            compute = rec = tp_t = cp_t = pp_t = 0.0
+            compute = rec = pp_t = 0.0
             dp_mb = dp_step = dp_total = 0.0
+            comm = dict.fromkeys((name for name, _, _ in terms), 0.0)
             for st in rank.stages:
-                fwd_c, bwd_c, comp, recs, tps, cps = self._stage_compute(
-                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll, cp_coll
+                fwd_c, bwd_c, comp, recs, counted = self._stage_compute(
+                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew
                 )
                 compute += comp
                 rec += recs
-                tp_t += tps
-                cp_t += cps
+                for name, term, link in terms:
+                    comm[name] += term(work(*counted, ring=link.ring))
                 pp_t += p2p
                 counts = [1] * len(st.numel) if bucketed else st.n_tensors
                 g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
@@ -295,13 +323,16 @@ class StepTimeModel:
                     if reduce_in_graph and prefetch:  # inside the last backward, overlapped like any reduction
                         step_red = max(0.0, step_red - sum(bwd_c)) + red[0]
                     dp_step += reductions * step_red
-            per_mb = compute + rec + tp_t + cp_t + pp_t + dp_mb
-            row = (per_mb, compute, rec, tp_t, cp_t, pp_t, dp_mb, dp_step, dp_total)
+            per_mb = compute + rec
+            for seconds in comm.values():  # the units' terms, in their order
+                per_mb += seconds
+            per_mb = per_mb + pp_t + dp_mb
+            row = (per_mb, compute, rec, comm, pp_t, dp_mb, dp_step, dp_total)
             busy.append(mb_total * per_mb + dp_step)
-            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[7] / mb_total:
+            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[6] / mb_total:
                 worst = row
         assert worst is not None
-        per_mb, compute, rec, tp_t, cp_t, pp_t, dp_mb, dp_step, dp_total = worst
+        per_mb, compute, rec, comm, pp_t, dp_mb, dp_step, dp_total = worst
         bubble_fraction = 0.0
         if sp is not None:
             zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
@@ -320,7 +351,6 @@ class StepTimeModel:
             step=step,
             compute=n * compute,
             recompute=n * rec,
-            tp_comm=n * tp_t,
             dp_comm=n * dp_mb + dp_step,
             pp_comm=n * pp_t,
             bubble=accum * bubble,
@@ -330,7 +360,7 @@ class StepTimeModel:
             flops_per_token=cost.flops_per_token,
             peak_tflops=kind.peak_tflops,
             dp_comm_total=dp_total,
-            cp_comm=n * cp_t,
+            comm={name: n * seconds for name, seconds in comm.items()},
         )
 
     def _modes(self, ac: ActivationCheckpoint, cost_blocks) -> tuple[str, ...]:
@@ -341,11 +371,11 @@ class StepTimeModel:
             self._block_modes[key] = tuple(block_ac(ac, i) for i in range(n))
         return self._block_modes[key]
 
-    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew, tp_coll, cp_coll):
+    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew):
         """For one microbatch through stage `st`: per gather unit, in forward order, the forward and the
-        backward (+ recompute) compute it feeds; and the stage's compute, recompute, tensor-parallel and
-        context-parallel times. Blocks carry the block compute; the output projection and the loss go
-        with the last unit."""
+        backward (+ recompute) compute it feeds; the stage's compute and recompute times; and what the
+        parallelisms' terms count (`StageWork`: blocks, of them fully and selectively checkpointed, first,
+        last). Blocks carry the block compute; the output projection and the loss go with the last unit."""
         n = len(st.numel)
         fwd_c, bwd_c = [0.0] * n, [0.0] * n
         rec = 0.0
@@ -359,17 +389,11 @@ class StepTimeModel:
             selective += mode in ("op", "op_all_mm")
         nb = len(st.block_positions)
         compute = nb * (blk_fwd + blk_bwd)
-        b = self.cost.block
-        tp_n = b.tp_collectives * (2 * nb + full) + b.tp_recomputed_selective * selective
         if st.last:
             compute += 3 * out_mm + loss_ew
             fwd_c[-1] += out_mm
             bwd_c[-1] += 2 * out_mm + loss_ew
-            tp_n += 2
-        if st.first:
-            tp_n += 2
-        cp_n = 2 * nb + full + selective  # gather, its reduce-scatter, the gather again when recomputed
-        return fwd_c, bwd_c, compute, rec, tp_n * tp_coll, cp_n * cp_coll
+        return fwd_c, bwd_c, compute, rec, (nb, full, selective, st.first, st.last)
 
 
 def _linear(link: Link, bytes_per_elem: float, all_reduce: bool = False) -> tuple[float, float]:
