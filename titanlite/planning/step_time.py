@@ -15,20 +15,19 @@ attention work, so attention too is the whole sequence's over cp. Attention runs
 whatever the kernel (under cp, and under block_causal, CUDA runs flex attention with a block mask: its
 rate against flash attention's is assumed equal, not measured).
 
-Collectives (tensor and context parallelism's are their units' terms, `parallelism.Parallelism.step_time`,
-summed by name into `StepTime.comm`; data parallelism's and the pipeline's are here. Ring: an all-gather
-or reduce-scatter moves (p-1)/p of the unsharded bytes per rank, an all-reduce twice that; plus a fixed
-latency). A group spans nodes when its ranks do (the mesh is laid
-out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at the network's per-GPU
-bandwidth, else at NVLink's.
+Collectives, each part its own term: tensor and context parallelism's are their units' terms
+(`parallelism.Parallelism.step_time`, summed by name into `StepTime.comm`), data parallelism's is
+`data_parallel_time.py`'s (with the overlap its implementation schedules), the pipeline's is here
+(`StepTimeModel.send_recv`). Ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes
+per rank, an all-reduce twice that; plus a fixed latency (`link.Link`). A group spans nodes when its
+ranks do (the mesh is laid out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at
+the network's per-GPU bandwidth, else at NVLink's.
     tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
                       (forward, backward, and the forward again under full AC; selective AC repeats
                       `tp_recomputed_selective`); exposed: they sit between the matmuls that need them
-    data parallel     per gather unit (a block, or a root parameter / FSDP2's root group): the forward
-                      all-gather, the backward re-gather of units resharded after forward, the gradient
-                      reduce-scatter (all-reduce when replicating; both under HSDP) in every backward,
-                      or once per step when gradients are reduced once per step; the shard group
-                      is dp_shard x cp (context-parallel ranks hold parameter shards too)
+    data parallel     per gather unit: the forward all-gather, the backward re-gather, the gradient
+                      reduction, per microbatch or once per step; hidden behind the neighbouring unit's
+                      compute where the implementation prefetches
     context parallel  per block: the all-gather of the whole sequence's keys and values (TP-local, compute
                       dtype) over the cp ranks before attention, its reduce-scatter of their gradients
                       in backward, and the all-gather again when the block is recomputed (full or
@@ -36,12 +35,6 @@ bandwidth, else at NVLink's.
                       for the gather, and the keys' and values' projections' backward for the
                       reduction, with nothing scheduled between them
     pipeline          one hidden state per microbatch and stage boundary, forward and backward, exposed
-Overlap follows what the implementation schedules (`prefetches`): FSDP2, and SimpleFSDP compiled as one
-graph with bucketing and reordering, gather the next unit while the current one computes and reduce a
-unit's gradients while the next computes (exposed = the first gather, the last reduction, and what a
-unit's collectives take beyond its neighbour's compute); SimpleFSDP eager or compiled per block issues
-each unit's collectives next to its compute (buckets cannot cross compiled blocks): all exposed.
-Reductions once per step after the last backward (SimpleFSDP) have nothing left to overlap.
 
 A schedule step of m microbatches on pipeline ranks whose slowest takes T per microbatch lasts
 m T / (1 - bubble) with the schedule's bubble (`StagePlan.bubble_fraction`; the zero-bubble schedule
@@ -53,18 +46,20 @@ and AdamW (reads parameter, gradient and both moments, writes three, reads the g
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanlite.config import ActivationCheckpoint
 from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.activation_checkpoint import block_ac
-from titanlite.parallelisms.compile import compile_scope
 from titanlite.parallelisms.memory_plan import Layout
 from titanlite.parallelisms.parallelism import StageWork
 from titanlite.parallelisms.parallelize import enabled
 from titanlite.plan import RunPlan
-from titanlite.planning.gpus import COLLECTIVE_EFFICIENCY, HBM_EFFICIENCY, GpuKind
-from titanlite.planning.layout_memory import LayoutMemory, StageUnits
+from titanlite.planning.data_parallel_time import DataParallelSeconds, DataParallelTime
+from titanlite.planning.gpus import HBM_EFFICIENCY, GpuKind
+from titanlite.planning.layout_memory import LayoutMemory, RankMemory, StageUnits
+from titanlite.planning.link import Link
 
 ZERO_BUBBLE_SHARE = 1 / 3
 """The zero-bubble schedule's bubble over interleaved 1F1B's: ZB-H1 (Qi et al., "Zero Bubble Pipeline
@@ -135,53 +130,71 @@ class StepTime:
         return units + self.dp_comm + self.pp_comm
 
 
-def prefetches(plan: RunPlan) -> bool:
-    """Whether the data-parallel implementation overlaps a unit's collectives with its neighbour's compute:
-    FSDP2, SimpleFSDP compiled as one graph (`compile_scope` model) whose passes bucket and reorder, or
-    per-block graphs with the eager prefetcher (`prefetch`)."""
-    if plan.cfg.parallelism.dp_impl == "fsdp2":
-        return True
-    c = plan.cfg.compile
-    scope = compile_scope(plan.cfg, plan.dims) if plan.compile_passes else None
-    return scope == "prefetch" or (scope == "model" and c.bucketing != "none" and c.reorder)
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds of one microbatch's compute on a rank (every term over tp; module docstring)."""
+
+    block_fwd: float
+    block_bwd: float
+    recompute: dict[str, float]
+    """A block's recomputation in backward, by its AC mode."""
+    out_mm: float
+    """The output projection's forward (its backward: twice that)."""
+    loss: float
+    """The loss's elementwise work, forward and backward."""
 
 
-class Link:
-    """Collective times over one mesh dim's group of `size` ranks, `per_node` of them on each node.
+@dataclass
+class RankTime:
+    """One pipeline rank's seconds per microbatch by part, and its data-parallel collectives."""
 
-    Within a node: NVLink. Across nodes NCCL runs one ring per NIC, so a group with k members per node
-    crosses the network through k NICs at once: min(NVLink, k x network) per GPU (nccl-tests' multi-node
-    bus bandwidth on 8-GPU nodes with a NIC per GPU is about eight times one NIC's)."""
+    compute: float
+    recompute: float
+    comm: dict[str, float]
+    """Each parallelism unit's exposed collectives, by name, in their order."""
+    pp: float
+    """Pipeline sends and receives."""
+    dp: DataParallelSeconds
 
-    def __init__(self, kind: GpuKind, size: int, per_node: int):
-        self.size = size
-        inter = size > per_node
-        bw = min(kind.nvlink_gbps, per_node * kind.network_gbps) if inter else kind.nvlink_gbps
-        self.bytes_per_s = bw * 1e9 * COLLECTIVE_EFFICIENCY
-        self.latency = kind.inter_latency_s if inter else kind.intra_latency_s
-
-    @classmethod
-    def of(cls, kind: GpuKind, size: int, stride: int) -> Link:
-        """The group of `size` ranks `stride` apart (ranks fill nodes of `kind.gpus_per_node` in order)."""
-        return cls(kind, size, max(1, min(size, kind.gpus_per_node // stride)))
-
-    def ring(self, nbytes: float, all_reduce: bool = False) -> float:
-        """An all-gather or reduce-scatter of `nbytes` unsharded bytes (an all-reduce: twice the traffic)."""
-        if self.size == 1 or nbytes == 0:
-            return 0.0
-        share = (self.size - 1) / self.size * (2 if all_reduce else 1)
-        return share * nbytes / self.bytes_per_s + self.latency
-
-    def send(self, nbytes: float) -> float:
-        return 0.0 if self.size == 1 else nbytes / self.bytes_per_s + self.latency
+    @property
+    def per_microbatch(self) -> float:
+        per_mb = self.compute + self.recompute
+        for seconds in self.comm.values():
+            per_mb += seconds
+        return per_mb + self.pp + self.dp.per_microbatch
 
 
-def _overlapped(comm: list[float], compute: list[float]) -> float:
-    """Exposed time of per-unit collectives each needed before its unit's compute, each issued while the
-    previous unit computes (one ahead)."""
-    if not comm:
-        return 0.0
-    return comm[0] + sum(max(0.0, g - c) for g, c in zip(comm[1:], compute[:-1]))
+UnitTerm = tuple[str, Callable[[StageWork], float], Link]
+"""A parallelism unit's name, its step-time term and the link its group runs on."""
+
+
+@dataclass(frozen=True)
+class MicrobatchModel:
+    """What one microbatch costs a pipeline rank's stages, each part from its own term."""
+
+    times: ComputeTimes
+    modes: tuple[str, ...]
+    """Each block's AC mode, by block index."""
+    terms: list[UnitTerm]
+    work: Callable[..., StageWork]
+    """`StageWork` of this microbatch, given a stage's counts and a unit's ring."""
+    send_recv: float
+    """The pipeline's exposed sends and receives per stage."""
+    dp: DataParallelTime
+
+    def rank(self, rank: RankMemory) -> RankTime:
+        compute = rec = pp = 0.0
+        comm = dict.fromkeys((name for name, _, _ in self.terms), 0.0)
+        dp = DataParallelSeconds()
+        for st in rank.stages:
+            fwd_c, bwd_c, comp, recs, counted = stage_compute(st, self.modes, self.times)
+            compute += comp
+            rec += recs
+            for name, term, link in self.terms:
+                comm[name] += term(self.work(*counted, ring=link.ring))
+            pp += self.send_recv
+            self.dp.add_stage(st, fwd_c, bwd_c, dp)
+        return RankTime(compute, rec, comm, pp, dp)
 
 
 class StepTimeModel:
@@ -190,178 +203,132 @@ class StepTimeModel:
         self._block_modes: dict[tuple[str, str], tuple[str, ...]] = {}
 
     def estimate(self, plan: RunPlan, layout: Layout, memory: LayoutMemory) -> StepTime:
-        cfg, dims, kind, cost = plan.cfg, plan.dims, self.kind, self.cost
-        gpn, e = kind.gpus_per_node, layout.compute_dtype.itemsize
-        eff = kind.training_efficiency
-        fp32 = e == 4 and kind.fp32_matmul_tflops != kind.matmul_tflops
-        scale = kind.fp32_matmul_tflops / kind.matmul_tflops if fp32 else 1.0
-        mm_rate = kind.matmul_tflops * 1e12 * eff * scale
-        block_mm_rate = kind.float8_matmul_tflops * 1e12 * eff if self.features.float8 else mm_rate
-        attn_rate = kind.attention_tflops * 1e12 * eff * scale
-        hbm = kind.hbm_gbps * 1e9 * HBM_EFFICIENCY
-        compiled = cfg.compile.enable
-        fused_blocks = compiled and "model" in cfg.compile.components
-        fused_loss = compiled and "loss" in cfg.compile.components
-        tp = dims.tp
-        cp, shard = dims.cp, dims.shard_degree
-        # Each parallelism unit's term and the link its group runs on (`parallelism.Parallelism.group`).
-        terms = [
-            (u.name, u.step_time, Link.of(kind, *u.group(dims)))
-            for u in enabled(dims)
-            if u.step_time is not None and u.group is not None
-        ]
-        shard_link = Link.of(kind, shard, tp)  # dp_shard x cp, one group (`ParallelDims.param_mesh`)
-        rep_link = Link.of(kind, dims.dp_replicate, tp * shard)
-        # Neighbouring stages are dp x cp x tp ranks apart: one pair per send.
-        pp_link = Link(kind, dims.pp, 1 if dims.dp * cp * tp >= gpn or dims.world_size > gpn else dims.pp)
+        """The step on its slowest pipeline rank: its microbatches, the bubble, the once-per-step
+        collectives and the optimizer."""
+        kind, sp, accum = self.kind, plan.pipeline, plan.grad_accum
+        m = sp.microbatches if sp else 1
+        n = m * accum
+        one = self.microbatch(plan, layout, memory)
+        ranks = [one.rank(r) for r in memory.ranks]
+        worst = ranks[0]
+        for r in ranks[1:]:
+            if r.per_microbatch + r.dp.per_step / n > worst.per_microbatch + worst.dp.per_step / n:
+                worst = r
+        per_mb = worst.per_microbatch
+        fraction = bubble_fraction(plan)
+        bubble = m * per_mb * fraction / (1 - fraction)
+        optimizer = self.optimizer(memory)
+        step = accum * (m * per_mb + bubble) + worst.dp.per_step + optimizer
+        shared = self._shared(plan, [n * r.per_microbatch + r.dp.per_step for r in ranks], step, optimizer)
+        if shared is not None:
+            step, bubble = shared[0], shared[1] / accum
+        return StepTime(
+            step=step,
+            compute=n * worst.compute,
+            recompute=n * worst.recompute,
+            dp_comm=n * worst.dp.per_microbatch + worst.dp.per_step,
+            pp_comm=n * worst.pp,
+            bubble=accum * bubble,
+            optimizer=optimizer,
+            bubble_fraction=fraction,
+            tokens_per_gpu=plan.tokens_per_gpu_step,
+            flops_per_token=self.cost.flops_per_token,
+            peak_tflops=kind.peak_tflops,
+            dp_comm_total=worst.dp.total,
+            comm={name: n * seconds for name, seconds in worst.comm.items()},
+        )
+
+    def microbatch(self, plan: RunPlan, layout: Layout, memory: LayoutMemory) -> MicrobatchModel:
+        """The terms of one microbatch of this layout (module docstring)."""
+        cfg, dims = plan.cfg, plan.dims
         sp = plan.pipeline
         microbatch = cfg.parallelism.pipeline_parallel_microbatch_size if sp else cfg.training.local_batch_size
-        tokens = microbatch * cfg.training.seq_len // cp
-        m = sp.microbatches if sp else 1
-        accum = plan.grad_accum
-        ac = ActivationCheckpoint(layout.ac_mode, layout.ac_option)
-        b = cost.block
-        blk_mm = tokens * b.matmul_flops / tp / block_mm_rate
-        blk_attn = tokens * b.attention_flops / tp / attn_rate
-        blk_ew = tokens * (b.fused_elementwise_bytes if fused_blocks else b.elementwise_bytes) / tp / hbm
-        blk_fwd = blk_mm + blk_attn + blk_ew
-        blk_bwd = 2 * blk_mm + FLASH_BACKWARD * blk_attn + 2 * blk_ew
-        recompute = {
-            "none": 0.0,
-            "full": blk_fwd,
-            "op": tokens * b.op_recompute_flops / tp / block_mm_rate + blk_ew,
-            "op_all_mm": blk_ew,
-        }
-        hidden_bytes = tokens * cost.hidden * e
+        tokens = microbatch * cfg.training.seq_len // dims.cp
+        e = layout.compute_dtype.itemsize
         work = functools.partial(
             StageWork,
             microbatch=microbatch,
             seq_len=cfg.training.seq_len,
             tokens=tokens,
             itemsize=e,
-            tp=tp,
-            cost=cost,
+            tp=dims.tp,
+            cost=self.cost,
             features=self.features,
         )
-        out_mm = tokens * cost.output_matmul_flops / tp / mm_rate
-        loss_ew = tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm
-        prefetch = prefetches(plan) and kind.comm_overlaps_compute
-        dp_mode = layout.dp_mode
-        mb_total = m * accum
-        fsdp2 = cfg.parallelism.dp_impl == "fsdp2"
-        # How often a step gathers each unit forward and again backward: every microbatch; once per schedule
-        # step for FSDP2 under torch's pipeline stage (unsharded from the first backward to the last); once
-        # per step when the step policy keeps the gathers (nothing is gathered again).
-        if sp is not None and fsdp2:
-            n_fwd = n_regather = accum
-        elif layout.keep_gathers:
-            n_fwd, n_regather = 1, 0
-        else:
-            n_fwd = n_regather = mb_total
-        # Reductions: every backward; or once per step (per schedule step for FSDP2 under PP), inside the
-        # last backward for FSDP2, after it for SimpleFSDP.
-        once = layout.unreduced_grads
-        reductions = mb_total if not once else (accum if sp is not None and fsdp2 else 1)
-        reduce_in_graph = not once or fsdp2
-        r_e = layout.reduce_dtype.itemsize
-        g_coef, g_lat = _linear(shard_link, e) if dp_mode not in (None, "replicate") else (0.0, 0.0)
-        if dp_mode is None:
-            r_coef, r_lat = 0.0, 0.0
-        elif dp_mode == "replicate":
-            r_coef, r_lat = _linear(rep_link, r_e, all_reduce=True)
-        else:
-            a, la = _linear(shard_link, r_e)
-            b_, lb = _linear(rep_link, r_e / shard, all_reduce=True)
-            r_coef, r_lat = a + b_, la + lb
-        modes = self._modes(ac, cost_blocks=memory.ranks)
-        # One collective per unit where something buckets them (FSDP2's groups, the compile passes), else
-        # one per parameter (SimpleFSDP eager or compiled without bucketing), as the compile report counts.
-        c = cfg.compile
-        bucketed = fsdp2 or (c.enable and c.bucketing != "none" and "model" in c.components)
-        p2p = 2 * pp_link.send(hidden_bytes / tp) if sp is not None else 0.0
-
-        def exposed(comm: list[float], compute: list[float]) -> float:
-            return _overlapped(comm, compute) if prefetch else sum(comm)
-
-        worst = None
-        busy: list[float] = []
-        for rank in memory.ranks:
-            compute = rec = pp_t = 0.0
-            dp_mb = dp_step = dp_total = 0.0
-            comm = dict.fromkeys((name for name, _, _ in terms), 0.0)
-            for st in rank.stages:
-                fwd_c, bwd_c, comp, recs, counted = self._stage_compute(
-                    st, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew
-                )
-                compute += comp
-                rec += recs
-                for name, term, link in terms:
-                    comm[name] += term(work(*counted, ring=link.ring))
-                pp_t += p2p
-                counts = [1] * len(st.numel) if bucketed else st.n_tensors
-                g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
-                regather = [x if again else 0.0 for x, again in zip(g, st.regathered)]
-                red_counts = counts if not once else [1] * len(counts)  # once per step: ~64 MiB buckets
-                red = [r_coef * n + r_lat * k for n, k in zip(st.numel, red_counts)] if r_coef else [0.0] * len(counts)
-                dp_total += sum(g) * n_fwd + sum(regather) * n_regather + sum(red) * reductions
-                # Forward gathers, backward re-gathers and (when every backward reduces) reductions: in
-                # every microbatch, or in as many of the step's passes as they happen in.
-                fwd_exp = exposed(g, fwd_c)
-                per_mb_red = reduce_in_graph and reductions == mb_total
-                bwd = [a + r for a, r in zip(regather, red)] if per_mb_red else regather
-                bwd_exp = exposed(bwd[::-1], bwd_c[::-1])
-                if n_fwd == mb_total:
-                    dp_mb += fwd_exp
-                else:
-                    dp_step += n_fwd * fwd_exp
-                if n_regather == mb_total:
-                    dp_mb += bwd_exp
-                else:
-                    dp_step += n_regather * bwd_exp
-                if not per_mb_red and r_coef:
-                    step_red = sum(red)
-                    if reduce_in_graph and prefetch:  # inside the last backward, overlapped like any reduction
-                        step_red = max(0.0, step_red - sum(bwd_c)) + red[0]
-                    dp_step += reductions * step_red
-            per_mb = compute + rec
-            for seconds in comm.values():  # the units' terms, in their order
-                per_mb += seconds
-            per_mb = per_mb + pp_t + dp_mb
-            row = (per_mb, compute, rec, comm, pp_t, dp_mb, dp_step, dp_total)
-            busy.append(mb_total * per_mb + dp_step)
-            if worst is None or per_mb + dp_step / mb_total > worst[0] + worst[6] / mb_total:
-                worst = row
-        assert worst is not None
-        per_mb, compute, rec, comm, pp_t, dp_mb, dp_step, dp_total = worst
-        bubble_fraction = 0.0
-        if sp is not None:
-            zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
-            bubble_fraction = sp.bubble_fraction * (ZERO_BUBBLE_SHARE if zero_bubble else 1)
-        bubble = m * per_mb * bubble_fraction / (1 - bubble_fraction)
-        optimizer = max(r.params for r in memory.ranks) / 4 * ADAM_BYTES_PER_PARAM / hbm
-        n = m * accum
-        step = accum * (m * per_mb + bubble) + dp_step + optimizer
-        share = min(dims.world_size, kind.gpus_per_node) / kind.shared_processors if kind.shared_processors else 1
-        if share > 1:
-            # Ranks share processors: a waiting rank's share goes to the others, so a step takes the node's
-            # work over its processors, or the critical path at the speed of a rank running alone.
-            step = max(sum(busy) / len(busy) + optimizer, step / share)
-            bubble = max(0.0, step - optimizer - max(busy)) / accum
-        return StepTime(
-            step=step,
-            compute=n * compute,
-            recompute=n * rec,
-            dp_comm=n * dp_mb + dp_step,
-            pp_comm=n * pp_t,
-            bubble=accum * bubble,
-            optimizer=optimizer,
-            bubble_fraction=bubble_fraction,
-            tokens_per_gpu=plan.tokens_per_gpu_step,
-            flops_per_token=cost.flops_per_token,
-            peak_tflops=kind.peak_tflops,
-            dp_comm_total=dp_total,
-            comm={name: n * seconds for name, seconds in comm.items()},
+        return MicrobatchModel(
+            times=self.compute_times(plan, tokens, e),
+            modes=self._modes(ActivationCheckpoint(layout.ac_mode, layout.ac_option), cost_blocks=memory.ranks),
+            terms=self.unit_terms(plan),
+            work=work,
+            send_recv=self.send_recv(plan, tokens, e),
+            dp=DataParallelTime(plan, layout, self.kind),
         )
+
+    def compute_times(self, plan: RunPlan, tokens: int, e: int) -> ComputeTimes:
+        """Forward, backward and recomputation of a block, the output projection and the loss, for
+        `tokens` tokens of `e`-byte elements at the GPU's calibrated rates (module docstring)."""
+        kind, cost, c = self.kind, self.cost, plan.cfg.compile
+        eff = kind.training_efficiency
+        fp32 = e == 4 and kind.fp32_matmul_tflops != kind.matmul_tflops
+        scale = kind.fp32_matmul_tflops / kind.matmul_tflops if fp32 else 1.0
+        mm_rate = kind.matmul_tflops * 1e12 * eff * scale
+        block_mm_rate = kind.float8_matmul_tflops * 1e12 * eff if self.features.float8 else mm_rate
+        attn_rate = kind.attention_tflops * 1e12 * eff * scale
+        hbm = _hbm_bytes_per_s(kind)
+        fused_blocks = c.enable and "model" in c.components
+        fused_loss = c.enable and "loss" in c.components
+        tp, b = plan.dims.tp, cost.block
+        blk_mm = tokens * b.matmul_flops / tp / block_mm_rate
+        blk_attn = tokens * b.attention_flops / tp / attn_rate
+        blk_ew = tokens * (b.fused_elementwise_bytes if fused_blocks else b.elementwise_bytes) / tp / hbm
+        blk_fwd = blk_mm + blk_attn + blk_ew
+        recompute = {
+            "none": 0.0,
+            "full": blk_fwd,
+            "op": tokens * b.op_recompute_flops / tp / block_mm_rate + blk_ew,
+            "op_all_mm": blk_ew,
+        }
+        return ComputeTimes(
+            block_fwd=blk_fwd,
+            block_bwd=2 * blk_mm + FLASH_BACKWARD * blk_attn + 2 * blk_ew,
+            recompute=recompute,
+            out_mm=tokens * cost.output_matmul_flops / tp / mm_rate,
+            loss=tokens * (cost.fused_loss_bytes if fused_loss else cost.loss_bytes) / tp / hbm,
+        )
+
+    def unit_terms(self, plan: RunPlan) -> list[UnitTerm]:
+        """Each enabled parallelism unit's term and the link its group runs on (`Parallelism.group`)."""
+        dims = plan.dims
+        return [
+            (u.name, u.step_time, Link.of(self.kind, *u.group(dims)))
+            for u in enabled(dims)
+            if u.step_time is not None and u.group is not None
+        ]
+
+    def send_recv(self, plan: RunPlan, tokens: int, e: int) -> float:
+        """The pipeline's exposed sends: one hidden state per microbatch and stage boundary, forward and
+        backward. Neighbouring stages are dp x cp x tp ranks apart: one pair per send."""
+        dims, kind = plan.dims, self.kind
+        if plan.pipeline is None:
+            return 0.0
+        gpn = kind.gpus_per_node
+        link = Link(kind, dims.pp, 1 if dims.dp * dims.cp * dims.tp >= gpn or dims.world_size > gpn else dims.pp)
+        return 2 * link.send(tokens * self.cost.hidden * e / dims.tp)
+
+    def optimizer(self, memory: LayoutMemory) -> float:
+        """AdamW on the rank with the most parameters, memory-bound (module docstring)."""
+        return max(r.params for r in memory.ranks) / 4 * ADAM_BYTES_PER_PARAM / _hbm_bytes_per_s(self.kind)
+
+    def _shared(self, plan: RunPlan, busy: list[float], step: float, optimizer: float) -> tuple[float, float] | None:
+        """(step, bubble over the step's accumulation batches) when ranks share processors, else None: a
+        waiting rank's share goes to the others, so a step takes the node's work over its processors, or
+        the critical path at the speed of a rank running alone."""
+        kind = self.kind
+        share = min(plan.dims.world_size, kind.gpus_per_node) / kind.shared_processors if kind.shared_processors else 1
+        if share <= 1:
+            return None
+        step = max(sum(busy) / len(busy) + optimizer, step / share)
+        return step, max(0.0, step - optimizer - max(busy))
 
     def _modes(self, ac: ActivationCheckpoint, cost_blocks) -> tuple[str, ...]:
         """How each block is checkpointed (`activation_checkpoint.block_ac`), by block index."""
@@ -371,34 +338,41 @@ class StepTimeModel:
             self._block_modes[key] = tuple(block_ac(ac, i) for i in range(n))
         return self._block_modes[key]
 
-    def _stage_compute(self, st: StageUnits, modes, blk_fwd, blk_bwd, recompute, out_mm, loss_ew):
-        """For one microbatch through stage `st`: per gather unit, in forward order, the forward and the
-        backward (+ recompute) compute it feeds; the stage's compute and recompute times; and what the
-        parallelisms' terms count (`StageWork`: blocks, of them fully and selectively checkpointed, first,
-        last). Blocks carry the block compute; the output projection and the loss go with the last unit."""
-        n = len(st.numel)
-        fwd_c, bwd_c = [0.0] * n, [0.0] * n
-        rec = 0.0
-        full = selective = 0
-        for i, j in zip(st.blocks, st.block_positions):
-            mode = modes[i]
-            r = recompute[mode]
-            fwd_c[j], bwd_c[j] = blk_fwd, blk_bwd + r
-            rec += r
-            full += mode == "full"
-            selective += mode in ("op", "op_all_mm")
-        nb = len(st.block_positions)
-        compute = nb * (blk_fwd + blk_bwd)
-        if st.last:
-            compute += 3 * out_mm + loss_ew
-            fwd_c[-1] += out_mm
-            bwd_c[-1] += 2 * out_mm + loss_ew
-        return fwd_c, bwd_c, compute, rec, (nb, full, selective, st.first, st.last)
+
+def bubble_fraction(plan: RunPlan) -> float:
+    """The schedule's bubble (`StagePlan.bubble_fraction`), the zero-bubble schedule's at
+    `ZERO_BUBBLE_SHARE` of it with at least as many microbatches as pipeline ranks; none without PP."""
+    sp = plan.pipeline
+    if sp is None:
+        return 0.0
+    zero_bubble = sp.schedule == "InterleavedZeroBubble" and sp.microbatches >= sp.degree
+    return sp.bubble_fraction * (ZERO_BUBBLE_SHARE if zero_bubble else 1)
 
 
-def _linear(link: Link, bytes_per_elem: float, all_reduce: bool = False) -> tuple[float, float]:
-    """(seconds per element, latency) of `link.ring` on a unit of elements of `bytes_per_elem` bytes."""
-    if link.size == 1:
-        return 0.0, 0.0
-    share = (link.size - 1) / link.size * (2 if all_reduce else 1)
-    return share * bytes_per_elem / link.bytes_per_s, link.latency
+def _hbm_bytes_per_s(kind: GpuKind) -> float:
+    return kind.hbm_gbps * 1e9 * HBM_EFFICIENCY
+
+
+def stage_compute(st: StageUnits, modes: tuple[str, ...], t: ComputeTimes):
+    """For one microbatch through stage `st`: per gather unit, in forward order, the forward and the
+    backward (+ recompute) compute it feeds; the stage's compute and recompute times; and what the
+    parallelisms' terms count (`StageWork`: blocks, of them fully and selectively checkpointed, first,
+    last). Blocks carry the block compute; the output projection and the loss go with the last unit."""
+    n = len(st.numel)
+    fwd_c, bwd_c = [0.0] * n, [0.0] * n
+    rec = 0.0
+    full = selective = 0
+    for i, j in zip(st.blocks, st.block_positions):
+        mode = modes[i]
+        r = t.recompute[mode]
+        fwd_c[j], bwd_c[j] = t.block_fwd, t.block_bwd + r
+        rec += r
+        full += mode == "full"
+        selective += mode in ("op", "op_all_mm")
+    nb = len(st.block_positions)
+    compute = nb * (t.block_fwd + t.block_bwd)
+    if st.last:
+        compute += 3 * t.out_mm + t.loss
+        fwd_c[-1] += t.out_mm
+        bwd_c[-1] += 2 * t.out_mm + t.loss
+    return fwd_c, bwd_c, compute, rec, (nb, full, selective, st.first, st.last)
