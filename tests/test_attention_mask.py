@@ -26,6 +26,7 @@ from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SEAM, SequenceShard
 from titanlite.parallelisms.memory_plan import Layout
+from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss, model_forward
@@ -161,7 +162,8 @@ def test_activation_checkpointing_and_compiled_blocks_keep_the_mask(batch, ac):
 
 
 def test_the_memory_plan_counts_the_mask():
-    layout = Layout(1, None, "simple_fsdp", torch.float32, torch.float32, "default", False, "none", "op", 2, 4096)
+    one = ParallelDims(1, 1, 1, 1)
+    layout = Layout(one, None, "simple_fsdp", torch.float32, torch.float32, "default", False, "none", "op", 2, 4096)
     causal = memory.activation_bytes(ARGS, layout)
     for device, expected in (("cpu", 2 * 4096 * 4096), ("cuda", mask_bytes("block_causal", "cuda", 2, 4096, 4096))):
         masked = memory.activation_bytes(ARGS, replace(layout, attn_mask="block_causal", device_type=device))

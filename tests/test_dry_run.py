@@ -34,6 +34,7 @@ from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SequenceShard
 from titanlite.parallelisms.memory_plan import Layout, stage_runtime
+from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline import StagePlan
 from titanlite.plan import RunPlan
 from titanlite.step import cross_entropy_loss
@@ -216,7 +217,7 @@ def test_activation_estimate_matches_measurement(ac, option, vocab):
     apply_ac(llama_units(model).blocks, cfg.activation_checkpoint)
     measured = measure_activation_peak(model, args.vocab_size, BATCH, SEQ, use_loss_parallel=False)
     layout = Layout(
-        tp=1,
+        dims=ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1),
         dp_mode=None,
         dp_impl="simple_fsdp",
         compute_dtype=torch.float32,
@@ -251,7 +252,7 @@ def test_context_parallel_divides_the_activations():
     args = dataclasses.replace(llama3_configs["8B"], vocab_size=128256)
     for ac, low, high in (("full", 0.49, 0.51), ("none", 0.5, 0.6)):
         layout = Layout(
-            tp=1,
+            dims=ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1),
             dp_mode="fully_shard",
             dp_impl="simple_fsdp",
             compute_dtype=torch.bfloat16,
@@ -263,7 +264,10 @@ def test_context_parallel_divides_the_activations():
             local_batch=1,
             seq_len=8192,
         )
-        one, two = (activation_bytes(args, dataclasses.replace(layout, cp=cp))["peak"] for cp in (1, 2))
+        one, two = (
+            activation_bytes(args, dataclasses.replace(layout, dims=ParallelDims(1, 1, 1, cp, cp=cp)))["peak"]
+            for cp in (1, 2)
+        )
         assert low * one <= two <= high * one, (ac, one, two)
     seq = ["--training.seq_len", "4096", "--model.max_seq_len", "4096", "--training.local_batch_size", "1"]
     one = dry_run(cfg_of(*seq, "--comm.fake_world_size", "2")).memory.activations
@@ -420,7 +424,8 @@ def test_pipeline_runtime_buffers_are_counted_as_torchs_stage_holds_them():
     not the buffer. Through the dry run on the debug model the same rules give every rank's buffers."""
     mib = 2**20
     args = llama3_configs["405B"]
-    full = Layout(8, "fully_shard", "fsdp2", torch.bfloat16, torch.float32, "never", True, "full", "op", 4, 8192)
+    tp8 = ParallelDims(1, 1, 8, 8)
+    full = Layout(tp8, "fully_shard", "fsdp2", torch.bfloat16, torch.float32, "never", True, "full", "op", 4, 8192)
     acts = activation_bytes(args, full.stage(range(15, 31), False, 4))
     assert acts["boundary"] == acts["input_saved"] == 128 * mib
     none = activation_bytes(args, dataclasses.replace(full, ac_mode="none").stage(range(15, 31), False, 4))

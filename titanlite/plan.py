@@ -276,7 +276,7 @@ class RunPlan:
         p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
         step = self.effective(policy or StepPolicy())
         return Layout(
-            tp=dims.tp,
+            dims=dims,
             dp_mode=dims.dp_mode if dims.dp_enabled else None,
             dp_impl=p.dp_impl,
             compute_dtype=self.param_dtype,
@@ -287,11 +287,8 @@ class RunPlan:
             ac_option=self.cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
-            cp=dims.cp,
-            ep=dims.ep,
             unreduced_grads=step.reduce_once,
             keep_gathers=step.keep_gathers,
-            shard_ranks=dims.shard_degree,
             attn_mask=self.cfg.model.attn_mask_type,
             device_type=device_type,
         )

@@ -48,6 +48,7 @@ from torch import nn
 from titanlite.config import ActivationCheckpoint
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy
+from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 
@@ -63,7 +64,9 @@ CUDA context, NCCL's buffers and allocator fragmentation. Above it the dry run c
 class Layout:
     """What the estimate needs to know about a run beyond the parameters' shapes."""
 
-    tp: int
+    dims: ParallelDims
+    """The mesh's degrees: the family's activation model and the reduction's buckets read them here
+    (`tp`, `cp`, `ep`, `shard_ranks`, `rank_seq_len`, `vocab_shards`)."""
     dp_mode: str | None
     """SimpleFSDP mode (`fully_shard`, `replicate`, `hybrid_shard`), or None without data parallelism."""
     dp_impl: str
@@ -76,12 +79,6 @@ class Layout:
     local_batch: int
     """Samples per microbatch: the local batch, or the pipeline microbatch size under PP."""
     seq_len: int
-    cp: int = 1
-    """Context-parallel ranks: each holds seq_len / cp tokens of every sequence and gathers all keys and
-    values in attention."""
-    ep: int = 1
-    """Expert-parallel ranks: a MoE layer's routed rows go to their experts' ranks and back through
-    all-to-all buffers (the family's activation model counts them)."""
     blocks: tuple[int, ...] | None = None
     """The blocks a pipeline stage holds (None: every block)."""
     output: bool = True
@@ -91,12 +88,42 @@ class Layout:
     (`StepPolicy.reduce_once` with gradient accumulation or pipeline microbatches)."""
     keep_gathers: bool = False
     """Gathered weights are kept from the step's first forward to its last backward (`StepPolicy.keep_gathers`)."""
-    shard_ranks: int = 1
-    """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
     attn_mask: str = "causal"
     """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/common/attention.py`)."""
     device_type: str = "cuda"
     """Where the step runs: the mask is a flex BlockMask on CUDA, a dense boolean matrix elsewhere."""
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks: the blocks' activations are split over them (sequence parallel)."""
+        return self.dims.tp
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks: each holds seq_len / cp tokens of every sequence and gathers all keys and
+        values in attention."""
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks: a MoE layer's routed rows go to their experts' ranks and back through
+        all-to-all buffers (the family's activation model counts them)."""
+        return self.dims.ep
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
+        return self.dims.shard_degree
+
+    @property
+    def rank_seq_len(self) -> int:
+        """Tokens of each sequence a rank holds (its part under context parallelism)."""
+        return self.dims.rank_tokens(self.seq_len)
+
+    @property
+    def vocab_shards(self) -> int:
+        """Ranks the logits' vocabulary is split over: the tensor-parallel ones under loss parallelism."""
+        return self.dims.tp if self.loss_parallel else 1
 
     def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
         """The layout of one pipeline stage, one microbatch at a time."""

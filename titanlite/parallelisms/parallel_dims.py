@@ -155,6 +155,12 @@ class ParallelDims:
                 f"(got dp_replicate={self.dp_replicate} x dp_shard=1); use dp_impl=simple_fsdp for pure replication"
             )
 
+    def __hash__(self) -> int:
+        """By the degrees and the plan's choices (the meshes aside): a memory plan's `Layout` holds the dims
+        and the layout search keys its stage layouts by it."""
+        degrees = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep, self.world_size)
+        return hash((degrees, self.dp_impl, self.disable_loss_parallel))
+
     @classmethod
     def from_config(cls, p: Any, world_size: int, tp_divisible: dict[str, int] | None = None) -> ParallelDims:
         """The dims of config section `parallelism` (`p`) for `world_size` ranks."""

@@ -72,10 +72,9 @@ def _rank_changes(est: Estimate, vocab: int) -> list[tuple[int, int, int]]:
     out = []
     lay = est.memory.layout
     e = lay.compute_dtype.itemsize
-    shard = lay.tp if lay.loss_parallel else 1
     for rank in est.memory.ranks:
-        tokens = lay.local_batch // rank.microbatches * lay.seq_len // lay.cp  # one microbatch's, on this rank
-        logits = tokens * vocab // shard * LOGITS_BYTES
+        tokens = lay.local_batch // rank.microbatches * lay.rank_seq_len  # one microbatch's, on this rank
+        logits = tokens * vocab // lay.vocab_shards * LOGITS_BYTES
         held_blocks = sum(u.gathered[b] for u in rank.stages for b in u.block_units if b in u.held)
         in_flight = max(u.memory.gather_in_flight for u in rank.stages)
         float8 = -(held_blocks * (e - 1) + in_flight * (e - 1) // e)
