@@ -125,12 +125,14 @@ def test_a_full_disk_warns_once_per_output_and_a_failed_final_save_exits_4(full_
     # TensorBoard's events are written on the training thread: no traceback of a writer thread.
     assert not [line for line in lines if "Traceback" in line or "Exception in thread" in line], proc.stderr
     warned = [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
-    assert [w.split(" (")[0] for w in warned[:2]] == [  # TensorBoard's at its start, metrics.jsonl's at step 1
+    # The run's entry in runs.jsonl and TensorBoard's events at its start, metrics.jsonl's at step 1.
+    assert [w.split(" (")[0] for w in warned[:3]] == [
+        "metrics: cannot write runs.jsonl",
         "metrics: cannot write TensorBoard events",
         "metrics: cannot write metrics.jsonl",
     ], warned
-    assert len(warned) == 3 and warned[2].startswith(f"checkpoint step 1 could not be saved to {dump}/checkpoint")
-    assert cause in warned[2] and all("training continues" in w for w in warned), warned
+    assert len(warned) == 4 and warned[3].startswith(f"checkpoint step 1 could not be saved to {dump}/checkpoint")
+    assert cause in warned[3] and all("training continues" in w for w in warned), warned
     (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
     assert line.startswith("titanlite: error: training finished at step 2, but checkpoint step 2 could not be saved")
     assert line.endswith("; no checkpoint was saved") and cause in line, line

@@ -42,20 +42,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism
-from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+
+if TYPE_CHECKING:
+    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
 
 SEAM = "expert_parallel"
 """The attribute a module declares (None) to receive the rank's `ExpertShard`."""
@@ -116,6 +117,12 @@ class ExpertShard:
     replay: HostReplay = field(default_factory=HostReplay, compare=False)
     """The row splits read in a checkpointed forward, handed back to its recompute (step 1 above)."""
 
+    def __post_init__(self) -> None:
+        # `run` is eager inside compiled blocks (`_run`). Disabled here, when a rank builds its shard, not
+        # by a decorator when this module is imported: torch.compiler.disable imports the compiler, and the
+        # launcher's run plan imports this module for its rules, before any rank (a second per launch).
+        object.__setattr__(self, "run", torch.compiler.disable(self._run))
+
     @classmethod
     def of(cls, ep_mesh: DeviceMesh, replay: HostReplay | None = None) -> ExpertShard:
         group_name = ep_mesh.get_group().group_name
@@ -150,11 +157,12 @@ class ExpertShard:
     def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's experts of `weight` (a DTensor sharded over ep) as a plain tensor, its gradient
         scaled by 1 / ep (module docstring: the data-parallel plan then averages it over the rest)."""
+        from torch.distributed.tensor import DTensor
+
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         return _ScaleGrad.apply(local, 1.0 / self.degree)
 
-    @torch.compiler.disable
-    def run(
+    def _run(
         self, compute: ExpertCompute, rows: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]
     ) -> torch.Tensor:
         """Dispatch `rows` (sorted by global expert, `counts` per expert), run `compute` on this rank's
@@ -183,6 +191,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replay: HostRep
     """Shard every seam module's parameters Shard(0) (the expert dim) over `ep_mesh` and give it this
     rank's `ExpertShard` (its row splits replayed by `replay` in checkpoint recomputes); returns those
     modules (the data-parallel plan places them on the experts' mesh)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
     shard = ExpertShard.of(ep_mesh, replay)
     modules = expert_modules(model)
     assert modules, "RunPlan.build refuses expert parallelism for a family without the seam"
@@ -218,6 +228,8 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, DataParallelMesh]:
     """After TP and CP, before AC (whose recompute replays the row splits, `a.replay`) and data parallelism,
     which shards each rank's experts further over efsdp on the experts' own mesh."""
     assert a.dims.ep_mesh is not None and a.dims.expert_param_mesh is not None
+    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+
     experts = apply_expert_parallel(a.model, a.dims.ep_mesh, a.replay)
     where = DataParallelMesh(a.dims.expert_param_mesh, a.dims.expert_dp_mode, a.dims.expert_param_ndim)
     return dict.fromkeys(experts, where)

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.simple_fsdp import DataParallelMesh
-from titanlite.parallelisms.units import Units
+
+if TYPE_CHECKING:  # the run plan reads the units' rules in the launcher, which imports no DTensor
+    from titanlite.parallelisms.host_replay import HostReplay
+    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+    from titanlite.parallelisms.units import Units
 
 
 class StepHook(Protocol):

@@ -37,21 +37,23 @@ settings come from the config and the mesh from `ParallelDims`. The model is on 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.parallelisms import context_parallel, expert_parallel, tensor_parallel
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.eager_reshard import apply_reshard
-from titanlite.parallelisms.fsdp2 import apply_fsdp2
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StepHook
 from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import DataParallelMesh, MixedPrecisionPolicy, data_parallel
-from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 from titanlite.parallelisms.units import Units
+
+if TYPE_CHECKING:
+    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+    from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 
 PARALLELISMS: tuple[Parallelism, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
 """The parallelism units in the order they are applied (module docstring)."""
@@ -117,6 +119,12 @@ def _data_parallel(
 ) -> None:
     """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan;
     `own`: the modules a parallelism placed on a mesh of their own (expert parallelism's experts)."""
+    # Imported here, where ranks build their model: the run plan imports this module for the order of
+    # the units in the launcher, before any rank, which imports neither DTensor nor FSDP2.
+    from titanlite.parallelisms.eager_reshard import apply_reshard
+    from titanlite.parallelisms.fsdp2 import apply_fsdp2
+    from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, data_parallel
+
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
     if cfg.parallelism.dp_impl == "fsdp2":

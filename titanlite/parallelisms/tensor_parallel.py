@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StageWork
 from titanlite.parallelisms.units import Units
+
+if TYPE_CHECKING:  # DTensor is imported where a plan is applied: the run plan reads this unit's rules in
+    # the launcher, before any rank, which imports no DTensor (a second of every launch)
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -36,21 +38,6 @@ class TensorParallelPlan:
     one plan)."""
 
 
-class ReplicateWeights(ParallelStyle):
-    """Every tp rank holds the module's weights whole (Replicate DTensors) and computes with them on
-    tensors that are the same on every tp rank (a module fed replicated activations, such as a MoE layer
-    whose tokens are gathered first): the module reads its weights' local tensors, so each rank's
-    gradients are already whole and equal, and nothing is reduced over tp."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                placed = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=None)
-                mod.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
-
-        return distribute_module(module, device_mesh, replicate)
-
-
 TensorParallelPlanFn = Callable[[bool], TensorParallelPlan]
 """A family's plan, given `loss_parallel` (True: the output projection keeps its logits vocab-sharded,
 for a loss run under `torch.distributed.tensor.parallel.loss_parallel`)."""
@@ -59,6 +46,8 @@ for a loss run under `torch.distributed.tensor.parallel.loss_parallel`)."""
 def apply_tp(model: nn.Module, units: Units, plan: TensorParallelPlan, tp_mesh: DeviceMesh) -> None:
     """Split `model`'s modules over `tp_mesh` as `plan` says, in place. Root modules a pipeline stage
     does not hold (set to None) are skipped."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     children = dict(model.named_children())  # without the roots a stage set to None
     held = {name: style for name, style in plan.roots.items() if name in children}
     if held:

@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.llama3.parallelize import llama_tp_plan
-from titanlite.parallelisms.tensor_parallel import ReplicateWeights, TensorParallelPlan
+from titanlite.parallelisms.replicate_weights import ReplicateWeights
+from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
