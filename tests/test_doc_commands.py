@@ -21,6 +21,9 @@ contains, in the pages' order:
   commands whose run costs more than the suite can spend (the rule says where they are checked).
 * `listed`: not run, for the reason the rule gives (a GPU, a cluster, a benchmark, the suite itself).
 
+One `--plan` command's output, shown in full on docs/layout_search.md, is also compared line for line
+with what the search prints (test_the_page_shows_what_the_layout_search_prints).
+
 A command that no rule matches fails the unit tier (test_every_documented_command_has_a_rule), so a
 command added to a page is run or listed with a reason.
 """
@@ -335,3 +338,37 @@ def test_documented_commands_run_as_written(tmp_path):
     assert not failed, f"{len(failed)} of {len(outcomes)} documented commands failed:\n" + "\n".join(failed)
     listed = [c for c, r in commands if r.how == "listed"]
     assert len(outcomes) + len(listed) == len(commands)
+
+
+# A search whose output docs/layout_search.md shows in full, compared line for line; the cheapest of the
+# page's searches (the others take 10 s to a minute, beyond what the suite can spend).
+SHOWN_SEARCH = "./run_train.sh --config train_configs/llama3_8b_128k.toml --plan --comm.fake_world_size 64"
+
+
+def shown_output(page: str, command: str) -> list[str]:
+    """The fenced block that follows the block holding only `command` on `page`: its output as shown."""
+    blocks = _blocks((ROOT / page).read_text())
+    at = next(i for i, (_, body) in enumerate(blocks) if [line.strip() for line in body if line.strip()] == [command])
+    return blocks[at + 1][1]
+
+
+@pytest.mark.slow
+def test_the_page_shows_what_the_layout_search_prints(capsys, tmp_path):
+    """docs/layout_search.md's output of 8B at 131,072 tokens on 64 GPUs is what the search prints, from
+    its first line to `best:` (the folder written and the seconds taken are the run's own): the search
+    that run_train.sh's `--plan` starts, in this process (5 s on 2 cores, torch's import included), on
+    the page's own command line."""
+    from titanlite.errors import run_cli  # torch's import, only in the test that searches
+    from titanlite.tools import layout_search
+
+    shown = shown_output("docs/layout_search.md", SHOWN_SEARCH)
+    argv = [w for w in shlex.split(SHOWN_SEARCH)[1:] if w != "--plan"]
+    assert run_cli(layout_search.main, [*argv, "--job.dump_folder", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    best = next(i for i, line in enumerate(shown) if line.startswith("best: "))
+    assert printed[: best + 1] == shown[: best + 1]
+    assert [line.split()[0] for line in shown[best + 1 :]] == ["wrote", "searched"]
+    assert (
+        printed[best + 1]
+        == f"wrote {tmp_path / 'plan.toml'} (check it: ./run_train.sh --config {tmp_path / 'plan.toml'} --dry-run)"
+    )
