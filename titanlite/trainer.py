@@ -30,12 +30,8 @@ from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.launcher import socket_interfaces
-from titanlite.launcher.resilience import (
-    LAUNCHER_PID_ENV,
-    StepVerdict,
-    agree,
-    stop_agreed,
-)
+from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
+from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
 from titanlite.launcher.signals import Preemption
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.profiling import Profiler
