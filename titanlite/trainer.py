@@ -98,7 +98,7 @@ class Trainer:
         training = build_training(self.plan, self.device)
         self.runner, self.model = training.runner, training.model
         """The step runner (`step.StepRunner`): the only way the trainer and the validator call the model."""
-        self.step_choice = training.step
+        self.step_choice = training.step_choice
         """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
         self.reduce_once = self.runner.context.reduce_once
         self.keep_gathers = self.runner.context.keep_gathers
