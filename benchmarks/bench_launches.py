@@ -13,7 +13,7 @@ alternate A, B, A, B, ... so a change in the machine's load falls on both varian
 launch costs a user is in it: start-up, data loading, compilation (before `--from-step`), the trainer's own
 step and its metrics.
 
-`mem_peak_gib` is what the trainer logs (`titanlite/metrics/memory.py`): on CUDA the step's
+`mem_peak_gib` is what the trainer logs (`titanlite/metrics/peak_memory.py`): on CUDA the step's
 `max_memory_allocated`; on CPU the rank's peak resident set (`VmHWM`, reset after every log), which holds
 the whole process: the Python runtime, torch's libraries, the compiled code and inductor's caches besides
 the tensors, so on CPU the ratio of two variants is diluted by a few hundred MiB both share.

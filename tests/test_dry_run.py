@@ -29,7 +29,7 @@ from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
 from titanlite.models.llama3 import Transformer, llama3_configs
-from titanlite.models.llama3.memory import activation_bytes
+from titanlite.models.llama3.activations import activation_bytes
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SequenceShard

@@ -76,7 +76,7 @@ def step_counts(cfg: JobConfig, steps: int = 1) -> tuple[StepPolicy, Counter, in
     collectives are not counted: Dynamo refuses to trace under a dispatch mode."""
     plan = RunPlan.build(cfg, 2, args=ARGS)
     built = build_training(plan, torch.device("cpu"))
-    policy = built.step.policy
+    policy = built.step_choice.policy
     batches = [Batch.of_windows(t) for t in torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 1, 9))]
     opt = torch.optim.SGD(built.model.parameters(), lr=0.0)
     counter = CountCollectives()

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness import ROOT, SMALL, child_env
 from titanlite.launcher.agent import root_cause
-from titanlite.launcher.resilience import write_failure
+from titanlite.launcher.rank_exit import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
 RUN = [*SMALL, "--training.steps", "1000"]

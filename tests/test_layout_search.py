@@ -113,7 +113,7 @@ def test_analytic_memory_equals_the_dry_run(config, overrides):
     cfg = load_config(["--config", f"train_configs/{config}", *overrides])
     exact = dry_run(cfg)
     model, plan, est = analytic(cfg, exact.world_size)
-    assert est.step.policy == exact.step.policy
+    assert est.step.policy == exact.step_choice.policy
     assert est.peak_total == exact.peak_total
     assert [r.total for r in est.ranks] == [r.total for r in exact.pipeline_ranks or [exact.memory]]
     assert [r.memory.total for r in est.ranks] == [r.total for r in est.ranks]  # the fast total is the estimate's

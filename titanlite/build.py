@@ -204,13 +204,13 @@ def choose_step_policy(
     plan: RunPlan,
     ranks: dict[int, dict[int | None, nn.Module]],
     capacity: int,
-    agree: Callable[[list[int]], list[int]] | None = None,
+    max_over_ranks: Callable[[list[int]], list[int]] | None = None,
     device_type: str = "cuda",
 ) -> StepChoice:
     """The step policy of the run (`memory_plan.choose_step`), the one decision the trainer and the dry
     run share: every candidate the config allows (`plan.step_candidates`) is estimated on each planned rank
-    (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included), `agree`
-    (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
+    (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included),
+    `max_over_ranks` (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
     first candidate that fits comfortably in `capacity` bytes wins."""
     candidates, fixed = plan.step_candidates, plan.step_fixed
     if len(candidates) == 1 or plan.spec.activation_bytes is None:
@@ -219,7 +219,7 @@ def choose_step_policy(
         max(rank_estimate(plan, parts, plan.layout(c, device_type), r).total for r, parts in ranks.items())
         for c in candidates
     ]
-    return choose_step(candidates, agree(totals) if agree else totals, capacity, fixed)
+    return choose_step(candidates, max_over_ranks(totals) if max_over_ranks else totals, capacity, fixed)
 
 
 def device_memory(device: torch.device) -> int:
@@ -236,7 +236,7 @@ class TrainingModel:
     schedule) and the step policy it runs."""
 
     runner: StepRunner
-    step: StepChoice
+    step_choice: StepChoice
 
     @property
     def model(self) -> nn.Module:
@@ -271,19 +271,19 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     stages: tuple[int | None, ...] = plan.pipeline.stages_of(pp_rank) if plan.pipeline is not None else (None,)
     parts = {s: _parallelized_on_meta(plan, device.type, s) for s in stages}
 
-    def agree(totals: list[int]) -> list[int]:
+    def max_over_ranks(totals: list[int]) -> list[int]:
         worst = torch.tensor(totals, dtype=torch.int64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return worst.tolist()
 
-    step = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), agree, device.type)
+    step_choice = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), max_over_ranks, device.type)
     for part in parts.values():
-        if step.policy.keep_gathers:
+        if step_choice.policy.keep_gathers:
             keep_for_step(part)
         _materialise(plan, part, device)
-    context = step_context(plan, step)
+    context = step_context(plan, step_choice)
     if plan.pipeline is None:
-        return TrainingModel(LocalRunner(parts[None], device, context, plan.cfg.model.attn_mask_type), step)
+        return TrainingModel(LocalRunner(parts[None], device, context, plan.cfg.model.attn_mask_type), step_choice)
     stage_parts = {s: m for s, m in parts.items() if s is not None}
     runner = PipelineRunner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
-    return TrainingModel(runner, step)
+    return TrainingModel(runner, step_choice)

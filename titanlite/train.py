@@ -5,7 +5,7 @@ and gets the same plan. The data path reads top to bottom: config -> RunPlan (`b
 process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader ->
 `train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
 exit code 3, work that could not be saved exit code 4; Ctrl-C saves and stops, twice stops at once with
-exit code 130 (`resilience.run_rank`). Under `titanlite.launcher.launch` a failing rank's message goes to the
+exit code 130 (`rank_exit.run_rank`). Under `titanlite.launcher.launch` a failing rank's message goes to the
 launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.trainer`, tools
 build runs through `titanlite.build`.
 
@@ -24,7 +24,7 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
     preemption = preemption or Preemption(interrupt=True)
     from titanlite.build import world_from_env
     from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
-    from titanlite.launcher.resilience import note_failure
+    from titanlite.launcher.rank_exit import note_failure
     from titanlite.trainer import Trainer
 
     if help_requested(argv):
@@ -48,6 +48,6 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
 
 if __name__ == "__main__":
     stop = Preemption(interrupt=True)
-    from titanlite.launcher.resilience import run_rank  # torch: after the recorder
+    from titanlite.launcher.rank_exit import run_rank  # after the recorder
 
     exit_now(run_rank(lambda argv: main(argv, stop)))

@@ -30,12 +30,8 @@ from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import RunNotSaved, TrainingDiverged
 from titanlite.launcher import socket_interfaces
-from titanlite.launcher.resilience import (
-    LAUNCHER_PID_ENV,
-    StepVerdict,
-    agree,
-    stop_agreed,
-)
+from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
+from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
 from titanlite.launcher.signals import Preemption
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.profiling import Profiler
@@ -120,7 +116,7 @@ class Trainer:
         training = build_training(self.plan, self.device)
         self.runner, self.model = training.runner, training.model
         """The step runner (`step.StepRunner`): the only way the trainer and the validator call the model."""
-        self.step_choice = training.step
+        self.step_choice = training.step_choice
         """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
         self.reduce_once = self.runner.context.reduce_once
         self.keep_gathers = self.runner.context.keep_gathers

@@ -37,7 +37,7 @@ from torch.distributed.run import config_from_args, parse_args, parse_min_max_nn
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_USER_ERROR
 from titanlite.launcher.preflight import check_run
-from titanlite.launcher.resilience import LAUNCHER_PID_ENV
+from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
 IMMEDIATE_SIGNALS = (signal.SIGHUP, signal.SIGQUIT)  # left to torch: it sends them on to the ranks and shuts down
@@ -298,7 +298,7 @@ def launch(argv: list[str], early: Preemption) -> int:
     agent = spec.agent
     agent.log_dir = spec.log_dir
     stopper = agent.stopper = Stopper(spec.grace_seconds, agent, early.received)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks (resilience.follow_launcher)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks (rank_exit.follow_launcher)
     rdzv_handler = agent.get_worker_group().spec.rdzv_handler
     code = 1
     try:

@@ -19,9 +19,9 @@ job's first process:
   every rank in a session of its own, so a signal to the launcher's group reaches the ranks only
   through the launcher: exactly once.
 * Death of the launcher. Every rank asks Linux to kill it when the launcher dies
-  (`resilience.follow_launcher`): a SIGKILL of the launcher leaves no rank training on.
+  (`rank_exit.follow_launcher`): a SIGKILL of the launcher leaves no rank training on.
 * One error contract. A failing rank writes its report into the error file torch elastic gives it
-  instead of its own output (`resilience.run_rank`); the launcher prints the root cause once: a
+  instead of its own output (`rank_exit.run_rank`); the launcher prints the root cause once: a
   `UserError` as its one `titanlite: error: ...` line with exit code 2 (3 for divergence, 4 for work
   that could not be saved), a crash as the rank's traceback with exit code 1. Failures that a restart
   cannot fix (exit codes 2, 3 and 4) are not restarted; a restart is announced with its cause. torch

@@ -4,13 +4,13 @@
 records the trainer logs; `logger.py` turns a step or a held-out evaluation into the console line and
 one row; `sinks.py` fans a row out to metrics.jsonl, TensorBoard and W&B, each output dropped with one
 warning at its first failure; `runs.py` numbers and names the runs of a dump folder (runs.jsonl, the
-TensorBoard folders); `memory.py` measures the window's peak memory. The names other modules use
+TensorBoard folders); `peak_memory.py` measures the window's peak memory. The names other modules use
 are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`) too, for the benchmarks.
 """
 
 from titanlite.metrics.logger import MetricsLogger, clock
-from titanlite.metrics.memory import MemoryMonitor
 from titanlite.metrics.mfu import mfu_pct, peak_tflops
+from titanlite.metrics.peak_memory import MemoryMonitor
 from titanlite.metrics.schema import METRICS, Metric, StepStats, ValidationResult
 from titanlite.metrics.sinks import check_wandb
 

@@ -1,7 +1,7 @@
 """Rank 0's metrics logger: the console step line and what each log writes (`sinks.py`).
 
 A step's metrics: loss, gradient norm, LR, throughput, achieved TFLOP/s and MFU (against the peak of
-`mfu.py`, the log says which, never above 100%), peak memory of the window (`memory.py`), data-loading
+`mfu.py`, the log says which, never above 100%), peak memory of the window (`peak_memory.py`), data-loading
 share, step time; the step line adds the elapsed time and an ETA. A held-out evaluation gets its own line
 and row. Every scalar is declared in `schema.METRICS`; the step line and the evaluation both write through
 one fan-out (`sinks.Sinks.write`).
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from titanlite.metrics.memory import MemoryMonitor
 from titanlite.metrics.mfu import Peak
+from titanlite.metrics.peak_memory import MemoryMonitor
 from titanlite.metrics.runs import Run
 from titanlite.metrics.schema import METRICS, RENAMED, StepStats, ValidationResult
 from titanlite.metrics.sinks import Sinks

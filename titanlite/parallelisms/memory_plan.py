@@ -28,7 +28,7 @@ and each stage receives activations and gradients into buffers it allocates per 
 schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 tokens: 128 MiB each).
 
 Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
-`models/llama3/memory.py`). The total adds every part as if all peaked together, which is conservative.
+`models/llama3/activations.py`). The total adds every part as if all peaked together, which is conservative.
 
 `choose_step` picks the step policy from these estimates: the first of `step_candidates` (most
 collectives saved first) whose total fits comfortably (`COMFORT_FRACTION` of the GPU); the trainer and
@@ -152,6 +152,9 @@ class MemoryEstimate:
     receive_buffers: int = 0
     """Under PP: torch's stage buffers that receive each microbatch's activations and gradients
     (`stage_runtime`), beyond the stage inputs the blocks already save."""
+    held_units: frozenset[str] = frozenset()
+    """The gather units (`gather_unit`) whose gathered weights are held from forward to backward or kept for
+    the step: what `gather_held` counts, by name."""
 
     @property
     def collective_buffers(self) -> int:
@@ -191,11 +194,11 @@ def gather_unit(fqn: str, units: Units, dp_impl: str) -> str:
     return units.unit_of(fqn) or ("root" if dp_impl == "fsdp2" else fqn)
 
 
-def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int, int]:
+def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int, int, frozenset[str]]:
     """(gathered weights held from forward to backward, gathers in flight, unreduced gradients, the
-    reduction's packing transient) in bytes."""
+    reduction's packing transient) in bytes, and the gather units held."""
     if layout.dp_mode is None:
-        return 0, 0, 0, 0
+        return 0, 0, 0, 0, frozenset()
     gathered_bytes = layout.compute_dtype.itemsize
     model_units, units = units, {}
     largest = 0
@@ -210,7 +213,7 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
     if replicate:
         # No gather: at most a cast of each full weight, kept for backward like an unresharded gather.
         if layout.compute_dtype == next(model.parameters()).dtype:
-            return 0, 0, 0, 0
+            return 0, 0, 0, 0, frozenset()
         held = set(kept)
     elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
         held = set(units)  # kept for the step; FSDP2 under torch's pipeline stage: from the first backward on
@@ -239,7 +242,8 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
         reduce_bytes = total * sink_bytes
     else:
         reduce_bytes = 0 if replicate else max(units.values()) * layout.reduce_dtype.itemsize
-    return sum(units[u] for u in held) * gathered_bytes, in_flight * gathered_bytes, reduce_bytes, transient
+    held_bytes, in_flight_bytes = sum(units[u] for u in held) * gathered_bytes, in_flight * gathered_bytes
+    return held_bytes, in_flight_bytes, reduce_bytes, transient, frozenset(held)
 
 
 def _under(fqn: str, prefixes: tuple[str, ...]) -> bool:
@@ -274,7 +278,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     local = {fqn: local_tensor(p).numel() for fqn, p in model.named_parameters()}
     param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
     trainable = sum(local_tensor(p).nbytes for p in model.parameters() if p.requires_grad)
-    held, in_flight, reduce, transient = _collective_buffers(model, units, layout)
+    held, in_flight, reduce, transient, held_units = _collective_buffers(model, units, layout)
     acts = dict(activations)
     peak = acts.pop("peak")
     for key in STAGE_KEYS:
@@ -290,6 +294,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
         activations=peak,
         activation_parts=acts,
         reduce_transient=transient,
+        held_units=held_units,
     )
 
 
@@ -352,20 +357,27 @@ def pipeline_estimate(stages: list[StageMemory], microbatches: int, layout: Layo
         f"stage {s.stage} outputs x {s.in_flight} microbatches": runtime[s.stage][0] for s in stages if not s.last
     }
     parts["one microbatch's backward peak"] = max(s.estimate.activations - s.held for s in stages)
-    one_copy = layout.keep_gathers or layout.dp_impl == "fsdp2"
     return MemoryEstimate(
         local_numel={k: v for e in es for k, v in e.local_numel.items()},
         params=sum(e.params for e in es),
         grads=sum(e.grads for e in es),
         optimizer=sum(e.optimizer for e in es),
-        gather_held=sum((1 if one_copy else s.in_flight) * s.estimate.gather_held for s in stages),
+        gather_held=sum(held_copies(layout, s.in_flight) * s.estimate.gather_held for s in stages),
         gather_in_flight=max(e.gather_in_flight for e in es),
         reduce_buffer=(sum if layout.unreduced_grads else max)(e.reduce_buffer for e in es),
         activations=sum(parts.values()),
         activation_parts=parts,
         reduce_transient=max(e.reduce_transient for e in es),
         receive_buffers=sum(r[1] for r in runtime.values()),
+        held_units=frozenset().union(*(e.held_units for e in es)),
     )
+
+
+def held_copies(layout: Layout, in_flight: int) -> int:
+    """Copies of its held gathered weights a pipeline stage keeps with `in_flight` microbatches in flight:
+    one per microbatch (each SimpleFSDP forward gathers its own), or one when they are kept for the step
+    or are FSDP2's (one unsharded copy per unit)."""
+    return 1 if layout.keep_gathers or layout.dp_impl == "fsdp2" else in_flight
 
 
 _SHORT = {(True, True): "per_step + kept", (False, True): "per_microbatch + kept", (True, False): "per_step",

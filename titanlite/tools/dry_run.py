@@ -58,8 +58,16 @@ from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile_report import REPORT_NAME
-from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, Layout, MemoryEstimate, StepChoice
+from titanlite.parallelisms.memory_plan import (
+    COMFORT_FRACTION,
+    GiB,
+    Layout,
+    MemoryEstimate,
+    StepChoice,
+    held_copies,
+)
 from titanlite.parallelisms.pipeline import StageUnion
+from titanlite.parallelisms.units import Units
 from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss
 
@@ -77,8 +85,10 @@ class DryRun:
     notes: list[str]
     pipeline_ranks: list[MemoryEstimate] = dataclasses.field(default_factory=list)
     """Under PP, the estimate of every pipeline rank (index = pipeline rank); empty without PP."""
-    step: StepChoice | None = None
+    step_choice: StepChoice | None = None
     """The step policy, chosen as the trainer chooses it (`build.choose_step_policy`)."""
+    units: tuple[Units, ...] = ()
+    """The units of each part this rank runs (its model, or its pipeline stages in order)."""
 
     @property
     def capacity(self) -> int:
@@ -141,15 +151,17 @@ def dry_run(cfg: JobConfig) -> DryRun:
     for r in range(plan.pipeline.degree if plan.pipeline is not None else 1):
         r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
         ranks[r] = build_rank(r_plan, rank % per_pp + r * per_pp, world_size)
-    step = choose_step_policy(plan, ranks, int(cfg.comm.fake_gpu_memory_gib * GiB))
-    layout = plan.layout(step.policy)
+    step_choice = choose_step_policy(plan, ranks, int(cfg.comm.fake_gpu_memory_gib * GiB))
+    layout = plan.layout(step_choice.policy)
     estimates = {r: rank_estimate(plan, parts, layout, r) for r, parts in ranks.items()}
     parts = list(ranks[pp_rank].values())
     model = parts[0] if len(parts) == 1 else StageUnion(parts)
     if layout.ac_mode == "selective" and layout.ac_option in OP_OPTIONS:
         notes.append(selective_op_note(plan, layout))
     pipeline_ranks = list(estimates.values()) if plan.pipeline is not None else []
-    return DryRun(cfg, plan, world_size, rank, model, layout, estimates[pp_rank], notes, pipeline_ranks, step)
+    units = tuple(plan.spec.units(part) for part in parts)
+    memory = estimates[pp_rank]
+    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes, pipeline_ranks, step_choice, units)
 
 
 def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn.Module]:
@@ -207,67 +219,65 @@ def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
+Row = tuple[str, int, str]
+"""A line of the memory table: label, bytes, detail."""
+
+
 def format_report(r: DryRun) -> str:
-    cfg, plan, lay, m = r.cfg, r.plan, r.layout, r.memory
-    dims, t = plan.dims, cfg.training
+    """The report: the run, the memory table of the rank of `comm.fake_rank`, every pipeline rank under PP,
+    and the verdict line."""
+    lines = [*header_lines(r), "", *memory_table(r)]
+    if r.plan.pipeline is not None:
+        lines += ["", *pipeline_table(r)]
+    return "\n".join([*lines, verdict_line(r)])
+
+
+def ac_text(lay: Layout) -> str:
+    return lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
+
+
+def header_lines(r: DryRun) -> list[str]:
+    """The model, the world and its degrees, the precision, the batch, notes, the step policy and the
+    pipeline schedule."""
+    cfg, plan, lay, t = r.cfg, r.plan, r.layout, r.cfg.training
+    dims = plan.dims
     degrees = dims.describe_degrees()
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
     compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
-    ac = lay.ac_mode + (f" ({lay.ac_option})" if lay.ac_mode == "selective" else "")
     per_gpu = t.local_batch_size * dims.rank_tokens(t.seq_len) * plan.grad_accum
-    root = "root group" if lay.dp_impl == "fsdp2" else "norm + output"
-    # SimpleFSDP's fully checkpointed blocks hold nothing: their recompute gathers again.
-    blocks_held = lay.dp_impl == "fsdp2" or lay.ac_mode != "full"
-    if plan.pipeline is not None:
-        default = f"each stage's last block (+ {root} on the last)" if blocks_held else f"{root} on the last stage"
-    else:
-        default = f"last block + {root}" if blocks_held else root
-    held = {
-        "never": "all" if lay.dp_impl == "fsdp2" else "all but the embedding" if blocks_held else root,
-        "default": default,
-        "auto": default,
-        "always": "none",
-    }
-    held_text = held[lay.reshard]
-    if lay.keep_gathers:
-        held_text = "all, kept for the step"
-    elif plan.pipeline is not None and lay.dp_impl == "fsdp2":
-        held_text = "all from their first backward (torch's pipeline stage)"
-    elif plan.pipeline is not None and held_text not in ("none",):
-        held_text += f", a copy per microbatch in flight ({plan.pipeline.in_flight(plan.dims.pp_rank_of(r.rank))})"
-    sink_dtype = lay.reduce_dtype if lay.dp_impl == "fsdp2" else torch.float32
-    rows = [
+    lines = [
+        f"dry run: {cfg.model.name} {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
+        f"vocab {plan.model_args.vocab_size:,}",
+        f"  world {r.world_size}"
+        + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "")
+        + f": {degrees}; {dp}",
+        f"  AC {ac_text(lay)}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
+        + ("; loss parallel" if lay.loss_parallel else ""),
+        f"  batch: local {t.local_batch_size} x {dims.describe_sequence(t.seq_len)}"
+        + f" x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
+        f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
+        *(f"  note: {n}" for n in r.notes),
+    ]
+    if r.step_choice is not None and dims.dp_enabled and plan.backwards_per_step > 1:
+        lines.append(f"  step of {plan.backwards_per_step} backwards: {r.step_choice.describe()}")
+    if (sp := plan.pipeline) is not None:
+        pp_rank = dims.pp_rank_of(r.rank)
+        lines.append(
+            f"  {sp.describe()}; microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}, "
+            f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
+        )
+    return lines
+
+
+def memory_table(r: DryRun) -> list[str]:
+    """Memory per GPU of the rank of `comm.fake_rank`, part by part, and its total."""
+    m, lay = r.memory, r.layout
+    rows: list[Row] = [
         ("parameters", m.params, f"fp32, {sum(m.local_numel.values()):,} local elements"),
         ("gradients", m.grads, "fp32"),
         ("optimizer state", m.optimizer, "AdamW exp_avg + exp_avg_sq, fp32"),
+        *(collective_rows(r) if lay.dp_mode else []),
     ]
-    if lay.dp_mode:
-        rows += [
-            (
-                "gathered weights kept for the step" if lay.keep_gathers else "gathered weights held fwd->bwd",
-                m.gather_held,
-                f"{held_text}, {_dtype(lay.compute_dtype)}",
-            ),
-            (
-                "gathers in flight",
-                m.gather_in_flight,
-                "none: all kept"
-                if lay.keep_gathers
-                else "two units (FSDP2 prefetch)"
-                if lay.dp_impl == "fsdp2"
-                else "largest unit (a block or the output)",
-            ),
-            (
-                "unreduced gradients" if lay.unreduced_grads else "reduce-scatter input",
-                m.reduce_buffer,
-                f"all, reduced once per step, {_dtype(sink_dtype)}"
-                if lay.unreduced_grads
-                else f"largest unit, {_dtype(lay.reduce_dtype)}",
-            ),
-        ]
-        if m.reduce_transient:
-            packing = "largest unit" if lay.dp_impl == "fsdp2" else "one bucket (or the largest gradient) + its shard"
-            rows.append(("reduction packing", m.reduce_transient, packing))
     if m.receive_buffers:
         rows.append(
             (
@@ -276,71 +286,116 @@ def format_report(r: DryRun) -> str:
                 "torch's stages: activations and gradients, every microbatch",
             )
         )
-    rows.append(("activations", m.activations, f"AC {ac}, eager kernels, the peak of:"))
+    rows.append(("activations", m.activations, f"AC {ac_text(lay)}, eager kernels, the peak of:"))
     rows += [("  " + name, v, "") for name, v in m.activation_parts.items()]
-    lines = [
-        f"dry run: {cfg.model.name} {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
-        f"vocab {plan.model_args.vocab_size:,}",
-        f"  world {r.world_size}"
-        + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "")
-        + f": {degrees}; {dp}",
-        f"  AC {ac}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
-        + ("; loss parallel" if lay.loss_parallel else ""),
-        f"  batch: local {t.local_batch_size} x {dims.describe_sequence(t.seq_len)}"
-        + f" x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
-        f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
-        *(f"  note: {n}" for n in r.notes),
-    ]
-    if r.step is not None and plan.dims.dp_enabled and plan.backwards_per_step > 1:
-        lines.append(f"  step of {plan.backwards_per_step} backwards: {r.step.describe()}")
-    sp, who = plan.pipeline, ""
-    if sp is not None:
-        pp_rank = plan.dims.pp_rank_of(r.rank)
-        lines.append(
-            f"  {sp.describe()}; microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}, "
-            f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
-        )
-        who = f" (pipeline rank {pp_rank})"
-    lines += [
-        "",
+    who = f" (pipeline rank {r.plan.dims.pp_rank_of(r.rank)})" if r.plan.pipeline is not None else ""
+    share = m.total / r.capacity
+    return [
         f"  {'memory per GPU' + who:<34}{'GiB':>8}",
         *(f"  {label:<34}{_gib(v)}  {detail}".rstrip() for label, v, detail in rows),
+        f"  {'total':<34}{_gib(m.total)}  of {r.cfg.comm.fake_gpu_memory_gib:g} GiB ({share:.0%})",
     ]
-    share = m.total / r.capacity
-    lines.append(f"  {'total':<34}{_gib(m.total)}  of {cfg.comm.fake_gpu_memory_gib:g} GiB ({share:.0%})")
-    if sp is not None:
-        header = (
-            f"{'pipeline rank':<15}{'stages':<12}{'blocks':>7}{'model state':>13}{'buffers':>9}{'activations':>13}"
-            f"{'total':>9}"
+
+
+def collective_rows(r: DryRun) -> list[Row]:
+    """Data parallelism's buffers: gathered weights held or kept, gathers in flight, the gradients before
+    their reduction and its packing."""
+    m, lay = r.memory, r.layout
+    sink_dtype = lay.reduce_dtype if lay.dp_impl == "fsdp2" else torch.float32
+    if lay.keep_gathers:
+        in_flight = "none: all kept"
+    else:
+        in_flight = "two units (FSDP2 prefetch)" if lay.dp_impl == "fsdp2" else "largest unit (a block or the output)"
+    rows: list[Row] = [
+        (
+            "gathered weights kept for the step" if lay.keep_gathers else "gathered weights held fwd->bwd",
+            m.gather_held,
+            f"{held_text(r)}, {_dtype(lay.compute_dtype)}",
+        ),
+        ("gathers in flight", m.gather_in_flight, in_flight),
+        (
+            "unreduced gradients" if lay.unreduced_grads else "reduce-scatter input",
+            m.reduce_buffer,
+            f"all, reduced once per step, {_dtype(sink_dtype)}"
+            if lay.unreduced_grads
+            else f"largest unit, {_dtype(lay.reduce_dtype)}",
+        ),
+    ]
+    if m.reduce_transient:
+        packing = "largest unit" if lay.dp_impl == "fsdp2" else "one bucket (or the largest gradient) + its shard"
+        rows.append(("reduction packing", m.reduce_transient, packing))
+    return rows
+
+
+def held_text(r: DryRun) -> str:
+    """The gather units the memory plan holds (`MemoryEstimate.held_units`), in words: blocks, then root
+    modules by name (FSDP2's root group as one); under PP, the copies held per microbatch in flight."""
+    lay, plan, held = r.layout, r.plan, r.memory.held_units
+    blocks = [b for units in r.units for b in units.blocks]
+    last_blocks = [list(units.blocks)[-1] for units in r.units if units.blocks]
+    held_blocks = [b for b in blocks if b in held]
+    roots = [root for units in r.units for root in units.roots]
+    held_roots = [root for root in roots if any(u == root or u.startswith(root + ".") for u in held)]
+    if lay.dp_impl == "fsdp2" and "root" in held:
+        held_roots = ["root group"]
+    if not held:
+        return "none"
+    if held_blocks == blocks and (held_roots == roots or held_roots == ["root group"]):
+        text = "all"
+    else:
+        if held_blocks == blocks:
+            which = ["every block"]
+        elif held_blocks == last_blocks:
+            which = ["each stage's last block" if len(r.units) > 1 else "last block"]
+        else:
+            which = [f"{len(held_blocks)} blocks"] if held_blocks else []
+        text = " + ".join(which + held_roots)
+    if plan.pipeline is not None and lay.dp_impl == "fsdp2" and not lay.keep_gathers:
+        text += " from their first backward (torch's pipeline stage)"
+    elif plan.pipeline is not None:
+        in_flight = plan.pipeline.in_flight(plan.dims.pp_rank_of(r.rank))
+        if (copies := held_copies(lay, in_flight)) > 1:
+            text += f", a copy per microbatch in flight ({copies})"
+    return text
+
+
+def pipeline_table(r: DryRun) -> list[str]:
+    """Every pipeline rank: its stages, blocks, model state, buffers, activations and total."""
+    sp = r.plan.pipeline
+    assert sp is not None
+    header = (
+        f"{'pipeline rank':<15}{'stages':<12}{'blocks':>7}{'model state':>13}{'buffers':>9}{'activations':>13}"
+        f"{'total':>9}"
+    )
+    lines = ["  " + header]
+    for i, pm in enumerate(r.pipeline_ranks):
+        stages = sp.stages_of(i)
+        blocks = sum(len(sp.blocks(s)) for s in stages)
+        state = pm.params + pm.grads + pm.optimizer
+        lines.append(
+            f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}"
+            f"{_gib(pm.collective_buffers):>9}{_gib(pm.activations):>13}{_gib(pm.total):>9}"
         )
-        lines += ["", "  " + header]
-        for i, pm in enumerate(r.pipeline_ranks):
-            stages = sp.stages_of(i)
-            blocks = sum(len(sp.blocks(s)) for s in stages)
-            state = pm.params + pm.grads + pm.optimizer
-            lines.append(
-                f"  {i:<15}{','.join(map(str, stages)):<12}{blocks:>7}{_gib(state):>13}"
-                f"{_gib(pm.collective_buffers):>9}{_gib(pm.activations):>13}{_gib(pm.total):>9}"
-            )
-    peak = r.peak
+    return lines
+
+
+def verdict_line(r: DryRun) -> str:
+    """Fits, fits tight (above `COMFORT_FRACTION`), or does not fit, for the rank that needs most."""
+    peak, gpu = r.peak, f"{r.cfg.comm.fake_gpu_memory_gib:g} GiB"
     where = f" on pipeline rank {r.pipeline_ranks.index(peak)}" if r.pipeline_ranks else ""
     share = peak.total / r.capacity
     if not r.fits:
-        lines.append(
-            f"does not fit: {peak.total / GiB:.1f} GiB per GPU{where} > {cfg.comm.fake_gpu_memory_gib:g} GiB "
+        return (
+            f"does not fit: {peak.total / GiB:.1f} GiB per GPU{where} > {gpu} "
             f"(params {peak.params / GiB:.1f} + grads {peak.grads / GiB:.1f} + optimizer {peak.optimizer / GiB:.1f} "
             f"+ buffers {peak.collective_buffers / GiB:.1f} + activations {peak.activations / GiB:.1f})"
         )
-    elif share > COMFORT_FRACTION:
-        lines.append(
-            f"fits, tight: {peak.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU{where} "
+    if share > COMFORT_FRACTION:
+        return (
+            f"fits, tight: {peak.total / GiB:.1f} of {gpu} per GPU{where} "
             f"({share:.0%}); the CUDA context, NCCL buffers and fragmentation need some of the rest"
         )
-    else:
-        lines.append(
-            f"fits: {peak.total / GiB:.1f} of {cfg.comm.fake_gpu_memory_gib:g} GiB per GPU{where} ({share:.0%})"
-        )
-    return "\n".join(lines)
+    return f"fits: {peak.total / GiB:.1f} of {gpu} per GPU{where} ({share:.0%})"
 
 
 def main(argv: list[str]) -> int:

@@ -1,9 +1,9 @@
-"""Llama 3: the model, its flavors, its blocks and tensor-parallel plan, its HF adapter, its memory model."""
+"""Llama 3: the model, its flavors, its blocks and tensor-parallel plan, its HF adapter, its activation model."""
 
+from titanlite.models.llama3.activations import activation_bytes
 from titanlite.models.llama3.cost import step_cost
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
-from titanlite.models.llama3.memory import activation_bytes
 from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.llama3.parallelize import llama_tp_plan, llama_units
 from titanlite.models.registry import ModelSpec

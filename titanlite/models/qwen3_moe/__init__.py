@@ -1,9 +1,9 @@
 """Qwen3-MoE: the model, its mixture-of-experts layer, flavors, load balancing and HF adapter."""
 
+from titanlite.models.qwen3_moe.activations import activation_bytes
 from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
-from titanlite.models.qwen3_moe.memory import activation_bytes
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_plan
 from titanlite.models.registry import ModelSpec
