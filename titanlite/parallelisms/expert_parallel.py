@@ -148,7 +148,9 @@ class ExpertShard:
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         return _ScaleGrad.apply(local, 1.0 / self.degree)
 
-    @torch.compiler.disable
+    # torch's lazy form of `torch.compiler.disable`: the compiler (torch._dynamo, a second of import) is
+    # loaded at the first call, not by every run that imports this module.
+    @torch._disable_dynamo
     def run(
         self, compute: ExpertCompute, rows: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]
     ) -> torch.Tensor:
