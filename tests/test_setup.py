@@ -28,8 +28,15 @@ from titanlite.config import load_config
 from titanlite.errors import ConfigError
 from titanlite.plan import RunPlan
 
-OFFLINE = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9", "PIP_FIND_LINKS": ""}
-"""pip with no index to ask (a port that refuses at once) and no wheel cache."""
+OFFLINE = {
+    "PIP_NO_INDEX": "1",
+    "PIP_INDEX_URL": "http://127.0.0.1:9",
+    "PIP_FIND_LINKS": "",
+    "PIP_CONFIG_FILE": os.devnull,
+}
+"""pip with no index to ask (a port that refuses at once) and no wheel cache, and none of the machine's pip
+configuration files (a `find-links` there, holding torch, would let the resolution succeed and a real
+install start)."""
 
 
 def checkout(tmp_path: Path, dependencies: list[str] | None = None) -> Path:
