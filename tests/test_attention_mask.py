@@ -20,7 +20,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.common import attention
 from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
-from titanlite.models.llama3 import memory
+from titanlite.models.llama3 import activations
 from titanlite.models.llama3 import model as llama3_model
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
@@ -164,9 +164,9 @@ def test_activation_checkpointing_and_compiled_blocks_keep_the_mask(batch, ac):
 def test_the_memory_plan_counts_the_mask():
     one = ParallelDims(1, 1, 1, 1)
     layout = Layout(one, None, "simple_fsdp", torch.float32, torch.float32, "default", False, "none", "op", 2, 4096)
-    causal = memory.activation_bytes(ARGS, layout)
+    causal = activations.activation_bytes(ARGS, layout)
     for device, expected in (("cpu", 2 * 4096 * 4096), ("cuda", mask_bytes("block_causal", "cuda", 2, 4096, 4096))):
-        masked = memory.activation_bytes(ARGS, replace(layout, attn_mask="block_causal", device_type=device))
+        masked = activations.activation_bytes(ARGS, replace(layout, attn_mask="block_causal", device_type=device))
         assert masked["attention mask"] == expected and masked["peak"] == causal["peak"] + expected
     # A BlockMask: int32 counts and indices of 32 x 32 tiles of 128, both orientations, partial and full.
     assert mask_bytes("block_causal", "cuda", 2, 4096, 4096) == 2 * 4 * 2 * (2 * 32 + 2 * 32 * 32)
