@@ -220,7 +220,9 @@ def test_a_slow_deletion_of_an_old_checkpoint_delays_no_step_and_ends_before_the
         env={"TITANLITE_FAULT_SLOW_PURGE": str(delay)},
     ).ok()
     times = {r["step"]: r["step_time_s"] for r in result.metrics}
-    assert sorted(times) == [1, 2, 3, 4, 5] and times[5] < delay / 2, times
+    # A deletion on the training thread makes step 5 last the whole delay; under a loaded machine's noise
+    # (steps of 1-2.5 s on 2 shared cores) the step stays at least a second short of it.
+    assert sorted(times) == [1, 2, 3, 4, 5] and times[5] < delay - 1, times
     assert "saved to" in result.log and "; deleting step-2 in the background" in result.log
     assert "step-4 kept until the deletion in progress ends" in result.log
     assert "checkpoint: waiting for the deletion of step-2.deleting, step-4.deleting" in result.log
