@@ -411,10 +411,17 @@ def make_wheelhouse(args: argparse.Namespace) -> None:
     )
 
 
+def stop(signum: int, frame: object) -> None:
+    """env.sh ends this process with SIGTERM on a stop signal: pip, if running, is ended with it
+    (subprocess.run kills its child on the way out), and nothing is printed (the shell prints the one line).
+    The signal often comes twice (to the process group, then from the shell's trap): the second is ignored,
+    as one raised during the interpreter's shutdown would print a traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
-    # env.sh ends this process with SIGTERM on a stop signal: pip, if running, is ended with it (subprocess.run
-    # kills its child on the way out), and nothing is printed (the shell prints the one line).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, stop)
     parser = argparse.ArgumentParser(prog="deps.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("ensure")
@@ -446,4 +453,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # The work is done: a stop signal now would only interrupt the interpreter's shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)

@@ -344,3 +344,22 @@ def test_torch_is_announced_once_however_many_sources_are_tried(tmp_path):
     assert proc.returncode == 2 and len(lines) == 2, proc.stderr
     assert lines[0] == f"titanlite: installing torch {torch_support.SETUP_VERSION} (CPU build) into {venv}", lines
     assert lines[1].startswith("titanlite: error: cannot install torch, torchdata, ") and ".wheelhouse: " in lines[1]
+
+
+@pytest.mark.parametrize("handler", ["deps.stop", "lambda signum, frame: sys.exit(128 + signum)"])
+def test_a_second_stop_signal_while_the_setup_check_exits_prints_nothing(handler):
+    """A stop signal to run_train.sh's process group reaches scripts/deps.py twice (from the group, then
+    from the shell's trap); the second may land while the interpreter shuts down (simulated by an atexit
+    callback). deps.stop exits 143 silently; a handler that raises again (the negative control) prints a
+    traceback into the user's one line."""
+    code = (
+        "import atexit, os, signal, sys; sys.path.insert(0, 'scripts'); import deps; "
+        f"signal.signal(signal.SIGTERM, {handler}); "
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM)); os.kill(os.getpid(), signal.SIGTERM)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143
+    if handler == "deps.stop":
+        assert proc.stderr == ""
+    else:
+        assert "SystemExit: 143" in proc.stderr
