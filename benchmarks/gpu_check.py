@@ -81,9 +81,8 @@ def run(argv: list[str]) -> dict:
     peak_rate, peak_source = peak_tflops(device) if device.type == "cuda" else (None, "not defined on a CPU")
     tflops = plan.model_args.flops_per_token(t.seq_len) * tps / 1e12
     layout = plan.layout()
-    planned = estimate(
-        trainer.model, plan.spec.units(trainer.model), plan.spec.activation_bytes(plan.model_args, layout), layout
-    )
+    activations = plan.spec.planning.activation_bytes(plan.model_args, layout)
+    planned = estimate(trainer.model, plan.spec.units(trainer.model), activations, layout)
     trainer.close()
     return dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -20,7 +20,7 @@ from titanlite.build import build_model
 from titanlite.checkpoint import folders
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
-from titanlite.models.registry import register_model
+from titanlite.models.registry import TrainingHooks, register_model
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss
@@ -54,9 +54,10 @@ def test_the_framework_gives_a_data_only_family_fsdp2_compile_and_ac(process_gro
 
 
 def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_group, tmp_path):
-    """The runner adds `ModelSpec.extra_loss` to each microbatch's loss (its gradient reaches the
+    """The runner adds `ModelSpec.hooks.extra_loss` to each microbatch's loss (its gradient reaches the
     parameters it reads) and leaves it out of `evaluate`; pipeline parallelism refuses it."""
-    spec = dataclasses.replace(SPEC, name="mlp_lm_extra", extra_loss=lambda m: 3.0 * m.norm.weight.sum())
+    hooks = TrainingHooks(extra_loss=lambda m: 3.0 * m.norm.weight.sum())
+    spec = dataclasses.replace(SPEC, name="mlp_lm_extra", hooks=hooks)
     register_model(spec)
     cfg = config(tmp_path, MLP)
     cfg.model.name = spec.name
@@ -74,7 +75,7 @@ def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_grou
         return loss, model.norm.weight.grad.clone(), runner.evaluate(batch)
 
     plain, plain_grad, plain_eval = run(None)
-    extra, extra_grad, extra_eval = run(spec.extra_loss)
+    extra, extra_grad, extra_eval = run(spec.hooks.extra_loss)
     assert extra.item() == pytest.approx(plain.item() + 3.0 * model.args.dim)
     assert torch.allclose(extra_grad, plain_grad + 3.0)
     assert extra_eval.item() == plain_eval.item()

@@ -91,15 +91,15 @@ def test_a_shape_override_cannot_change_on_resume():
 
 
 def test_every_shape_key_of_the_family_is_fixed_on_resume_and_is_a_config_key():
-    """One list (`ModelSpec.shape_keys`) feeds the overrides and the resume policy: each key of it is a
+    """One list (`ModelSpec.shape.keys`) feeds the overrides and the resume policy: each key of it is a
     `model.*` config key, and changing any of them (max_seq_len included) stops a resume."""
     spec = plan().spec
     # Every `model.*` shape key belongs to a built-in family; the mixture-of-experts keys to qwen3_moe only.
-    moe_keys = set(get_model_spec("qwen3_moe").shape_keys)
-    assert set(spec.shape_keys) | moe_keys == set(shape_fields()) and set(spec.shape_keys) <= set(shape_fields())
+    moe_keys = set(get_model_spec("qwen3_moe").shape.keys)
+    assert set(spec.shape.keys) | moe_keys == set(shape_fields()) and set(spec.shape.keys) <= set(shape_fields())
     config = load_config(OVERRIDES, default_config=CONFIG).to_dict()
     marker = {"config": config, "global_batch": 8, "virtual_shards": 8}
-    for key in spec.shape_keys:
+    for key in spec.shape.keys:
         changed = load_config([*OVERRIDES, f"--model.{key}", "1024"], default_config=CONFIG).to_dict()
         inputs = {"config": changed, "global_batch": 8, "virtual_shards": 8, "tokenizer": None, "dataset": None}
         check = compare_settings("step-10", marker, inputs, allow_dataset_change=False)

@@ -182,16 +182,16 @@ def test_aux_loss_is_the_load_balancing_formula():
         f, p, imbalance = f + counts, p + probs.sum(0), max(imbalance, (counts.max() / counts.mean()).item())
     rows = 2 * x.numel()
     expected = ARGS.router_aux_loss_coef * ARGS.num_experts * ((f / rows) * (p / rows)).sum()
-    torch.testing.assert_close(SPEC.extra_loss(m), expected)
-    metrics = SPEC.step_metrics(m)
+    torch.testing.assert_close(SPEC.hooks.extra_loss(m), expected)
+    metrics = SPEC.hooks.step_metrics(m)
     assert metrics["moe_aux_loss"] == pytest.approx(expected.item() / ARGS.router_aux_loss_coef, rel=1e-5)
     assert metrics["moe_load_imbalance"] == pytest.approx(imbalance, rel=1e-6) and imbalance > 1.0
-    assert SPEC.step_metrics(m)["moe_load_imbalance"] == 0.0  # the counters were reset
+    assert SPEC.hooks.step_metrics(m)["moe_load_imbalance"] == 0.0  # the counters were reset
     dense = model(dataclasses.replace(ARGS, mlp_only_layers=(0, 1, 2)))
     dense(x)
-    assert SPEC.extra_loss(dense).item() == 0.0
+    assert SPEC.hooks.extra_loss(dense).item() == 0.0
     dense.routing_in = torch.zeros(3, ARGS.num_experts)  # a last pipeline stage after dense stages
-    assert SPEC.extra_loss(dense).item() == 0.0
+    assert SPEC.hooks.extra_loss(dense).item() == 0.0
 
 
 def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage():
@@ -209,18 +209,18 @@ def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage(
         keep_stage(stage, SPEC.units(stage), plan, i)
     assert list(stages[0].layers) == ["0", "1"] and list(stages[1].layers) == ["2"]
     whole(x)
-    expected = SPEC.extra_loss(whole)
+    expected = SPEC.hooks.extra_loss(whole)
     expected.backward()
     h, routing = stages[0](x)
     stages[1](h, routing)
-    got = SPEC.extra_loss(stages[1])
+    got = SPEC.hooks.extra_loss(stages[1])
     got.backward()
     torch.testing.assert_close(got, expected)
     gate = "layers.1.moe.gate.weight"
     assert whole.get_parameter(gate).grad.abs().max() > 0
     torch.testing.assert_close(stages[0].get_parameter(gate).grad, whole.get_parameter(gate).grad)
     stages[1](h.detach())
-    assert not torch.allclose(SPEC.extra_loss(stages[1]), expected, rtol=1e-3)
+    assert not torch.allclose(SPEC.hooks.extra_loss(stages[1]), expected, rtol=1e-3)
 
 
 def test_fsdp2_hands_a_stage_its_carried_routing_sums_unrounded(process_group):
@@ -257,7 +257,7 @@ def test_transformers_loads_the_export(tmp_path):
         out = theirs(x, output_router_logits=True)
         ours = src(x)
         torch.testing.assert_close(out.logits, ours, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(out.aux_loss * ARGS.router_aux_loss_coef, SPEC.extra_loss(src))
+        torch.testing.assert_close(out.aux_loss * ARGS.router_aux_loss_coef, SPEC.hooks.extra_loss(src))
         prompt = x[0, :5].tolist()
         want = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert generate(src, prompt, 8) == want[0, 5:].tolist()
@@ -284,7 +284,7 @@ def test_aux_loss_free_balancing_routes_with_the_bias_and_moves_it_towards_the_m
     counts = moe.step_tokens.clone()
     assert counts[3] == 2 * SEQ * 1  # every token of both sequences picked expert 3 once
     before = moe.expert_bias.clone()
-    SPEC.after_step(m)
+    SPEC.hooks.after_step(m)
     expected = before + 0.25 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(moe.expert_bias, expected)
     assert moe.step_tokens.sum() == 0 and "layers.1.moe.expert_bias" in m.state_dict()

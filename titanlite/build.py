@@ -170,7 +170,7 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     if stage is not None:
         assert plan.pipeline is not None
         keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
-    return parallelize(model, plan.spec.units(model), plan.spec.tp_plan, plan.dims, plan.cfg)
+    return parallelize(model, plan.spec.units(model), plan.spec.parallel.tp_plan, plan.dims, plan.cfg)
 
 
 def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:
@@ -183,16 +183,16 @@ def rank_estimate(plan: RunPlan, parts: dict[int | None, nn.Module], layout: Lay
     pipeline stages ({stage: module}), each stage for one microbatch, combined with the microbatches its
     schedule keeps in flight on pipeline rank `pp_rank`."""
     spec, args = plan.spec, plan.model_args
-    assert spec.activation_bytes is not None
+    assert spec.planning.activation_bytes is not None
     if plan.pipeline is None:
         (model,) = parts.values()
-        return estimate(model, spec.units(model), spec.activation_bytes(args, layout), layout)
+        return estimate(model, spec.units(model), spec.planning.activation_bytes(args, layout), layout)
     sp, microbatch = plan.pipeline, plan.cfg.parallelism.pipeline_parallel_microbatch_size
     stages = []
     for s, part in parts.items():
         assert s is not None
         stage_layout = layout.stage(sp.blocks(s), s == sp.n_stages - 1, microbatch)
-        acts = spec.activation_bytes(args, stage_layout)
+        acts = spec.planning.activation_bytes(args, stage_layout)
         est = estimate(part, spec.units(part), acts, stage_layout)
         first, last = s == 0, s == sp.n_stages - 1
         in_flight = sp.stage_in_flight(pp_rank)[sp.stages_of(pp_rank).index(s)]
@@ -213,7 +213,7 @@ def choose_step_policy(
     `max_over_ranks` (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
     first candidate that fits comfortably in `capacity` bytes wins."""
     candidates, fixed = plan.step_candidates, plan.step_fixed
-    if len(candidates) == 1 or plan.spec.activation_bytes is None:
+    if len(candidates) == 1 or plan.spec.planning.activation_bytes is None:
         return choose_step(candidates, [0] * len(candidates), capacity, fixed)
     totals = [
         max(rank_estimate(plan, parts, plan.layout(c, device_type), r).total for r, parts in ranks.items())
@@ -255,7 +255,7 @@ def step_context(plan: RunPlan, step: StepChoice) -> StepContext:
         max_norm=plan.cfg.training.max_norm,
         reduce_once=policy.reduce_once,
         keep_gathers=policy.keep_gathers,
-        extra_loss=plan.spec.extra_loss,
+        extra_loss=plan.spec.hooks.extra_loss,
         hooks=step_hooks(plan.dims),
     )
 

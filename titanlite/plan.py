@@ -43,14 +43,14 @@ from titanlite.parallelisms.pipeline import StagePlan
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
     """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked before
-    any rank starts (the family's `check_args`; the training sequence fits); tensor-parallel divisibility
+    any rank starts (the family's `shape.check_args`; the training sequence fits); tensor-parallel divisibility
     is checked with the mesh (`ParallelDims`)."""
     m = cfg.model
     if m.flavor not in spec.flavors:
         raise ConfigError(f"config key 'model.flavor' = {m.flavor!r}: expected one of {', '.join(spec.flavors)}")
     overrides = {key: getattr(m, key) for key in shape_fields() if getattr(m, key)}
     for key in overrides:
-        if key not in spec.shape_keys:
+        if key not in spec.shape.keys:
             raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
     args = dataclasses.replace(spec.flavors[m.flavor], **overrides, vocab_size=vocab_size)
     if m.moe_experts != "grouped_mm":
@@ -58,7 +58,7 @@ def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
             raise ConfigError(f"config key 'model.moe_experts' does not apply to {m.name} models")
         args = dataclasses.replace(args, grouped_mm=False)
     shape = f"{m.flavor} with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else m.flavor
-    if why := spec.check_args(args):
+    if why := spec.shape.check_args(args):
         raise ConfigError(f"model {shape}: {why}")
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -130,7 +130,7 @@ def check_mask(cfg: JobConfig, spec: ModelSpec) -> None:
     """`model.attn_mask_type` needs a family whose forward takes positions and a mask, and a step that can
     hand them to every block: the pipeline schedule passes only hidden states between stages."""
     mask = cfg.model.attn_mask_type
-    if mask not in spec.attn_mask_types:
+    if mask not in spec.shape.attn_mask_types:
         raise ConfigError(f"model.attn_mask_type {mask} is not supported by model {spec.name} (only causal)")
     if mask != "causal" and cfg.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError(
@@ -189,8 +189,8 @@ class RunPlan:
         check_mask(cfg, spec)
         tokenizer = tokenizer or build_tokenizer(cfg.model.tokenizer_path or None)
         args = args or model_args(cfg, spec, tokenizer.n_words)
-        dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.tp_divisible(args))
-        if why := spec.check_layout(args, dims):
+        dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.parallel.tp_divisible(args))
+        if why := spec.shape.check_layout(args, dims):
             raise ConfigError(f"model {cfg.model.name}: {why}")
         for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
             unit.rules(cfg, dims, spec, args)
@@ -204,9 +204,9 @@ class RunPlan:
         pipeline = None
         if dims.pp_enabled:
             pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
-            if spec.tied_embeddings(args):
+            if spec.shape.tied_embeddings(args):
                 raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
-            if spec.extra_loss is not None and not spec.extra_loss_across_stages:
+            if spec.hooks.extra_loss is not None and not spec.hooks.extra_loss_across_stages:
                 raise ConfigError(
                     f"pipeline parallelism does not support model {spec.name}'s extra loss term "
                     "(its stages would each hold a part of it): set pipeline_parallel_degree 1"

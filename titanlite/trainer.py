@@ -157,7 +157,7 @@ class Trainer:
             enabled=self.rank == 0,
             run_config=cfg.to_dict(),
             validation=self.validator is not None,
-            family_metrics=FAMILY_METRICS if self.plan.spec.step_metrics is not None else (),
+            family_metrics=FAMILY_METRICS if self.plan.spec.hooks.step_metrics is not None else (),
             run_label=layout_label(
                 self.dims.mesh_degrees, cfg.parallelism.dp_impl, cfg.compile.enable, self.dims.experts_label
             ),
@@ -199,8 +199,8 @@ class Trainer:
         if self.verdict.finite:
             self.optimizer.step()
             self.lr_scheduler.step()
-            if self.plan.spec.after_step is not None:
-                self.plan.spec.after_step(self.model)
+            if self.plan.spec.hooks.after_step is not None:
+                self.plan.spec.hooks.after_step(self.model)
         else:
             self._on_nonfinite(self.verdict)
         return loss, grad_norm
@@ -254,6 +254,7 @@ class Trainer:
         gc.collect(1)
         window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
         tokens_per_step = self.plan.tokens_per_gpu_step
+        step_metrics = self.plan.spec.hooks.step_metrics
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         self.metrics.begin(self.step, cfg.steps)
         first_step = self.step + 1  # of this process: after a resume or a restart too
@@ -281,7 +282,7 @@ class Trainer:
                             tokens=tokens_per_step * window_steps,
                             elapsed=elapsed,
                             data_time=window_data,
-                            family=self.plan.spec.step_metrics(self.model) if self.plan.spec.step_metrics else {},
+                            family=step_metrics(self.model) if step_metrics else {},
                         ),
                         window_steps,
                     )

@@ -5,7 +5,7 @@ A checkpoint's completion marker records the layout that wrote it and what the r
 global batch and virtual shards of the run plan). `compare_settings` holds a resuming run against it:
 
 - cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor`, its shape overrides (the family's `shape_keys`: `model.dim`, `n_layers`,
+  `model.name`, `model.flavor`, its shape overrides (the family's `shape.keys`: `model.dim`, `n_layers`,
   `rope_theta`, `max_seq_len`, ...; any other model shape is checked tensor by tensor by the manager), the
   tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
   (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
@@ -57,14 +57,14 @@ def _flat(config: dict) -> dict:
 
 
 def model_shape(flat: dict, spec: ModelSpec) -> list:
-    """The effective value of each of the family's shape keys (`spec.shape_keys`) for a flat config: the
+    """The effective value of each of the family's shape keys (`spec.shape.keys`) for a flat config: the
     override, else the flavor's (so a resume names the real shape, e.g. 6 layers, never the 0 that means
     "the flavor's"). Overrides are absent from older checkpoints; an unknown flavor leaves the raw values."""
-    raw = [flat.get(f"model.{k}", 0) for k in spec.shape_keys]
+    raw = [flat.get(f"model.{k}", 0) for k in spec.shape.keys]
     args = spec.flavors.get(flat.get("model.flavor", ""))
     if args is None:
         return raw
-    args = dataclasses.replace(args, **{k: v for k, v in zip(spec.shape_keys, raw) if v})
+    args = dataclasses.replace(args, **{k: v for k, v in zip(spec.shape.keys, raw) if v})
     return list(spec.resolved_shape(args).values())
 
 
@@ -83,7 +83,7 @@ def compare_settings(
         ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
         *(  # the model's shape: the flavor's values with the overrides (0 = the flavor's) applied
             (f"model.{k}", was, now, "")
-            for k, was, now in zip(spec.shape_keys, model_shape(old, spec), model_shape(new, spec))
+            for k, was, now in zip(spec.shape.keys, model_shape(old, spec), model_shape(new, spec))
         ),
         ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
         ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),

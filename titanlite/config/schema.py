@@ -55,7 +55,7 @@ class Model:
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
     # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts against the
-    # family's `shape_keys` (titanlite/models/registry.py).
+    # family's `shape.keys` (titanlite/models/registry.py).
     n_layers: int = field(default=0, metadata=SHAPE)
     """Transformer blocks; 0 = the flavor's."""
     dim: int = field(default=0, metadata=SHAPE)

@@ -38,7 +38,7 @@ class StepStats:
     elapsed: float
     data_time: float
     family: dict[str, float] = field(default_factory=dict)
-    """The model family's own scalars (`ModelSpec.step_metrics`), by metric name."""
+    """The model family's own scalars (`ModelSpec.hooks.step_metrics`), by metric name."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Metric:
     validation: bool = False
     """Written by a held-out evaluation (its own metrics.jsonl row), not by the step line."""
     family: bool = False
-    """Reported by the model family (`ModelSpec.step_metrics`): logged only for a family that reports it."""
+    """Reported by the model family (`ModelSpec.hooks.step_metrics`): logged only for a family that reports it."""
 
     @property
     def tag(self) -> str:

@@ -1,6 +1,6 @@
 """What one token costs a model family: the work the step-time model (`titanlite/planning/step_time.py`) times.
 
-A family describes its repeated block and its output once (`ModelSpec.step_cost`), per token of one
+A family describes its repeated block and its output once (`ModelSpec.planning.step_cost`), per token of one
 sequence of `seq_len` tokens and for the forward pass only; the step-time model multiplies out the
 backward, the recomputation of activation checkpointing, the tensor-parallel split and the batch.
 Parameter bytes (what data parallelism moves) come from the model's real shard shapes instead

@@ -2,21 +2,21 @@
 
 A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes.
 A family supplies data and its model; the framework applies every parallelism in its own order
-(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `tp_plan`, and runs the step
-(`titanlite/step.py`), adding the family's `extra_loss` when it has one.
+(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_plan`, and runs the step
+(`titanlite/step.py`), adding the family's `hooks.extra_loss` when it has one.
 
 The model it builds follows a small protocol:
 
     spec.model_cls(args, seq_len=...)   builds the model (called under `torch.device("meta")`)
     model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
     model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
-    model(tokens, positions=, mask=)    with `block_causal` in `attn_mask_types`: each token's position in
+    model(tokens, positions=, mask=)    with `block_causal` in `shape.attn_mask_types`: each token's position in
                                         its document and the batch's mask (`models/common/attention.py`)
     model.args                          the args it was built from (the checkpoint code reads the shape
                                         of the model it loads into, e.g. for Hugging Face weights)
     args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
     args.max_seq_len, args.n_layers, args.num_params(), args.flops_per_token(seq_len)
-    args.<key> for each of `spec.shape_keys`   set from the `model.<key>` config key when non-zero
+    args.<key> for each of `spec.shape.keys`   set from the `model.<key>` config key when non-zero
     args.shape_value(key)               optional: a shape key's value as built, where a field left unset
                                         (None) derives it; None hides the key from the start-up line
 
@@ -48,36 +48,46 @@ _MODELS: dict[str, ModelSpec] = {}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    model_cls: Callable[..., nn.Module]
-    flavors: dict[str, Any]
-    """Flavor name -> model args (a dataclass with the protocol's fields)."""
-    units: Callable[[nn.Module], Units]
-    """The model's blocks and root modules: the unit every parallelism works per (AC and compile wrap a
-    block, FSDP gathers one, a pipeline stage holds whole ones; the memory plan counts them)."""
-    tp_plan: TensorParallelPlanFn | None = None
-    """The family's tensor-parallel plan (data: module name -> torch `ParallelStyle`), given whether the
-    loss is vocab-parallel; None: no tensor parallelism (a degree above one is refused before any rank
-    starts)."""
-    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
-    """Sizes the tensor-parallel degree must divide (e.g. attention heads), checked in the plan."""
-    hf_adapter: Any = None
-    """Hugging Face names and conversions (`checkpoint/hf.py`); None: no HF import/export."""
-    activation_bytes: Callable[..., dict[str, int]] | None = None
-    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes, "held": bytes}`
-    ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
-    check_args: Callable[[Any], str | None] = field(default=lambda args: None)
-    """Why a shape (flavor + `model.*` overrides) cannot be built, or None: checked before any rank starts."""
-    check_layout: Callable[[Any, Any], str | None] = field(default=lambda args, dims: None)
-    """Why a shape (its args) cannot train on a layout (`ParallelDims`), or None: checked before any rank
-    starts."""
-    shape_keys: tuple[str, ...] = ()
+class ShapeRules:
+    """What shapes the family builds and trains: read by the plan before any rank starts and by the
+    resume policy."""
+
+    keys: tuple[str, ...] = ()
     """The args fields that the `model.*` config keys of the same name override: the one list behind the
     overrides, the start-up line and the resume policy (a change of any of them stops a resume)."""
+    check_args: Callable[[Any], str | None] = field(default=lambda args: None)
+    """Why a shape (flavor + `model.*` overrides) cannot be built, or None."""
+    check_layout: Callable[[Any, Any], str | None] = field(default=lambda args, dims: None)
+    """Why a shape (its args) cannot train on a layout (`ParallelDims`), or None."""
+    attn_mask_types: tuple[str, ...] = ("causal",)
+    """The `model.attn_mask_type` values the family's forward takes (module docstring); others are
+    refused."""
     tied_embeddings: Callable[[Any], bool] = field(default=lambda args: False)
     """Whether the embedding and the output projection share one weight (a pipeline's first and last
     stage cannot both hold it)."""
+
+
+@dataclass(frozen=True)
+class ParallelSeams:
+    """The seams the family's model declares for the parallelisms that need one: without a seam, a
+    degree above one is refused before any rank starts."""
+
+    tp_plan: TensorParallelPlanFn | None = None
+    """The family's tensor-parallel plan (data: module name -> torch `ParallelStyle`), given whether the
+    loss is vocab-parallel."""
+    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    """Sizes the tensor-parallel degree must divide (e.g. attention heads), checked in the plan."""
+    context_parallel: bool = False
+    """The model's attention declares the context-parallel seam (`parallelisms/context_parallel.py`)."""
+    num_experts: Callable[[Any], int] | None = None
+    """The experts of each MoE layer, where the model's experts declare the expert-parallel seam
+    (`parallelisms/expert_parallel.py`)."""
+
+
+@dataclass(frozen=True)
+class TrainingHooks:
+    """What the family adds to the framework's step (`titanlite/step.py`, the trainer)."""
+
     extra_loss: ExtraLoss | None = None
     """A term added to each training microbatch's loss after the model's forward (e.g. a mixture of
     experts' load-balancing loss, which the model records in its forward), a scalar on the model's
@@ -95,24 +105,40 @@ class ModelSpec:
     """The family's own scalars for the step line, metrics.jsonl and TensorBoard (names declared in
     `metrics/schema.py` with `family=True`, e.g. a router's load imbalance), since the last log; every
     rank calls it at each log (it may run a collective); None: none."""
-    attn_mask_types: tuple[str, ...] = ("causal",)
-    """The `model.attn_mask_type` values the family's forward takes (module docstring); others are
-    refused before any rank starts."""
-    context_parallel: bool = False
-    """The model's attention declares the context-parallel seam (`parallelisms/context_parallel.py`): a
-    context-parallel degree above one is refused before any rank starts otherwise."""
-    num_experts: Callable[[Any], int] | None = None
-    """The experts of each MoE layer, where the model's experts declare the expert-parallel seam
-    (`parallelisms/expert_parallel.py`); None: an expert-parallel degree above one is refused before any
-    rank starts."""
+
+
+@dataclass(frozen=True)
+class PlanningTerms:
+    """The family's terms in the dry run and the layout search (`titanlite/planning/`)."""
+
+    activation_bytes: Callable[..., dict[str, int]] | None = None
+    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes, "held": bytes}`
+    ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
     (`titanlite/models/cost.py`); None: no layout search."""
 
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: Callable[..., nn.Module]
+    flavors: dict[str, Any]
+    """Flavor name -> model args (a dataclass with the protocol's fields)."""
+    units: Callable[[nn.Module], Units]
+    """The model's blocks and root modules: the unit every parallelism works per (AC and compile wrap a
+    block, FSDP gathers one, a pipeline stage holds whole ones; the memory plan counts them)."""
+    shape: ShapeRules = ShapeRules()
+    parallel: ParallelSeams = ParallelSeams()
+    hooks: TrainingHooks = TrainingHooks()
+    planning: PlanningTerms = PlanningTerms()
+    hf_adapter: Any = None
+    """Hugging Face names and conversions (`checkpoint/hf.py`); None: no HF import/export."""
+
     def resolved_shape(self, args: Any) -> dict[str, Any]:
         """Shape key -> its value in `args` as built (`args.shape_value`, else the field)."""
         value = getattr(args, "shape_value", None)
-        return {key: value(key) if value else getattr(args, key) for key in self.shape_keys}
+        return {key: value(key) if value else getattr(args, key) for key in self.shape.keys}
 
     def require_hf_adapter(self) -> Any:
         """The family's Hugging Face adapter, or one line saying it has none (import, export, generation)."""

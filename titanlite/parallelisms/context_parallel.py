@@ -175,7 +175,7 @@ def check_context_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: 
     """What context parallelism needs: a model with the seam, and sequences that cut into 2 x cp equal
     chunks (whose cp shares tensor parallelism cuts again)."""
     seq, cp = cfg.training.seq_len, dims.cp
-    if not spec.context_parallel:
+    if not spec.parallel.context_parallel:
         raise ConfigError(f"model {spec.name} does not support context parallelism: set context_parallel_degree 1")
     if seq % (2 * cp):
         raise ConfigError(

@@ -211,9 +211,9 @@ def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: A
     `ParallelDims`): a family whose experts declare the seam, experts that divide evenly over the ep ranks,
     SimpleFSDP, and no model-wide graph (the dispatch runs eager between graphs)."""
     ep, p = dims.ep, cfg.parallelism
-    if spec.num_experts is None:
+    if spec.parallel.num_experts is None:
         raise ConfigError(f"model {spec.name} has no experts to split: set expert_parallel_degree 1")
-    if (experts := spec.num_experts(args)) % ep:
+    if (experts := spec.parallel.num_experts(args)) % ep:
         raise ConfigError(f"parallelism.expert_parallel_degree {ep} does not divide the model's {experts} experts")
     if p.dp_impl != "simple_fsdp":
         raise ConfigError(f"parallelism.expert_parallel_degree {ep} needs dp_impl simple_fsdp (got {p.dp_impl})")

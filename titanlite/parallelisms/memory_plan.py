@@ -27,7 +27,7 @@ runtime adds its own (`stage_runtime`): every forward's output is kept until tha
 and each stage receives activations and gradients into buffers it allocates per microbatch of the
 schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 tokens: 128 MiB each).
 
-Activations are the model family's own estimate (`ModelSpec.activation_bytes`; Llama 3's is in
+Activations are the model family's own estimate (`ModelSpec.planning.activation_bytes`; Llama 3's is in
 `models/llama3/activations.py`). The total adds every part as if all peaked together, which is conservative.
 
 `choose_step` picks the step policy from these estimates: the first of `step_candidates` (most

@@ -15,7 +15,7 @@
 
 A parallelism is adding this unit in its own module, its setting in `config/schema.py` and its place in the
 order; the plan, the step context and the step-time model read it from the order and name none of them.
-The memory a parallelism changes is the family's activation model's (`ModelSpec.activation_bytes`, from
+The memory a parallelism changes is the family's activation model's (`ModelSpec.planning.activation_bytes`, from
 the `memory_plan.Layout` the run plan fills), since what it saves depends on the family's shapes.
 """
 

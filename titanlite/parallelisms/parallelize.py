@@ -79,8 +79,8 @@ def parallelize(
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
     the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
-    family's tensor-parallel plan (None: the family has none, and TP must be off); `order` the units
-    (default `PARALLELISMS`)."""
+    family's tensor-parallel plan (`ModelSpec.parallel.tp_plan`; None: the family has none, and TP must
+    be off); `order` the units (default `PARALLELISMS`)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()

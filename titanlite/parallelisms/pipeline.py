@@ -292,7 +292,7 @@ class PipelineRunner:
 
     def _loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's microbatch loss, with the family's extra term of the last stage's module,
-        which holds what the earlier stages handed on (`ModelSpec.extra_loss_across_stages`)."""
+        which holds what the earlier stages handed on (`ModelSpec.hooks.extra_loss_across_stages`)."""
         assert self._step is not None
         context, backwards = self._step
         return context.microbatch_loss(pred, labels, backwards, self.parts[self.plan.n_stages - 1])

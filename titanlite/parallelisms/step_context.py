@@ -38,7 +38,7 @@ from titanlite.parallelisms.parallelism import StepHook
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`loss_fn(pred, labels)`: the mean loss of one microbatch's logits against its labels."""
 ExtraLoss = Callable[[nn.Module], torch.Tensor]
-"""`extra_loss(model)`: a family's extra term of the forward that just ran (`ModelSpec.extra_loss`)."""
+"""`extra_loss(model)`: a family's extra term of the forward that just ran (`ModelSpec.hooks.extra_loss`)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class StepContext:
     keep_gathers: bool = False
     """Gather the weights once per step, for all of its microbatches."""
     extra_loss: ExtraLoss | None = None
-    """Added to each training microbatch's loss (`ModelSpec.extra_loss`); not to validation's."""
+    """Added to each training microbatch's loss (`ModelSpec.hooks.extra_loss`); not to validation's."""
     hooks: tuple[StepHook, ...] = ()
     """The step hooks of the parallelisms the mesh runs, in their order (`parallelize.step_hooks`)."""
 

@@ -67,7 +67,7 @@ def _has(module: nn.Module, name: str) -> bool:
 def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
     """What tensor parallelism needs beyond the mesh's own rule (tp divides the family's sizes:
     `ParallelDims`): a family with a plan."""
-    if spec.tp_plan is None:
+    if spec.parallel.tp_plan is None:
         raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
 
 

@@ -250,8 +250,8 @@ class LayoutMemoryModel:
 
     def activations(self, layout: Layout) -> dict[str, int]:
         if layout not in self._activations:
-            assert self.spec.activation_bytes is not None
-            self._activations[layout] = self.spec.activation_bytes(self.args, layout)
+            assert self.spec.planning.activation_bytes is not None
+            self._activations[layout] = self.spec.planning.activation_bytes(self.args, layout)
         return self._activations[layout]
 
     def _params(self, tp: int, shard: int, dp_impl: str, blocks: range, first: bool, last: bool) -> _StageParams:

@@ -193,9 +193,9 @@ def factorisations(world: int) -> Iterator[Degrees]:
 
 def context_degrees(cfg: JobConfig, world: int) -> frozenset[int]:
     """The context-parallel degrees searched: 1, and where the model family declares the seam
-    (`ModelSpec.context_parallel`) every divisor c of the world whose 2c chunks cut the sequence evenly
+    (`ModelSpec.parallel.context_parallel`) every divisor c of the world whose 2c chunks cut the sequence evenly
     and leave a rank at least `MIN_CONTEXT_TOKENS` of it."""
-    if not get_model_spec(cfg.model.name).context_parallel:
+    if not get_model_spec(cfg.model.name).parallel.context_parallel:
         return frozenset({1})
     seq = cfg.training.seq_len
     return frozenset({1} | {c for c in divisors(world) if seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS})

@@ -142,7 +142,7 @@ def dry_run(cfg: JobConfig) -> DryRun:
     plan, notes = build_run_plan(cfg, world_size)
     if not plan.dims.dp_enabled:
         notes.append("no data parallelism: mixed precision is applied by SimpleFSDP only, so compute is float32")
-    if plan.spec.activation_bytes is None:
+    if plan.spec.planning.activation_bytes is None:
         raise ConfigError(f"model {plan.spec.name!r} has no activation model: the dry run cannot plan it")
     # Every pipeline rank (one without PP) built on the meta device as one of its own ranks, with the same
     # dp/tp coordinates as `rank`; its parallelized modules, by pipeline rank.
@@ -176,8 +176,9 @@ def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn
 
 def selective_op_note(plan: RunPlan, layout: Layout) -> str:
     """Selective AC by op, both matmul rules (activation_checkpoint.py): the activation peak of each."""
+    activation_bytes = plan.spec.planning.activation_bytes
     peaks = {
-        option: plan.spec.activation_bytes(plan.model_args, dataclasses.replace(layout, ac_option=option))["peak"]
+        option: activation_bytes(plan.model_args, dataclasses.replace(layout, ac_option=option))["peak"]
         for option in OP_OPTIONS
     }
     return (

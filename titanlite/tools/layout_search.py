@@ -76,12 +76,13 @@ class LayoutSearch:
         self.capacity = kind.memory_gib * GiB
         plan, self.notes = _plan_for(cfg, world)
         self.base_plan = plan
-        spec = plan.spec
-        missing = [what for what, f in (("step-time", spec.step_cost), ("activation", spec.activation_bytes)) if not f]
+        spec, terms = plan.spec, plan.spec.planning
+        named = (("step-time", terms.step_cost), ("activation", terms.activation_bytes))
+        missing = [what for what, f in named if not f]
         if missing:
             raise ConfigError(
                 f"model {spec.name!r} has no {' or '.join(missing)} model (ModelSpec): --plan cannot rank its "
-                "layouts" + ("; --dry-run plans the memory of the layout you give" if spec.activation_bytes else "")
+                "layouts" + ("; --dry-run plans the memory of the layout you give" if terms.activation_bytes else "")
             )
         shapes = {} if shapes is None else shapes
         key = repr(plan.model_args)
@@ -90,7 +91,7 @@ class LayoutSearch:
         self.memory_model = LayoutMemoryModel(shapes[key])
         features = features or Features()
         self._time = {
-            e: StepTimeModel(spec.step_cost(plan.model_args, cfg.training.seq_len, e), kind, features) for e in (2, 4)
+            e: StepTimeModel(terms.step_cost(plan.model_args, cfg.training.seq_len, e), kind, features) for e in (2, 4)
         }
         self._tokenizer, self._args = plan.tokenizer, plan.model_args
 

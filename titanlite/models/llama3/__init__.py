@@ -6,7 +6,7 @@ from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.llama3.parallelize import llama_tp_plan, llama_units
-from titanlite.models.registry import ModelSpec
+from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules
 
 
 def check_args(args: ModelArgs) -> str | None:
@@ -26,16 +26,19 @@ SPEC = ModelSpec(
     model_cls=Transformer,
     flavors=llama3_configs,
     units=llama_units,
-    tp_plan=llama_tp_plan,
-    tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+    shape=ShapeRules(
+        keys=SHAPE_KEYS,
+        check_args=check_args,
+        attn_mask_types=("causal", "block_causal"),
+        tied_embeddings=lambda args: args.tie_embeddings,
+    ),
+    parallel=ParallelSeams(
+        tp_plan=llama_tp_plan,
+        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        context_parallel=True,
+    ),
+    planning=PlanningTerms(activation_bytes=activation_bytes, step_cost=step_cost),
     hf_adapter=LlamaHFAdapter(),
-    activation_bytes=activation_bytes,
-    check_args=check_args,
-    shape_keys=SHAPE_KEYS,
-    tied_embeddings=lambda args: args.tie_embeddings,
-    step_cost=step_cost,
-    attn_mask_types=("causal", "block_causal"),
-    context_parallel=True,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

@@ -26,7 +26,7 @@ from titanlite.models.common.norm import RMSNorm
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
-"""The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
+"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_plan
-from titanlite.models.registry import ModelSpec
+from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules, TrainingHooks
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
@@ -41,18 +41,20 @@ SPEC = ModelSpec(
     model_cls=Transformer,
     flavors=qwen3_moe_configs,
     units=lambda model: Units.of(model, "layers"),
-    tp_plan=qwen3_moe_tp_plan,
-    tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+    shape=ShapeRules(keys=SHAPE_KEYS, check_args=check_args, check_layout=check_layout),
+    parallel=ParallelSeams(
+        tp_plan=qwen3_moe_tp_plan,
+        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        num_experts=lambda args: args.num_experts,
+    ),
+    hooks=TrainingHooks(
+        extra_loss=aux_loss_term,
+        extra_loss_across_stages=True,
+        step_metrics=routing_metrics,
+        after_step=update_routing_bias,
+    ),
+    planning=PlanningTerms(activation_bytes=activation_bytes),
     hf_adapter=Qwen3MoeHFAdapter(),
-    activation_bytes=activation_bytes,
-    check_args=check_args,
-    check_layout=check_layout,
-    shape_keys=SHAPE_KEYS,
-    extra_loss=aux_loss_term,
-    extra_loss_across_stages=True,
-    step_metrics=routing_metrics,
-    after_step=update_routing_bias,
-    num_experts=lambda args: args.num_experts,
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "qwen3_moe_configs"]

@@ -1,15 +1,15 @@
 """Qwen3-MoE's load balancing as the step sees it: the auxiliary loss term and the routing metrics.
 
-`aux_loss_term(model)` is the family's `ModelSpec.extra_loss`: `router_aux_loss_coef` times Hugging
+`aux_loss_term(model)` is the family's `ModelSpec.hooks.extra_loss`: `router_aux_loss_coef` times Hugging
 Face's load-balancing loss over the MoE layers of the forward that just ran (`moe.aux_loss_of_sums`),
 with, under pipeline parallelism, the routing sums the earlier stages handed the last one (`model.py`).
 
-`routing_metrics(model)` is the family's `ModelSpec.step_metrics`, called by every rank at each log: the
+`routing_metrics(model)` is the family's `ModelSpec.hooks.step_metrics`, called by every rank at each log: the
 tokens routed to each expert since the last log, summed over all ranks, give the load imbalance (max /
 mean tokens per expert, the worst MoE layer's); the auxiliary loss is that of the last microbatch of
 every rank pooled. The counters are reset.
 
-`update_routing_bias(model)` is the family's `ModelSpec.after_step` (aux-loss-free balancing, DeepSeek-V3):
+`update_routing_bias(model)` is the family's `ModelSpec.hooks.after_step` (aux-loss-free balancing, DeepSeek-V3):
 after every optimizer step, the step's token counts per expert, summed over all ranks, move each expert's
 routing bias by `router_bias_update_rate` towards the mean: up where the expert got fewer tokens than the
 mean, down where more. Every rank computes the same bias.

@@ -38,7 +38,7 @@ SHAPE_KEYS = (
     "router_aux_loss_coef",
     "router_bias_update_rate",
 )
-"""The fields the `model.*` config keys override (`ModelSpec.shape_keys`)."""
+"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""
 
 
 @dataclass
