@@ -99,6 +99,7 @@ def run_env_sh(root: Path, timeout: float = 120, **env: str) -> tuple[subprocess
     return proc, time.perf_counter() - start
 
 
+@pytest.mark.slow  # pip in a subprocess
 def test_an_environment_lacking_a_package_gets_it_from_the_wheel_folder_into_the_checkout_alone(tmp_path):
     # torch counts as there (this Python's); probe-a needs probe-b, and torch, which is never installed.
     root = checkout(tmp_path, ["torch>=2.11,<2.16", "titanlite-probe-a>=1.0"])
@@ -125,6 +126,7 @@ def test_an_environment_lacking_a_package_gets_it_from_the_wheel_folder_into_the
     assert seconds < 5
 
 
+@pytest.mark.slow  # pip in a subprocess
 def test_a_missing_package_offline_is_one_line_within_seconds(tmp_path):
     root = checkout(tmp_path, ["torch>=2.11,<2.16", "titanlite-probe-a>=1.0"])
     (tmp_path / "empty").mkdir()
@@ -330,6 +332,7 @@ def test_an_active_environment_with_an_unsupported_torch_is_told_to_deactivate_n
     )
 
 
+@pytest.mark.slow  # pip in a subprocess
 def test_torch_is_announced_once_however_many_sources_are_tried(tmp_path):
     """The own .venv lacks torch; the checkout's wheel folder has no torch and the index is unreachable:
     both sources are tried, torch is announced once and the failure names torch first."""
