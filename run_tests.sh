@@ -2,8 +2,9 @@
 # Runs the style and architecture checks (ruff, import-linter), then the test suite (set-up included on
 # a fresh machine). Extra arguments go to pytest, e.g. ./run_tests.sh -m "not slow" for the fast tier.
 set -euo pipefail
-# The dev tools, and transformers as a real client of the Hugging Face export (`hf`), W&B's client (`wandb`).
-TITANLITE_EXTRAS=dev,hf,wandb
+# The dev tools, and transformers as a real client of the Hugging Face export (`hf`), W&B's client (`wandb`),
+# torchao for float8 training (`float8`).
+TITANLITE_EXTRAS=dev,hf,wandb,float8
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 cd "$TITANLITE_ROOT"
 # As modules: in an existing environment the tools may live in .deps/, whose scripts are not on PATH.

@@ -33,6 +33,7 @@ from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
+from titanlite.parallelisms import float8
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.memory_plan import Layout, StepChoice
@@ -194,6 +195,8 @@ class RunPlan:
             raise ConfigError(f"model {cfg.model.name}: {why}")
         for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
             unit.rules(cfg, dims, spec, args)
+        if cfg.float8.enable:
+            float8.rules(cfg, dims, spec.name)
         t = cfg.training
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
         if global_batch % (t.local_batch_size * dims.dp):

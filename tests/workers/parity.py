@@ -94,14 +94,20 @@ def snapshot(model: torch.nn.Module) -> tuple[dict, dict]:
     return grads, params
 
 
-def reference(batches, args, mask: str = "causal"):
+def reference(batches, args, mask: str = "causal", float8: str = ""):
     """One process, plain module, whole global batch, a plain PyTorch loop written here (none of the
     trainer's step code): mean token cross-entropy, clipping by the total norm, AdamW, and the schedule
-    `base_config` sets (linear warmup from 1/(warmup+1), then linear decay to 0 at the last step)."""
+    `base_config` sets (linear warmup from 1/(warmup+1), then linear decay to 0 at the last step). With a
+    `float8` recipe, torchao's float8 training (emulated) on every linear layer but the output."""
     cfg = base_config()
     o, warmup = cfg.optimizer, cfg.lr_scheduler.warmup_steps
     model = Transformer(args, seq_len=SEQ)
     model.init_weights(seed=SEED)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(float8), emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name != "output")
     opt = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
     )
@@ -145,6 +151,9 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.scope = case.get("scope", cfg.compile.scope)
     cfg.compile.components = ["model"]
     cfg.model.attn_mask_type = case.get("mask", "causal")
+    if "float8" in case:  # every linear layer but the output (the tiny model's are below the auto filter's sizes)
+        f8 = cfg.float8
+        f8.enable, f8.recipe, f8.emulate, f8.filter_fqns = True, case["float8"], True, ["output"]
     dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
     accum = case.get("accum", 1)
     cfg.training.global_batch_size = GLOBAL_BATCH
@@ -232,13 +241,13 @@ def main() -> None:
     out_path = sys.argv[2]
     dist.init_process_group("gloo")
     batches = make_batches()
-    refs: dict[tuple[int, str], tuple] = {}
+    refs: dict[tuple[int, str, str], tuple] = {}
     records = []
     for case in cases:
-        args, mask = case_args(case), case.get("mask", "causal")
-        if (args.n_layers, mask) not in refs:
-            refs[args.n_layers, mask] = reference(batches, args, mask)
-        r_losses, r_grads, r_params = refs[args.n_layers, mask]
+        args, mask, float8 = case_args(case), case.get("mask", "causal"), case.get("float8", "")
+        if (args.n_layers, mask, float8) not in refs:
+            refs[args.n_layers, mask, float8] = reference(batches, args, mask, float8)
+        r_losses, r_grads, r_params = refs[args.n_layers, mask, float8]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         start = time.perf_counter()
         losses, grads, params, timeouts, unreduced, step = run(case, dump, batches)

@@ -324,6 +324,25 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """Float8 training of the linear layers (torchao, the `float8` extra; docs/float8.md). The master
+    weights, gradients and optimizer state stay in high precision; checkpoints hold those."""
+
+    enable: bool = False
+    """Convert the model's linear layers to float8 training."""
+    recipe: Literal["tensorwise", "rowwise", "mxfp8"] = "tensorwise"
+    """Scaling: `tensorwise` (one scale per tensor), `rowwise` (one per row: more accurate, slower) or
+    `mxfp8` (blocks of 32, on GPUs with MX support)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "auto_filter_small_kn"])
+    """Linear layers left in high precision: those whose name contains an entry (comma-separated);
+    `auto_filter_small_kn` also leaves those too small for float8 to gain (by shape)."""
+    all_gather: bool = False
+    """Gather the weights in float8 (tensorwise): half the bytes of bf16."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (a CPU, or a GPU without float8): numerics only."""
+
+
+@dataclass
 class Metrics:
     """Console step line, metrics.jsonl, TensorBoard and Weights & Biases."""
 
@@ -414,6 +433,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

@@ -122,6 +122,12 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     plan = RunPlan.build(cfg, world_size)
     check_socket_interfaces(os.environ)
     check_wandb(cfg.metrics)
+    if cfg.float8.enable and not cfg.checkpoint.create_seed_checkpoint:
+        import torch
+
+        from titanlite.parallelisms.float8 import check_device
+
+        check_device(cfg, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     check_writable("job.dump_folder", cfg.job.dump_folder)
     lock.check_free(cfg.job.dump_folder)
     if plan.data.local:  # indexes the data once for the ranks (data/index.py); hf:// streams are the ranks'

@@ -1,0 +1,128 @@
+"""Float8 training: the model's linear layers compute their matmuls in float8 (torchao), first in the order.
+
+torchao's `Float8Linear` keeps the weight a high-precision parameter (the master weight the optimizer and
+the checkpoints see, under the same name) and casts the weight, the input and the output gradient to
+float8 with scales inside each matmul, so every parallelism applied after it wraps a layer whose
+parameters are unchanged: SimpleFSDP gathers the high-precision weight and the layer casts it.
+
+Which layers: every `nn.Linear` except those whose name contains an entry of `float8.filter_fqns` (the
+output projection by default: its vocab-wide matmul feeds the loss) and, with `auto_filter_small_kn`,
+those too small to gain (the casts' memory traffic outweighs the faster matmul, `chosen_layers`).
+
+Rules, before any rank starts (`rules`): the `float8` extra is installed in a version known to work with
+this torch, a recipe and settings that combine. Where the ranks run (`check_device`): a GPU with float8
+(sm89 or newer) or `float8.emulate`, which a CPU always needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+import re
+
+import torch
+from torch import nn
+
+from titanlite.config import ConfigError, JobConfig
+from titanlite.parallelisms.parallel_dims import ParallelDims
+
+SUPPORTED_TORCHAO = ((0, 18), (0, 18))
+"""The torchao releases (major, minor) tried with every supported torch (2.11-2.15), eager and compiled."""
+AUTO_FILTER = "auto_filter_small_kn"
+FLOAT8_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9)}
+"""The oldest CUDA compute capability whose tensor cores run each recipe's matmuls."""
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version, without importing it (the launcher's preflight stays light)."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    return importlib.metadata.version("torchao")
+
+
+def rules(cfg: JobConfig, dims: ParallelDims, family: str) -> None:
+    """Why float8 cannot run with these settings, as one `ConfigError` line; nothing when it can."""
+    f8 = cfg.float8
+    version = torchao_version()
+    if version is None:
+        raise ConfigError(
+            "float8.enable needs torchao, the `float8` extra: run with TITANLITE_EXTRAS=float8 "
+            "(run_train.sh installs it), or pip install 'titanlite[float8]'"
+        )
+    release = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    low, high = SUPPORTED_TORCHAO
+    if not low <= release <= high:
+        raise ConfigError(
+            f"float8: torchao {version} with torch {torch.__version__} is not a tested pair "
+            f"(torchao {low[0]}.{low[1]} with torch 2.11-2.15): pip install 'titanlite[float8]'"
+        )
+    if family != "llama3":
+        raise ConfigError(f"float8.enable is not supported for model {family} yet (llama3 only)")
+    if f8.recipe == "mxfp8":
+        raise ConfigError("float8.recipe mxfp8 is not supported yet: use tensorwise or rowwise")
+    if f8.all_gather:
+        raise ConfigError(
+            "float8.all_gather is not supported yet: the weights are gathered in the training dtype and cast "
+            "to float8 by each layer (set --no-float8.all_gather)"
+        )
+    if dims.tp_enabled:
+        raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
+    if dims.pp_enabled:
+        raise ConfigError(
+            "float8.enable with pipeline parallelism is not supported yet: set pipeline_parallel_degree 1"
+        )
+
+
+def check_device(cfg: JobConfig, device: torch.device) -> None:
+    """Refuse a device whose matmuls cannot run the recipe, unless emulation was asked for."""
+    f8 = cfg.float8
+    if not f8.enable or f8.emulate:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"float8 on a {device.type.upper()} needs float8.emulate (numerics only, no speed-up)")
+    have, need = torch.cuda.get_device_capability(device), FLOAT8_CAPABILITY[f8.recipe]
+    if have < need:
+        raise ConfigError(
+            f"float8.recipe {f8.recipe} needs a GPU of compute capability {need[0]}.{need[1]} or newer; "
+            f"{torch.cuda.get_device_name(device)} is {have[0]}.{have[1]} (float8.emulate runs the numerics)"
+        )
+
+
+def chosen_layers(model: nn.Module, filter_fqns: list[str], recipe: str) -> list[str]:
+    """The names of the linear layers that train in float8: not named by an entry of `filter_fqns`, both
+    sizes multiples of 16 (float8 matmuls need it), and with `auto_filter_small_kn` not too small to gain
+    (torchao's H100-measured thresholds for the recipe)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    names = [f for f in filter_fqns if f != AUTO_FILTER]
+    auto = _auto_filter_for_recipe(recipe, names) if AUTO_FILTER in filter_fqns else None
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or any(f in name for f in names):
+            continue
+        if module.in_features % 16 or module.out_features % 16 or (auto is not None and not auto(module, name)):
+            continue
+        chosen.append(name)
+    return chosen
+
+
+def apply_float8(model: nn.Module, cfg: JobConfig) -> list[str]:
+    """Convert the chosen linear layers of `model` (on the meta device) in place; their names."""
+    # Its import logs a warning for each GPU kernel library a CPU machine cannot load, and torch one for
+    # an enum torchao registers with pytree: advice for torchao's developers, not for a run.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    f8 = cfg.float8
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate)
+    names = set(chosen_layers(model, f8.filter_fqns, f8.recipe))
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name in names)
+    return sorted(names)
