@@ -6,14 +6,19 @@ import base64
 import subprocess
 
 import pytest
+import torch
+from builders import config
 
 from harness import ROOT, child_env
-from titanlite.errors import run_cli
+from titanlite.errors import ConfigError, run_cli
 from titanlite.launcher import preflight
+from titanlite.parallelisms import float8
+from titanlite.parallelisms.parallel_dims import ParallelDims
 
 BASE = str(ROOT / "train_configs/debug_model.toml")
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+F8 = ["--float8.enable", "--float8.emulate"]
 # A rule between compile and data-parallel keys: refused by the run plan, so by the preflight.
 BUCKETED_FSDP2 = ["--compile.enable", "--compile.bucketing", "transformer_block", "--parallelism.dp_impl", "fsdp2"]
 
@@ -155,6 +160,14 @@ CASES = [
         2,
         ["model.attn_mask_type block_causal is not supported by model qwen3_moe"],
     ),
+    # Float8: what it does not run yet, and a CPU without emulation (this machine has no GPU).
+    (None, ["--float8.enable"], 2, ["float8 on a CPU needs float8.emulate"]),
+    (None, [*F8, "--float8.recipe", "mxfp8"], 2, ["float8.recipe mxfp8 is not supported yet"]),
+    (None, [*F8, "--float8.all_gather"], 2, ["float8.all_gather is not supported yet", "--no-float8.all_gather"]),
+    (None, [*F8, "--parallelism.tensor_parallel_degree", "2"], 2, ["float8.enable with tensor parallelism"]),
+    (None, [*F8, *PP2], 2, ["float8.enable with pipeline parallelism"]),
+    (None, [*F8, "--model.name", "qwen3_moe"], 2, ["float8.enable is not supported for model qwen3_moe"]),
+    (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
@@ -286,3 +299,33 @@ def test_a_missing_validation_dataset_is_one_line_naming_its_key_before_any_rank
     lines = proc.stderr.splitlines()
     assert (proc.returncode, proc.stdout, len(lines)) == (2, "", 1), proc.stderr[-3000:]
     assert lines[0].startswith("titanlite: error: validation.dataset_path '/nonexistent/x.jsonl' matches no ")
+
+
+@pytest.mark.parametrize(
+    "version,capability,recipe,emulate,refused",
+    [
+        ("0.18.1", (9, 0), "tensorwise", False, ""),
+        ("0.18.0", (8, 0), "rowwise", False, "float8.recipe rowwise needs a GPU of compute capability 8.9 or newer"),
+        ("0.18.0", (8, 0), "rowwise", True, ""),
+        (None, (9, 0), "tensorwise", False, "float8.enable needs torchao, the `float8` extra"),
+        ("0.17.0", (9, 0), "tensorwise", False, "torchao 0.17.0 with torch"),
+    ],
+)
+def test_float8_needs_a_tested_torchao_and_a_gpu_with_float8(
+    monkeypatch, version, capability, recipe, emulate, refused
+):
+    """The float8 rules a CPU machine cannot meet otherwise, with torchao's version and the GPU's compute
+    capability patched: an A100 (8.0) runs float8 only emulated, an H100 (9.0) as it is."""
+    monkeypatch.setattr(float8, "torchao_version", lambda: version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    cfg = config(None, {"float8__enable": True, "float8__recipe": recipe, "float8__emulate": emulate})
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
+    try:
+        float8.rules(cfg, dims, "llama3")
+        float8.check_device(cfg, torch.device("cuda", 0))
+    except ConfigError as err:
+        assert refused and refused in str(err), err
+        assert "\n" not in str(err)
+    else:
+        assert not refused
