@@ -191,7 +191,7 @@ RULES: list[Rule] = [
     Rule(r"--dry-run\b", "config", DRY_RUNS),
     # Llama 3's own vocabulary, which titanlite does not ship: where a run would start, one line names it.
     Rule(r"llama3_(8b|70b|405b)(_pp)?\.toml$", "preflight", "", exit_code=2, says="model.tokenizer_path"),
-    Rule(r"^(NGPU=\d+ |NNODES=\d+ |RDZV_\w+=\S+ )*\./run_train\.sh", "preflight", ""),
+    Rule(r"^(NGPU=\d+ |NNODES=\d+ |RDZV_\w+=\S+ |TITANLITE_EXTRAS=\S+ )*\./run_train\.sh", "preflight", ""),
 ]
 
 
