@@ -1,5 +1,7 @@
 """The order of the parallelisms, owned by the framework and written once.
 
+    float8                  `float8.apply_float8` (`float8.enable`): the chosen linear layers become torchao's
+                            float8 layers, keeping their parameters, which everything after wraps unchanged
     tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
     context parallelism     `context_parallel.apply_context_parallel`: the model's attention gets the rank's
                             part of every sequence (after TP, whose layouts split it further)
