@@ -164,14 +164,14 @@ def test_an_unknown_section_is_named_whatever_follows_it(tmp_path):
     the section and exit code 2, whether the unknown key has another option after it, nothing, a `no-`
     or a value."""
     cases = [
-        "--float8.enable --job.dump_folder X",
-        "--job.dump_folder X --float8.enable",
-        "--no-float8.enable --job.dump_folder X",
-        "--float8.enable 1",
+        "--fp4.enable --job.dump_folder X",
+        "--job.dump_folder X --fp4.enable",
+        "--no-fp4.enable --job.dump_folder X",
+        "--fp4.enable 1",
     ]
     script = "".join(f"{ROOT}/run_train.sh {case} 2>&1; echo rc=$?\n" for case in cases)
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=child_env(), capture_output=True, text=True)
-    line = "titanlite: error: unknown config section 'float8' in the command line"
+    line = "titanlite: error: unknown config section 'fp4' in the command line"
     assert proc.stdout.splitlines() == [line, "rc=2"] * len(cases), proc.stdout
 
 

@@ -131,8 +131,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         elif key in bool_keys and (i + 1 == len(args) or args[i + 1].startswith("--")):
             out.append((key, True))
         else:
-            # An unknown key is named before a value is looked for: `--float8.enable --job.dump_folder X`
-            # says float8 is no section, as `--float8.enable 1` does (not that X is unexpected).
+            # An unknown key is named before a value is looked for: `--fp4.enable --job.dump_folder X`
+            # says fp4 is no section, as `--fp4.enable 1` does (not that X is unexpected).
             _type_of(key.removeprefix("no-"), "the command line")
             if i + 1 == len(args):
                 raise ConfigError(f"command-line option '--{key}' needs a value")
