@@ -349,3 +349,15 @@ def test_plan_honours_the_gpu_memory_given(capsys, tmp_path):
     rc, out, err = run_plan(capsys, *base, "--comm.fake_gpu_memory_gib=0.5", "--job.dump_folder", str(tmp_path / "x"))
     assert rc == 1 and not out and err.startswith("titanlite: error: no layout fits 8 x h100: closest ")
     assert " GiB per GPU of 0.5 (within 90%: 0.5)" in err
+
+
+@pytest.mark.slow
+def test_a_float8_run_is_planned_at_the_gpus_float8_matmul_rate():
+    """`float8.enable` makes the step-time model count the blocks' matmuls at the GPU's float8 rate;
+    emulated float8 (the negative control) computes at the training dtype's, as the run does."""
+    layers = ("--model.n_layers", "2")
+    bf16 = step_of("llama3_8b.toml", 8, *layers)
+    float8 = step_of("llama3_8b.toml", 8, *layers, "--float8.enable")
+    emulated = step_of("llama3_8b.toml", 8, *layers, "--float8.enable", "--float8.emulate")
+    assert float8.compute < 0.9 * bf16.compute and float8.step < bf16.step  # 0.85x: the output stays bf16
+    assert emulated.compute == bf16.compute

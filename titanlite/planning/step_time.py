@@ -73,7 +73,8 @@ ADAM_BYTES_PER_PARAM = 32
 
 @dataclass(frozen=True)
 class Features:
-    """Techniques titanlite does not have, for comparing with published runs that used them only."""
+    """Techniques beyond the training dtype: float8 (a run's `float8.enable`, and the published runs that
+    used it), and async TP (for comparing with published runs only: titanlite does not have it)."""
 
     float8: bool = False
     """Block matmuls at the GPU's fp8 rate (torchao float8 on `nn.Linear`, output layer excluded)."""

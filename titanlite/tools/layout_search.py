@@ -89,7 +89,8 @@ class LayoutSearch:
         if key not in shapes:
             shapes[key] = ShapeTable(cfg, plan, fake_process_group)
         self.memory_model = LayoutMemoryModel(shapes[key])
-        features = features or Features()
+        # A float8 run's block matmuls at the GPU's float8 rate (emulated ones at the training dtype's).
+        features = features or Features(float8=cfg.float8.enable and not cfg.float8.emulate)
         self._time = {
             e: StepTimeModel(terms.step_cost(plan.model_args, cfg.training.seq_len, e), kind, features) for e in (2, 4)
         }
