@@ -25,11 +25,12 @@ import re
 import torch
 from torch import nn
 
+from titanlite import torch_support
 from titanlite.config import ConfigError, JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
 SUPPORTED_TORCHAO = ((0, 18), (0, 18))
-"""The torchao releases (major, minor) tried with every supported torch (2.11-2.15), eager and compiled."""
+"""The torchao releases (major, minor) tried with every supported torch (`torch_support`), eager and compiled."""
 AUTO_FILTER = "auto_filter_small_kn"
 FLOAT8_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9)}
 """The oldest CUDA compute capability whose tensor cores run each recipe's matmuls."""
@@ -56,7 +57,7 @@ def rules(cfg: JobConfig, dims: ParallelDims, family: str) -> None:
     if not low <= release <= high:
         raise ConfigError(
             f"float8: torchao {version} with torch {torch.__version__} is not a tested pair "
-            f"(torchao {low[0]}.{low[1]} with torch 2.11-2.15): pip install 'titanlite[float8]'"
+            f"(torchao {low[0]}.{low[1]} with torch {torch_support.range_text()}): pip install 'titanlite[float8]'"
         )
     if family != "llama3":
         raise ConfigError(f"float8.enable is not supported for model {family} yet (llama3 only)")
