@@ -366,7 +366,7 @@ def test_float8_runs_in_float8_and_tensorwise_differs_only_by_its_per_rank_scale
         assert LOSS_REL < rec["loss_rel"] <= 1e-3 and rec["grad_abs"] <= 1e-3, (case, rec["loss_rel"], rec["grad_abs"])
     counts = ("dp", "prefetched_all_gathers", "overlapped_reduce_scatters", "traces")
     for float8, bf16 in (
-        ({**_COMPILED_ACCUM, "scope": "prefetch", "float8": "rowwise"}, {**_COMPILED_ACCUM, "scope": "prefetch"}),
+        ({**_PREFETCH_ACCUMULATED, "float8": "rowwise"}, _PREFETCH_ACCUMULATED),
         ({**COMPILED_FULL_AC, "float8": "tensorwise"}, COMPILED_FULL_AC),
     ):
         got, want = (recs[case_id(c)]["compile_report"] for c in (float8, bf16))

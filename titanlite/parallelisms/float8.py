@@ -7,7 +7,7 @@ parameters are unchanged: SimpleFSDP gathers the high-precision weight and the l
 
 Which layers: every `nn.Linear` except those whose name contains an entry of `float8.filter_fqns` (the
 output projection by default: its vocab-wide matmul feeds the loss) and, with `auto_filter_small_kn`,
-those too small to gain (the casts' memory traffic outweighs the faster matmul, `chosen_layers`).
+those too small to gain (the casts' memory traffic outweighs the faster matmul, `layer_filter`).
 
 Rules, before any rank starts (`rules`): the `float8` extra is installed in a version known to work with
 this torch, a recipe and settings that combine. Where the ranks run (`check_device`): a GPU with float8
@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ from torch import nn
 from titanlite import torch_support
 from titanlite.config import ConfigError, JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger("titanlite")
 
 SUPPORTED_TORCHAO = ((0, 18), (0, 18))
 """The torchao releases (major, minor) tried with every supported torch (`torch_support`), eager and compiled."""
@@ -91,26 +94,23 @@ def check_device(cfg: JobConfig, device: torch.device) -> None:
         )
 
 
-def chosen_layers(model: nn.Module, filter_fqns: list[str], recipe: str) -> list[str]:
-    """The names of the linear layers that train in float8: not named by an entry of `filter_fqns`, both
-    sizes multiples of 16 (float8 matmuls need it), and with `auto_filter_small_kn` not too small to gain
-    (torchao's H100-measured thresholds for the recipe)."""
-    from torchao.float8 import _auto_filter_for_recipe
-
+def layer_filter(filter_fqns: list[str], recipe: str) -> Callable[[nn.Module, str], bool]:
+    """Which linear layers train in float8, as torchao's `module_filter_fn`: not named by an entry of
+    `filter_fqns`, both sizes multiples of 16 (float8 matmuls need it), and with `auto_filter_small_kn` not
+    too small to gain (torchao's own filter, which checks the names and sizes too, with its H100-measured
+    thresholds for the recipe)."""
     names = [f for f in filter_fqns if f != AUTO_FILTER]
-    auto = _auto_filter_for_recipe(recipe, names) if AUTO_FILTER in filter_fqns else None
-    chosen = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or any(f in name for f in names):
-            continue
-        if module.in_features % 16 or module.out_features % 16 or (auto is not None and not auto(module, name)):
-            continue
-        chosen.append(name)
-    return chosen
+    if AUTO_FILTER in filter_fqns:
+        from torchao.float8 import _auto_filter_for_recipe
+
+        return _auto_filter_for_recipe(recipe, names)
+    return lambda module, fqn: (
+        not any(f in fqn for f in names) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    )
 
 
-def apply_float8(model: nn.Module, cfg: JobConfig) -> list[str]:
-    """Convert the chosen linear layers of `model` (on the meta device) in place; their names."""
+def apply_float8(model: nn.Module, cfg: JobConfig) -> None:
+    """Convert the chosen linear layers of `model` (on the meta device) in place, and say how many."""
     # Its import logs a warning for each GPU kernel library a CPU machine cannot load, and torch one for
     # an enum torchao registers with pytree: advice for torchao's developers, not for a run.
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -119,11 +119,16 @@ def apply_float8(model: nn.Module, cfg: JobConfig) -> list[str]:
         q.setLevel(logging.ERROR)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     f8 = cfg.float8
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate)
-    names = set(chosen_layers(model, f8.filter_fqns, f8.recipe))
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name in names)
-    return sorted(names)
+    convert_to_float8_training(model, config=config, module_filter_fn=layer_filter(f8.filter_fqns, f8.recipe))
+    converted = sum(isinstance(m, Float8Linear) for m in model.modules())
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    logger.info(
+        f"float8 {f8.recipe}{' (emulated)' if f8.emulate else ''}: {converted} of {linears} linear layers; the "
+        "others, the weights' master copies and the optimizer state in high precision"
+    )

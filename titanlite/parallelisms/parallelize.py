@@ -39,7 +39,6 @@ settings come from the config and the mesh from `ParallelDims`. The model is on 
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -57,8 +56,6 @@ from titanlite.parallelisms.units import Units
 if TYPE_CHECKING:
     from titanlite.parallelisms.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
-
-logger = logging.getLogger("titanlite")
 
 PARALLELISMS: tuple[Parallelism, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
 """The parallelism units in the order they are applied (module docstring)."""
@@ -92,12 +89,7 @@ def parallelize(
     if cfg.float8.enable:  # first: the layers every parallelism then wraps keep their parameters
         from titanlite.parallelisms.float8 import apply_float8
 
-        names = apply_float8(model, cfg)
-        linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-        logger.info(
-            f"float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: {len(names)} of {linears} "
-            "linear layers; the others, the weights' master copies and the optimizer state in high precision"
-        )
+        apply_float8(model, cfg)
     applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay)
     own: dict[nn.Module, DataParallelMesh] = {}
     for unit in enabled(dims, order):
