@@ -18,6 +18,7 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 BASE = str(ROOT / "train_configs/debug_model.toml")
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+REPLICATE2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 F8 = ["--float8.enable", "--float8.emulate"]
 # A rule between compile and data-parallel keys: refused by the run plan, so by the preflight.
 BUCKETED_FSDP2 = ["--compile.enable", "--compile.bucketing", "transformer_block", "--parallelism.dp_impl", "fsdp2"]
@@ -163,7 +164,18 @@ CASES = [
     # Float8: what it does not run yet, and a CPU without emulation (this machine has no GPU).
     (None, ["--float8.enable"], 2, ["float8 on a CPU needs float8.emulate"]),
     (None, [*F8, "--float8.recipe", "mxfp8"], 2, ["float8.recipe mxfp8 is not supported yet"]),
-    (None, [*F8, "--float8.all_gather"], 2, ["float8.all_gather is not supported yet", "--no-float8.all_gather"]),
+    (
+        None,
+        [*F8, "--float8.recipe", "rowwise", "--float8.all_gather"],
+        2,
+        ["float8.all_gather needs float8.recipe tensorwise"],
+    ),
+    (
+        None,
+        [*F8, "--float8.all_gather", *REPLICATE2],
+        2,
+        ["float8.all_gather gathers sharded weights", "--no-float8.all_gather"],
+    ),
     (None, [*F8, "--parallelism.tensor_parallel_degree", "2"], 2, ["float8.enable with tensor parallelism"]),
     (None, [*F8, *PP2], 2, ["float8.enable with pipeline parallelism"]),
     (None, [*F8, "--model.name", "qwen3_moe"], 2, ["float8.enable is not supported for model qwen3_moe"]),

@@ -23,6 +23,7 @@ from titanlite.data.batch import Batch
 from titanlite.models.common.attention import AttnMaskType, build_mask, causal_mask
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.float8_gather import float8_gathers_of
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
 
 
@@ -89,6 +90,8 @@ class LocalRunner:
         self, model: nn.Module, device: torch.device, context: StepContext, mask_type: AttnMaskType = "causal"
     ) -> None:
         self.model, self.device, self.context, self.mask_type = model, device, context, mask_type
+        self.refresh_float8 = float8_gathers_of(model)
+        """The float8 weight gathers' scales and bits, from the weights as they are now (`float8.all_gather`)."""
 
     def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
@@ -103,6 +106,8 @@ class LocalRunner:
         (once per step or per microbatch, as the context's policy says)."""
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
+        if self.refresh_float8 is not None:
+            self.refresh_float8()
         total = torch.zeros((), device=self.device)
         n = len(batches)
         with ctx.reduction(self.model, n) as before_backward:
@@ -117,6 +122,8 @@ class LocalRunner:
 
     def evaluate(self, batch: Batch) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
+        if self.refresh_float8 is not None:
+            self.refresh_float8()
         with self.context.loss_scope():
             pred = model_forward(self.model, batch, self.mask_type, self.context.sequence)
             return replicated(self.context.loss_fn(pred, self.context.shard(batch.labels)))

@@ -66,10 +66,15 @@ def rules(cfg: JobConfig, dims: ParallelDims, family: str) -> None:
         raise ConfigError(f"float8.enable is not supported for model {family} yet (llama3 only)")
     if f8.recipe == "mxfp8":
         raise ConfigError("float8.recipe mxfp8 is not supported yet: use tensorwise or rowwise")
-    if f8.all_gather:
+    if f8.all_gather and f8.recipe != "tensorwise":
         raise ConfigError(
-            "float8.all_gather is not supported yet: the weights are gathered in the training dtype and cast "
-            "to float8 by each layer (set --no-float8.all_gather)"
+            f"float8.all_gather needs float8.recipe tensorwise: a {f8.recipe} weight has a scale per row, "
+            "which each rank cannot apply to its own shard before the gather"
+        )
+    if f8.all_gather and (not dims.dp_enabled or dims.dp_mode == "replicate"):
+        raise ConfigError(
+            "float8.all_gather gathers sharded weights, and this layout shards none (data_parallel_shard_degree "
+            "1): set --no-float8.all_gather"
         )
     if dims.tp_enabled:
         raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
@@ -124,7 +129,11 @@ def apply_float8(model: nn.Module, cfg: JobConfig) -> None:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     f8 = cfg.float8
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate)
+    # FSDP2 gathers float8 through torchao's weight wrapper; SimpleFSDP through its own (`float8_gather`).
+    fsdp2_gathers = f8.all_gather and cfg.parallelism.dp_impl == "fsdp2"
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate, enable_fsdp_float8_all_gather=fsdp2_gathers
+    )
     convert_to_float8_training(model, config=config, module_filter_fn=layer_filter(f8.filter_fqns, f8.recipe))
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titanlite.parallelisms.eager_reshard import set_reshard_after_forward
-from titanlite.parallelisms.replicate_compute import ReplicateComputation, RouteGradient
+from titanlite.parallelisms.replicate_compute import ReduceToShard, ReplicateComputation, RouteGradient
 from titanlite.parallelisms.simple_fsdp import parametrized
 
 
@@ -56,30 +55,7 @@ def hand_out(gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
         return gather._as_tp(full)
     if gather.state.unreduced:
         return gather._as_tp(RouteGradient.apply(full, gather.sink))
-    return gather._as_tp(_ReduceToShard.apply(full, x, gather))
-
-
-class _ReduceToShard(torch.autograd.Function):
-    """Identity on a kept weight; backward reduces its gradient to the sharded parameter `x`, as the
-    gather's own backward does: cast to the reduce dtype, averaged over the data-parallel dims
-    (reduce-scatter on a sharded dim, all-reduce on a replicated one), cast back to `x`'s dtype."""
-
-    @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, x: DTensor, gather: ReplicateComputation) -> torch.Tensor:
-        ctx.gather = gather
-        ctx.meta = (x.device_mesh, x.placements, x.shape, x.stride(), x.dtype)
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, DTensor, None]:
-        gather: ReplicateComputation = ctx.gather
-        mesh, placements, shape, stride, dtype = ctx.meta
-        grad = grad.to(gather.mp.reduce_dtype or dtype)
-        partial = DTensor.from_local(
-            grad, gather.dp_mesh, gather.grad_placements, run_check=False, shape=grad.shape, stride=grad.stride()
-        )
-        local = partial.redistribute(gather.dp_mesh, gather.dp_placements).to_local().to(dtype)
-        return None, DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride), None
+    return gather._as_tp(ReduceToShard.apply(full, x, gather))
 
 
 @contextlib.contextmanager
@@ -91,7 +67,7 @@ def kept_gathers(model: nn.Module, enabled: bool) -> Iterator[None]:
     try:
         with torch.no_grad():
             for gather, param in pairs:
-                gather.kept = gather._gather_local(param)
+                gather.kept = gather.gathered(param)
                 gather.step_cache = hand_out
         yield
     finally:

@@ -13,7 +13,9 @@ too: a new parallelism is its unit, its setting and its place in that tuple.
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
-                            the experts on their own mesh (efsdp x ep) under expert parallelism
+                            the experts on their own mesh (efsdp x ep) under expert parallelism; the
+                            float8 layers' weights gathered as float8 bits (`float8.all_gather`,
+                            `float8_gather.py`)
     eager prefetch          compile scope `prefetch` only (`compile.apply_prefetch`): SimpleFSDP's gathers and
                             reductions leave the per-block graphs for hooks that issue them a block ahead
 
@@ -133,8 +135,13 @@ def _data_parallel(
 
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
+    float8_gathers = cfg.float8.enable and cfg.float8.all_gather
     if cfg.parallelism.dp_impl == "fsdp2":
         apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
+        if float8_gathers:
+            from titanlite.parallelisms.float8_gather import gather_in_float8_fsdp2
+
+            gather_in_float8_fsdp2(model)
         return
     data_parallel(
         model,
@@ -144,4 +151,8 @@ def _data_parallel(
         dp_ndim=dims.param_ndim,
         own_meshes=own,
     )
+    if float8_gathers:
+        from titanlite.parallelisms.float8_gather import gather_in_float8
+
+        gather_in_float8(model, param_dtype)
     apply_reshard(model, units, reshard)

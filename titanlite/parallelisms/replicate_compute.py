@@ -14,7 +14,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -82,6 +82,13 @@ class SimpleFSDPState:
         self.gathered.clear()
 
 
+class WireFormat(Protocol):
+    """Gathers a parameter in another format than the training dtype (float8 bits: `float8_gather.py`),
+    without autograd: the layer that computes with it sends the gradient back (`reduce_to_shard`)."""
+
+    def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor: ...
+
+
 class ReplicateComputation(nn.Module):
     """Gathers one sharded DTensor parameter to a full (per-tp-shard) tensor for compute."""
 
@@ -114,6 +121,9 @@ class ReplicateComputation(nn.Module):
         """This step's gathered weight, inside `kept_gathers.kept_gathers`."""
         self.on_sink_grad: Callable[[ReplicateComputation], None] | None = None
         """Called after each backward's accumulation into the sink (the step's reduction starts buckets)."""
+        self.wire: WireFormat | None = None
+        """Set when the weight travels in another format than the training dtype (float8 bits, or raw
+        bytes): every gather of it goes through `gathered`."""
 
     def _gather_local(self, x: DTensor) -> torch.Tensor:
         """The dp all-gather of `x` as a plain tensor (under TP: this tp rank's full shard)."""
@@ -140,15 +150,38 @@ class ReplicateComputation(nn.Module):
             full, self.tp_mesh, self.tp_placements, run_check=False, shape=self.global_shape, stride=self.global_stride
         )
 
+    def gathered(self, x: DTensor) -> torch.Tensor:
+        """The gathered weight without autograd, in its wire format when it has one."""
+        with torch.no_grad():
+            return self._gather_local(x) if self.wire is None else self.wire.gather(self, x)
+
     def replicate_compute(self, x: DTensor) -> torch.Tensor:
-        return self._as_tp(self._gather_local(x))
+        if self.wire is None:
+            return self._as_tp(self._gather_local(x))
+        full = self.gathered(x)
+        if x.requires_grad and torch.is_grad_enabled():
+            full = ReduceToShard.apply(full, x, self)
+        return self._as_tp(full)
 
     def gather_unreduced(self, x: DTensor) -> torch.Tensor:
         """The same gather, whose gradient accumulates in `self.sink` instead of being reduced."""
         assert self.sink is not None, "step_reduction.unreduced sets up the sinks before the forward"
         with torch.no_grad():
-            full = self._gather_local(x)
+            full = self.gathered(x)
         return self._as_tp(RouteGradient.apply(full, self.sink))
+
+    def reduce_to_shard(self, grad: torch.Tensor, like: ShardMeta) -> DTensor:
+        """A gathered weight's gradient reduced to the shard `like` describes, as the gather's own backward
+        does: cast to the reduce dtype, averaged over the data-parallel dims (reduce-scatter on a sharded
+        dim, all-reduce on a replicated one), cast back to the parameter's dtype."""
+        grad = grad.to(self.mp.reduce_dtype or like.dtype)
+        partial = DTensor.from_local(
+            grad, self.dp_mesh, self.grad_placements, run_check=False, shape=grad.shape, stride=grad.stride()
+        )
+        local = partial.redistribute(self.dp_mesh, self.dp_placements).to_local().to(like.dtype)
+        return DTensor.from_local(
+            local, like.mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride
+        )
 
     def make_sink(self, x: DTensor) -> None:
         """A leaf of the gathered (tp-local) shape: the unsharded gradient accumulates in its `.grad`, in
@@ -190,6 +223,35 @@ class RouteGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, grad
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """What a sharded parameter's gradient must look like (`ReplicateComputation.reduce_to_shard`)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: DTensor) -> ShardMeta:
+        return cls(x.device_mesh, tuple(x.placements), x.shape, x.stride(), x.dtype)
+
+
+class ReduceToShard(torch.autograd.Function):
+    """Identity on a weight gathered without autograd (kept for a step, `kept_gathers`; gathered in a wire
+    format); backward reduces its gradient to the sharded parameter `x` (`ReplicateComputation.reduce_to_shard`)."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, x: DTensor, gather: ReplicateComputation) -> torch.Tensor:
+        ctx.gather, ctx.like = gather, ShardMeta.of(x)
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, DTensor, None]:
+        return None, ctx.gather.reduce_to_shard(grad, ctx.like), None
 
 
 def dp_placements(mode: str) -> tuple[Placement, ...]:

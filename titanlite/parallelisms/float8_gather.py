@@ -1,0 +1,249 @@
+"""Float8 weight all-gather (`float8.all_gather`, tensorwise recipe): the data-parallel gathers of the float8
+layers' weights move float8 bits, one byte per element instead of the training dtype's two or four.
+
+A tensorwise layer casts its whole weight with one scale, `float8 max / amax(weight)`. Each rank can cast
+its own shard with that scale once the amax is global, and the gathered bits are then exactly what the
+layer would have cast from the gathered weight. So, once per step, before the first forward
+(`Float8Gathers.refresh`, called by the step runner):
+
+    amax      the max |w| of every shard at once (`torch._foreach_norm`, ord inf, of the shards in the
+              compute dtype: the values the layer would see), then ONE all-reduce (max) for all of them
+    scale     torchao's `amax_to_scale` of each, into the parameter's `scale` buffer
+    bits      each shard cast with its scale (torchao's saturating cast) into its `bits` buffer
+
+and every gather of the step (forward, reshard-after-forward's regather in backward, the kept gathers of
+an accumulation step) all-gathers the `bits` buffer and wraps it as torchao's float8 tensor with the
+scale, which torchao's float8 matmul uses as it is.
+
+The float8 tensor never carries a gradient itself (torch.compile traces a function's backward with a
+gradient shaped like its output, and a float8 gradient is meaningless): the layer's forward is one
+autograd function (`_GatheredFloat8Matmul`) from the input and the sharded weight to the output, which
+runs torchao's float8 matmul forward and backward inside and hands the weight's gradient back as the
+plain gather would, reduced to the shard in the reduce dtype (`ReplicateComputation.reduce_to_shard`), or
+whole to the step's unreduced sink.
+
+Under torch.compile the buffers are graph inputs: the all-gather's only input is the `bits` buffer, so
+torch's and titanlite's passes see an ordinary parameter gather (bucketed, prefetched, recomputed in
+backward), one byte per element in the compile report. The buffers are not part of the state dict:
+checkpoints keep the high-precision master weights only.
+
+FSDP2 (`parallelism.dp_impl fsdp2`) gathers float8 with torchao's own weight wrapper
+(`Float8LinearConfig.enable_fsdp_float8_all_gather`); its scales are refreshed at the same point with
+torchao's one all-reduce (`precompute_float8_dynamic_scale_for_fsdp`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanlite.parallelisms.replicate_compute import ReplicateComputation, ShardMeta
+from titanlite.parallelisms.simple_fsdp import gathers_of
+
+logger = logging.getLogger("titanlite")
+
+_GATHERS = "_float8_gathers"
+"""The attribute of a model holding its `Float8Gathers`; read through `float8_gathers_of` only."""
+
+
+class Float8Wire(nn.Module):
+    """The float8 form of one sharded weight (`ReplicateComputation.wire`): its shard's bits and the
+    weight's scale, rewritten once per step by `Float8Gathers.refresh`."""
+
+    def __init__(self, shard: DTensor, layer: nn.Module, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        local = shard.to_local()
+        self.register_buffer("bits", torch.empty(local.shape, dtype=torch.uint8, device=local.device), persistent=False)
+        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=local.device), persistent=False)
+        self.float8_dtype: torch.dtype = layer.config.cast_config_weight.target_dtype
+        self.round_scales: bool = layer.config.round_scales_to_power_of_2
+        self.linear_mm_config = layer.linear_mm_config
+        self.compute_dtype = compute_dtype
+
+    def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
+        """The whole weight as torchao's float8 tensor: the shards' bits all-gathered (as bytes: not every
+        backend carries float8 dtypes), with the weight's scale."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        bits = DTensor.from_local(
+            self.bits, gather.dp_mesh, gather.dp_placements, run_check=False, shape=x.shape, stride=x.stride()
+        )
+        full = bits.redistribute(placements=gather.replicated).to_local()
+        return Float8TrainingTensor(
+            full.view(self.float8_dtype), self.scale, self.compute_dtype, self.linear_mm_config, GemmInputRole.WEIGHT
+        )
+
+
+class BytesWire(nn.Module):
+    """A weight of a float8 run that stays in the training dtype, gathered as that dtype's raw bytes: every
+    gather of the run then moves bytes, so torch's bucketing (one bucket per dtype) puts a block's float8
+    and other weights in one bucket, as it does without float8."""
+
+    def __init__(self, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.compute_dtype = compute_dtype
+
+    def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
+        # A trailing dim of the element's bytes: the shards along dim 0 are the parameter's own.
+        local = x.to_local().to(self.compute_dtype).unsqueeze(-1).view(torch.uint8)
+        size = self.compute_dtype.itemsize
+        shape = (*x.shape, size)
+        stride = tuple(s * size for s in x.stride()) + (1,)
+        raw = DTensor.from_local(
+            local, gather.dp_mesh, gather.dp_placements, run_check=False, shape=shape, stride=stride
+        )
+        return raw.redistribute(placements=gather.replicated).to_local().view(self.compute_dtype).squeeze(-1)
+
+
+@dataclass
+class Float8Gathers:
+    """Every float8 weight gather of one model and the group their amax is reduced over; `refresh` before
+    a step's (or an evaluation's) first forward."""
+
+    wires: list[tuple[Float8Wire, nn.Module]]
+    """(its wire, the float8 layer whose sharded master weight it casts), in module order."""
+    group: dist.ProcessGroup | None
+    """The sharded data-parallel dim's group (a replicated dim holds the same shards)."""
+    fsdp2_root: nn.Module | None = None
+    """FSDP2: the model torchao's precompute walks instead."""
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """New scales and bits from the current master weights: one all-reduce for all of them."""
+        if self.fsdp2_root is not None:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.fsdp2_root)
+            return
+        if not self.wires:
+            return
+        from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+        shards = [layer._parameters["weight"].to_local().to(wire.compute_dtype) for wire, layer in self.wires]
+        amax = torch.stack(torch._foreach_norm(shards, ord=math.inf)).float()
+        if self.group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        for (wire, _), shard, value in zip(self.wires, shards, amax):
+            scale = amax_to_scale(value, wire.float8_dtype, wire.round_scales)
+            wire.scale.copy_(scale)
+            wire.bits.copy_(to_fp8_saturated(shard.to(torch.float32) * scale, wire.float8_dtype).view(torch.uint8))
+
+
+class _Saved:
+    """The context torchao's float8 matmul forward and backward read and write, outside autograd."""
+
+    def __init__(self, layer: nn.Module, saved: tuple[torch.Tensor, ...] = ()) -> None:
+        self.linear_mm_config, self.config, self.saved_tensors = layer.linear_mm_config, layer.config, saved
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
+def _float8_weight(gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
+    """The whole weight in float8: the step's kept gather, or gathered now."""
+    return gather.kept if gather.step_cache is not None else gather.gathered(x)
+
+
+class _GatheredFloat8Matmul(torch.autograd.Function):
+    """`input @ weight.t()` in float8 with the weight gathered as float8 bits; the weight's gradient goes to
+    `target`: the sharded weight (reduced to its shard) or the step's unreduced sink (whole)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, target: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+
+        gather: ReplicateComputation = gathers_of(layer)["weight"]
+        x = layer._parameters["weight"]
+        weight = _float8_weight(gather, x)
+        out = layer._float8_mm[0](_Saved(layer), input, weight.t(), layer.linear_mm_config, layer.config)
+        ctx.layer, ctx.like, ctx.to_sink = layer, ShardMeta.of(x), target is gather.sink
+        # Eager reshard-after-forward: gather again in backward rather than keep the float8 weight (compiled,
+        # the graph's recompute tags decide).
+        ctx.regather = gather.reshard_after_forward and gather.step_cache is None and not torch.compiler.is_compiling()
+        ctx.save_for_backward(input) if ctx.regather else ctx.save_for_backward(input, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        layer = ctx.layer
+        gather: ReplicateComputation = gathers_of(layer)["weight"]
+        if ctx.regather:
+            (input,) = ctx.saved_tensors
+            weight = gather.gathered(layer._parameters["weight"])
+        else:
+            input, weight = ctx.saved_tensors
+        grad_input, grad_weight_t, _, _ = layer._float8_mm[1](_Saved(layer, (input, weight.t())), grad)
+        grad_weight = grad_weight_t.t()
+        return grad_input, grad_weight if ctx.to_sink else gather.reduce_to_shard(grad_weight, ctx.like), None
+
+
+def _gathered_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a float8 layer whose weight is gathered as float8 (replaces torchao's)."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    gather: ReplicateComputation = gathers_of(self)["weight"]
+    x = self._parameters["weight"]
+    if x.requires_grad and torch.is_grad_enabled():
+        target = gather.sink if gather.state.unreduced else x
+        out = _GatheredFloat8Matmul.apply(input, target, self)
+    else:
+        out = matmul_with_hp_or_float8_args.apply(
+            input, _float8_weight(gather, x).t(), self.linear_mm_config, self.config
+        )
+    return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def gather_in_float8(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Give every SimpleFSDP-sharded weight of a float8 layer of `model` its float8 wire and the layer the
+    forward that uses it, and every other parameter the bytes wire (after `simple_fsdp.data_parallel`, on
+    any device: the buffers are allocated where the shards are). Layers of one class share one new class,
+    so identical blocks still share one compiled trace."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    wires: list[tuple[Float8Wire, nn.Module]] = []
+    classes: dict[type, type] = {}
+    group = None
+    for module in model.modules():
+        gathers = gathers_of(module)
+        if not isinstance(module, Float8Linear) or "weight" not in gathers:
+            for gather in gathers.values():
+                gather.wire = BytesWire(compute_dtype)
+            continue
+        gather = gathers["weight"]
+        gather.wire = Float8Wire(module._parameters["weight"], module, compute_dtype)
+        wires.append((gather.wire, module))
+        group = gather.dp_mesh.get_group(gather.dp_mesh.ndim - 1)
+        cls = module.__class__
+        if cls not in classes:
+            classes[cls] = type(f"Float8Gathered{cls.__name__}", (cls,), {"forward": _gathered_forward})
+        module.__class__ = classes[cls]
+        # torchao's float8 matmul, forward and backward, as plain functions (`_GatheredFloat8Matmul` runs
+        # them inside its own forward and backward).
+        module._float8_mm = (matmul_with_hp_or_float8_args.forward, matmul_with_hp_or_float8_args.backward)
+    model.__dict__[_GATHERS] = Float8Gathers(wires, group)
+    logger.info(f"float8 all-gather: {len(wires)} weights gathered as float8 (1 byte per element)")
+
+
+def gather_in_float8_fsdp2(model: nn.Module) -> None:
+    """FSDP2's float8 gathers (torchao's wrapper, set by `float8.apply_float8`): refresh their scales."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    wrapped = sum(
+        isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
+        for p in model.parameters()
+    )
+    model.__dict__[_GATHERS] = Float8Gathers([], None, fsdp2_root=model)
+    logger.info(f"float8 all-gather (FSDP2): {wrapped} weights gathered as float8 (1 byte per element)")
+
+
+def float8_gathers_of(model: nn.Module) -> Callable[[], None] | None:
+    """The refresh of `model`'s float8 gathers, or None when its weights are gathered in the training dtype."""
+    gathers = model.__dict__.get(_GATHERS)
+    return gathers.refresh if gathers is not None else None
