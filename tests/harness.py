@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # which magnifies rounding on near-zero gradients).
 LOSS_REL, GRAD_ABS, PARAM_ABS = 1e-5, 1e-6, 1e-4
 
-# Uneven on purpose: vocab 257 and ffn 160 don't divide by 4 or 3.
+# Uneven on purpose: vocab 257 divides by neither 2, 3 nor 4 (the FFN is 192).
 TINY = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=257, multiple_of=32, max_seq_len=64)
 
 
 def tiny_args(**over) -> ModelArgs:
-    """The tiny Llama (3 blocks, dim 64, GQA 4/2, vocab 257, ffn 160), with fields replaced by `over`."""
+    """The tiny Llama (3 blocks, dim 64, GQA 4/2, vocab 257, FFN 192), with fields replaced by `over`."""
     return dataclasses.replace(TINY, **over)
 
 

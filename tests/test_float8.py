@@ -1,9 +1,11 @@
-"""Float8 training as a user meets it: run_train.sh with float8 on two ranks, its checkpoints resumed in
-float8 (exactly) and in float32, and exported to Hugging Face. Its numerics against a one-process
-reference are in test_parallel_parity.py; its refusals in test_bad_input.py."""
+"""Float8 training as a user meets it: run_train.sh with float8 (tensorwise, the weights gathered as float8)
+on two ranks, a run killed with SIGKILL resumed in float8 (exactly), its checkpoint resumed in float32,
+and exported to Hugging Face (transformers gives the checkpoint's logits). Its numerics against a
+one-process reference are in test_parallel_parity.py; its refusals in test_bad_input.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -19,35 +21,57 @@ from harness import (
     train,
     train_in_one_launch,
 )
+from titanlite.faults import KILL_AT
 
 # The debug model's layers are below the automatic filter's sizes (made for H100s): name-filtered only.
-FLOAT8 = ["--float8.enable", "--float8.emulate", "--float8.recipe", "rowwise", "--float8.filter_fqns", "output"]
+FLOAT8 = ["--float8.enable", "--float8.emulate", "--float8.recipe", "tensorwise", "--float8.all_gather"]
+FLOAT8 += ["--float8.filter_fqns", "output"]
 RUN = [*SMALL, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
 @pytest.mark.slow
-def test_a_float8_run_resumes_exactly_resumes_in_float32_and_exports(tmp_path):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_float8_run_resumes_exactly_after_a_kill_resumes_in_float32_and_exports(tmp_path):
     first = train(tmp_path / "float8", 2, *RUN, *FLOAT8, launcher="run_train").ok()
-    assert "float8 rowwise (emulated): 42 of 43 linear layers" in first.stderr
-    again, plain = tmp_path / "again", tmp_path / "plain"
-    for dst in (again, plain):
-        copy_checkpoint(first.dump, dst, 2)
-    runs = train_in_one_launch([(again, [*RUN, *FLOAT8]), (plain, RUN)], 2)
-    for dst in (again, plain):
-        assert_resumed(runs[dst], 2)
+    assert "float8 tensorwise (emulated): 42 of 43 linear layers" in first.stderr
+    assert "float8 all-gather: 42 weights gathered as float8 (1 byte per element)" in first.stderr
+    # Every rank SIGKILLs itself once step 2's checkpoint is saved; the next launch in the same folder resumes.
+    killed = train(tmp_path / "killed", 2, *RUN, *FLOAT8, env={KILL_AT: "2"})
+    assert killed.returncode != 0 and f"{KILL_AT}=2: killing this process" in killed.stderr, killed.log[-3000:]
+    plain = copy_checkpoint(first.dump, tmp_path / "plain", 2)
+    runs = train_in_one_launch([(killed.dump, [*RUN, *FLOAT8]), (plain, RUN)], 2)
+    for dump in (killed.dump, plain):
+        assert_resumed(runs[dump], 2)
     losses = step_metric(first.dump)
-    # Float8 again: steps 3 and 4 exactly as the uninterrupted run; float32: the same weights, other numerics.
-    assert step_metric(again) == {s: losses[s] for s in (3, 4)}
+    # Float8 again: every step exactly as the uninterrupted run; float32: the same weights, other numerics.
+    assert step_metric(killed.dump) == losses
     resumed = step_metric(plain)
     assert set(resumed) == {3, 4} and all(0 < abs(resumed[s] - losses[s]) / losses[s] < 1e-2 for s in (3, 4))
-    # The checkpoint holds the master weights under their usual names: the export is a plain Llama.
+    # The checkpoint holds the master weights under their usual names: the export is a plain Llama whose
+    # logits are the checkpoint's, computed here in float32 by the model read back with DCP.
     out = tmp_path / "hf"
     cli = [sys.executable, "-m", "titanlite.tools.hf", "export", "--config", "train_configs/debug_model.toml"]
     export = [*cli, "--job.dump_folder", str(first.dump), "--out", str(out), *FLOAT8]
     proc = subprocess.run(export, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import torch
+    import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
+    from titanlite.models.llama3 import Transformer, llama3_configs
+
+    step4 = first.dump / "checkpoint" / "step-4"
+    vocab = dcp.FileSystemReader(str(step4)).read_metadata().state_dict_metadata["tok_embeddings.weight"].size[0]
+    model = Transformer(dataclasses.replace(llama3_configs["debugmodel"], vocab_size=vocab), seq_len=64)
+    model.init_weights(seed=0)  # then every weight is read from the checkpoint
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(step4))
+    model.load_state_dict(state)
     hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
-    assert torch.isfinite(hf(torch.tensor([[1, 2, 3]])).logits).all()
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+        # Negative control: the initial weights are not the checkpoint's.
+        fresh = Transformer(model.args, seq_len=64)
+        fresh.init_weights(seed=0)
+        assert not torch.allclose(fresh(tokens), model(tokens), atol=1e-2)

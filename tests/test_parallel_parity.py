@@ -3,7 +3,7 @@
 All cases of one world size run in one torchrun launch (`harness.parity`), each through the shipped
 `Trainer.train_step`, against one shared one-process reference; each case is then its own test id.
 Tolerances are the harness's (`LOSS_REL`, `GRAD_ABS`, `PARAM_ABS`). The tiny model has vocab 257 and
-FFN 160, so shards are uneven.
+FFN 192; the vocabulary shards unevenly.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import GRAD_ABS, LOSS_REL, TINY, check_parity, parity
+from titanlite.models.llama3 import Transformer
 
 COMPILED_CP = {"cp": 2, "compile": True, "bucketing": "transformer_block"}
 # Full AC in one compiled graph, with and without float8 (their compile reports are compared).
@@ -84,6 +85,12 @@ CASES_2 = [
     {"shard": 2, "float8": "tensorwise"},
     {**COMPILED_FULL_AC, "float8": "tensorwise"},
     COMPILED_FULL_AC,
+    # The same with the weights gathered as float8 bits (float8.all_gather), and accumulated (kept gathers,
+    # unreduced sinks), and FSDP2 with torchao's float8 all-gather.
+    {"shard": 2, "float8": "tensorwise", "f8_gather": True},
+    {**COMPILED_FULL_AC, "float8": "tensorwise", "f8_gather": True},
+    {"shard": 2, "accum": 2, "float8": "tensorwise", "f8_gather": True},
+    {"shard": 2, "float8": "tensorwise", "f8_gather": True, "dp_impl": "fsdp2"},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 _PREFETCH_ACCUMULATED = {**_COMPILED_ACCUM, "scope": "prefetch"}
@@ -361,6 +368,8 @@ def test_float8_runs_in_float8_and_tensorwise_differs_only_by_its_per_rank_scale
     for case in (
         {"shard": 2, "float8": "tensorwise"},
         {**COMPILED_FULL_AC, "float8": "tensorwise"},
+        {"shard": 2, "accum": 2, "float8": "tensorwise", "f8_gather": True},
+        {"shard": 2, "float8": "tensorwise", "f8_gather": True, "dp_impl": "fsdp2"},
     ):
         rec = recs[case_id(case)]
         assert LOSS_REL < rec["loss_rel"] <= 1e-3 and rec["grad_abs"] <= 1e-3, (case, rec["loss_rel"], rec["grad_abs"])
@@ -372,3 +381,31 @@ def test_float8_runs_in_float8_and_tensorwise_differs_only_by_its_per_rank_scale
         got, want = (recs[case_id(c)]["compile_report"] for c in (float8, bf16))
         assert {k: got.get(k) for k in counts} == {k: want.get(k) for k in counts}, float8
         assert want["prefetched_all_gathers"] > 0 and want["overlapped_reduce_scatters"] > 0, bf16
+
+
+@pytest.mark.slow
+def test_float8_all_gather_moves_the_bits_the_layers_would_cast(records):
+    """float8.all_gather casts each shard with the weight's global scale before the gather, so the gathered
+    bits are the ones each layer casts from the gathered weight without it: the losses, gradients and
+    parameters are those of the same case without it, eager and in one compiled graph under full AC (the
+    case itself is float8: off the float32 reference). Compiled, the bucketed graph has the same buckets,
+    prefetched gathers and overlapped reductions, and gathers the converted weights at 1 byte per element
+    instead of 4 (float32 here)."""
+    recs = records(2, CASES_2)
+    for plain in ({"shard": 2, "float8": "tensorwise"}, {**COMPILED_FULL_AC, "float8": "tensorwise"}):
+        got, want = recs[case_id({**plain, "f8_gather": True})], recs[case_id(plain)]
+        assert got["losses"] == want["losses"], plain
+        assert (got["grad_abs"], got["param_abs"]) == (want["grad_abs"], want["param_abs"]), plain
+        assert got["loss_rel"] > LOSS_REL, plain
+    got, want = (recs[case_id(c)]["compile_report"] for c in ({**COMPILED_FULL_AC, "float8": "tensorwise",
+                                                                "f8_gather": True}, COMPILED_FULL_AC))  # fmt: skip
+    counts = ("dp", "prefetched_all_gathers", "overlapped_reduce_scatters", "traces")
+    assert {k: got[k] for k in counts} == {k: want[k] for k in counts}
+    gathered, plain_bytes = got["bucket_sizes_mb"]["all_gather"], want["bucket_sizes_mb"]["all_gather"]
+    assert gathered["count"] == plain_bytes["count"]
+    # Every block weight but the norms is float8 (the output layer is filtered out): 3 bytes lighter each.
+    with torch.device("meta"):
+        model = Transformer(TINY, seq_len=16)
+    float8_elements = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and "norm" not in n)
+    saved = plain_bytes["total"] - gathered["total"]
+    assert saved == pytest.approx(3 * float8_elements / 2**20, abs=1e-3), (gathered, plain_bytes)

@@ -29,7 +29,7 @@ from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
 from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 
-# Uneven shards on purpose: vocab 257 and ffn 160 do not divide by 4.
+# Uneven shards on purpose: vocab 257 does not divide by 4.
 ARGS = tiny_args(n_layers=2)
 SEQ = 16
 ADAPTER = SPEC.hf_adapter

@@ -154,6 +154,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     if "float8" in case:  # every linear layer but the output (the tiny model's are below the auto filter's sizes)
         f8 = cfg.float8
         f8.enable, f8.recipe, f8.emulate, f8.filter_fqns = True, case["float8"], True, ["output"]
+        f8.all_gather = case.get("f8_gather", False)
     dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
     accum = case.get("accum", 1)
     cfg.training.global_batch_size = GLOBAL_BATCH
