@@ -178,7 +178,6 @@ CASES = [
     ),
     (None, [*F8, "--parallelism.tensor_parallel_degree", "2"], 2, ["float8.enable with tensor parallelism"]),
     (None, [*F8, *PP2], 2, ["float8.enable with pipeline parallelism"]),
-    (None, [*F8, "--model.name", "qwen3_moe"], 2, ["float8.enable is not supported for model qwen3_moe"]),
     (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
 ]
 
@@ -334,7 +333,7 @@ def test_float8_needs_a_tested_torchao_and_a_gpu_with_float8(
     cfg = config(None, {"float8__enable": True, "float8__recipe": recipe, "float8__emulate": emulate})
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
     try:
-        float8.rules(cfg, dims, "llama3")
+        float8.rules(cfg, dims)
         float8.check_device(cfg, torch.device("cuda", 0))
     except ConfigError as err:
         assert refused and refused in str(err), err

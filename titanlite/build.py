@@ -170,7 +170,10 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     if stage is not None:
         assert plan.pipeline is not None
         keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
-    return parallelize(model, plan.spec.units(model), plan.spec.parallel.tp_plan, plan.dims, plan.cfg)
+    spec = plan.spec
+    return parallelize(
+        model, spec.units(model), spec.parallel.tp_plan, plan.dims, plan.cfg, high_precision=spec.shape.high_precision
+    )
 
 
 def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:

@@ -65,6 +65,9 @@ class ShapeRules:
     tied_embeddings: Callable[[Any], bool] = field(default=lambda args: False)
     """Whether the embedding and the output projection share one weight (a pipeline's first and last
     stage cannot both hold it)."""
+    high_precision: tuple[str, ...] = ()
+    """Linear layers float8 training never converts, by name fragment (an MoE router's gate: float8's
+    rounding would change which experts its scores pick)."""
 
 
 @dataclass(frozen=True)

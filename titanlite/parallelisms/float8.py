@@ -46,7 +46,7 @@ def torchao_version() -> str | None:
     return importlib.metadata.version("torchao")
 
 
-def rules(cfg: JobConfig, dims: ParallelDims, family: str) -> None:
+def rules(cfg: JobConfig, dims: ParallelDims) -> None:
     """Why float8 cannot run with these settings, as one `ConfigError` line; nothing when it can."""
     f8 = cfg.float8
     version = torchao_version()
@@ -62,8 +62,6 @@ def rules(cfg: JobConfig, dims: ParallelDims, family: str) -> None:
             f"float8: torchao {version} with torch {torch.__version__} is not a tested pair "
             f"(torchao {low[0]}.{low[1]} with torch {torch_support.range_text()}): pip install 'titanlite[float8]'"
         )
-    if family != "llama3":
-        raise ConfigError(f"float8.enable is not supported for model {family} yet (llama3 only)")
     if f8.recipe == "mxfp8":
         raise ConfigError("float8.recipe mxfp8 is not supported yet: use tensorwise or rowwise")
     if f8.all_gather and f8.recipe != "tensorwise":
@@ -114,8 +112,9 @@ def layer_filter(filter_fqns: list[str], recipe: str) -> Callable[[nn.Module, st
     )
 
 
-def apply_float8(model: nn.Module, cfg: JobConfig) -> None:
-    """Convert the chosen linear layers of `model` (on the meta device) in place, and say how many."""
+def apply_float8(model: nn.Module, cfg: JobConfig, high_precision: tuple[str, ...] = ()) -> None:
+    """Convert the chosen linear layers of `model` (on the meta device) in place, and say how many;
+    `high_precision`: the family's layers that never convert (`ShapeRules.high_precision`)."""
     # Its import logs a warning for each GPU kernel library a CPU machine cannot load, and torch one for
     # an enum torchao registers with pytree: advice for torchao's developers, not for a run.
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -134,7 +133,9 @@ def apply_float8(model: nn.Module, cfg: JobConfig) -> None:
     config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate, enable_fsdp_float8_all_gather=fsdp2_gathers
     )
-    convert_to_float8_training(model, config=config, module_filter_fn=layer_filter(f8.filter_fqns, f8.recipe))
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=layer_filter([*f8.filter_fqns, *high_precision], f8.recipe)
+    )
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     logger.info(

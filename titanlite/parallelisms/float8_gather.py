@@ -214,7 +214,8 @@ def gather_in_float8(model: nn.Module, compute_dtype: torch.dtype) -> None:
         gathers = gathers_of(module)
         if not isinstance(module, Float8Linear) or "weight" not in gathers:
             for gather in gathers.values():
-                gather.wire = BytesWire(compute_dtype)
+                if gather.tp_mesh is None:  # (experts on an expert-parallel mesh: gathered as they are)
+                    gather.wire = BytesWire(compute_dtype)
             continue
         gather = gathers["weight"]
         gather.wire = Float8Wire(module._parameters["weight"], module, compute_dtype)

@@ -80,18 +80,20 @@ def parallelize(
     dims: ParallelDims,
     cfg: JobConfig,
     order: tuple[Parallelism, ...] | None = None,
+    high_precision: tuple[str, ...] = (),
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
     the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
     family's tensor-parallel plan (`ModelSpec.parallel.tp_plan`; None: the family has none, and TP must
-    be off); `order` the units (default `PARALLELISMS`)."""
+    be off); `order` the units (default `PARALLELISMS`); `high_precision` the linear layers float8 never
+    converts (`ShapeRules.high_precision`)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()
     if cfg.float8.enable:  # first: the layers every parallelism then wraps keep their parameters
         from titanlite.parallelisms.float8 import apply_float8
 
-        apply_float8(model, cfg)
+        apply_float8(model, cfg, high_precision)
     applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay)
     own: dict[nn.Module, DataParallelMesh] = {}
     for unit in enabled(dims, order):

@@ -41,7 +41,7 @@ SPEC = ModelSpec(
     model_cls=Transformer,
     flavors=qwen3_moe_configs,
     units=lambda model: Units.of(model, "layers"),
-    shape=ShapeRules(keys=SHAPE_KEYS, check_args=check_args, check_layout=check_layout),
+    shape=ShapeRules(keys=SHAPE_KEYS, check_args=check_args, check_layout=check_layout, high_precision=("moe.gate",)),
     parallel=ParallelSeams(
         tp_plan=qwen3_moe_tp_plan,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
