@@ -517,3 +517,58 @@ def test_the_moe_configs_fit_and_expert_parallelism_plans_its_all_to_all_buffers
         assert sum(m.local_numel.values()) == sum(plain.local_numel.values())
         assert m.activations == plain.activations + a2a
         assert f"experts over ep {ep} x efsdp {world // ep}" in format_report(result)
+
+
+# --- float8 weight gathers ------------------------------------------------------------------------------
+
+EIGHT_B = ["--config", str(ROOT / "train_configs/llama3_8b.toml")]
+FLOAT8_GATHER = ["--float8.enable", "--float8.all_gather"]
+
+
+def test_float8_gathers_hold_the_float8_layers_weights_at_one_byte():
+    """The 8B config on its 8 ranks (SimpleFSDP, the last block, norm and output held): with
+    `float8.all_gather` the held last block's float8 weights take 1 byte per element, not bf16's 2:
+    wq, wo (4096 x 4096), w1, w2, w3 (4096 x 14336); wk and wv (4096 -> 1024) stay bf16, under the
+    automatic filter's sizes. The embedding gathered in flight is no float8 layer: unchanged. SimpleFSDP keeps
+    every float8 weight's shard as float8 bits (1 byte per local element) and an fp32 scale for the run.
+    Weights kept for the step: every block's float8 weights at 1 byte. Negative control: float8 without the
+    float8 gathers holds what bf16 holds."""
+    from titanlite.parallelisms.float8 import converted_weights
+
+    dim, hidden, blocks, world = 4096, 14336, 32, 8
+    block_float8 = 2 * dim * dim + 3 * dim * hidden
+    bf16 = dry_run(load_config(EIGHT_B))
+    float8 = dry_run(load_config([*EIGHT_B, *FLOAT8_GATHER]))
+    cast_only = dry_run(load_config([*EIGHT_B, "--float8.enable"]))
+    assert bf16.layout.dp_impl == "simple_fsdp" and bf16.memory.held_units == float8.memory.held_units
+    assert len(converted_weights(float8.model)) == 5 * blocks
+    assert float8.memory.gather_held == bf16.memory.gather_held - block_float8
+    assert float8.memory.gather_in_flight == bf16.memory.gather_in_flight
+    assert float8.memory.float8_shards == blocks * block_float8 // world + 5 * blocks * 4
+    assert float8.memory.total == bf16.memory.total - block_float8 + float8.memory.float8_shards
+    assert dataclasses.asdict(cast_only.memory) == dataclasses.asdict(bf16.memory)
+    report = format_report(float8)
+    assert "float8 tensorwise, weights gathered in float8" in report
+    assert "float8 weight shards                  0.78  SimpleFSDP's" in report
+    # Kept for a step of 2 backwards (it fits at 2,048 tokens): every weight, the float8 ones at 1 byte.
+    kept = dry_run(
+        load_config([*EIGHT_B, *FLOAT8_GATHER, "--training.global_batch_size", "16", "--training.seq_len", "2048"])
+    )
+    assert kept.layout.keep_gathers
+    assert kept.memory.gather_held == 2 * kept.plan.model_args.num_params() - blocks * block_float8
+
+
+def test_fsdp2_float8_gathers_keep_no_float8_shards():
+    """FSDP2 (torchao's float8 all-gather, which casts each shard as it gathers it): the held last block
+    and the two blocks in flight take 1 byte per float8 weight element, and nothing is kept for the run.
+    With `float8.filter_fqns output` (no automatic filter) wk and wv are float8 too."""
+    dim, hidden, kv = 4096, 14336, 1024
+    block_float8 = 2 * dim * dim + 2 * dim * kv + 3 * dim * hidden
+    fsdp2 = [*EIGHT_B, "--parallelism.dp_impl", "fsdp2", "--compile.bucketing", "none"]
+    bf16 = dry_run(load_config(fsdp2))
+    float8 = dry_run(load_config([*fsdp2, *FLOAT8_GATHER, "--float8.filter_fqns", "output"]))
+    assert float8.memory.gather_held == bf16.memory.gather_held - block_float8
+    assert float8.memory.gather_in_flight == bf16.memory.gather_in_flight - 2 * block_float8
+    assert float8.memory.float8_shards == 0
+    assert float8.memory.total == bf16.memory.total - 3 * block_float8
+    assert "float8 weight shards" not in format_report(float8)

@@ -3,7 +3,8 @@ writes, and bad input.
 
 (a) The analytic memory of a layout (`layout_memory`) equals the dry run's (`tools/dry_run`) on layouts
     that exercise each rule: TP, FSDP2 + HSDP, pure replication, reshard never/always, pipeline ranks of
-    1F1B and GPipe, gradients reduced per step and per microbatch; and on a sample of every layout a
+    1F1B and GPipe, gradients reduced per step and per microbatch, float8 weight gathers (SimpleFSDP's
+    kept for the step, FSDP2's); and on a sample of every layout a
     small search enumerates. Negative control: another reshard policy's estimate differs.
 (b) The step-time model's parts: no collectives on one GPU, the schedule's bubble, prefetching hides
     collectives, the zero-bubble share only with enough microbatches, NVLink vs network.
@@ -58,6 +59,16 @@ CASES = [
         "llama3_8b.toml",
         [P + "data_parallel_replicate_degree", "8", P + "data_parallel_shard_degree", "1"],
         id="8B replicate",
+    ),
+    pytest.param(
+        "llama3_8b.toml",
+        ["--float8.enable", "--float8.all_gather", "--training.global_batch_size", "16", "--training.seq_len", "2048"],
+        id="8B float8 gathers, kept for a step of 2 backwards",
+    ),
+    pytest.param(
+        "llama3_8b.toml",
+        [P + "dp_impl", "fsdp2", "--compile.bucketing", "none", "--float8.enable", "--float8.all_gather"],
+        id="8B fsdp2 float8 gathers",
     ),
     pytest.param("llama3_70b_pp.toml", [], id="70B pp 1F1B per_step", marks=pytest.mark.slow),
     pytest.param("llama3_8b.toml", [P + "context_parallel_degree", "2"], id="8B cp 2"),
@@ -122,6 +133,19 @@ def test_analytic_memory_equals_the_dry_run(config, overrides):
     changed.activation_checkpoint.mode = "none" if cfg.activation_checkpoint.mode != "none" else "full"
     capacity = int(cfg.comm.fake_gpu_memory_gib * GiB)
     assert model.estimate(dataclasses.replace(plan, cfg=changed), capacity).peak_total != exact.peak_total
+
+
+def test_searches_share_a_shape_table_only_with_the_same_float8_layers():
+    """A shape table read for a run without float8 marks no float8 weight: a float8 search beside it reads
+    its own (FSDP2 on 8 GPUs, the last block held and two blocks in flight, every block linear converted
+    with `float8.filter_fqns output`: 3 blocks' 218,103,808 float8 elements at 1 byte, not 2)."""
+    fsdp2 = ["--config", "train_configs/llama3_8b.toml", P + "dp_impl", "fsdp2", "--compile.bucketing", "none"]
+    float8 = ["--float8.enable", "--float8.all_gather", "--float8.filter_fqns", "output"]
+    shapes: dict = {}
+    bf16 = LayoutSearch(load_config(fsdp2), 8, gpu_kind("h100"), shapes=shapes).given()
+    f8 = LayoutSearch(load_config([*fsdp2, *float8]), 8, gpu_kind("h100"), shapes=shapes).given()
+    assert not isinstance(bf16, str) and not isinstance(f8, str) and len(shapes) == 2
+    assert bf16.memory.peak_total - f8.memory.peak_total == 3 * 218_103_808
 
 
 @pytest.fixture(scope="module")

@@ -294,6 +294,7 @@ class RunPlan:
             keep_gathers=step.keep_gathers,
             attn_mask=self.cfg.model.attn_mask_type,
             device_type=device_type,
+            float8_gather=self.cfg.float8.enable and self.cfg.float8.all_gather,
         )
 
     def describe(self, step: StepChoice) -> str:

@@ -112,6 +112,15 @@ def layer_filter(filter_fqns: list[str], recipe: str) -> Callable[[nn.Module, st
     )
 
 
+def converted_weights(model: nn.Module) -> frozenset[str]:
+    """The names of the weights of `model`'s float8 layers: those `apply_float8` converted (`layer_filter`
+    chose them), read from the model so that the memory plans count exactly what a run gathers in float8
+    (`float8.all_gather`)."""
+    from torchao.float8.float8_linear import Float8Linear  # imported by apply_float8 already
+
+    return frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
 def apply_float8(model: nn.Module, cfg: JobConfig, high_precision: tuple[str, ...] = ()) -> None:
     """Convert the chosen linear layers of `model` (on the meta device) in place, and say how many;
     `high_precision`: the family's layers that never convert (`ShapeRules.high_precision`)."""

@@ -11,7 +11,10 @@ gathers again in its recompute; `default`/`auto` = the last block and the root's
 FSDP2's whole root group; `always` = none; weights kept for a step of several backwards,
 `StepPolicy.keep_gathers` = all, the embedding's too) plus one gather unit in flight (a transformer block,
 or a root weight if larger; FSDP2 prefetches the next unit, so two; none when all are kept), plus one
-unit's unsharded gradients in the reduce dtype before the reduce-scatter. Gradients reduced once per
+unit's unsharded gradients in the reduce dtype before the reduce-scatter. With `float8.all_gather` the
+weights of the float8 layers (`float8.converted_weights`) are gathered, held and kept as float8, 1 byte
+per element; SimpleFSDP also keeps each one's local shard as float8 bits and a scale for the whole run
+(the all-gather's input, `float8_shards`), where FSDP2 casts each shard as it gathers. Gradients reduced once per
 step over several backwards (`StepPolicy.reduce_once`) are all held unsharded until then (SimpleFSDP's
 sinks in fp32, FSDP2's in the reduce dtype), and their reduction packs them into flat buffers: one
 bucket (or the largest gradient) and its reduced shard at a time, the packing transient. Eager
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +95,8 @@ class Layout:
     """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/common/attention.py`)."""
     device_type: str = "cuda"
     """Where the step runs: the mask is a flex BlockMask on CUDA, a dense boolean matrix elsewhere."""
+    float8_gather: bool = False
+    """The float8 layers' weights are gathered in float8 (`float8.all_gather`): `gathered_bytes`."""
 
     @property
     def tp(self) -> int:
@@ -155,11 +160,19 @@ class MemoryEstimate:
     held_units: frozenset[str] = frozenset()
     """The gather units (`gather_unit`) whose gathered weights are held from forward to backward or kept for
     the step: what `gather_held` counts, by name."""
+    float8_shards: int = 0
+    """SimpleFSDP's float8 bits of each float8 weight's local shard and its scale, for the run
+    (`float8_shard_bytes`)."""
 
     @property
     def collective_buffers(self) -> int:
         return (
-            self.gather_held + self.gather_in_flight + self.reduce_buffer + self.reduce_transient + self.receive_buffers
+            self.gather_held
+            + self.gather_in_flight
+            + self.reduce_buffer
+            + self.reduce_transient
+            + self.receive_buffers
+            + self.float8_shards
         )
 
     @property
@@ -194,45 +207,75 @@ def gather_unit(fqn: str, units: Units, dp_impl: str) -> str:
     return units.unit_of(fqn) or ("root" if dp_impl == "fsdp2" else fqn)
 
 
-def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[int, int, int, int, frozenset[str]]:
-    """(gathered weights held from forward to backward, gathers in flight, unreduced gradients, the
-    reduction's packing transient) in bytes, and the gather units held."""
-    if layout.dp_mode is None:
-        return 0, 0, 0, 0, frozenset()
-    gathered_bytes = layout.compute_dtype.itemsize
-    model_units, units = units, {}
-    largest = 0
-    for fqn, p in model.named_parameters():
-        unit = gather_unit(fqn, model_units, layout.dp_impl)
-        units[unit] = units.get(unit, 0) + gathered_numel(p)
-        largest = max(largest, gathered_numel(p))
+FLOAT8_SCALE_BYTES = 4
+"""A float8 weight's scale: one fp32 number."""
+
+
+def gathered_bytes(layout: Layout, numel: int, float8_numel: int) -> int:
+    """Bytes of `numel` gathered elements, `float8_numel` of them weights of float8 layers: those 1 byte
+    each when gathered in float8 (`Layout.float8_gather`), the rest in the compute dtype."""
+    e = layout.compute_dtype.itemsize
+    return numel * e - (float8_numel * (e - 1) if layout.float8_gather else 0)
+
+
+def float8_shard_bytes(layout: Layout, local_numel: int, weights: int) -> int:
+    """What SimpleFSDP keeps for the run to gather `weights` float8 weights of `local_numel` local elements in
+    all in float8: each shard's float8 bits (1 byte per element) and each weight's scale
+    (`float8_gather.Float8Wire`). FSDP2 (torchao's float8 all-gather) casts each shard when it gathers it."""
+    if not (layout.float8_gather and layout.dp_impl == "simple_fsdp"):
+        return 0
+    return local_numel + weights * FLOAT8_SCALE_BYTES
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """Data parallelism's buffers (bytes) of one model or pipeline stage, and the gather units held."""
+
+    held: int = 0
+    """Gathered weights held from forward to backward, or kept for the step."""
+    in_flight: int = 0
+    reduce: int = 0
+    transient: int = 0
+    """The once-per-step reduction's packing."""
+    held_units: frozenset[str] = frozenset()
+
+
+def gather_buffers(
+    numel: dict[str, int],
+    float8_numel: dict[str, int],
+    largest: int,
+    units: Units,
+    layout: Layout,
+    blocks: Sequence[int],
+) -> Buffers:
+    """The buffers of a sharded or replicated model (`layout.dp_mode` set) whose gather units hold `numel`
+    gathered elements each (`float8_numel` of them float8 layers' weights), in forward order; `largest`: its
+    largest parameter's elements; `units`: its blocks (indices `blocks`) and root modules. Replicated, the
+    caller has checked that the weights are cast (a compute dtype other than theirs)."""
+    size = {u: gathered_bytes(layout, n, float8_numel.get(u, 0)) for u, n in numel.items()}
     # The embedding's (the modules before the blocks) backward needs only the token ids: SimpleFSDP frees
     # its gathered weight after forward.
-    kept = [u for u in units if not _under(u, model_units.before)]
+    kept = [u for u in numel if not under(u, units.before)]
     replicate = layout.dp_mode == "replicate"
-    if replicate:
-        # No gather: at most a cast of each full weight, kept for backward like an unresharded gather.
-        if layout.compute_dtype == next(model.parameters()).dtype:
-            return 0, 0, 0, 0, frozenset()
+    if replicate:  # no gather: a cast of each full weight, kept for backward like an unresharded gather
         held = set(kept)
     elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
-        held = set(units)  # kept for the step; FSDP2 under torch's pipeline stage: from the first backward on
+        held = set(numel)  # kept for the step; FSDP2 under torch's pipeline stage: from the first backward on
     else:
-        plan = ReshardPlan.of(layout.reshard, len(model_units.blocks))
-        prefixes = plan.kept(model_units) + (() if plan.root else ("root",))
-        held = {u for u in kept if _under(u, prefixes)}
+        plan = ReshardPlan.of(layout.reshard, len(units.blocks))
+        prefixes = plan.kept(units) + (() if plan.root else ("root",))
+        held = {u for u in kept if under(u, prefixes)}
         if layout.dp_impl == "simple_fsdp":
             # A fully checkpointed block saves only its input: its backward recomputes the gathers too.
-            indices = layout.blocks if layout.blocks is not None else range(len(model_units.blocks))
-            held -= {fqn for fqn, i in zip(model_units.blocks, indices) if layout.block_ac(i) == "full"}
-    free = sorted((n for u, n in units.items() if u not in held), reverse=True)
+            held -= {fqn for fqn, i in zip(units.blocks, blocks) if layout.block_ac(i) == "full"}
+    free = sorted((n for u, n in size.items() if u not in held), reverse=True)
     in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
     transient = 0
     if layout.unreduced_grads:  # every gradient, unsharded, until the step's one reduction
-        total = sum(units.values())
+        total = sum(numel.values())
         if layout.dp_impl == "fsdp2":  # accumulated in the reduce dtype; reduced unit by unit
             sink_bytes = layout.reduce_dtype.itemsize
-            transient = max(units.values()) * sink_bytes
+            transient = max(numel.values()) * sink_bytes
         else:  # SimpleFSDP's sinks are fp32; one bucket (or one larger gradient) is packed at a time
             from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES  # SimpleFSDP's runtime: here
 
@@ -241,13 +284,40 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
             transient = bucket + (0 if replicate else bucket // layout.shard_ranks)
         reduce_bytes = total * sink_bytes
     else:
-        reduce_bytes = 0 if replicate else max(units.values()) * layout.reduce_dtype.itemsize
-    held_bytes, in_flight_bytes = sum(units[u] for u in held) * gathered_bytes, in_flight * gathered_bytes
-    return held_bytes, in_flight_bytes, reduce_bytes, transient, frozenset(held)
+        reduce_bytes = 0 if replicate else max(numel.values()) * layout.reduce_dtype.itemsize
+    return Buffers(sum(size[u] for u in held), in_flight, reduce_bytes, transient, frozenset(held))
 
 
-def _under(fqn: str, prefixes: tuple[str, ...]) -> bool:
+def under(fqn: str, prefixes: Collection[str]) -> bool:
+    """Whether `fqn` is one of `prefixes` or inside one."""
     return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
+def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[Buffers, int]:
+    """`gather_buffers` of a parallelized model, and SimpleFSDP's float8 shards (`float8_shard_bytes`)."""
+    if layout.dp_mode is None:
+        return Buffers(), 0
+    if layout.dp_mode == "replicate" and layout.compute_dtype == next(model.parameters()).dtype:
+        return Buffers(), 0  # no gather and no cast
+    float8: frozenset[str] = frozenset()
+    if layout.float8_gather:
+        from titanlite.parallelisms.float8 import converted_weights  # torchao: float8 runs only
+
+        float8 = converted_weights(model)
+    numel: dict[str, int] = {}
+    float8_numel: dict[str, int] = {}
+    largest = shard = 0
+    for fqn, p in model.named_parameters():
+        unit = gather_unit(fqn, units, layout.dp_impl)
+        n = gathered_numel(p)
+        numel[unit] = numel.get(unit, 0) + n
+        largest = max(largest, n)
+        if fqn in float8:
+            float8_numel[unit] = float8_numel.get(unit, 0) + n
+            shard += local_tensor(p).numel()
+    blocks = layout.blocks if layout.blocks is not None else range(len(units.blocks))
+    buffers = gather_buffers(numel, float8_numel, largest, units, layout, blocks)
+    return buffers, float8_shard_bytes(layout, shard, len(float8))
 
 
 def activation_peak(
@@ -278,7 +348,7 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
     local = {fqn: local_tensor(p).numel() for fqn, p in model.named_parameters()}
     param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
     trainable = sum(local_tensor(p).nbytes for p in model.parameters() if p.requires_grad)
-    held, in_flight, reduce, transient, held_units = _collective_buffers(model, units, layout)
+    buffers, float8_shards = _collective_buffers(model, units, layout)
     acts = dict(activations)
     peak = acts.pop("peak")
     for key in STAGE_KEYS:
@@ -288,13 +358,14 @@ def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout
         params=param_bytes,
         grads=trainable,
         optimizer=2 * trainable,
-        gather_held=held,
-        gather_in_flight=in_flight,
-        reduce_buffer=reduce,
+        gather_held=buffers.held,
+        gather_in_flight=buffers.in_flight,
+        reduce_buffer=buffers.reduce,
         activations=peak,
         activation_parts=acts,
-        reduce_transient=transient,
-        held_units=held_units,
+        reduce_transient=buffers.transient,
+        held_units=buffers.held_units,
+        float8_shards=float8_shards,
     )
 
 
@@ -370,6 +441,7 @@ def pipeline_estimate(stages: list[StageMemory], microbatches: int, layout: Layo
         reduce_transient=max(e.reduce_transient for e in es),
         receive_buffers=sum(r[1] for r in runtime.values()),
         held_units=frozenset().union(*(e.held_units for e in es)),
+        float8_shards=sum(e.float8_shards for e in es),
     )
 
 

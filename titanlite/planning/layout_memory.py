@@ -7,11 +7,13 @@ TP only, as `build.build_model` builds it) and data-parallel sharding is applied
 SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`ParallelDims.shard_degree`;
 rank 0 holds the ceiling; pure replication shards nothing); context parallelism changes no other shape,
 and its activations are the family's estimate for the layout's cp. Everything else follows the memory
-plan's rules, through its own objects where they take numbers (`Layout`, `ReshardPlan`,
+plan's rules, through its own objects where they take numbers (`Layout`, `gather_buffers`,
 `pipeline_estimate`, `step_candidates` and `choose_step`, the family's activation model): gathered
-weights held from forward to backward or kept for the step, gathers in flight (one unit, two for FSDP2),
-the reduce-scatter input or the unreduced gradients and their packing, activations of the microbatches
-each pipeline rank keeps in flight, and the step policy the memory plan picks. Tests hold it equal to
+weights held from forward to backward or kept for the step (those of the float8 layers, which the
+shape table marks, at 1 byte with `float8.all_gather`; SimpleFSDP's float8 shards), gathers in flight
+(one unit, two for FSDP2), the reduce-scatter input or the unreduced gradients and their packing,
+activations of the microbatches each pipeline rank keeps in flight, and the step policy the memory plan
+picks. Tests hold it equal to
 the dry run on the layouts they build.
 """
 
@@ -27,17 +29,20 @@ import torch
 
 from titanlite.build import build_model
 from titanlite.config import JobConfig
+from titanlite.parallelisms.float8 import converted_weights
 from titanlite.parallelisms.memory_plan import (
+    Buffers,
     Layout,
     MemoryEstimate,
     StageMemory,
     StepChoice,
     choose_step,
+    float8_shard_bytes,
+    gather_buffers,
     pipeline_estimate,
     stage_runtime,
+    under,
 )
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES
 from titanlite.parallelisms.units import Units
 from titanlite.plan import RunPlan
 
@@ -55,6 +60,8 @@ class ParamShape:
     """The tensor-parallel local shape (what a data-parallel gather produces)."""
     itemsize: int
     trainable: bool
+    float8: bool = False
+    """The weight of a float8 layer (`float8.converted_weights`)."""
 
     def local_numel(self, shard: int) -> int:
         if not self.shape:
@@ -72,6 +79,13 @@ class ShapeTable:
     def __init__(self, cfg: JobConfig, plan: RunPlan, fake_process_group: Any):
         self.cfg, self.plan, self.fake_process_group = cfg, plan, fake_process_group
         self._tables: dict[int, list[ParamShape]] = {}
+
+    @staticmethod
+    def key(cfg: JobConfig, plan: RunPlan) -> str:
+        """What the table depends on, for sharing it between configs: the model's arguments and which of its
+        layers are float8 (`ParamShape.float8`)."""
+        f8 = cfg.float8
+        return repr((plan.model_args, f8.enable and (f8.recipe, tuple(f8.filter_fqns))))
 
     def params(self, tp: int) -> list[ParamShape]:
         if tp not in self._tables:
@@ -92,6 +106,7 @@ class ShapeTable:
             model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
         units = plan.spec.units(model)
         index = {fqn: i for i, fqn in enumerate(units.blocks)}
+        float8 = converted_weights(model) if cfg.float8.enable else frozenset()
         out = []
         for fqn, param in model.named_parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
@@ -106,6 +121,7 @@ class ShapeTable:
                     tuple(local.shape),
                     local.element_size(),
                     param.requires_grad,
+                    fqn in float8,
                 )
             )
         return out
@@ -194,6 +210,7 @@ class RankMemory:
             sum(outputs + buffers for outputs, buffers in runtime)
             + sum(m.params + m.grads + m.optimizer for m in ms)
             + sum((1 if one_copy else k) * m.gather_held for m, k in zip(ms, self.in_flight))
+            + sum(m.float8_shards for m in ms)
             + max(m.gather_in_flight for m in ms)
             + (sum if lay.unreduced_grads else max)(m.reduce_buffer for m in ms)
             + max(m.reduce_transient for m in ms)
@@ -257,8 +274,9 @@ class LayoutMemoryModel:
     def _params(self, tp: int, shard: int, dp_impl: str, blocks: range, first: bool, last: bool) -> _StageParams:
         key = (tp, shard, dp_impl, blocks.start, blocks.stop, first, last)
         if key not in self._stage_params:
-            nbytes = trainable = 0
+            nbytes = trainable = float8_local = float8_weights = 0
             units: dict[str, int] = {}
+            float8: dict[str, int] = {}
             tensors: dict[str, int] = {}
             largest = 0
             block_units, before, after = [], set(), set()
@@ -281,6 +299,10 @@ class LayoutMemoryModel:
                 units[unit] = units.get(unit, 0) + p.gathered_numel
                 tensors[unit] = tensors.get(unit, 0) + 1
                 largest = max(largest, p.gathered_numel)
+                if p.float8:
+                    float8[unit] = float8.get(unit, 0) + p.gathered_numel
+                    float8_local += p.local_numel(shard)
+                    float8_weights += 1
             self._stage_params[key] = _StageParams(
                 nbytes,
                 trainable,
@@ -288,6 +310,9 @@ class LayoutMemoryModel:
                 tensors,
                 largest,
                 Units(dict.fromkeys(block_units), tuple(before), tuple(after)),  # type: ignore[arg-type]
+                float8,
+                float8_local,
+                float8_weights,
             )
         return self._stage_params[key]
 
@@ -301,13 +326,26 @@ class LayoutMemoryModel:
 
     def _stage(self, layout: Layout, tp: int, shard: int, stage: int, blocks: range, first: bool, last: bool):
         params = self._params(tp, shard, layout.dp_impl, blocks, first, last)
-        held, in_flight, reduce, transient, held_units = self._buffers(layout, params, blocks)
+        b = self._buffers(layout, params, blocks)
         acts = dict(self.activations(layout))
         peak, held_acts = acts.pop("peak"), acts.pop("held", 0)
         boundary, input_saved = acts.pop("boundary", 0), acts.pop("input_saved", 0)
         t = params.trainable
-        memory = MemoryEstimate({}, params.nbytes, t, 2 * t, held, in_flight, reduce, peak, acts, transient)
-        before = frozenset(u for u in params.units if _under(u, params.model_units.before))
+        float8_shards = float8_shard_bytes(layout, params.float8_local, params.float8_weights) if layout.dp_mode else 0
+        memory = MemoryEstimate(
+            {},
+            params.nbytes,
+            t,
+            2 * t,
+            b.held,
+            b.in_flight,
+            b.reduce,
+            peak,
+            acts,
+            b.transient,
+            float8_shards=float8_shards,
+        )
+        before = frozenset(u for u in params.units if under(u, params.model_units.before))
         block_units = tuple(params.model_units.blocks)
         return StageUnits(
             stage,
@@ -317,7 +355,7 @@ class LayoutMemoryModel:
             params.units,
             params.tensors,
             block_units,
-            held_units,
+            b.held_units,
             before,
             memory,
             held_acts,
@@ -326,43 +364,13 @@ class LayoutMemoryModel:
         )
 
     @staticmethod
-    def _buffers(layout: Layout, params: _StageParams, blocks: range) -> tuple[int, int, int, int, frozenset[str]]:
-        """`memory_plan._collective_buffers` from the units' gathered sizes: (held, in flight, reduce buffer,
-        packing transient bytes; the held units)."""
-        units, model_units = params.units, params.model_units
-        if layout.dp_mode is None:
-            return 0, 0, 0, 0, frozenset(units)
-        e = layout.compute_dtype.itemsize
-        kept = [u for u in units if not _under(u, model_units.before)]
-        replicate = layout.dp_mode == "replicate"
-        if replicate:
-            if layout.compute_dtype == torch.float32:
-                return 0, 0, 0, 0, frozenset(units)
-            held = set(kept)
-        elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
-            held = set(units)
-        else:
-            plan = ReshardPlan.of(layout.reshard, len(model_units.blocks))
-            prefixes = plan.kept(model_units) + (() if plan.root else ("root",))
-            held = {u for u in kept if _under(u, prefixes)}
-            if layout.dp_impl == "simple_fsdp":
-                held -= {fqn for fqn, i in zip(model_units.blocks, blocks) if layout.block_ac(i) == "full"}
-        free = sorted((n for u, n in units.items() if u not in held), reverse=True)
-        in_flight = sum(free[: 2 if layout.dp_impl == "fsdp2" else 1])
-        transient = 0
-        if layout.unreduced_grads:
-            total = sum(units.values())
-            if layout.dp_impl == "fsdp2":
-                sink = layout.reduce_dtype.itemsize
-                transient = max(units.values()) * sink
-            else:
-                sink = 4
-                bucket = max(min(REDUCE_BUCKET_BYTES, total * sink), params.largest * sink)
-                transient = bucket + (0 if replicate else bucket // layout.shard_ranks)
-            reduce_bytes = total * sink
-        else:
-            reduce_bytes = 0 if replicate else max(units.values()) * layout.reduce_dtype.itemsize
-        return sum(units[u] for u in held) * e, in_flight * e, reduce_bytes, transient, frozenset(held)
+    def _buffers(layout: Layout, params: _StageParams, blocks: range) -> Buffers:
+        """`memory_plan.gather_buffers` from the units' gathered sizes; without data parallelism, or replicated
+        in the weights' own dtype (fp32), none, and every unit counts as held (nothing is gathered again)."""
+        units = params.units
+        if layout.dp_mode is None or (layout.dp_mode == "replicate" and layout.compute_dtype == torch.float32):
+            return Buffers(held_units=frozenset(units))
+        return gather_buffers(units, params.float8, params.largest, params.model_units, layout, blocks)
 
     def estimate(self, plan: RunPlan, capacity: int) -> LayoutMemory:
         """Every pipeline rank's memory (the one rank without PP) for the run `plan` describes, under the
@@ -400,10 +408,6 @@ class LayoutMemoryModel:
         return LayoutMemory(ranks)
 
 
-def _under(fqn: str, prefixes: tuple[str, ...] | frozenset[str]) -> bool:
-    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-
 @dataclass(frozen=True)
 class _StageParams:
     nbytes: int
@@ -416,3 +420,8 @@ class _StageParams:
     """Gathered elements of the stage's largest parameter."""
     model_units: Units
     """The stage's blocks (FQN keys only) and root modules, as `Units` names them."""
+    float8: dict[str, int]
+    """Gather unit -> gathered elements of its float8 layers' weights."""
+    float8_local: int
+    """Local (sharded) elements of the stage's float8 layers' weights."""
+    float8_weights: int

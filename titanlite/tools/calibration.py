@@ -10,13 +10,16 @@ it: the shipped config of its model with the row's degrees, batch, sequence, AC 
 runs' implementation) with TorchTitan's reshard policy (every block but the last; nothing under PP) and
 fp32 gradient reduction.
 
-Rows with Float8 or async TP, which titanlite lacks, are estimated with those techniques in the model
-(`step_time.Features`: block matmuls at the GPU's fp8 matmul rate; tensor-parallel collectives hidden)
-and reported apart from the bf16 rows. Context-parallel rows are estimated as titanlite's context
-parallelism would run them (K/V all-gathered per block, head-tail sharding, `step_time.py`); TorchTitan's
-runs used torch's experimental context parallelism (ring attention over SDPA, also head-tail sharded),
-so these rows test the model's cp terms against another implementation of the same idea. Sequences over
-the flavors' 131,072 tokens raise `model.max_seq_len`.
+Rows with Float8 and neither TP nor PP run titanlite's float8 (`FLOAT8`: what those runs used, as
+`float8.*` keys): the dry run counts its weights gathered in float8, the step-time model its block
+matmuls at the GPU's fp8 matmul rate, as `--plan` plans a float8 run. Float8 with TP or PP, which
+titanlite refuses, and async TP, which it lacks, are modelled (`step_time.Features`: block matmuls at the
+fp8 rate; tensor-parallel collectives hidden). Both kinds are reported apart from the bf16 rows.
+Context-parallel rows are estimated as titanlite's context parallelism would run them (K/V all-gathered
+per block, head-tail sharding, `step_time.py`); TorchTitan's runs used torch's experimental context
+parallelism (ring attention over SDPA, also head-tail sharded), so these rows test the model's cp terms
+against another implementation of the same idea. Sequences over the flavors' 131,072 tokens raise
+`model.max_seq_len`.
 `fit()` solves for the training efficiency that makes a calibration row exact; `titanlite/planning/gpus.py` holds
 the fitted values.
 """
@@ -65,6 +68,11 @@ class Row:
     """The row fixes its GPU kind's training efficiency."""
     tags: tuple[str, ...] = field(default=())
 
+    @property
+    def float8_run(self) -> bool:
+        """Estimated as titanlite's own float8 run (its config has `FLOAT8`), not modelled."""
+        return "--float8.enable" in self.overrides
+
 
 def _args(
     local: int,
@@ -89,13 +97,23 @@ def _args(
 
 F8 = Features(float8=True)
 F8_ATP = Features(float8=True, async_tp=True)
+FLOAT8 = [
+    "--float8.enable",
+    "--float8.recipe",
+    "tensorwise",
+    "--float8.all_gather",
+    "--float8.filter_fqns",
+    "output",
+]
+"""The float8 of TorchTitan's runs (torchao, December 2024) as titanlite's keys: tensorwise scales, weights
+gathered in float8 by FSDP2's float8 all-gather, every linear layer but the output projection converted."""
 MAX_SEQ_LEN = 131072
 """The shipped flavors' `max_seq_len` (RoPE scaling's context): longer rows raise it (no parameter changes)."""
 
 
 def _cp(cp: int, seq: int) -> list[str]:
-    """TorchTitan's 8B context-parallel rows: 8 GPUs, FSDP 8 / cp, local batch 1, full AC, compile."""
-    return _args(1, 8 // cp, "full", True, seq, (1, 8 // cp, 1), cp=cp)
+    """TorchTitan's 8B context-parallel rows: 8 GPUs, FSDP 8 / cp, local batch 1, full AC, compile, Float8."""
+    return [*_args(1, 8 // cp, "full", True, seq, (1, 8 // cp, 1), cp=cp), *FLOAT8]
 
 
 def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: int = 1) -> list[str]:
@@ -117,7 +135,7 @@ def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: in
 ROWS: tuple[Row, ...] = (
     Row("8B, 8 GPUs, FSDP", "8B", 8, _args(2, 16, "op", False), 5762, 82.4),
     Row("8B, 8 GPUs, FSDP + compile", "8B", 8, _args(2, 16, "op", True), 6667, 77.0, calibrates=True),
-    Row("8B, 8 GPUs, FSDP + compile + Float8", "8B", 8, _args(2, 16, "op", True), 8532, 76.8, features=F8),
+    Row("8B, 8 GPUs, FSDP + compile + Float8", "8B", 8, [*_args(2, 16, "op", True), *FLOAT8], 8532, 76.8, features=F8),
     Row(
         "8B, 8 GPUs, FSDP 8 CP 1, seq 32768, full AC, + compile + Float8",
         "8B",
@@ -141,7 +159,15 @@ ROWS: tuple[Row, ...] = (
     ),
     Row("8B, 128 GPUs, FSDP", "8B", 128, _args(2, 256, "op", False), 5605, 67.0),
     Row("8B, 128 GPUs, FSDP + compile", "8B", 128, _args(2, 256, "op", True), 6514, 62.0),
-    Row("8B, 128 GPUs, FSDP + compile + Float8", "8B", 128, _args(2, 256, "op", True), 8380, 61.8, features=F8),
+    Row(
+        "8B, 128 GPUs, FSDP + compile + Float8",
+        "8B",
+        128,
+        [*_args(2, 256, "op", True), *FLOAT8],
+        8380,
+        61.8,
+        features=F8,
+    ),
     Row(
         "70B, 256 GPUs, FSDP 32 TP 8, full AC, compile + Float8",
         "70B",
@@ -283,7 +309,9 @@ def table(estimates: list[Result]) -> str:
     ]
     for row, r in zip(ROWS, estimates):
         tag = " (calibration)" if row.calibrates else ""
-        if row.features.float8 or row.features.async_tp:
+        if row.float8_run:
+            tag += " [float8 run]"
+        elif row.features.float8 or row.features.async_tp:
             tag += f" [modelled: {_modelled(row.features)}]"
         gib_pub = f"{row.gib:.1f}" if row.gib is not None else "-"
         gib_err = f"{100 * r.gib_error:+.0f}%" if r.gib_error is not None else "-"

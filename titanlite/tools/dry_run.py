@@ -253,7 +253,8 @@ def header_lines(r: DryRun) -> list[str]:
         + (f" (fake process group, rank {r.rank})" if r.world_size > 1 else "")
         + f": {degrees}; {dp}",
         f"  AC {ac_text(lay)}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
-        + ("; loss parallel" if lay.loss_parallel else ""),
+        + ("; loss parallel" if lay.loss_parallel else "")
+        + float8_text(cfg),
         f"  batch: local {t.local_batch_size} x {dims.describe_sequence(t.seq_len)}"
         + f" x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
@@ -268,6 +269,14 @@ def header_lines(r: DryRun) -> list[str]:
             f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
         )
     return lines
+
+
+def float8_text(cfg: JobConfig) -> str:
+    """The header's float8 settings, empty without float8."""
+    f8 = cfg.float8
+    if not f8.enable:
+        return ""
+    return f"; float8 {f8.recipe}" + " (emulated)" * f8.emulate + ", weights gathered in float8" * f8.all_gather
 
 
 def memory_table(r: DryRun) -> list[str]:
@@ -300,7 +309,7 @@ def memory_table(r: DryRun) -> list[str]:
 
 def collective_rows(r: DryRun) -> list[Row]:
     """Data parallelism's buffers: gathered weights held or kept, gathers in flight, the gradients before
-    their reduction and its packing."""
+    their reduction and its packing, SimpleFSDP's float8 shards."""
     m, lay = r.memory, r.layout
     sink_dtype = lay.reduce_dtype if lay.dp_impl == "fsdp2" else torch.float32
     if lay.keep_gathers:
@@ -311,7 +320,7 @@ def collective_rows(r: DryRun) -> list[Row]:
         (
             "gathered weights kept for the step" if lay.keep_gathers else "gathered weights held fwd->bwd",
             m.gather_held,
-            f"{held_text(r)}, {_dtype(lay.compute_dtype)}",
+            f"{held_text(r)}, {'float8 layers in float8, the rest ' * lay.float8_gather}{_dtype(lay.compute_dtype)}",
         ),
         ("gathers in flight", m.gather_in_flight, in_flight),
         (
@@ -322,6 +331,8 @@ def collective_rows(r: DryRun) -> list[Row]:
             else f"largest unit, {_dtype(lay.reduce_dtype)}",
         ),
     ]
+    if m.float8_shards:
+        rows.append(("float8 weight shards", m.float8_shards, "SimpleFSDP's float8 copy of each float8 weight's shard"))
     if m.reduce_transient:
         packing = "largest unit" if lay.dp_impl == "fsdp2" else "one bucket (or the largest gradient) + its shard"
         rows.append(("reduction packing", m.reduce_transient, packing))

@@ -71,7 +71,7 @@ class LayoutSearch:
         features: Features | None = None,
         shapes: dict[str, ShapeTable] | None = None,
     ):
-        """`shapes`: parameter shapes already read, by model flavor (shared between searches of one model)."""
+        """`shapes`: parameter shapes already read, by `ShapeTable.key` (shared between searches of one model)."""
         self.cfg, self.world, self.kind = cfg, world, kind
         self.capacity = kind.memory_gib * GiB
         plan, self.notes = _plan_for(cfg, world)
@@ -85,7 +85,7 @@ class LayoutSearch:
                 "layouts" + ("; --dry-run plans the memory of the layout you give" if terms.activation_bytes else "")
             )
         shapes = {} if shapes is None else shapes
-        key = repr(plan.model_args)
+        key = ShapeTable.key(cfg, plan)
         if key not in shapes:
             shapes[key] = ShapeTable(cfg, plan, fake_process_group)
         self.memory_model = LayoutMemoryModel(shapes[key])
@@ -382,7 +382,8 @@ def report(cfg, world, kind, given, result: Ranking, best, out, elapsed, notes) 
         f"layout search: {cfg.model.name} {cfg.model.flavor} on {world} x {kind.name} ({kind.description}, "
         f"{kind.memory_gib:g} GiB), seq {cfg.training.seq_len}",
         f"  {result.tried:,} layouts estimated, {result.fit:,} fit within {COMFORT_FRACTION:.0%} of memory; the "
-        "fastest of each mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's",
+        "fastest of each mesh and batch split below; GiB = estimated peak per GPU, exact = the dry run's"
+        + ("; MFU % of the bf16 peak (float8 matmuls included)" if cfg.float8.enable else ""),
         *(f"  note: {n}" for n in notes),
         "",
     ]

@@ -7,13 +7,15 @@ benchmarks/llama3_h100_202412_torchtitan.md) is estimated at its own layout, as 
 an estimate is more than `BOUND` off, the table gives what the run had that the estimate leaves out,
 computed here from the same model, never typed in:
 
-- tokens/s with Float8 or async TP (which titanlite lacks): titanlite's estimate without them (what it
-  would run) and with Float8 alone, beside the estimate with both at their ideal (every block matmul at
-  the fp8 rate, TP's collectives hidden). The run's rate lies between the first and the last or it does
-  not; the gain the run got from async TP is the published 70B pair's.
+- tokens/s with Float8 or async TP: titanlite's estimate without them and with Float8 alone, beside the
+  estimate with both (every block matmul at the fp8 rate; async TP, which titanlite lacks, at its ideal:
+  TP's collectives hidden). The run's rate lies between the first and the last or it does not; the gain
+  the run got from async TP is the published 70B pair's.
 - memory, on the worst rank as run (the rank whose total with both changes is largest):
-  Float8 weights: FSDP2's float8 all-gather gathers the blocks' weights at 1 byte, not 2 (all of a
-  rank's stages' weights under PP, which stay gathered for the step; the unit in flight otherwise);
+  Float8 weights, on the rows whose Float8 is modelled (titanlite refuses float8 with TP or PP; the
+  other Float8 rows are titanlite float8 runs, `calibration.FLOAT8`, whose estimate counts their float8
+  gathers): FSDP2's float8 all-gather gathers the blocks' weights at 1 byte, not 2 (all of a rank's
+  stages' weights under PP, which stay gathered for the step; the unit in flight otherwise);
   the torch of those runs (December 2024) kept every microbatch's stage output until the step's end,
   where titanlite's torch keeps one until its backward: per stage, (microbatches - those in flight)
   outputs more, the last stage's being the logits (bf16, vocabulary sharded under loss parallel).
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.planning.step_time import Features
-from titanlite.tools.calibration import CONFIGS, ROWS, Result, Row, estimate, evaluate
+from titanlite.tools.calibration import CONFIGS, FLOAT8, ROWS, Result, Row, estimate, evaluate
 from titanlite.tools.layout_search import Estimate
 
 BOUND = 0.10
@@ -52,7 +54,8 @@ class Reconciled:
     float8_tps: float | None
     """With Float8 alone (rows that also had async TP)."""
     float8_gib: float
-    """Change on the worst rank as run from gathered block weights at 1 byte (<= 0)."""
+    """Change on the worst rank as run from gathered block weights at 1 byte (<= 0; 0 where the estimate
+    is a float8 run's, which counts them)."""
     retained_gib: float
     """Change on the worst rank as run from December 2024 torch's kept stage outputs (>= 0)."""
     as_run_gib: float
@@ -98,7 +101,9 @@ def per_stage_reduction_gib(est: Estimate) -> float:
 
 
 def _tps(row: Row, features: Features, shapes: dict) -> float:
-    return evaluate(dataclasses.replace(row, features=features), shapes=shapes).tps
+    """The row's tokens/s with `features`; a float8 run without Float8 is the same run without float8."""
+    overrides = row.overrides if features.float8 else [o for o in row.overrides if o not in FLOAT8]
+    return evaluate(dataclasses.replace(row, features=features, overrides=overrides), shapes=shapes).tps
 
 
 def reconcile(shapes: dict | None = None) -> list[Reconciled]:
@@ -109,7 +114,8 @@ def reconcile(shapes: dict | None = None) -> list[Reconciled]:
         est, f = estimate(row, shapes=shapes), row.features
         bf16 = _tps(row, Features(), shapes) if f != Features() else None
         float8 = _tps(row, Features(float8=True), shapes) if f.async_tp else None
-        changes = [(t, w if f.float8 else 0, k) for t, w, k in _rank_changes(est, est.plan.model_args.vocab_size)]
+        modelled = f.float8 and not row.float8_run
+        changes = [(t, w if modelled else 0, k) for t, w, k in _rank_changes(est, est.plan.model_args.vocab_size)]
         worst = max(changes, key=sum)
         result = Result(row, est.time.tokens_per_s, est.gib)
         out.append(Reconciled(row, result, bf16, float8, worst[1] / GiB, worst[2] / GiB, sum(worst) / GiB))
@@ -177,6 +183,10 @@ def _margin(r: Reconciled) -> str:
     return f"{covers:.1f}, covers" if short <= 0 else f"{covers:.1f}, {short:.1f} short"
 
 
+def _float8_weights(r: Reconciled) -> str:
+    return "in estimate" if r.row.float8_run else f"{r.float8_gib:+.1f}"
+
+
 def table(recs: list[Reconciled]) -> str:
     """The markdown table of docs/dry_run.md (`reconcile()`'s rows)."""
     lines = [
@@ -190,21 +200,22 @@ def table(recs: list[Reconciled]) -> str:
         note = "; ".join(n for n in (_tps_note(r, recs), _gib_note(r, recs)) if n) or "-"
         lines.append(
             f"| {i} | {row.name} | {row.tps:,.0f} | {est.tps:,.0f} | {_pct(est.tps, row.tps)} | {row.gib:.1f} | "
-            f"{est.gib:.1f} | {_pct(est.gib, row.gib)} | {r.float8_gib:+.1f} | {r.retained_gib:+.1f} | "
+            f"{est.gib:.1f} | {_pct(est.gib, row.gib)} | {_float8_weights(r)} | {r.retained_gib:+.1f} | "
             f"{r.as_run_gib:.1f} | {_pct(r.as_run_gib, row.gib)} | {_margin(r)} | {note} |"
         )
     return "\n".join(lines)
 
 
 def commands() -> str:
-    """The dry run of each row's layout (its memory estimate; tokens/s with Float8 only come from here)."""
+    """The dry run of each row's layout (its memory estimate; tokens/s come only from here)."""
     out = []
     for row in ROWS:
         if row.gib is None:
             continue
         args = " ".join(row.overrides)
+        extras = "TITANLITE_EXTRAS=float8 " if row.float8_run else ""  # torchao
         out.append(
-            f"./run_train.sh --config {CONFIGS[row.flavor]} --dry-run --comm.fake_world_size {row.world} "
+            f"{extras}./run_train.sh --config {CONFIGS[row.flavor]} --dry-run --comm.fake_world_size {row.world} "
             f"--comm.fake_gpu_memory_gib 95 {args}"
         )
     return "\n".join(out)
