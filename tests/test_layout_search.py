@@ -148,6 +148,42 @@ def test_searches_share_a_shape_table_only_with_the_same_float8_layers():
     assert bf16.memory.peak_total - f8.memory.peak_total == 3 * 218_103_808
 
 
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param([], id="simple_fsdp"),
+        pytest.param([P + "dp_impl", "fsdp2", "--compile.bucketing", "none"], id="fsdp2"),
+    ],
+)
+def test_float8_all_gather_gathers_the_float8_weights_at_one_byte(impl):
+    """8B on 8 H100s (FSDP 8, one microbatch): with `float8.all_gather` each block's gather and backward
+    re-gather move its float8 weights (wq, wo and the FFN's three: 209,715,200 elements; wk and wv stay
+    bf16, `auto_filter_small_kn`) at 1 byte instead of 2, every other element as before: the step's
+    data-parallel collectives drop by those bytes at the shard group's per-byte rate. Negative control:
+    float8 without `all_gather` moves what bf16 moves."""
+    cfg = ["--config", "train_configs/llama3_8b.toml", *impl]
+    shapes: dict = {}
+    kind = gpu_kind("h100")
+    est = {}
+    for name, f8 in (
+        ("bf16", []),
+        ("float8", ["--float8.enable"]),
+        ("gathers", ["--float8.enable", "--float8.all_gather"]),
+    ):
+        e = LayoutSearch(load_config([*cfg, *f8]), 8, kind, shapes=shapes).given()
+        assert not isinstance(e, str), e
+        assert e.layout.degrees.dp_shard == 8 and e.layout.degrees.tp == 1 and not e.memory.layout.keep_gathers
+        est[name] = e
+    st = est["gathers"].memory.ranks[0].stages[0]
+    regathered = sum(st.regathered[i] for i in st.block_positions)
+    assert regathered == 31  # the last block's weights are held for its backward
+    per_byte = Link.of(kind, 8, 1).linear(1)[0]
+    saved = per_byte * 32 * 209_715_200 * (2 - 1) + per_byte * regathered * 209_715_200 * (2 - 1)
+    total = {name: e.time.dp_comm_total for name, e in est.items()}
+    assert total["float8"] - total["gathers"] == pytest.approx(saved, rel=1e-9)
+    assert total["float8"] == total["bf16"]
+
+
 @pytest.fixture(scope="module")
 def debug_search():
     """Every layout of the debug model on 4 H200s: (the search, the layouts that fit, layouts tried)."""

@@ -6,7 +6,9 @@ re-gather of units resharded after forward, the gradient reduce-scatter (all-red
 under HSDP) in every backward, or once per step when gradients are reduced once per step. The shard group
 is dp_shard x cp (context-parallel ranks hold parameter shards too). One collective per unit where
 something buckets them (FSDP2's groups, the compile passes), else one per parameter (SimpleFSDP eager or
-compiled without bucketing), as the compile report counts.
+compiled without bucketing), as the compile report counts. A gather moves its unit's bytes as the memory
+plan counts them (`memory_plan.gathered_bytes`): the compute dtype, and with `float8.all_gather` the
+float8 layers' weights at 1 byte (FSDP2 and SimpleFSDP alike); gradients are reduced in the reduce dtype.
 
 Overlap follows what the implementation schedules (`prefetches`): FSDP2, and SimpleFSDP compiled as one
 graph with bucketing and reordering, gather the next unit while the current one computes and reduce a
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.parallelisms.compile import compile_scope
-from titanlite.parallelisms.memory_plan import Layout
+from titanlite.parallelisms.memory_plan import Layout, gathered_bytes
 from titanlite.plan import RunPlan
 from titanlite.planning.gpus import GpuKind
 from titanlite.planning.layout_memory import StageUnits
@@ -82,19 +84,21 @@ class DataParallelTime:
         self.once = layout.unreduced_grads
         self.reductions = self.microbatches if not self.once else (accum if sp is not None and fsdp2 else 1)
         self.reduce_in_graph = not self.once or fsdp2
+        self.layout = layout
         self.gather, self.reduce = self._rates(plan, layout, kind)
         c = plan.cfg.compile
         self.bucketed = fsdp2 or (c.enable and c.bucketing != "none" and "model" in c.components)
 
     @staticmethod
     def _rates(plan: RunPlan, layout: Layout, kind: GpuKind) -> tuple[tuple[float, float], tuple[float, float]]:
-        """(seconds per element, latency) of a unit's gather and of its gradients' reduction."""
+        """(seconds per byte, latency) of a unit's gather; (seconds per element, latency) of its gradients'
+        reduction."""
         dims, dp_mode = plan.dims, layout.dp_mode
         tp, shard = dims.tp, dims.shard_degree
         shard_link = Link.of(kind, shard, tp)  # dp_shard x cp, one group (`ParallelDims.param_mesh`)
         rep_link = Link.of(kind, dims.dp_replicate, tp * shard)
-        e, r_e = layout.compute_dtype.itemsize, layout.reduce_dtype.itemsize
-        gather = shard_link.linear(e) if dp_mode not in (None, "replicate") else (0.0, 0.0)
+        r_e = layout.reduce_dtype.itemsize
+        gather = shard_link.linear(1) if dp_mode not in (None, "replicate") else (0.0, 0.0)
         if dp_mode is None:
             return gather, (0.0, 0.0)
         if dp_mode == "replicate":
@@ -123,7 +127,8 @@ class DataParallelTime:
         """Per unit, in forward order: its gather, its re-gather for backward, its gradients' reduction."""
         (g_coef, g_lat), (r_coef, r_lat) = self.gather, self.reduce
         counts = [1] * len(st.numel) if self.bucketed else st.n_tensors
-        g = [g_coef * n + g_lat * k for n, k in zip(st.numel, counts)] if g_coef else [0.0] * len(counts)
+        nbytes = [gathered_bytes(self.layout, n, f8) for n, f8 in zip(st.numel, st.float8_numel)]
+        g = [g_coef * b + g_lat * k for b, k in zip(nbytes, counts)] if g_coef else [0.0] * len(counts)
         regather = [x if again else 0.0 for x, again in zip(g, st.regathered)]
         red_counts = counts if not self.once else [1] * len(counts)  # once per step: ~64 MiB buckets
         red = [r_coef * n + r_lat * k for n, k in zip(st.numel, red_counts)] if r_coef else [0.0] * len(counts)

@@ -137,6 +137,8 @@ class StageUnits:
     last: bool
     gathered: dict[str, int]
     """Gather unit -> elements after the data-parallel gather (TP-local), in forward order."""
+    float8: dict[str, int]
+    """Gather unit -> those of its gathered elements that are float8 layers' weights (`ParamShape.float8`)."""
     tensors: dict[str, int]
     """Gather unit -> its parameters (one collective each where nothing buckets them)."""
     block_units: tuple[str, ...]
@@ -155,6 +157,11 @@ class StageUnits:
     def numel(self) -> tuple[int, ...]:
         """Gathered elements per unit, in forward order."""
         return tuple(self.gathered.values())
+
+    @cached_property
+    def float8_numel(self) -> tuple[int, ...]:
+        """Gathered elements of float8 layers' weights per unit, in forward order."""
+        return tuple(self.float8.get(u, 0) for u in self.gathered)
 
     @cached_property
     def n_tensors(self) -> tuple[int, ...]:
@@ -353,6 +360,7 @@ class LayoutMemoryModel:
             first,
             last,
             params.units,
+            params.float8,
             params.tensors,
             block_units,
             b.held_units,
