@@ -80,6 +80,7 @@ CASES_2 = [
     # row alone, so a data-parallel rank's half batch gets the scales the whole batch gets.
     {"shard": 2, "float8": "rowwise"},
     {"shard": 2, "float8": "rowwise", "dp_impl": "fsdp2"},
+    {"pp": 2, "mb": 2, "float8": "rowwise"},
     {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "rowwise"},
     # Tensorwise scales the input of a layer by its amax over the rank's tokens: checked apart, below.
     {"shard": 2, "float8": "tensorwise"},

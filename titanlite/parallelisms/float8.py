@@ -76,9 +76,9 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     if dims.tp_enabled:
         raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
-    if dims.pp_enabled:
+    if dims.pp_enabled and f8.all_gather:
         raise ConfigError(
-            "float8.enable with pipeline parallelism is not supported yet: set pipeline_parallel_degree 1"
+            "float8.all_gather with pipeline parallelism is not supported yet: set --no-float8.all_gather"
         )
 
 
