@@ -23,6 +23,10 @@ plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
     Mixture of experts (`MOE_VARIANTS`): the qwen3_moe debug model with its experts data-parallel (ep=1)
     and sharded over the two ranks (ep=2, tokens dispatched by all-to-all), compared with ep=1; each with
     the experts as grouped GEMMs (the default) and as a loop (`model.moe_experts = "loop"`).
+    Float8 (`FLOAT8_VARIANTS`, docs/float8.md): SimpleFSDP compiled + bucketing with float8 tensorwise
+    and its weights gathered in float8, the same rowwise, and FSDP2 eager tensorwise with torchao's float8
+    gathers, each against its twin without float8; emulated on a CPU (slower there: the row shows the
+    gathered bytes, not what float8 gains on a GPU).
 
 Every variant processes the same global batch (local batch x 2 x `--accum` sequences per step: with
 `--accum` > 1 the dp variants accumulate that many microbatches, and variants reducing gradients in
@@ -42,10 +46,12 @@ unseen). All variants live in one process, hence the growth rather than the abso
 Collectives per step are counted in one extra profiled step per variant, from the process-group ops the
 profiler records (`c10d::*`: every all-gather, reduce-scatter and all-reduce that reaches the backend,
 eager or compiled, FSDP2 included; the all-reduces include the gradient norm's and the trainer's
-agreement on a finite step), on rank 0. MFU uses `ModelArgs.flops_per_token` against
+agreement on a finite step), on rank 0; with them the bytes its all-gathers deliver (their outputs'
+recorded shapes and dtypes, `gathered_bytes`). MFU uses `ModelArgs.flops_per_token` against
 `titanlite.metrics.peak_tflops` (GPU table, or a measured CPU matmul peak).
 
-Ratios are against FSDP2 eager with the same activation checkpointing. Rank 0 prints a markdown table
+Ratios are against FSDP2 eager with the same activation checkpointing (a float8 or block_causal
+variant: its twin). Rank 0 prints a markdown table
 and writes the JSON; the trainers' dump folder (compile reports, their
 lock) is `suite_runs/` next to it. A variant that cannot be built or run here (e.g.
 bucketing before the compile passes exist) is reported as failed with its one-line reason.
@@ -56,6 +62,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import inspect
 import json
 import math
 import os
@@ -68,6 +75,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,13 +144,33 @@ microbatches, the weights kept for the step (`fsdp_reshard_after_forward = auto`
 the memory plan fits) beside gathered again in every microbatch (`default`, the per-block policy)."""
 BASELINE = "FSDP2 eager"
 FULL_AC_BASELINE = "FSDP2 eager, full AC"
+FLOAT8 = ", float8 "
+"""What a float8 variant's name adds to its twin's: `<twin>, float8 <recipe>[ + float8 all-gather]`."""
+FLOAT8_CONVERT = ["--float8.enable", "--float8.filter_fqns", "output"]
+TENSORWISE_GATHER = [*FLOAT8_CONVERT, "--float8.recipe", "tensorwise", "--float8.all_gather"]
+FLOAT8_VARIANTS: dict[str, list[str]] = {
+    "SimpleFSDP compiled + bucketing, float8 tensorwise + float8 all-gather": [*BUCKETED, *TENSORWISE_GATHER],
+    "SimpleFSDP compiled + bucketing, float8 rowwise": [*BUCKETED, *FLOAT8_CONVERT, "--float8.recipe", "rowwise"],
+    "FSDP2 eager, float8 tensorwise + float8 all-gather": ["--parallelism.dp_impl", "fsdp2", *TENSORWISE_GATHER],
+}
+"""Float8 linear layers (docs/float8.md) beside their twins without float8: every linear layer but the
+output projection (named: the debug model's layers are below the automatic filter's sizes)."""
+
+
+def float8_variants(device: torch.device) -> dict[str, list[str]]:
+    """`FLOAT8_VARIANTS`, emulated on a CPU (the casts and scales real, the matmuls in the training dtype:
+    slower than without float8, the gathered bytes as on a GPU); real float8 matmuls elsewhere."""
+    emulate = ["--float8.emulate"] if device.type == "cpu" else []
+    return {name: [*extra, *emulate] for name, extra in FLOAT8_VARIANTS.items()}
 
 
 def baseline_of(name: str) -> str:
     """The row a variant is compared with: FSDP2 eager under the same activation checkpointing; a
-    block_causal variant, the same variant causal."""
+    block_causal variant, the same variant causal; a float8 variant, the same variant without float8."""
     if name.endswith(MASKED):
         return name.removesuffix(MASKED)
+    if FLOAT8 in name:
+        return name.split(FLOAT8)[0]
     if name.startswith("MoE"):
         return MOE_BASELINE
     return FULL_AC_BASELINE if "full AC" in name else BASELINE
@@ -252,17 +280,58 @@ class MemoryProbe:
         raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def count_collectives(variant: Variant) -> dict[str, int]:
-    """Process-group ops per kind in one profiled step, and `a2a_bytes`: the elements the rank's
-    all-to-alls send (their inputs, from the functional ops' recorded shapes) times the size of the
-    compute dtype, the dtype of the tokens an expert-parallel layer dispatches."""
+PROFILER_DTYPE_BYTES = {
+    "double": 8,
+    "long int": 8,
+    "float": 4,
+    "int": 4,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "short int": 2,
+    "unsigned char": 1,
+    "signed char": 1,
+    "bool": 1,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
+"""Bytes per element of the dtypes as the profiler names them (`FunctionEvent.input_dtypes`)."""
+
+
+def gathered_bytes(event, world: int) -> int:
+    """The bytes an all-gather event delivers to the rank (its output, every rank's shard), from the shapes
+    and dtypes the profiler recorded. The c10d op's first argument is its output (a tensor, or a list of
+    them when coalesced; the list form `allgather_` records none: its input times `world`); a list's
+    dtype is not recorded, so it is read from the functional op that issued it (the parent) or the
+    backend's own event (a child), whichever names one."""
+    shapes = event.structured_input_shapes
+    if shapes[0]:
+        outputs = shapes[0] if isinstance(shapes[0][0], list) else [shapes[0]]
+        elements = sum(math.prod(s) for s in outputs)
+    else:
+        elements = world * sum(math.prod(s) for s in shapes[1])
+    for source in (event, event.cpu_parent, *event.cpu_children):
+        if source is not None and source.input_dtypes and source.input_dtypes[0] in PROFILER_DTYPE_BYTES:
+            return elements * PROFILER_DTYPE_BYTES[source.input_dtypes[0]]
+    raise ValueError(f"no dtype recorded for {event.name} (parent {getattr(event.cpu_parent, 'name', None)})")
+
+
+def count_collectives(variant: Variant, world: int) -> dict[str, int]:
+    """Process-group ops per kind in one profiled step; `ag_bytes`: the bytes the rank's all-gathers
+    deliver (`gathered_bytes`; absent where the profiler records no dtypes); `a2a_bytes`: the elements
+    the rank's all-to-alls send (their inputs, from the functional ops' recorded shapes) times the size
+    of the compute dtype, the dtype of the tokens an expert-parallel layer dispatches."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         variant.step()
     counts: collections.Counter[str] = collections.Counter()
+    sized = "input_dtypes" in inspect.signature(FunctionEvent).parameters  # recorded from torch 2.13 on
+    if sized:
+        counts["ag_bytes"] = 0
     for event in prof.events():
         if event.name.startswith("c10d::"):
             kind = next((short for key, short in KINDS if key in event.name), "other")
             counts[kind] += 1
+            if kind == "ag" and sized:
+                counts["ag_bytes"] += gathered_bytes(event, world)
         elif event.name.endswith("all_to_all_single") and event.input_shapes and event.input_shapes[0]:
             counts["a2a_bytes"] += math.prod(event.input_shapes[0]) * variant.compute_bytes
     return dict(counts)
@@ -300,6 +369,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
         | pp_variants(global_batch, world)
         | cp_variants(base_cfg.training.local_batch_size)
         | MOE_VARIANTS
+        | float8_variants(device)
     ).items():
         if args.only and not any(selects(key, name) for key in args.only.split(",")):
             continue
@@ -313,7 +383,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
             variant = Variant(cfg, device)
             for _ in range(args.warmup):
                 variant.step()
-            result.collectives = count_collectives(variant)
+            result.collectives = count_collectives(variant, world)
         except Exception as e:  # a variant this torch/machine cannot run: report it, bench the rest
             result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue
@@ -407,7 +477,8 @@ def result_row(r: Result, world: int, peak: float | None) -> dict:
         state_mib=r.state_bytes / 2**20,
         step_growth_mib=r.peak_delta / 2**20,
         collectives=r.collectives,
-        collectives_per_step=sum(n for kind, n in r.collectives.items() if kind != "a2a_bytes"),
+        collectives_per_step=sum(n for kind, n in r.collectives.items() if not kind.endswith("_bytes")),
+        all_gathered_mib=r.collectives["ag_bytes"] / 2**20 if "ag_bytes" in r.collectives else None,
         mfu_pct=mfu_pct(r.flops_per_token * tps / (world * 1e12), peak) if tps else 0.0,
     )
 
@@ -417,25 +488,29 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
     lines = [
         f"{world} ranks on {device.type}, {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
         f"tokens/s of the global batch at the median step; MFU against {peak_source}; ratios against "
-        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE}; block_causal rows: the same variant, causal; MoE rows: ep=1)",
+        f"{BASELINE} (full AC rows: {FULL_AC_BASELINE}; block_causal rows: the same variant, causal; MoE rows: ep=1; "
+        "float8 rows: the same variant without float8"
+        + ("; float8 emulated on a CPU: slower, the gathered bytes as on a GPU" if device.type == "cpu" else "")
+        + ")",
         "",
-        "| variant | tokens/s | x baseline | peak MiB | x baseline | collectives/step (ag/rs/ar/a2a) | a2a KiB/step "
-        "| MFU % |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "| variant | tokens/s | x baseline | peak MiB | x baseline | collectives/step (ag/rs/ar/a2a) "
+        "| all-gathered MiB/step | a2a KiB/step | MFU % |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | |")
             continue
         base = ok.get(baseline_of(r["name"]))
         c = r["collectives"]
         tps_ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
         mem_ratio = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "n/a"
+        gathered = "n/a" if r["all_gathered_mib"] is None else f"{r['all_gathered_mib']:,.2f}"
         mfu = "n/a" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}"
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | {tps_ratio} | {r['peak_mib']:,.0f} | {mem_ratio} | "
             f"{r['collectives_per_step']} ({c.get('ag', 0)}/{c.get('rs', 0)}/{c.get('ar', 0)}/{c.get('a2a', 0)}) | "
-            f"{c.get('a2a_bytes', 0) / 1024:,.0f} | {mfu} |"
+            f"{gathered} | {c.get('a2a_bytes', 0) / 1024:,.0f} | {mfu} |"
         )
     return "\n".join(lines)
 

@@ -157,7 +157,7 @@ PLANS = "a search of 10 s to a minute; tests/test_layout_search.py searches thro
 RULES: list[Rule] = [
     Rule(r"^\./run_tests\.sh", "listed", "the suite itself, which runs this test"),
     Rule(r"scripts/gpu_smoke\.sh", "listed", "one GPU; its CPU form runs in tests/test_gpu_smoke.py"),
-    Rule(r"^scripts/gpu_check\.sh", "listed", "one GPU; its CPU form runs in tests/test_launch.py"),
+    Rule(r"^(\w+=\S+ )?scripts/gpu_check\.sh", "listed", "one GPU; its CPU form runs in tests/test_launch.py"),
     Rule(r"^sbatch ", "listed", "needs SLURM; tests/test_launch.py runs the script's launch line"),
     Rule(r"pip freeze|scripts/wheelhouse\.sh", "listed", "two machines, one offline; tests/test_setup.py: wheelhouses"),
     Rule(r"benchmarks/", "listed", "a measurement that takes minutes"),

@@ -109,23 +109,47 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_runs_its_cpu_fallback_and_compares_with_the_estimate(tmp_path):
+    """Its three cases (bf16, float8 tensorwise with float8 gathers, float8 rowwise: emulated on CPU), each
+    in a process of its own, in one table; a case that fails is a row with its one-line reason and the
+    exit code is its own."""
     out = tmp_path / "gpu_check.json"
     # Compilation is left out here for time; the same script compiles with aot_eager by default on CPU.
+    args = ["scripts/gpu_check.sh", "--steps", "2", "--warmup", "1", "--no-compile.enable"]
     proc = subprocess.run(
-        ["scripts/gpu_check.sh", "--steps", "2", "--warmup", "1", "--json", str(out), "--no-compile.enable"],
+        [*args, "--json", str(out)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MFU n/a (not defined on a CPU)" in proc.stdout and "of 0 TFLOP/s" not in proc.stdout, proc.stdout
+    assert "vs dry-run estimate" in proc.stdout and "float8 emulated on a CPU" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| bf16",
+        "| float8 tensorwise + float8 all-gather",
+        "| float8 rowwise",
+    ], proc.stdout
+    # Each case's own build: tensorwise gathers its converted weights in float8, rowwise does not.
+    assert proc.stderr.count("float8 all-gather: 42 weights gathered as float8") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("(emulated): 42 of 43 linear layers") == 2, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["case"], c["emulated"]) for c in cases] == [
+        ("bf16", False),
+        ("float8_tensorwise", True),
+        ("float8_rowwise", True),
+    ]
+    for c in cases:
+        assert c["steps"] == 2 and c["tokens_per_s"] > 0 and c["mfu_pct"] is None, c
+        assert c["peak_gib"] > 0 and c["estimate_gib"] > 0 and math.isfinite(c["final_loss"]), c
+    # A case refused by its config: its row says why, and the script exits with the refusal's code.
+    proc = subprocess.run(
+        [*args, "--cases", "float8_rowwise", "--float8.all_gather"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tokens/s" in proc.stdout and "vs dry-run estimate" in proc.stdout
-    assert "MFU n/a (not defined on a CPU)" in proc.stdout and "of 0 TFLOP/s" not in proc.stdout, proc.stdout
-    result = json.loads(out.read_text())
-    assert result["steps"] == 2 and result["tokens_per_s"] > 0 and result["mfu_pct"] is None
-    assert result["peak_gib"] > 0 and result["estimate_gib"] > 0
-    assert math.isfinite(result["final_loss"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "| float8 rowwise | failed (exit 2): titanlite: error: float8.all_gather needs" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
