@@ -179,6 +179,7 @@ CASES = [
     (None, [*F8, "--parallelism.tensor_parallel_degree", "2"], 2, ["float8.enable with tensor parallelism"]),
     (None, [*F8, "--float8.all_gather", *PP2], 2, ["float8.all_gather with pipeline parallelism"]),
     (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
+    (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.

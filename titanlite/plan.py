@@ -195,8 +195,7 @@ class RunPlan:
             raise ConfigError(f"model {cfg.model.name}: {why}")
         for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
             unit.rules(cfg, dims, spec, args)
-        if cfg.float8.enable:
-            float8.rules(cfg, dims)
+        float8.rules(cfg, dims)
         t = cfg.training
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
         if global_batch % (t.local_batch_size * dims.dp):

@@ -47,8 +47,14 @@ def torchao_version() -> str | None:
 
 
 def rules(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Why float8 cannot run with these settings, as one `ConfigError` line; nothing when it can."""
+    """Why float8 cannot run with these settings, as one `ConfigError` line; nothing when it can (or when
+    it is off and none of its switches is set)."""
     f8 = cfg.float8
+    if not f8.enable:
+        stray = next((key for key in ("all_gather", "emulate") if getattr(f8, key)), None)
+        if stray is not None:
+            raise ConfigError(f"float8.{stray} is set but float8.enable is not: add --float8.enable, or drop it")
+        return
     version = torchao_version()
     if version is None:
         raise ConfigError(
@@ -69,6 +75,10 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
             f"float8.all_gather needs float8.recipe tensorwise: a {f8.recipe} weight has a scale per row, "
             "which each rank cannot apply to its own shard before the gather"
         )
+    if dims.pp_enabled and f8.all_gather:
+        raise ConfigError(
+            "float8.all_gather with pipeline parallelism is not supported yet: set --no-float8.all_gather"
+        )
     if f8.all_gather and (not dims.dp_enabled or dims.dp_mode == "replicate"):
         raise ConfigError(
             "float8.all_gather gathers sharded weights, and this layout shards none (data_parallel_shard_degree "
@@ -76,10 +86,6 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     if dims.tp_enabled:
         raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
-    if dims.pp_enabled and f8.all_gather:
-        raise ConfigError(
-            "float8.all_gather with pipeline parallelism is not supported yet: set --no-float8.all_gather"
-        )
 
 
 def check_device(cfg: JobConfig, device: torch.device) -> None:
