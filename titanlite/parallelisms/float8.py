@@ -79,13 +79,13 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(
             "float8.all_gather with pipeline parallelism is not supported yet: set --no-float8.all_gather"
         )
+    if dims.tp_enabled:
+        raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
     if f8.all_gather and (not dims.dp_enabled or dims.dp_mode == "replicate"):
         raise ConfigError(
             "float8.all_gather gathers sharded weights, and this layout shards none (data_parallel_shard_degree "
             "1): set --no-float8.all_gather"
         )
-    if dims.tp_enabled:
-        raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
 
 
 def check_device(cfg: JobConfig, device: torch.device) -> None:
