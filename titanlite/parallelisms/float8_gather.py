@@ -73,10 +73,7 @@ class Float8Wire(nn.Module):
         backend carries float8 dtypes), with the weight's scale."""
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        bits = DTensor.from_local(
-            self.bits, gather.dp_mesh, gather.dp_placements, run_check=False, shape=x.shape, stride=x.stride()
-        )
-        full = bits.redistribute(placements=gather.replicated).to_local()
+        full = gather.gather_bytes(self.bits, x.shape, x.stride())
         return Float8TrainingTensor(
             full.view(self.float8_dtype), self.scale, self.compute_dtype, self.linear_mm_config, GemmInputRole.WEIGHT
         )
@@ -97,10 +94,7 @@ class BytesWire(nn.Module):
         size = self.compute_dtype.itemsize
         shape = (*x.shape, size)
         stride = tuple(s * size for s in x.stride()) + (1,)
-        raw = DTensor.from_local(
-            local, gather.dp_mesh, gather.dp_placements, run_check=False, shape=shape, stride=stride
-        )
-        return raw.redistribute(placements=gather.replicated).to_local().view(self.compute_dtype).squeeze(-1)
+        return gather.gather_bytes(local, shape, stride).view(self.compute_dtype).squeeze(-1)
 
 
 @dataclass
@@ -158,7 +152,6 @@ class _GatheredFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, target: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-
         gather: ReplicateComputation = gathers_of(layer)["weight"]
         x = layer._parameters["weight"]
         weight = _float8_weight(gather, x)
@@ -223,11 +216,12 @@ def gather_in_float8(model: nn.Module, compute_dtype: torch.dtype) -> None:
         group = gather.dp_mesh.get_group(gather.dp_mesh.ndim - 1)
         cls = module.__class__
         if cls not in classes:
-            classes[cls] = type(f"Float8Gathered{cls.__name__}", (cls,), {"forward": _gathered_forward})
+            # torchao's float8 matmul, forward and backward, as plain functions: `_GatheredFloat8Matmul`
+            # runs them inside its own forward and backward.
+            matmul = (matmul_with_hp_or_float8_args.forward, matmul_with_hp_or_float8_args.backward)
+            body = {"forward": _gathered_forward, "_float8_mm": matmul}
+            classes[cls] = type(f"Float8Gathered{cls.__name__}", (cls,), body)
         module.__class__ = classes[cls]
-        # torchao's float8 matmul, forward and backward, as plain functions (`_GatheredFloat8Matmul` runs
-        # them inside its own forward and backward).
-        module._float8_mm = (matmul_with_hp_or_float8_args.forward, matmul_with_hp_or_float8_args.backward)
     model.__dict__[_GATHERS] = Float8Gathers(wires, group)
     logger.info(f"float8 all-gather: {len(wires)} weights gathered as float8 (1 byte per element)")
 

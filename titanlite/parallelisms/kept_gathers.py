@@ -65,10 +65,9 @@ def kept_gathers(model: nn.Module, enabled: bool) -> Iterator[None]:
     what lets compiled blocks use the kept weights: their graphs read them as inputs."""
     pairs = parametrized(model) if enabled else []
     try:
-        with torch.no_grad():
-            for gather, param in pairs:
-                gather.kept = gather.gathered(param)
-                gather.step_cache = hand_out
+        for gather, param in pairs:
+            gather.kept = gather.gathered(param)  # (without autograd)
+            gather.step_cache = hand_out
         yield
     finally:
         for gather, _ in pairs:

@@ -83,8 +83,9 @@ class SimpleFSDPState:
 
 
 class WireFormat(Protocol):
-    """Gathers a parameter in another format than the training dtype (float8 bits: `float8_gather.py`),
-    without autograd: the layer that computes with it sends the gradient back (`reduce_to_shard`)."""
+    """Gathers a parameter in another format than the training dtype (float8 bits or raw bytes:
+    `float8_gather.py`), without autograd (`gather_bytes`): the caller attaches the gradient's way back
+    (`ReduceToShard`, the unreduced sink, or the float8 layer's own function)."""
 
     def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor: ...
 
@@ -150,6 +151,12 @@ class ReplicateComputation(nn.Module):
             full, self.tp_mesh, self.tp_placements, run_check=False, shape=self.global_shape, stride=self.global_stride
         )
 
+    def gather_bytes(self, local: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        """The dp all-gather of this rank's `local` part (a wire format's bytes) of a tensor of global
+        `shape` and `stride`, sharded as the parameter is."""
+        dt = DTensor.from_local(local, self.dp_mesh, self.dp_placements, run_check=False, shape=shape, stride=stride)
+        return dt.redistribute(placements=self.replicated).to_local()
+
     def gathered(self, x: DTensor) -> torch.Tensor:
         """The gathered weight without autograd, in its wire format when it has one."""
         with torch.no_grad():
@@ -166,9 +173,7 @@ class ReplicateComputation(nn.Module):
     def gather_unreduced(self, x: DTensor) -> torch.Tensor:
         """The same gather, whose gradient accumulates in `self.sink` instead of being reduced."""
         assert self.sink is not None, "step_reduction.unreduced sets up the sinks before the forward"
-        with torch.no_grad():
-            full = self.gathered(x)
-        return self._as_tp(RouteGradient.apply(full, self.sink))
+        return self._as_tp(RouteGradient.apply(self.gathered(x), self.sink))
 
     def reduce_to_shard(self, grad: torch.Tensor, like: ShardMeta) -> DTensor:
         """A gathered weight's gradient reduced to the shard `like` describes, as the gather's own backward
