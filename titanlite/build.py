@@ -58,6 +58,22 @@ def default_alloc_conf(environ: dict[str, str]) -> None:
         environ["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
 
 
+def rank_compile_cache(environ: dict[str, str] | os._Environ, rank: int) -> None:
+    """Give this rank its own compile cache: `TORCHINDUCTOR_CACHE_DIR` (the user's, else torch's default
+    folder) gets a `rank<r>` subfolder. Ranks on one host share that folder, and torch keys some cached
+    artifacts on what is equal across ranks while their content is not: AOTAutograd's key of a DTensor
+    program is its global spec, but the traced graph bakes in the rank's mesh coordinate (loss-parallel
+    cross-entropy's vocab offset), so with a warm cache every rank ran one rank's graph and the loss was
+    wrong. A rank's own folder still serves it on the next launch of the same layout (the key holds the
+    mesh). Idempotent: a process that builds twice keeps one folder."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    leaf = f"rank{rank}"
+    if os.path.basename(os.path.normpath(base)) != leaf:
+        environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+
+
 def init_device() -> torch.device:
     """This rank's device: `cuda:LOCAL_RANK` where CUDA exists, else the CPU. On CUDA, first the
     allocator's default (`default_alloc_conf`), before the device's first allocation."""

@@ -23,6 +23,7 @@ from titanlite.build import (
     build_training,
     init_device,
     init_distributed,
+    rank_compile_cache,
     world_from_env,
 )
 from titanlite.checkpoint.lock import DumpFolderLock
@@ -92,6 +93,7 @@ class Trainer:
         # built in host memory, never on a GPU, and needs no data.
         self.seed_only = cfg.checkpoint.create_seed_checkpoint
         self.device = torch.device("cpu") if self.seed_only else init_device()
+        rank_compile_cache(os.environ, self.rank)
         init_logging(self.rank)
         # One run at a time per dump folder, held from before anything is written there until close().
         self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
