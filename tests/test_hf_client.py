@@ -20,7 +20,8 @@ import torch
 from harness import tiny_args
 from titanlite.checkpoint.hf import check_hf_config, export_hf, import_hf
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
-from titanlite.data.tokenizer import LLAMA3_N_RANKS, Tokenizer, build_tokenizer, load_ranks
+from titanlite.data.tiktoken_bpe import LLAMA3_N_RANKS, TiktokenTokenizer, load_ranks
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
 from titanlite.models.llama3.model import rope_tables
@@ -128,7 +129,7 @@ def test_llama3_sized_tokenizer_ids_equal(tmp_path):
     pad = [b"\xf8" + i.to_bytes(3, "big") for i in range(len(ranks), LLAMA3_N_RANKS)]
     lines += [f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(pad, len(ranks))]
     (tmp_path / "tokenizer.model").write_text("\n".join(lines))
-    tokenizer = Tokenizer(tmp_path / "tokenizer.model")
+    tokenizer = TiktokenTokenizer(tmp_path / "tokenizer.model")
     assert (tokenizer.bos_id, tokenizer.n_words) == (128000, 128256)
     write_tokenizer(tokenizer, tmp_path)
     _check_ids(tokenizer, transformers.AutoTokenizer.from_pretrained(str(tmp_path)))

@@ -25,7 +25,8 @@ from builders import config, loader
 from test_data import HF, _hf_files, make_docs, write_jsonl
 
 from harness import ROOT, child_env, tiny_args
-from titanlite.data.tokenizer import LLAMA3_N_RANKS, Tokenizer, build_tokenizer, load_ranks
+from titanlite.data.tiktoken_bpe import LLAMA3_N_RANKS, TiktokenTokenizer, load_ranks
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
@@ -122,7 +123,7 @@ def llama3_sized_tokenizer(folder: Path) -> Tokenizer:
     tokens = [*sorted(ranks, key=ranks.get), *pad]
     path = folder / "tokenizer.model"
     path.write_text("\n".join(f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(tokens)))
-    return Tokenizer(path)
+    return TiktokenTokenizer(path)
 
 
 def batches(dl, n: int) -> list[list[list[list[int]]]]:
