@@ -8,7 +8,6 @@ One tiny model with the bundled vocabulary is exported once (module fixture, wit
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import os
@@ -16,11 +15,11 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
+from builders import llama3_sized_tiktoken
 
 from harness import tiny_args
 from titanlite.checkpoint.hf import check_hf_config, export_hf, import_hf
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
-from titanlite.data.tiktoken_bpe import LLAMA3_N_RANKS, TiktokenTokenizer, load_ranks
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
@@ -124,12 +123,7 @@ def test_tokenizer_ids_equal(exported):
 def test_llama3_sized_tokenizer_ids_equal(tmp_path):
     """A 128,000-rank file gets Llama 3's special tokens (ids 128000+): the bundled ranks padded with
     tokens no UTF-8 text can produce (0xf8 never occurs in UTF-8)."""
-    ranks = load_ranks(build_tokenizer(None).path)
-    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in ranks.items()]
-    pad = [b"\xf8" + i.to_bytes(3, "big") for i in range(len(ranks), LLAMA3_N_RANKS)]
-    lines += [f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(pad, len(ranks))]
-    (tmp_path / "tokenizer.model").write_text("\n".join(lines))
-    tokenizer = TiktokenTokenizer(tmp_path / "tokenizer.model")
+    tokenizer = llama3_sized_tiktoken(tmp_path)
     assert (tokenizer.bos_id, tokenizer.n_words) == (128000, 128256)
     write_tokenizer(tokenizer, tmp_path)
     _check_ids(tokenizer, transformers.AutoTokenizer.from_pretrained(str(tmp_path)))
