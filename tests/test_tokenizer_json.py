@@ -2,9 +2,10 @@
 from, special-token strings in text stay plain text (also in a pickled copy, as the loader's workers get
 it), BOS/EOS from `tokenizer_config.json`, and bad files are one line.
 
-The HF files are made here from tiktoken files (`data/hf_tokenizer.py`, `transformers`' converter): the
-bundled 2k vocabulary, and a Llama 3-sized one (128,000 ranks, Llama 3's 256 special tokens). Nothing is
-downloaded.
+The HF files are made here from the bundled 2k vocabulary (`data/hf_tokenizer.py`, `transformers`'
+converter); nothing is downloaded. A Llama 3-sized one (128,000 ranks, Llama 3's 256 special tokens) is
+checked in `test_hf_client.py`, which converts one already. Through `run_train.sh`: a checkpointed run with
+a tokenizer.json resumes exactly.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import config, llama3_sized_tiktoken
 
-from harness import ROOT
+from harness import SMALL, resume_from, train
 from titanlite.checkpoint.fingerprint import tokenizer_fingerprint
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
 from titanlite.data.sources import open_source
 from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB, TiktokenTokenizer
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.data.tokenizer_json import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer
-from titanlite.errors import ConfigError, run_cli
+from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.launcher import preflight
 
 pytest.importorskip("transformers")  # the converter that writes the HF files from the tiktoken ones
@@ -56,41 +56,24 @@ def bundled(tmp_path_factory) -> tuple[TiktokenTokenizer, HFTokenizer]:
     return tiktoken, hf
 
 
-@pytest.fixture(scope="module")
-def llama3_sized(tmp_path_factory) -> tuple[TiktokenTokenizer, HFTokenizer]:
-    folder = tmp_path_factory.mktemp("llama3")
-    tiktoken = llama3_sized_tiktoken(folder)
-    return tiktoken, build_tokenizer(str(export(tiktoken, folder) / TOKENIZER_JSON))
-
-
 def test_bundled_corpus_ids_equal(bundled):
-    """Every document of the bundled corpus, as the loader encodes it (BOS + text + EOS)."""
+    """Every document of the bundled corpus, as the loader encodes it (BOS + text + EOS), and odd text."""
     tiktoken, hf = bundled
     source = open_source("", "text")
     docs = [source.document(d) for d in range(source.num_documents)]
     assert len(docs) > 3000
     assert [hf.encode(d, bos=True, eos=True) for d in docs] == [tiktoken.encode(d, bos=True, eos=True) for d in docs]
+    for text in TEXTS:
+        ids = hf.encode(text, bos=False, eos=False)
+        assert ids == tiktoken.encode(text, bos=False, eos=False) and hf.decode(ids) == text
     assert (hf.n_words, hf.bos_id, hf.eos_id, hf.pad_id) == (tiktoken.n_words, 2048, 2049, -1) == (2056, 2048, 2049, -1)
 
 
-def test_llama3_sized_ids_equal(llama3_sized):
-    tiktoken, hf = llama3_sized
-    assert (hf.n_words, hf.bos_id, hf.eos_id) == (tiktoken.n_words, tiktoken.bos_id, tiktoken.eos_id)
-    assert (hf.n_words, hf.bos_id, hf.eos_id) == (128256, 128000, 128001)
-    corpus = (ROOT / "titanlite/data/corpus/pydocs_003.txt").read_text(encoding="utf-8")[:100_000]
-    for text in [*TEXTS, SPECIAL_TEXT, corpus]:
-        ids = hf.encode(text, bos=True, eos=True)
-        assert ids == tiktoken.encode(text, bos=True, eos=True)
-        assert hf.decode(ids[1:-1]) == text
-
-
-@pytest.mark.parametrize("which", ["bundled", "llama3_sized"])
-def test_special_token_strings_stay_plain_text(request, which):
+def test_special_token_strings_stay_plain_text(bundled):
     """Also after a pickle (the loader's workers): the library's own pickle drops that setting."""
-    tiktoken, hf = request.getfixturevalue(which)
+    tiktoken, hf = bundled
     expected = tiktoken.encode(SPECIAL_TEXT, bos=False, eos=False)
-    specials = set(range(tiktoken.n_words - (256 if which == "llama3_sized" else 8), tiktoken.n_words))
-    assert not specials & set(expected)
+    assert max(expected) < 2048  # no special token (2048 and up)
     for tok in (hf, pickle.loads(pickle.dumps(hf))):
         assert tok.encode(SPECIAL_TEXT, bos=False, eos=False) == expected
         assert tok.decode(expected) == SPECIAL_TEXT
@@ -160,9 +143,30 @@ def test_without_the_tokenizers_package_the_preflight_names_the_install(bundled,
     assert build_tokenizer(str(BUNDLED_VOCAB)).n_words == 2056
 
 
-def test_the_run_plan_takes_its_vocabulary_from_the_tokenizer_json(llama3_sized):
-    """The embedding size is the HF tokenizer's (128,256 here), as with a tokenizer.model."""
-    from titanlite.plan import RunPlan
+def test_a_resume_compares_the_tokenizer_files(bundled, tmp_path, process_group):
+    """As for a tiktoken file, a resume with other tokenizer files stops in one line, even with the tiktoken
+    file this tokenizer.json was made from (the fingerprint is the files, not the ids; the same files
+    elsewhere have the same one: `test_the_fingerprint_covers_the_config`)."""
+    from test_checkpoint import Run
 
-    cfg = config(model__tokenizer_path=llama3_sized[1].path)
-    assert RunPlan.build(cfg, 1).model_args.vocab_size == 128256
+    first = Run(tmp_path / "run", over={"model.tokenizer_path": bundled[1].path})
+    first.train(1, 1)
+    first.ckpt.close()
+    with pytest.raises(
+        CheckpointError, match=rf"model.tokenizer_path was {bundled[1].path} \(digest \w+\), this run has bundled"
+    ):
+        Run(tmp_path / "run").ckpt.load()
+
+
+@pytest.mark.slow
+def test_run_train_with_a_tokenizer_json_resumes_exactly(bundled, tmp_path):
+    """Two ranks through run_train.sh, each with a loader worker (the tokenizer crosses a pickle): 4 steps
+    with a checkpoint every 2, then step-2 alone resumed to step 4: the same losses, bitwise."""
+    common = [*SMALL, "--model.tokenizer_path", f"{bundled[1].path}/{TOKENIZER_JSON}", "--training.steps", "4"]
+    common += ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.dataloader_num_workers", "1"]
+    reference = train(tmp_path / "reference", 2, *common, launcher="run_train").ok()
+    resumed = resume_from(
+        tmp_path / "reference", tmp_path / "resumed", 2, lambda dump: train(dump, 2, *common, launcher="run_train")
+    )
+    assert len(reference.losses) == 4
+    assert resumed.losses == reference.losses[2:]
