@@ -1,19 +1,21 @@
-"""The tests' one config builder and one data-loader builder.
+"""The tests' one config builder, one data-loader builder and one Llama 3-sized tokenizer file.
 
 `config` is a run's `JobConfig` as the tests use it: the shipped defaults, computed in fp32 (the CPU's
 dtype: bf16 compute is the CUDA default), no TensorBoard, the given dump folder, and any key set as
 `section__name=value` (e.g. `training__seq_len=8`), after any presets a test file shares among its
 cases. `loader` is a data loader of the byte tokenizer over
-a path, with the keys the tests vary.
+a path, with the keys the tests vary. `llama3_sized_tiktoken` writes a 128,000-rank `tokenizer.model`.
 """
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
 from titanlite.config import JobConfig
 from titanlite.data.loader import TokenLoader, build_dataloader
+from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB, LLAMA3_N_RANKS, TiktokenTokenizer, load_ranks
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -60,3 +62,14 @@ def loader(
         virtual_shards=shards,
         num_workers=workers,
     )
+
+
+def llama3_sized_tiktoken(folder: Path) -> TiktokenTokenizer:
+    """`folder/tokenizer.model` with 128,000 ranks (so Llama 3's size and 256 special tokens, ids 128000+): the
+    bundled ranks padded with tokens no UTF-8 text can produce (0xf8 never occurs in UTF-8)."""
+    ranks = load_ranks(BUNDLED_VOCAB)
+    pad = [b"\xf8" + i.to_bytes(3, "big") for i in range(len(ranks), LLAMA3_N_RANKS)]
+    tokens = [*sorted(ranks, key=ranks.get), *pad]
+    path = folder / "tokenizer.model"
+    path.write_text("\n".join(f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(tokens)))
+    return TiktokenTokenizer(path)

@@ -85,6 +85,8 @@ CASES = [
     (None, ["--checkpoint.enable", "--checkpoint.load_step", "3"], 2, ["load_step 3", "step-3 does not exist"]),
     (None, ["--checkpoint.initial_load_path", "/nonexistent"], 2, ["initial_load_path /nonexistent is not a folder"]),
     (None, ["--model.tokenizer_path", "{tmp}/no_bytes.tiktoken"], 2, ["no_bytes.tiktoken", "256 of the 256"]),
+    (None, ["--model.tokenizer_path", "{tmp}/broken.json"], 2, ["broken.json: not a Hugging Face tokenizer.json"]),
+    (None, ["--model.tokenizer_path", "{tmp}"], 2, ["a folder without a tokenizer.json"]),
     (None, [*PP2, "--parallelism.data_parallel_shard_degree", "2"], 2, ["pp=2 x", "dp_shard=2", "world size 2"]),
     (None, ["--parallelism.pipeline_parallel_degree", "4"], 2, ["world size 2", "pipeline_parallel_degree 4"]),
     (
@@ -182,11 +184,13 @@ CASES = [
     (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),
 ]
 
-# Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes.
+# Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes, a
+# truncated tokenizer.json.
 FILES = {
     "no_bytes.tiktoken": "".join(
         f"{base64.b64encode(bytes([i // 256 + 97, i % 256])).decode()} {i}\n" for i in range(300)
     ),
+    "broken.json": '{"version": "1.0", "model": ',
 }
 
 

@@ -8,22 +8,24 @@ One tiny model with the bundled vocabulary is exported once (module fixture, wit
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import os
+import pickle
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
+from builders import config, llama3_sized_tiktoken
 
-from harness import tiny_args
+from harness import ROOT, tiny_args
 from titanlite.checkpoint.hf import check_hf_config, export_hf, import_hf
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
-from titanlite.data.tokenizer import LLAMA3_N_RANKS, Tokenizer, build_tokenizer, load_ranks
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
 from titanlite.models.llama3.model import rope_tables
+from titanlite.plan import RunPlan
 from titanlite.tools.generate import generate
 from titanlite.tools.generate import main as generate_main
 from titanlite.tools.sampling import next_token
@@ -122,16 +124,20 @@ def test_tokenizer_ids_equal(exported):
 
 def test_llama3_sized_tokenizer_ids_equal(tmp_path):
     """A 128,000-rank file gets Llama 3's special tokens (ids 128000+): the bundled ranks padded with
-    tokens no UTF-8 text can produce (0xf8 never occurs in UTF-8)."""
-    ranks = load_ranks(build_tokenizer(None).path)
-    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in ranks.items()]
-    pad = [b"\xf8" + i.to_bytes(3, "big") for i in range(len(ranks), LLAMA3_N_RANKS)]
-    lines += [f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(pad, len(ranks))]
-    (tmp_path / "tokenizer.model").write_text("\n".join(lines))
-    tokenizer = Tokenizer(tmp_path / "tokenizer.model")
+    tokens no UTF-8 text can produce (0xf8 never occurs in UTF-8). titanlite reading the HF files it wrote
+    (`model.tokenizer_path` = the folder) gives the same ids, vocabulary and BOS/EOS as the tiktoken file,
+    special-token strings as plain text, also after a pickle (the loader's workers)."""
+    tokenizer = llama3_sized_tiktoken(tmp_path)
     assert (tokenizer.bos_id, tokenizer.n_words) == (128000, 128256)
     write_tokenizer(tokenizer, tmp_path)
     _check_ids(tokenizer, transformers.AutoTokenizer.from_pretrained(str(tmp_path)))
+    ours = build_tokenizer(str(tmp_path))
+    assert (ours.n_words, ours.bos_id, ours.eos_id) == (128256, 128000, 128001)
+    corpus = (ROOT / "titanlite/data/corpus/pydocs_003.txt").read_text(encoding="utf-8")[:100_000]
+    for copy in (ours, pickle.loads(pickle.dumps(ours))):
+        for text in [*TEXTS, corpus]:
+            assert copy.encode(text, bos=True, eos=True) == tokenizer.encode(text, bos=True, eos=True)
+    assert RunPlan.build(config(model__tokenizer_path=str(tmp_path)), 1).model_args.vocab_size == 128256
 
 
 def hf_config(**over):

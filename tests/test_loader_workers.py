@@ -8,7 +8,6 @@ change, and that what the workers need crosses a pickle: sources, Llama 3-sized 
 
 from __future__ import annotations
 
-import base64
 import gzip
 import json
 import os
@@ -21,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import config, loader
+from builders import config, llama3_sized_tiktoken, loader
 from test_data import HF, _hf_files, make_docs, write_jsonl
 
 from harness import ROOT, child_env, tiny_args
-from titanlite.data.tokenizer import LLAMA3_N_RANKS, Tokenizer, build_tokenizer, load_ranks
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
@@ -114,17 +113,6 @@ def test_the_trainers_workers_come_from_the_fork_server_also_after_a_resume(tmp_
     check_started_by_the_fork_server(resumed_workers[0])
 
 
-def llama3_sized_tokenizer(folder: Path) -> Tokenizer:
-    """A 128,000-rank `tokenizer.model` (Llama 3's size and special tokens): the bundled ranks padded with
-    tokens no UTF-8 text can produce."""
-    ranks = load_ranks(build_tokenizer(None).path)
-    pad = [b"\xf8" + i.to_bytes(3, "big") for i in range(len(ranks), LLAMA3_N_RANKS)]
-    tokens = [*sorted(ranks, key=ranks.get), *pad]
-    path = folder / "tokenizer.model"
-    path.write_text("\n".join(f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(tokens)))
-    return Tokenizer(path)
-
-
 def batches(dl, n: int) -> list[list[list[list[int]]]]:
     """`n` batches of `dl`, each field as nested lists."""
     it = iter(dl)
@@ -139,7 +127,7 @@ def test_workers_read_parquet_and_gzip_with_a_llama3_sized_tokenizer(tmp_path):
     import pyarrow.parquet as pq
 
     docs = make_docs(40)
-    tokenizer = llama3_sized_tokenizer(tmp_path)
+    tokenizer = llama3_sized_tiktoken(tmp_path)
     assert tokenizer.n_words == 128_256
     pq.write_table(pa.table({"text": docs[:20]}), tmp_path / "a.parquet")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:

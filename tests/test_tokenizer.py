@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 import regex
 
-from titanlite.data.tokenizer import (
+from titanlite.data.tiktoken_bpe import (
     BUNDLED_VOCAB,
     LLAMA3_N_RANKS,
     LLAMA3_PATTERN,
-    Tokenizer,
-    build_tokenizer,
+    TiktokenTokenizer,
     load_ranks,
     special_tokens,
 )
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.tools.build_tokenizer import BPETrainer, count_pretokens, write_tiktoken
 
@@ -94,7 +94,7 @@ def test_trained_ranks_reproduce_training_segmentation(tmp_path):
         "aaaa aaa aa abcabcabc bcbcbc abab 1234567 12 123 ünïcödé ünï 🚀🚀 the the the\n"
     ) * 3
     trainer, path = _train_tiny(tmp_path, text, 320)
-    tok = Tokenizer(path)
+    tok = TiktokenTokenizer(path)
     assert tok.n_words == 328 and tok.bos_id == 320
     segmentation = {b"".join(trainer.token_bytes[t] for t in word): word for word in trainer.words}
     expected = [t for piece in regex.findall(LLAMA3_PATTERN, text) for t in segmentation[piece.encode()]]

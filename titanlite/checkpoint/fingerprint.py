@@ -10,7 +10,7 @@ that indexing it computed (`data/index.py`: every byte is hashed during the scan
 anyway, and kept with the index while the file's size and modification time are unchanged), plus the
 text field. Independent of where the files live or their modification times, which a copy or a fresh
 checkout changes. An `hf://` dataset is identified by its name, config and split. Tokenizer: a hash of
-the whole vocabulary file (a few MB at most).
+its whole files (`data/tokenizer.py`'s `tokenizer_files`: a few MB at most).
 
 Checkpoints written before content digests (no `method` in their fingerprint) hashed each file's first
 and last 64 KiB: a resume from one compares the same way (`edge_fingerprint`).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from titanlite.data.data_source import DataSource
 from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
-from titanlite.data.tokenizer import BUNDLED_VOCAB
+from titanlite.data.tokenizer import tokenizer_files
 
 _EDGE = 64 << 10
 
@@ -92,9 +92,17 @@ def edge_fingerprint(dataset_path: str, text_field: str, holdout_documents: int 
 
 
 def tokenizer_fingerprint(tokenizer_path: str) -> dict:
-    """{"name", "digest"} of the vocabulary file (`model.tokenizer_path`, "" = the bundled one)."""
-    path = Path(tokenizer_path) if tokenizer_path else BUNDLED_VOCAB
-    digest = hashlib.blake2b(path.read_bytes(), digest_size=8)
+    """{"name", "digest"} of the tokenizer's files (`model.tokenizer_path`, "" = the bundled one): the
+    content of a one-file tokenizer (a tiktoken file, a lone `tokenizer.json`); each file's size and content
+    in order where there are more (a `tokenizer.json` with its `tokenizer_config.json`, which names BOS and EOS)."""
+    files = tokenizer_files(tokenizer_path)
+    if len(files) == 1:
+        digest = hashlib.blake2b(files[0].read_bytes(), digest_size=8)
+    else:
+        digest = hashlib.blake2b(digest_size=8)
+        for path in files:
+            digest.update(f"{path.stat().st_size}\0".encode())
+            digest.update(path.read_bytes())
     return {"name": str(tokenizer_path or "bundled"), "digest": digest.hexdigest()}
 
 

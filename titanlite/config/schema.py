@@ -53,7 +53,8 @@ class Model:
     """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B; qwen3_moe: debugmodel, 30B-A3B,
     235B-A22B); the keys below override parts of it."""
     tokenizer_path: str = ""
-    """A tiktoken-format BPE file (e.g. Llama 3's tokenizer.model); empty = the bundled 2k vocabulary."""
+    """A tiktoken-format BPE file (e.g. Llama 3's original/tokenizer.model), or a Hugging Face tokenizer.json
+    (the file, or its folder: Qwen3's, Llama 3's; needs the hf extra); empty = the bundled 2k vocabulary."""
     # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts against the
     # family's `shape.keys` (titanlite/models/registry.py).
     n_layers: int = field(default=0, metadata=SHAPE)

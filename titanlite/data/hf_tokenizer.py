@@ -1,30 +1,34 @@
-"""A tiktoken-format tokenizer as Hugging Face tokenizer files (`tokenizer.json` + `tokenizer_config.json`).
+"""A run's tokenizer as Hugging Face tokenizer files (`tokenizer.json` + `tokenizer_config.json`), for the export.
 
-`AutoTokenizer.from_pretrained` on the export folder then gives titanlite's ids: the BPE ranks become a
-byte-level BPE with titanlite's pre-tokenization regex (`transformers`' `TikTokenConverter`), the special
-tokens keep their ids, and encoding prepends BOS as training does (`encode(text, bos=True, eos=False)`).
-No chat template is written: these are base models.
+A tokenizer read from Hugging Face files (`data/tokenizer_json.py`) is written as it was read. A
+tiktoken-format one is converted, so that `AutoTokenizer.from_pretrained` on the export folder gives
+titanlite's ids: the BPE ranks become a byte-level BPE with titanlite's pre-tokenization regex
+(`transformers`' `TikTokenConverter`), the special tokens keep their ids, and encoding prepends BOS as
+training does (`encode(text, bos=True, eos=False)`). No chat template is written: these are base models.
 
 One difference is deliberate: titanlite encodes a special-token string found in text as plain text (data
 must not inject control tokens), while HF tokenizers turn it into the special token, as users of Llama 3
 expect; `tokenizer(text, split_special_tokens=True)` gives titanlite's ids for such text.
 
-Needs `transformers` and `tokenizers` (the `hf` extra); the core install does not.
+The conversion needs `transformers` and `tokenizers` (the `hf` extra); the core install does not.
 """
 
 from __future__ import annotations
 
 import json
 
-from titanlite.data.tokenizer import BOS_TOKEN, EOS_TOKEN, LLAMA3_PATTERN, Tokenizer, load_ranks, special_tokens
+from titanlite.data.tiktoken_bpe import BOS_TOKEN, EOS_TOKEN, LLAMA3_PATTERN, load_ranks, special_tokens
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizer_json import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer, tokenizer_json_files
 from titanlite.errors import UserError
-
-TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int) -> dict[str, str]:
     """{file name: content} of the HF tokenizer equivalent to `tokenizer`."""
+    if isinstance(tokenizer, HFTokenizer):
+        file, config = tokenizer_json_files(tokenizer.path)
+        files = {TOKENIZER_JSON: file.read_text(encoding="utf-8")}
+        return files if config is None else {**files, TOKENIZER_CONFIG: config.read_text(encoding="utf-8")}
     try:
         from tokenizers import processors
         from transformers.convert_slow_tokenizer import TikTokenConverter

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import regex
 
-from titanlite.data.tokenizer import BUNDLED_VOCAB, LLAMA3_PATTERN
+from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB, LLAMA3_PATTERN
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 

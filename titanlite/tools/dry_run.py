@@ -115,7 +115,7 @@ def world_size_of(cfg: JobConfig) -> int:
 def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]:
     """RunPlan.build, except that a missing tokenizer file only costs the exact vocabulary size."""
     path = cfg.model.tokenizer_path
-    if not path or Path(path).is_file():
+    if not path or Path(path).exists():
         return RunPlan.build(cfg, world_size), []
     spec = get_model_spec(cfg.model.name)
     vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else 0
