@@ -11,9 +11,10 @@ of them have a closed form (`Mixture.counts`). The rule is a chain of even split
 `floor(n * p + u_v)` of shard v's first n samples (p its weight over the sum of the weights), the second
 takes the same share of the rest with its weight over the remaining weights, and so on; the last source
 takes what is left. The phases are spread evenly over the shards from one drawn from the seed per split,
-`u_v = frac(u + v / V)`: each shard follows the weights within one sample at every step, and (Hermite's
-identity, every shard having given the same number of samples at a step boundary) the first source's
-share of all the samples so far is within one sample of its weight, the others' close to theirs. Shares
+`u_v = frac(u + v / V)`: each shard follows the weights within a sample per split at every step, and
+(Hermite's identity, every shard having given the same number of samples at a step boundary) the first
+source's share of all the samples so far is within one sample of its weight, the others' within a few
+samples of theirs (what reaches a later split differs by a sample between shards). Shares
 and phases are fixed-point integers (32 fractional bits): the order is the same on every machine.
 
 A source that runs out starts over (its epoch), alone: the weights hold for the whole run, however long
