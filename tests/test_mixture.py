@@ -1,7 +1,7 @@
 """Weighted mixtures (`training.datasets`, `titanlite/data/mixture.py`), in process: the config's forms and
 refusals, the interleaving's proportions, layout independence, exact resume and resharding, per-source
-token counts, and the resume policy's line for a changed mixture. The run through `run_train.sh` (40
-steps' worth of weights, kill -9, dp2 x tp2) is `test_train_e2e.py`'s mixture test."""
+token counts, and the resume policy's line for a changed mixture. The run through `run_train.sh` (kill -9,
+dp2 x tp2) is `test_mixture_run.py`."""
 
 from __future__ import annotations
 
