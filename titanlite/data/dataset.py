@@ -19,6 +19,10 @@ With dataloader workers, whole microbatches go round-robin to workers (that is h
 schedules them), so each worker owns the shards of the microbatches it serves and produces exactly
 the samples the single-process stream would put there.
 
+A mixture of sources (`training.datasets`, `mixture.py`) keeps this layout: its shard v is one such
+stream per source, over that source's own documents `v, v + V, ...`, and each sample comes from the
+source the mixture names for the shard's sample number.
+
 Epochs. Shards start over independently (their token counts differ); the first time one of a
 process's shards starts a new pass, it logs `data: epoch E begins at step N` (the optimizer step the
 sample belongs to; the state counts completed steps). With workers only worker 0 logs, so the line

@@ -14,6 +14,9 @@ wrapper, which is specific to one worker count):
      "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token,
                         "source": for hf:// streams only, `datasets`' stream position before that document}}}
 
+    A mixture's shard (`training.datasets`, `mixture.py`) is {"n": samples the shard has produced,
+    "sources": {"<name>": such a cursor, one per source}}.
+
 Only plain ints, strings and dicts of them: it can be pickled or JSON-encoded. Loading it into a loader with the
 same configuration continues with exactly the next batch (any batch boundary).
 
