@@ -79,6 +79,16 @@ def describe_shape(spec: ModelSpec, args: Any) -> str:
     )
 
 
+def training_data(cfg: JobConfig) -> DataSource:
+    """The training data, parsed (a malformed `hf://` path is one line): `training.dataset_path`, or for a
+    mixture its first streamed source if it has one, else its first (the data is local only when every
+    source is)."""
+    if not cfg.training.datasets:
+        return DataSource.parse(cfg.training.dataset_path)
+    sources = [DataSource.parse(entry.path) for entry in cfg.training.datasets]
+    return next((s for s in sources if not s.local), sources[0])
+
+
 def check_combinations(cfg: JobConfig, data: DataSource) -> None:
     """The rules between keys that need neither the model nor the mesh: held-out data, and which pipeline
     schedules combine with which reduction and compilation."""
@@ -91,6 +101,11 @@ def check_combinations(cfg: JobConfig, data: DataSource) -> None:
         raise ConfigError(
             "validation.holdout_documents and validation.dataset_path exclude each other: held-out training "
             "documents would be read by nothing"
+        )
+    if v.holdout_documents and cfg.training.datasets:
+        raise ConfigError(
+            "validation.holdout_documents cannot hold documents out of a mixture (training.datasets); set "
+            "validation.dataset_path to the held-out data"
         )
     if v.holdout_documents and not data.local:
         raise ConfigError(
@@ -165,7 +180,7 @@ class RunPlan:
     virtual_shards: int
     """Virtual data shards: `training.dataset_virtual_shards`, or one per sample of the global batch."""
     data: DataSource
-    """The training data (`training.dataset_path`, parsed)."""
+    """The training data (`training_data`)."""
     compile_passes: bool
     """Compilation installs SimpleFSDP's graph passes (`compile.check_compile`)."""
     pipeline: StagePlan | None = None
@@ -184,7 +199,7 @@ class RunPlan:
         """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
         torch_support.check(cfg, torch.__version__)
         check_seed_world(cfg, world_size)
-        data = DataSource.parse(cfg.training.dataset_path)
+        data = training_data(cfg)
         check_combinations(cfg, data)
         spec = get_model_spec(cfg.model.name)
         check_mask(cfg, spec)

@@ -44,11 +44,12 @@ def data_index_dir(cfg: JobConfig) -> str:
 
 @contextlib.contextmanager
 def naming_key(section: str) -> Iterator[None]:
-    """The data package's errors about `dataset_path` name the key in full: `section.dataset_path`."""
+    """The data package's errors about `dataset_path` (or a mixture's `datasets`) name the key in full:
+    `section.dataset_path`."""
     try:
         yield
     except DataError as e:
-        if str(e).startswith("dataset_path"):
+        if str(e).startswith(("dataset_path", "datasets ")):
             raise DataError(f"{section}.{e}") from None
         raise
 
@@ -76,6 +77,8 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: 
             holdout_documents=plan.cfg.validation.holdout_documents,
             index_dir=data_index_dir(plan.cfg),
             report=report,
+            mixture=t.datasets,
+            seed=t.seed,
         )
 
 

@@ -165,6 +165,7 @@ class Trainer:
             ),
             world_size=self.world_size,
             compiled=cfg.compile.enable,
+            sources=tuple(source.name for source in t.datasets),
         )
 
     # --- set-up helpers ---------------------------------------------------------------------------------
@@ -285,6 +286,7 @@ class Trainer:
                             elapsed=elapsed,
                             data_time=window_data,
                             family=step_metrics(self.model) if step_metrics else {},
+                            tokens_seen=self.dataloader.dataset.tokens_seen(self.step - start),
                         ),
                         window_steps,
                     )

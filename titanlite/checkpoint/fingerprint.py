@@ -12,6 +12,9 @@ text field. Independent of where the files live or their modification times, whi
 checkout changes. An `hf://` dataset is identified by its name, config and split. Tokenizer: a hash of
 its whole files (`data/tokenizer.py`'s `tokenizer_files`: a few MB at most).
 
+A mixture (`training.datasets`) is identified by each source's fingerprint with its name and weight, and
+the seed that interleaves them: a resume names the source that was added, removed, reweighted or changed.
+
 Checkpoints written before content digests (no `method` in their fingerprint) hashed each file's first
 and last 64 KiB: a resume from one compares the same way (`edge_fingerprint`).
 """
@@ -23,6 +26,7 @@ import os
 from pathlib import Path
 
 from titanlite.data.data_source import DataSource
+from titanlite.data.mixture import MixedSources
 from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
 from titanlite.data.tokenizer import tokenizer_files
 
@@ -71,6 +75,55 @@ def dataset_fingerprint(source: DocumentSource, text_field: str, holdout_documen
         "digest": digest.hexdigest(),
         "method": "content",
     }
+
+
+def mixture_fingerprint(mixed: MixedSources, text_field: str, seed: int) -> dict:
+    """A mixture's fingerprint: `dataset_fingerprint`'s keys over all its sources, plus "sources" (each
+    source's fingerprint with its "source" name and "weight") and the "seed" that interleaves them."""
+    mixture = mixed.mixture
+    parts = [
+        {**dataset_fingerprint(source, text_field), "source": name, "weight": weight}
+        for name, weight, source in zip(mixture.names, mixture.weights, mixed.sources)
+    ]
+    digest = hashlib.blake2b(f"seed={seed}\n".encode(), digest_size=8)
+    for part in parts:
+        digest.update(f"{part['source']}\0{part['weight']!r}\0{part['digest']}\0".encode())
+    return {
+        "name": mixed.name,
+        "text_field": text_field,
+        "files": sum(p["files"] for p in parts),
+        "bytes": sum(p["bytes"] for p in parts),
+        "digest": digest.hexdigest(),
+        "method": "content",
+        "sources": parts,
+        "seed": seed,
+    }
+
+
+def describe_mixture_change(was: dict, now: dict) -> str:
+    """What changed between two dataset fingerprints of which at least one is a mixture's, in words: the
+    first source added, removed, reweighted or with other data, or the seed."""
+    if "sources" not in was:
+        return f"training.dataset_path was {describe_dataset(was)}, this run reads the mixture {now['name']}"
+    if "sources" not in now:
+        return f"training.datasets was the mixture {was['name']}, this run reads {describe_dataset(now)}"
+    old = {p["source"]: p for p in was["sources"]}
+    new = {p["source"]: p for p in now["sources"]}
+    for name in old.keys() - new.keys():
+        return f"training.datasets source {name!r} was removed (mixture {was['name']} -> {now['name']})"
+    for name in new.keys() - old.keys():
+        return f"training.datasets source {name!r} was added (mixture {was['name']} -> {now['name']})"
+    for name, part in new.items():
+        if old[name]["weight"] != part["weight"]:
+            return f"training.datasets source {name!r} had weight {old[name]['weight']:g}, this run {part['weight']:g}"
+        if old[name]["digest"] != part["digest"]:
+            return (
+                f"training.datasets source {name!r} was {describe_dataset(old[name])}, this run reads "
+                f"{describe_dataset(part)}"
+            )
+    if [p["source"] for p in was["sources"]] != [p["source"] for p in now["sources"]]:
+        return f"training.datasets lists its sources in another order ({was['name']} -> {now['name']})"
+    return f"training.seed was {was['seed']}, this run has {now['seed']} (it interleaves the mixture)"
 
 
 def edge_fingerprint(dataset_path: str, text_field: str, holdout_documents: int = 0) -> dict:

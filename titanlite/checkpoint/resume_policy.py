@@ -10,8 +10,9 @@ global batch and virtual shards of the run plan). `compare_settings` holds a res
   tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
   (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
   (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
-  content) unless `training.allow_dataset_change`, which warns and restarts the data stream from the
-  beginning of the new dataset;
+  content; a mixture's sources, by name, weight and content, and `training.seed`, which interleaves them)
+  unless `training.allow_dataset_change`, which warns and restarts the data stream from the beginning of
+  the new dataset;
 - resharded, as with any layout: `parallelism.*`, `training.local_batch_size` (the global batch stays);
 - take the new value: everything else, e.g. `optimizer.*` (lr, betas, eps, weight_decay,
   implementation: the saved param groups' values are replaced, and the LR schedule's base LR is the new
@@ -29,9 +30,12 @@ from dataclasses import dataclass
 from titanlite.checkpoint.fingerprint import (
     dataset_fingerprint,
     describe_dataset,
+    describe_mixture_change,
     edge_fingerprint,
+    mixture_fingerprint,
     tokenizer_fingerprint,
 )
+from titanlite.data.mixture import MixedSources
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.plan import RunPlan
 
@@ -117,6 +121,8 @@ def compare_settings(
     if not (was and now and was["digest"] != now["digest"]):
         return ResumeCheck(changed)
     what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
+    if "sources" in was or "sources" in now:
+        what = describe_mixture_change(was, now)
     if was["text_field"] != now["text_field"]:
         what = f"training.dataset_text_field was {was['text_field']!r}, this run has {now['text_field']!r}"
     if not allow_dataset_change:
@@ -142,11 +148,13 @@ class RunRecord:
         cfg = plan.cfg
         self._dataset = self._tokenizer = None
         if rank == 0 and dataloader is not None:
-            self._dataset = dataset_fingerprint(
-                dataloader.dataset.source,
-                cfg.training.dataset_text_field,
-                holdout_documents=cfg.validation.holdout_documents,
-            )
+            source, t = dataloader.dataset.source, cfg.training
+            if isinstance(source, MixedSources):
+                self._dataset = mixture_fingerprint(source, t.dataset_text_field, t.seed)
+            else:
+                self._dataset = dataset_fingerprint(
+                    source, t.dataset_text_field, holdout_documents=cfg.validation.holdout_documents
+                )
             self._tokenizer = tokenizer_fingerprint(cfg.model.tokenizer_path)
 
     def layout(self) -> dict:

@@ -14,7 +14,7 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.ranges import Range
-from titanlite.config.schema import sections
+from titanlite.config.schema import DatasetSource, sections
 
 USAGE = (
     "usage: ./run_train.sh [--config FILE] [--dry-run | --plan] [--section.key VALUE | --section.key=VALUE | "
@@ -51,6 +51,8 @@ def describe_type(typ: Any, domain: Range | None) -> str:
     """A field's type for people: `int, positive`, `one of a|b`, `list of str`."""
     if get_origin(typ) is Literal:
         return "one of " + "|".join(get_args(typ))
+    if get_origin(typ) is list and get_args(typ)[0] is DatasetSource:
+        return "list of PATH:WEIGHT (comma-separated), or TOML tables {path, weight, name}"
     if get_origin(typ) is list:
         return f"list of {get_args(typ)[0].__name__} (comma-separated)"
     name = getattr(typ, "__name__", str(typ))

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import typing
 from collections.abc import Iterator
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.ranges import Range
-from titanlite.config.schema import CHOICES, JobConfig, all_keys, sections
+from titanlite.config.schema import CHOICES, DatasetSource, JobConfig, all_keys, sections
 from titanlite.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -44,6 +45,8 @@ def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}'{where}: expected a list, got {value!r}")
         return [_coerce(key, v, item, origin) for v in value]
+    if typ is DatasetSource:
+        return _dataset_source(key, value, where)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -71,6 +74,22 @@ def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"config key '{key}'{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _dataset_source(key: str, value: Any, where: str) -> DatasetSource:
+    """A mixture's source from a TOML table {path, weight, name} or the command line's `PATH:WEIGHT`."""
+    if isinstance(value, str):
+        try:
+            return DatasetSource.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"config key '{key}'{where}: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key '{key}'{where}: expected a table {{path, weight, name}}, got {value!r}")
+    hints = typing.get_type_hints(DatasetSource)
+    for name in value:
+        if name not in hints:
+            raise ConfigError(f"config key '{key}'{where}: unknown field {name!r} (a source has path, weight, name)")
+    return DatasetSource(**{name: _coerce(f"{key}.{name}", v, hints[name], "") for name, v in value.items()})
 
 
 def _type_of(key: str, origin: str) -> Any:
@@ -198,6 +217,53 @@ def validate(cfg: JobConfig) -> None:
             f"config key 'activation_checkpoint.selective_ac_option' = {option!r}: "
             "expected 'op', 'op_all_mm' or a positive integer"
         )
+    check_datasets(cfg)
     for component in cfg.compile.components:
         if component not in ("model", "loss"):
             raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+BUNDLED_NAME = "corpus"
+"""The default name of the bundled corpus (path "") in a mixture: its folder's name."""
+
+
+def source_stem(path: str) -> str:
+    """A mixture source's default name: the file or folder name of `path` up to its first dot (`web.jsonl.gz`
+    -> `web`), a Hugging Face dataset's name without its owner, config and split, `corpus` for the bundled
+    corpus."""
+    if not path:
+        return BUNDLED_NAME
+    if path.startswith("hf://"):
+        return path.removeprefix("hf://").partition("@")[0].partition(":")[0].rstrip("/").rpartition("/")[2]
+    return path.rstrip("/").rpartition("/")[2].partition(".")[0]
+
+
+def check_datasets(cfg: JobConfig) -> None:
+    """`training.datasets`: each source named (by default after its file stem), with a positive weight and a
+    name of its own, and not together with `training.dataset_path`."""
+    t = cfg.training
+    if not t.datasets:
+        return
+    if t.dataset_path:
+        raise ConfigError(
+            "config keys 'training.dataset_path' and 'training.datasets' are both set: train on one dataset or "
+            "on a mixture, not both"
+        )
+    seen: dict[str, str] = {}
+    for source in t.datasets:
+        source.name = source.name or source_stem(source.path)
+        what = f"config key 'training.datasets': source {source.name!r} ({source.path or 'the bundled corpus'})"
+        if not math.isfinite(source.weight) or source.weight <= 0:
+            raise ConfigError(f"{what} has weight {source.weight}: weights must be positive numbers")
+        if not _SOURCE_NAME.fullmatch(source.name):
+            raise ConfigError(
+                f"config key 'training.datasets': source {source.path!r} needs a name of letters, digits, '_', "
+                f"'.' and '-' (got {source.name!r}; set its name)"
+            )
+        if source.name in seen:
+            raise ConfigError(
+                f"config key 'training.datasets': two sources are named {source.name!r} ({seen[source.name]!r} "
+                f"and {source.path!r}); give them names of their own"
+            )
+        seen[source.name] = source.path

@@ -132,12 +132,39 @@ class LRScheduler:
 
 
 @dataclass
+class DatasetSource:
+    """One source of a weighted mixture of training data (`training.datasets`)."""
+
+    path: str = ""
+    """Any form `training.dataset_path` takes; empty = the bundled corpus."""
+    weight: float = 1.0
+    """The source's share of the training tokens, relative to the other sources' weights (> 0)."""
+    name: str = ""
+    """What logs, metrics (`tokens_seen/<name>`) and checkpoints call the source; empty = the path's file stem."""
+
+    @classmethod
+    def parse(cls, text: str) -> DatasetSource:
+        """The command-line form `PATH:WEIGHT` (the weight follows the last colon, so `hf://name:config:0.2`
+        keeps its config); ValueError when the weight is missing or not a number."""
+        path, colon, weight = text.rpartition(":")
+        if not colon:
+            raise ValueError(f"{text!r} has no weight (expected PATH:WEIGHT)")
+        try:
+            return cls(path=path, weight=float(weight))
+        except ValueError:
+            raise ValueError(f"{text!r}: the weight {weight!r} is not a number (expected PATH:WEIGHT)") from None
+
+
+@dataclass
 class Training:
     """Data, batch sizes, steps, precision and the run's seed."""
 
     dataset_path: str = ""
     """A file, directory or glob of .txt/.jsonl/.json (JSON lines)/.parquet, .gz or .zst compressed too (see
     titanlite/data/sources.py), or `hf://name[:config][@split]`; empty = bundled corpus."""
+    datasets: list[DatasetSource] = field(default_factory=list)
+    """A weighted mixture instead of `dataset_path`: TOML tables {path, weight, name}, or on the command line
+    `PATH:WEIGHT,PATH:WEIGHT`; each sample of a step comes from one source, in proportion to the weights."""
     dataset_text_field: str = "text"
     """The JSON/parquet field holding the text."""
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)

@@ -19,6 +19,10 @@ With dataloader workers, whole microbatches go round-robin to workers (that is h
 schedules them), so each worker owns the shards of the microbatches it serves and produces exactly
 the samples the single-process stream would put there.
 
+A mixture of sources (`training.datasets`, `mixture.py`) keeps this layout: its shard v is one such
+stream per source, over that source's own documents `v, v + V, ...`, and each sample comes from the
+source the mixture names for the shard's sample number.
+
 Epochs. Shards start over independently (their token counts differ); the first time one of a
 process's shards starts a new pass, it logs `data: epoch E begins at step N` (the optimizer step the
 sample belongs to; the state counts completed steps). With workers only worker 0 logs, so the line
@@ -35,6 +39,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlite.data.batch import Batch
+from titanlite.data.mixture import MixedSources
 from titanlite.data.sources import DocumentSource, counted
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
@@ -155,8 +160,23 @@ def _cursor_state(cursor: ShardCursor) -> dict:
     return state
 
 
+def _shard_state(stream: ShardStream | MixedStream) -> dict:
+    """A shard's saved state: its cursor, or a mixture's samples and cursor per source."""
+    return stream.state() if isinstance(stream, MixedStream) else _cursor_state(stream.cursor)
+
+
+def _sources(stream: ShardStream | MixedStream) -> list[tuple[str, ShardStream]]:
+    """(label, stream) of each source a shard reads."""
+    if isinstance(stream, MixedStream):
+        return list(zip(stream.mixture.names, stream.streams))
+    return [("", stream)]
+
+
 class ShardStream:
     """One virtual shard: its documents, tokenized and packed, from a cursor."""
+
+    label = ""
+    """The source a log line names: none for a single dataset."""
 
     def __init__(
         self, shard: int, source: DocumentSource, tokenizer: Tokenizer, num_shards: int, cursor: ShardCursor
@@ -214,6 +234,38 @@ class ShardStream:
         return out, positions
 
 
+class MixedStream:
+    """One virtual shard of a mixture (`mixture.py`): a stream per source, each sample from the source the
+    mixture names for it; `n` counts the shard's samples. `label` and `cursor` are the last sample's source's."""
+
+    def __init__(self, shard: int, sources: MixedSources, streams: list[ShardStream], n: int = 0) -> None:
+        self.shard, self.mixture, self.streams, self.n = shard, sources.mixture, streams, n
+        self._last = 0
+
+    @property
+    def label(self) -> str:
+        return self.mixture.names[self._last]
+
+    @property
+    def cursor(self) -> ShardCursor:
+        return self.streams[self._last].cursor
+
+    @property
+    def pass_documents(self) -> int:
+        return self.streams[self._last].pass_documents
+
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        self._last = self.mixture.source_of(self.shard, self.n)
+        self.n += 1
+        return self.streams[self._last].take(n)
+
+    def state(self) -> dict:
+        return {
+            "n": self.n,
+            "sources": {name: _cursor_state(s.cursor) for name, s in zip(self.mixture.names, self.streams)},
+        }
+
+
 class PackedShards(IterableDataset):
     """Endless `Batch` samples (inputs, labels, positions) of one data-parallel rank, with a portable state.
 
@@ -225,7 +277,12 @@ class PackedShards(IterableDataset):
     """
 
     def __init__(
-        self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, layout: ShardLayout, log_epochs: bool = True
+        self,
+        source: DocumentSource | MixedSources,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        layout: ShardLayout,
+        log_epochs: bool = True,
     ) -> None:
         if seq_len < 1:
             raise ConfigError(f"training.seq_len must be positive, got {seq_len}")
@@ -238,11 +295,37 @@ class PackedShards(IterableDataset):
         self._step: int | None = 0  # completed rounds, i.e. optimizer steps; None = unknown
         self._epochs_logged = log_epochs  # off for held-out data, which every evaluation reads from its start
         self._log_epochs = log_epochs
-        self._streams = {v: self._stream(v, ShardCursor()) for v in self._round}
-        self._epoch = 0  # the newest epoch any of this process's shards is in
+        self._streams = {v: self._stream(v, None) for v in self._round}
+        self._epochs: dict[str, int] = {}  # per source (label), the newest epoch any of this process's shards is in
+        self._start_samples = 0  # samples each shard had produced when this stream started (created or loaded)
 
-    def _stream(self, shard: int, cursor: ShardCursor) -> ShardStream:
-        return ShardStream(shard, self.source, self.tokenizer, self.layout.num_shards, cursor)
+    def _stream(self, shard: int, state: dict | None) -> ShardStream | MixedStream:
+        """Shard `shard`'s stream from its saved state (None: from the start)."""
+        state = state or {}
+        if not isinstance(self.source, MixedSources):
+            if "sources" in state:
+                raise CheckpointError("data loader state is a mixture's (training.datasets); this run reads one")
+            return ShardStream(shard, self.source, self.tokenizer, self.layout.num_shards, ShardCursor(**state))
+        names = self.source.mixture.names
+        saved = state.get("sources", {} if not state else None)
+        if saved is None or (saved and sorted(saved) != sorted(names)):
+            was = "one dataset" if saved is None else ", ".join(sorted(saved))
+            raise CheckpointError(f"data loader state holds {was}; this run mixes {', '.join(names)}")
+        streams = [
+            ShardStream(shard, source, self.tokenizer, self.layout.num_shards, ShardCursor(**saved.get(name, {})))
+            for name, source in zip(names, self.source.sources)
+        ]
+        return MixedStream(shard, self.source, streams, state.get("n", 0))
+
+    def tokens_seen(self, steps: int) -> dict[str, int]:
+        """For a mixture, the tokens each source has given the run (all data-parallel ranks) once `steps`
+        optimizer steps past this stream's start (created or loaded) are done: the mixture's closed form
+        (`mixture.Mixture.samples`) times `seq_len`; {} for a single dataset."""
+        if not isinstance(self.source, MixedSources):
+            return {}
+        n = self._start_samples + steps * self.layout.samples_per_shard
+        samples = self.source.mixture.samples(n)
+        return {name: count * self.seq_len for name, count in samples.items()}
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -255,8 +338,9 @@ class PackedShards(IterableDataset):
         k, window = self.layout.samples_per_shard, self.seq_len + 1
         while True:
             shard = self._round[self._round_pos // k]
-            tokens, positions = self._streams[shard].take(window)
-            if self._streams[shard].cursor.epoch > self._epoch:
+            stream = self._streams[shard]
+            tokens, positions = stream.take(window)
+            if stream.cursor.epoch > self._epochs.get(stream.label, 0):
                 self._new_epoch(shard)
             self._round_pos = (self._round_pos + 1) % (len(self._round) * k)  # state first: it is read after yield
             if self._round_pos == 0 and self._step is not None:
@@ -266,14 +350,15 @@ class PackedShards(IterableDataset):
 
     def _new_epoch(self, shard: int) -> None:
         stream = self._streams[shard]
-        self._epoch = stream.cursor.epoch
+        epoch = self._epochs[stream.label] = stream.cursor.epoch
         if not self._log_epochs:
             return
         if self._step is not None:
             when = f"at step {self._step + 1}"
         else:  # resumed from a state that did not count steps
             when = f"after {counted(stream.pass_documents, 'document')} of virtual shard {shard}"
-        logger.info(f"data: epoch {self._epoch + 1} begins {when}")
+        source = f"{stream.label}: " if stream.label else ""
+        logger.info(f"data: {source}epoch {epoch + 1} begins {when}")
 
     def state_dict(self) -> dict:
         layout = self.layout
@@ -286,7 +371,7 @@ class PackedShards(IterableDataset):
             "local_batch_size": layout.local_batch_size,
             "round_pos": self._round_pos,
             "step": self._step,
-            "shards": {str(v): _cursor_state(self._streams[v].cursor) for v in self._round},
+            "shards": {str(v): _shard_state(self._streams[v]) for v in self._round},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -309,5 +394,9 @@ class PackedShards(IterableDataset):
         self._round = layout.rank_shards
         self._round_pos = state["round_pos"]
         self._step = state.get("step")
-        self._streams = {v: self._stream(v, ShardCursor(**state["shards"][str(v)])) for v in self._round}
-        self._epoch = max(stream.cursor.epoch for stream in self._streams.values())
+        self._streams = {v: self._stream(v, state["shards"][str(v)]) for v in self._round}
+        self._epochs = {}
+        for stream in self._streams.values():
+            for label, sub in _sources(stream):
+                self._epochs[label] = max(self._epochs.get(label, 0), sub.cursor.epoch)
+        self._start_samples = min(s.n if isinstance(s, MixedStream) else 0 for s in self._streams.values())

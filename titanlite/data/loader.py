@@ -14,6 +14,9 @@ wrapper, which is specific to one worker count):
      "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token,
                         "source": for hf:// streams only, `datasets`' stream position before that document}}}
 
+    A mixture's shard (`training.datasets`, `mixture.py`) is {"n": samples the shard has produced,
+    "sources": {"<name>": such a cursor, one per source}}.
+
 Only plain ints, strings and dicts of them: it can be pickled or JSON-encoded. Loading it into a loader with the
 same configuration continues with exactly the next batch (any batch boundary).
 
@@ -35,13 +38,15 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite.config import DatasetSource
 from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
-from titanlite.data.sources import LocalSource, counted, open_source
+from titanlite.data.mixture import MixedSources, Mixture
+from titanlite.data.sources import DocumentSource, LocalSource, counted, open_source
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.workers import WorkerSetup, worker_context
 from titanlite.errors import CheckpointError, DataError
@@ -116,40 +121,16 @@ def merge_loader_states(states: list[dict]) -> dict:
     }
 
 
-def build_dataloader(
-    *,
-    tokenizer: Tokenizer,
+def _checked_source(
     dataset_path: str,
     text_field: str,
-    seq_len: int,
-    local_batch_size: int,
-    global_batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
-    virtual_shards: int = 0,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    holdout_documents: int = 0,
-    heldout: bool = False,
-    index_dir: str | None = None,
-    report: bool = True,
-    log_epochs: bool = True,
-) -> TokenLoader:
-    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
-
-    `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
-    without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
-    the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
-    keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
-    launch does); `log_epochs` logs each new pass over the data (`data: epoch E begins at step N`)."""
-    layout = ShardLayout.create(
-        global_batch_size=global_batch_size,
-        local_batch_size=local_batch_size,
-        virtual_shards=virtual_shards,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        num_workers=num_workers,
-    )
+    layout: ShardLayout,
+    index_dir: str | None,
+    report: bool,
+    holdout_documents: int,
+    heldout: bool,
+) -> DocumentSource:
+    """One dataset, opened and checked up front (it fills every virtual shard); its line logged."""
     source = open_source(dataset_path, text_field, index_dir=index_dir, report=report)
     what = "held-out document" if heldout else "document"
     if holdout_documents:
@@ -179,6 +160,59 @@ def build_dataloader(
         logger.info(f"data: {counted(n, what)} in {counted(len(source.files), 'file')} from {source.name}")
     elif next(source.shard_documents(0, 1, 0), None) is None:
         raise DataError(f"dataset_path {source.name}: no usable documents")
+    return source
+
+
+def build_dataloader(
+    *,
+    tokenizer: Tokenizer,
+    dataset_path: str,
+    text_field: str,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    virtual_shards: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    holdout_documents: int = 0,
+    heldout: bool = False,
+    index_dir: str | None = None,
+    report: bool = True,
+    log_epochs: bool = True,
+    mixture: Sequence[DatasetSource] = (),
+    seed: int = 0,
+) -> TokenLoader:
+    """The loader of dp rank `dp_rank`; bad paths and unusable data raise `DataError` here, up front.
+
+    `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
+    without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
+    the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
+    keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
+    launch does); `log_epochs` logs each new pass over the data (`data: epoch E begins at step N`).
+    `mixture` (named, weighted sources; `dataset_path` and the held-out documents then unused) reads a
+    weighted mixture interleaved from `seed` (`mixture.py`)."""
+    layout = ShardLayout.create(
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        virtual_shards=virtual_shards,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        num_workers=num_workers,
+    )
+    if mixture:
+        opened = []
+        for entry in mixture:
+            try:
+                opened.append(_checked_source(entry.path, text_field, layout, index_dir, report, 0, False))
+            except DataError as e:  # "dataset_path X: why" -> "datasets source NAME: X: why"
+                raise DataError(f"datasets source {entry.name!r}:{str(e).removeprefix('dataset_path')}") from None
+        names, weights = [entry.name for entry in mixture], [entry.weight for entry in mixture]
+        source: DocumentSource | MixedSources = MixedSources(opened, Mixture(names, weights, seed, layout.num_shards))
+        logger.info(f"data: mixture {source.name}")
+    else:
+        source = _checked_source(dataset_path, text_field, layout, index_dir, report, holdout_documents, heldout)
     dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")

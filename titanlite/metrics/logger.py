@@ -18,7 +18,7 @@ import torch
 from titanlite.metrics.mfu import Peak
 from titanlite.metrics.peak_memory import MemoryMonitor
 from titanlite.metrics.runs import Run
-from titanlite.metrics.schema import METRICS, RENAMED, StepStats, ValidationResult
+from titanlite.metrics.schema import METRICS, RENAMED, StepStats, ValidationResult, tokens_seen_metric
 from titanlite.metrics.sinks import Sinks
 
 logger = logging.getLogger("titanlite")
@@ -48,7 +48,8 @@ class MetricsLogger:
     held-out metrics to the TensorBoard layout, `family_metrics` the names of the model family's own
     scalars (`StepStats.family`, on the step line after the data share). `run_label` (`runs.layout_label`)
     and `world_size` describe the run in runs.jsonl and name its TensorBoard folder; `compiled`: the
-    first step of the process compiles, so it gives no ETA.
+    first step of the process compiles, so it gives no ETA. `sources`: a mixture's source names, each
+    logged as `tokens_seen/<name>` (`StepStats.tokens_seen`).
 
     The outputs are opened when training starts (`begin`): a start that trains nothing is no run."""
 
@@ -65,6 +66,7 @@ class MetricsLogger:
         run_label: str = "1proc",
         world_size: int = 1,
         compiled: bool = False,
+        sources: tuple[str, ...] = (),
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.dump_folder, self.run_config = dump_folder, run_config
@@ -73,6 +75,7 @@ class MetricsLogger:
         self.peak = Peak(cfg.peak_tflops, device) if enabled else None
         shown = [m for m in METRICS if not m.family or m.name in family_metrics]
         self.metrics = [m for m in shown if (device.type == "cuda" or not m.cuda_only) and not m.validation]
+        self.metrics += [tokens_seen_metric(name) for name in sources]
         self.val_metrics = [m for m in METRICS if m.validation] if validation else []
         self.sinks: Sinks | None = None
         self.total_steps = 0
@@ -147,6 +150,7 @@ class MetricsLogger:
             step_time_s=s.elapsed / max(n_steps, 1),
         )
         record.update(s.family)
+        record.update({f"tokens_seen/{name}": n for name, n in s.tokens_seen.items()})
         if reserved is not None:
             record["mem_reserved_gib"] = reserved
             record["mem_pct"] = 100.0 * reserved * 2**30 / self.memory.capacity

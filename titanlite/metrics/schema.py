@@ -39,6 +39,8 @@ class StepStats:
     data_time: float
     family: dict[str, float] = field(default_factory=dict)
     """The model family's own scalars (`ModelSpec.hooks.step_metrics`), by metric name."""
+    tokens_seen: dict[str, int] = field(default_factory=dict)
+    """A mixture's tokens per source since the run began (`tokens_seen_metric`), by source name."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,19 @@ METRICS = (
     Metric("val_ppl", "validation", "Validation perplexity", "", "exp(validation loss).", validation=True),
 )
 """Every scalar the logger writes, in chart order; the TensorBoard custom layout is built from it."""
+
+
+def tokens_seen_metric(source: str) -> Metric:
+    """The cumulative tokens of a mixture's source (`training.datasets`): metrics.jsonl key
+    `tokens_seen/<source>`, TensorBoard tag `data/tokens_seen/<source>`."""
+    return Metric(
+        f"tokens_seen/{source}",
+        "data",
+        f"Tokens seen: {source}",
+        "tokens",
+        f"Training tokens from the mixture's source {source} since the run began (all ranks, resumes included).",
+    )
+
 
 RENAMED = {"mfu": "mfu_pct", "data_time_pct": "data_pct"}
 """metrics.jsonl keys renamed to the shared names; the old keys are still written (same values) for one
