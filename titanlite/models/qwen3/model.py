@@ -190,12 +190,12 @@ class Transformer(nn.Module):
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised (TorchTitan's scheme). A tied embedding is the
-        output projection too, and is drawn as one (std dim^-0.5): at std 1 the logits would start dim^0.5
-        times too large."""
+        output projection too: drawn as transformers draws Qwen3's (std 0.02, `initializer_range`), since
+        each token's logit for itself starts at dim x std (std 1 would make it dim)."""
         a = self.args
-        if fqn.startswith("tok_embeddings.") and not a.tie_embeddings:
-            return InitSpec("normal", std=1.0)
-        if fqn.startswith(("output.", "tok_embeddings.")):
+        if fqn.startswith("tok_embeddings."):
+            return InitSpec("normal", std=0.02 if a.tie_embeddings else 1.0)
+        if fqn.startswith("output."):
             std = a.dim**-0.5
             return InitSpec("trunc_normal", std=std, cutoff=3 * std)
         if fqn.endswith("norm.weight"):
