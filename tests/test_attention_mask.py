@@ -19,8 +19,8 @@ from titanlite.data.batch import Batch
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.common import attention
+from titanlite.models.common import dense_activations as activations
 from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
-from titanlite.models.llama3 import activations
 from titanlite.models.llama3 import model as llama3_model
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac

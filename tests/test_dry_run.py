@@ -28,8 +28,8 @@ from harness import ROOT, assert_ok, child_env, end_worker, torchrun
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
+from titanlite.models.common.dense_activations import activation_bytes
 from titanlite.models.llama3 import Transformer, llama3_configs
-from titanlite.models.llama3.activations import activation_bytes
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SequenceShard

@@ -73,6 +73,12 @@ CASES_2 = [
     {"cp": 2, "ac": "full", "mask": "block_causal"},
     COMPILED_CP,
     {"cp": 2, "param_dtype": "bfloat16"},
+    # Qwen3 (QK-norm, tied embeddings: one parameter sharded once, both uses' gradients summed into it).
+    # Under tp 2 its losses and first gradients match (2.6e-7, 1.9e-8) but the parameters after 4 steps
+    # differ by 1.4e-4, past PARAM_ABS: not yet a case here.
+    {"family": "qwen3", "shard": 2},
+    {"family": "qwen3", "shard": 2, "dp_impl": "fsdp2"},
+    {"family": "qwen3", "cp": 2},
     # Negative control: the K/V gather without its backward reduce-scatter (each rank keeps only the
     # gradient its own queries give its keys and values).
     {"cp": 2, "no_kv_grad": True},

@@ -41,6 +41,7 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import parallelize, step_hooks
 from titanlite.parallelisms.pipeline import PipelineRunner, keep_stage
 from titanlite.parallelisms.step_context import StepContext
+from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, StepRunner, training_loss_fn
 
@@ -193,7 +194,10 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
 
 
 def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:
+    # `to_empty` materialises each module's parameters on their own: a tied one is tied back before init.
+    tied = TiedParameters.of(model)
     model.to_empty(device=device)
+    tied.retie(model)
     model.init_weights(seed=plan.cfg.training.seed, buffer_device=device)
 
 

@@ -35,11 +35,25 @@ from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
+from titanlite.models.qwen3 import ModelArgs as Qwen3Args  # noqa: E402
+from titanlite.models.qwen3 import Transformer as Qwen3Transformer  # noqa: E402
 from titanlite.parallelisms.context_parallel import PendingGather, SequenceShard, unshard_sequence  # noqa: E402
 from titanlite.plan import RunPlan  # noqa: E402
 from titanlite.trainer import Trainer  # noqa: E402
 
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 4, 1234
+QWEN3 = Qwen3Args(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    vocab_size=257,
+    ffn_dim=192,
+    max_seq_len=64,
+    tie_embeddings=True,
+)
+"""The tiny Qwen3 of the `"family": "qwen3"` cases: QK-norm, head_dim 32 (not dim / n_heads), tied embeddings."""
 
 
 def make_batches() -> list[Batch]:
@@ -101,7 +115,7 @@ def reference(batches, args, mask: str = "causal", float8: str = ""):
     `float8` recipe, torchao's float8 training (emulated) on every linear layer but the output."""
     cfg = base_config()
     o, warmup = cfg.optimizer, cfg.lr_scheduler.warmup_steps
-    model = Transformer(args, seq_len=SEQ)
+    model = (Qwen3Transformer if isinstance(args, Qwen3Args) else Transformer)(args, seq_len=SEQ)
     model.init_weights(seed=SEED)
     if float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -151,6 +165,7 @@ def case_config(case: dict, dump: str) -> JobConfig:
     cfg.compile.scope = case.get("scope", cfg.compile.scope)
     cfg.compile.components = ["model"]
     cfg.model.attn_mask_type = case.get("mask", "causal")
+    cfg.model.name = case.get("family", "llama3")
     if "float8" in case:  # every linear layer but the output (the tiny model's are below the auto filter's sizes)
         f8 = cfg.float8
         f8.enable, f8.recipe, f8.emulate, f8.filter_fqns = True, case["float8"], True, ["output"]
@@ -223,6 +238,8 @@ class CountGathers(TorchDispatchMode):
 
 
 def case_args(case: dict):
+    if case.get("family") == "qwen3":
+        return QWEN3
     return tiny_args(n_layers=case["layers"]) if "layers" in case else TINY
 
 
@@ -246,9 +263,10 @@ def main() -> None:
     records = []
     for case in cases:
         args, mask, float8 = case_args(case), case.get("mask", "causal"), case.get("float8", "")
-        if (args.n_layers, mask, float8) not in refs:
-            refs[args.n_layers, mask, float8] = reference(batches, args, mask, float8)
-        r_losses, r_grads, r_params = refs[args.n_layers, mask, float8]
+        key = (case.get("family", "llama3"), args.n_layers, mask, float8)
+        if key not in refs:
+            refs[key] = reference(batches, args, mask, float8)
+        r_losses, r_grads, r_params = refs[key]
         dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
         start = time.perf_counter()
         losses, grads, params, timeouts, unreduced, step = run(case, dump, batches)

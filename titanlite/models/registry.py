@@ -43,7 +43,11 @@ if TYPE_CHECKING:  # types only: the launcher's preflight reads the specs withou
     from titanlite.parallelisms.step_context import ExtraLoss
     from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 
-BUILTIN = {"llama3": "titanlite.models.llama3", "qwen3_moe": "titanlite.models.qwen3_moe"}
+BUILTIN = {
+    "llama3": "titanlite.models.llama3",
+    "qwen3": "titanlite.models.qwen3",
+    "qwen3_moe": "titanlite.models.qwen3_moe",
+}
 _MODELS: dict[str, ModelSpec] = {}
 
 

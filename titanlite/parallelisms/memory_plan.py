@@ -31,7 +31,7 @@ and each stage receives activations and gradients into buffers it allocates per 
 schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 tokens: 128 MiB each).
 
 Activations are the model family's own estimate (`ModelSpec.planning.activation_bytes`; Llama 3's is in
-`models/llama3/activations.py`). The total adds every part as if all peaked together, which is conservative.
+`models/common/dense_activations.py`). The total adds every part as if all peaked together, which is conservative.
 
 `choose_step` picks the step policy from these estimates: the first of `step_candidates` (most
 collectives saved first) whose total fits comfortably (`COMFORT_FRACTION` of the GPU); the trainer and

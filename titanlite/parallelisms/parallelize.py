@@ -31,6 +31,9 @@ Why this order:
   sets `CheckpointedBlock.in_graph`, the block's forward calls `body` unwrapped, and recompute tags on
   the joint graph do the checkpointing, so the recomputed blocks stay in the graph the scheduler orders.
   Compiling first would leave AC wrapping a compiled forward the compiler never saw checkpointed.
+- Tied parameters (an embedding the output projection shares) are tied back after the model-parallel
+  units, which replace each module's parameters on their own, and before data parallelism, which then
+  shards the one parameter once (`tied_parameters.py`).
 - Compile before data parallelism: compilation is lazy, and SimpleFSDP's gathers are module
   parametrizations traced at the first call, so the compiled graphs contain them (and the graph passes
   bucket them); FSDP2's hooks stay eager around the compiled blocks.
@@ -53,6 +56,7 @@ from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StepHook
 from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
@@ -90,6 +94,7 @@ def parallelize(
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()
+    tied = TiedParameters.of(model)
     if cfg.float8.enable:  # first: the layers every parallelism then wraps keep their parameters
         from titanlite.parallelisms.float8 import apply_float8
 
@@ -98,6 +103,9 @@ def parallelize(
     own: dict[nn.Module, DataParallelMesh] = {}
     for unit in enabled(dims, order):
         own |= unit.apply(applied)
+    # Each unit replaced parameters module by module: a shared one is tied back before data parallelism,
+    # which then shards it once (`tied_parameters.py`).
+    tied.retie(model)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
     report = None
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'

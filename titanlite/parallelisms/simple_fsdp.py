@@ -84,11 +84,12 @@ def gathers_of(module: nn.Module) -> Mapping[str, ReplicateComputation]:
 
 def parametrized(model: nn.Module) -> list[tuple[ReplicateComputation, DTensor]]:
     """Every (gather, its sharded parameter) under `model` that takes gradients, in forward order."""
-    out = []
+    out, seen = [], set()
     for module in model.modules():
         for name, gather in gathers_of(module).items():
             param = module._parameters[name]
-            if param is not None and param.requires_grad:
+            if param is not None and param.requires_grad and id(gather) not in seen:  # a shared one once
+                seen.add(id(gather))
                 out.append((gather, param))
     return out
 
@@ -213,17 +214,23 @@ def data_parallel(
     state = SimpleFSDPState()
     mp_policy = mp_policy or MixedPrecisionPolicy()
     default = DataParallelMesh(mesh, mode, dp_ndim or mesh.ndim)
+    # A Parameter several modules share (tied embeddings, `tied_parameters.py`) is sharded once and has
+    # one gather, which every module holding it reads (one gradient sink, one reduction).
+    done: dict[int, tuple[nn.Parameter, ReplicateComputation]] = {}
     for module in list(model.modules()):
-        names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+        names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
         where = (own_meshes or {}).get(module, default)
         dp_mesh = where.mesh if where.mesh.ndim == where.dp_ndim else _leading_submesh(where.mesh, where.dp_ndim)
         parametrizations = {}
         for name in names:
-            param, extra = _shard_parameter(module._parameters[name], where.mesh, where.mode, where.dp_ndim)
+            original = module._parameters[name]
+            if id(original) not in done:
+                param, extra = _shard_parameter(original, where.mesh, where.mode, where.dp_ndim)
+                done[id(original)] = param, ReplicateComputation(state, dp_mesh, where.mode, mp_policy, **extra)
+            param, parametrizations[name] = done[id(original)]
             module.register_parameter(name, param)
-            parametrizations[name] = ReplicateComputation(state, dp_mesh, where.mode, mp_policy, **extra)
         _register_parametrization(module, parametrizations)
     model.__dict__[_STATE] = state
     return model

@@ -1,7 +1,7 @@
 """Llama 3: the model, its flavors, its blocks and tensor-parallel plan, its HF adapter, its activation model."""
 
-from titanlite.models.llama3.activations import activation_bytes
-from titanlite.models.llama3.cost import step_cost
+from titanlite.models.common.dense_activations import activation_bytes
+from titanlite.models.common.dense_cost import step_cost
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer

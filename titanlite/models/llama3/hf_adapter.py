@@ -19,15 +19,15 @@ head, so an importing rank reads whole heads around its rows (`row_group`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from titanlite.models.common.hf_config import DTYPE_NAMES
+from titanlite.models.common.hf_config import differ as _differ
+from titanlite.models.common.hf_config import hf_rope as _hf_rope
 from titanlite.models.llama3.model import ModelArgs
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 _BLOCK = {
     "attention.wq": "self_attn.q_proj",
@@ -85,24 +85,6 @@ def rope_scaling(args: ModelArgs) -> dict | None:
         "high_freq_factor": float(args.rope_high_freq_factor),
         "original_max_position_embeddings": args.rope_original_max_seq_len,
     }
-
-
-def _hf_rope(config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling or None) of an HF config: `rope_theta` + `rope_scaling` (transformers 4) or
-    `rope_parameters` (transformers 5); HF's default theta is 10000."""
-    params = dict(config.get("rope_parameters") or {})
-    theta = config.get("rope_theta", params.pop("rope_theta", 10000.0))
-    params.pop("rope_theta", None)
-    scaling = config.get("rope_scaling") or params or None
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(theta), scaling
-
-
-def _differ(a: Any, b: Any) -> bool:
-    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
-        return not math.isclose(a, b, rel_tol=1e-9)
-    return a != b
 
 
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:

@@ -22,6 +22,7 @@ from torch import nn
 from titanlite.models.common.attention import Mask, attend, causal_mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
+from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
 from titanlite.parallelisms.context_parallel import SequenceShard
 
@@ -139,32 +140,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
-
-
-LayerKV = tuple[torch.Tensor, torch.Tensor, int]
-"""One block's view of a `KVCache`: its key and value buffers [b, kv_heads, max_len, head_dim] and the
-position its new tokens start at."""
-
-
-@dataclass
-class KVCache:
-    """Keys and values of the positions generated so far, per block: each new token then runs the model
-    over itself alone instead of over the whole sequence again. Filled from position 0 by a prompt, then
-    one token at a time (`Transformer.forward` with `cache`)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    pos: int = 0
-    """Positions held."""
-
-    def check(self, new: int) -> int:
-        """The position `new` tokens start at; advances past them (they are written by this forward)."""
-        if new > 1 and self.pos:
-            raise ValueError("a KV cache takes a prompt at position 0, then one token at a time")
-        if self.pos + new > self.k[0].shape[2]:
-            raise ValueError(f"the KV cache holds {self.k[0].shape[2]} positions, {self.pos + new} asked")
-        pos, self.pos = self.pos, self.pos + new
-        return pos
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/parallelisms/memory_plan.py`).
 
-Per token of one microbatch, with the eager kernels. Attention as Llama's (`models/llama3/activations.py`) plus
+Per token of one microbatch, with the eager kernels. Attention as Llama's (`models/common/dense_activations.py`) plus
 the q/k RMSNorms and the fp32 RoPE copies. Under tensor parallelism, as for Llama, sequence parallelism
 divides the norms' parts by tp and attention (heads) and the dense FFN by tp, the all-gathered inputs of
 the projections full size; a MoE layer runs on the whole gathered sequence on every tp rank

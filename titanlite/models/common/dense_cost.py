@@ -1,4 +1,5 @@
-"""Llama 3's cost per token for the step-time model (`titanlite/models/cost.py` says what each field is).
+"""A dense decoder's cost per token (Llama 3, Qwen3) for the step-time model (`titanlite/models/cost.py`
+says what each field is).
 
 Matmuls: wq, wk, wv, wo, w1, w2, w3 (2 FLOPs per weight element and token); selective AC `op` saves
 every other matmul of a block (wq, wv, w1, w2) and recomputes wk, wo and w3
@@ -10,6 +11,7 @@ bytes, fp32 = 4):
 
     eager                                            bytes per element
     RMSNorm: x.float(), rms_norm, type_as            (e + 4) + 8 + (4 + e)      on dim, twice
+    QK-norm (Qwen3): the same RMSNorm                (e + 4) + 8 + (4 + e)      on q and k
     RoPE: float(), 4 muls and 2 adds on halves,      (e + 4) + 16 + 12 + 8 + (4 + e)   on q and k
           stack, type_as
     attention output transpose + reshape copy        2e                         on dim
@@ -17,7 +19,7 @@ bytes, fp32 = 4):
     SwiGLU: silu, mul                                2e + 3e                    on ffn_dim
     compiled (fused regions read inputs, write outputs once)
     norm 1; residual add + norm 2; final residual    2e; 4e; 3e                 on dim
-    RoPE                                             2e                         on q and k
+    RoPE (after QK-norm: fused with it)              2e                         on q and k
     attention output copy                            2e                         on dim
     SwiGLU                                           3e                         on ffn_dim
 
@@ -30,17 +32,21 @@ block all-gathers its keys and values (2 x kv_heads x head_dim per token) over t
 
 from __future__ import annotations
 
+from typing import Any
+
 from titanlite.models.cost import BlockCost, ModelCost
-from titanlite.models.llama3.model import ModelArgs
 
 
-def step_cost(args: ModelArgs, seq_len: int, compute_bytes: int) -> ModelCost:
+def step_cost(args: Any, seq_len: int, compute_bytes: int, qk_norm: bool = False) -> ModelCost:
+    """`args`: dim, n_heads, kv_heads, head_dim, ffn_hidden_dim, vocab_size, flops_per_token."""
     d, h, kv, hd, f, v = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim, args.vocab_size
     e = compute_bytes
     q, k = h * hd, kv * hd
     wq, wk, wv, wo = d * q, d * k, d * k, q * d
     w1 = w2 = w3 = d * f
     eager = 2 * (2 * e + 16) * d + (2 * e + 44) * (q + k) + 2 * e * d + 2 * 3 * e * d + 5 * e * f
+    if qk_norm:
+        eager += (2 * e + 16) * (q + k)
     fused = (2 + 4 + 3) * e * d + 2 * e * (q + k) + 2 * e * d + 3 * e * f
     block = BlockCost(
         matmul_flops=2 * (wq + wk + wv + wo + w1 + w2 + w3),

@@ -1,9 +1,11 @@
-"""Llama 3's activation memory per GPU, for the dry run's memory plan (`titanlite/parallelisms/memory_plan.py`).
+"""A dense decoder's activation memory per GPU (Llama 3, Qwen3), for the dry run's memory plan
+(`titanlite/parallelisms/memory_plan.py`).
 
 Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
 by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
 the output in the compute dtype; q, k, v, the SDPA output and its logsumexp (flash kernels: no s x s
-matrix); four FFN-wide tensors for SwiGLU; the logits held by the training step plus the fp32
+matrix); with QK-norm (Qwen3) the per-head norms' fp32 input and normalised queries and keys plus their
+output; four FFN-wide tensors for SwiGLU; the logits held by the training step plus the fp32
 log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss parallel). Sequence
 parallelism divides the norm and residual parts by tp, head and FFN parts are divided by tp, and the
 all-gathered inputs of the projections are full size. The peak is the larger of the start of backward
@@ -26,14 +28,16 @@ d x e / tp bytes per local token) and whether the stage's first block saves it (
 
 from __future__ import annotations
 
+from typing import Any
+
 from titanlite.models.common.attention import mask_bytes
-from titanlite.models.llama3.model import ModelArgs
 from titanlite.parallelisms.memory_plan import Layout, activation_peak
 
 
-def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
+def activation_bytes(args: Any, layout: Layout, qk_norm: bool = False) -> dict[str, int]:
     """Peak activation bytes of one microbatch and its parts (module docstring), and what it holds from
-    its forward to its backward ("held"); `layout.blocks` and `layout.output` restrict both to a stage."""
+    its forward to its backward ("held"); `layout.blocks` and `layout.output` restrict both to a stage.
+    `args`: dim, n_heads, kv_heads, head_dim, ffn_hidden_dim, vocab_size, n_layers."""
     d, h, kv, hd, f = args.dim, args.n_heads, args.kv_heads, args.head_dim, args.ffn_hidden_dim
     t = layout.tp
     e = layout.compute_dtype.itemsize
@@ -44,6 +48,8 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     norm = (8 * d + 4) / t + d * e
     qkv = (h + 2 * kv) * hd * e / t
     sdpa = h * hd * e / t + 4 * h / t
+    if qk_norm:  # each head's RMSNorm: its fp32 input and normalised values, rstd, its output
+        sdpa += (h + kv) * (hd * (8 + e) + 4) / t
     # Under cp every batch has a mask (the rank's queries against every key): off CUDA a dense one, which
     # SDPA turns into an additive bias per block that it saves.
     mask_type = "block_causal" if cp > 1 else layout.attn_mask
