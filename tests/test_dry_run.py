@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -572,3 +573,12 @@ def test_fsdp2_float8_gathers_keep_no_float8_shards():
     assert float8.memory.float8_shards == 0
     assert float8.memory.total == bf16.memory.total - 3 * block_float8
     assert "float8 weight shards" not in format_report(float8)
+
+
+def test_the_dense_qwen3_config_fits_one_node(capsys):
+    """train_configs/qwen3_8b.toml (its documented dry run, docs/qwen3.md) fits its 8 GPUs of 80 GiB with the
+    flavor's 151,936-token vocabulary, untied, in bf16 compute under selective AC."""
+    assert main(["--config", str(ROOT / "train_configs/qwen3_8b.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: qwen3 8B, 8.19B parameters, vocab 151,936" in out, out[:2000]
+    assert re.search(r"fits: [\d.]+ of 80 GiB per GPU", out)
