@@ -178,7 +178,12 @@ CASES = [
         2,
         ["float8.all_gather gathers sharded weights", "--no-float8.all_gather"],
     ),
-    (None, [*F8, "--parallelism.tensor_parallel_degree", "2"], 2, ["float8.enable with tensor parallelism"]),
+    (
+        None,
+        [*F8, "--float8.all_gather", "--parallelism.tensor_parallel_degree", "2"],
+        2,
+        ["float8.all_gather with tensor parallelism", "--no-float8.all_gather"],
+    ),
     (None, [*F8, "--float8.all_gather", *PP2], 2, ["float8.all_gather with pipeline parallelism"]),
     (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
     (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),

@@ -79,8 +79,11 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(
             "float8.all_gather with pipeline parallelism is not supported yet: set --no-float8.all_gather"
         )
-    if dims.tp_enabled:
-        raise ConfigError("float8.enable with tensor parallelism is not supported yet: set tensor_parallel_degree 1")
+    if dims.tp_enabled and f8.all_gather:
+        raise ConfigError(
+            "float8.all_gather with tensor parallelism is not supported yet (SimpleFSDP gathers 2-D sharded "
+            "weights in the training dtype): set --no-float8.all_gather"
+        )
     if f8.all_gather and (not dims.dp_enabled or dims.dp_mode == "replicate"):
         raise ConfigError(
             "float8.all_gather gathers sharded weights, and this layout shards none (data_parallel_shard_degree "

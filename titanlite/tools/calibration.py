@@ -13,9 +13,9 @@ fp32 gradient reduction.
 Rows with Float8 and neither TP nor PP run titanlite's float8 (`FLOAT8`: what those runs used, as
 `float8.*` keys): the dry run counts its weights gathered in float8, the step-time model those gathers at
 1 byte per float8 weight element and its block matmuls at the GPU's fp8 matmul rate, as `--plan` plans a
-float8 run. Float8 with TP (and float8 gathers with PP), which titanlite refuses, and async TP, which it
-lacks, are modelled (`step_time.Features`: block matmuls at the fp8 rate; tensor-parallel collectives
-hidden). Both kinds are reported apart from the bf16 rows.
+float8 run. Float8 with TP or PP (whose runs gathered the weights in float8, which titanlite refuses
+there), and async TP, which it lacks, are modelled (`step_time.Features`: block matmuls at the fp8 rate;
+tensor-parallel collectives hidden). Both kinds are reported apart from the bf16 rows.
 Context-parallel rows are estimated as titanlite's context parallelism would run them (K/V all-gathered
 per block, head-tail sharding, `step_time.py`); TorchTitan's runs used torch's experimental context
 parallelism (ring attention over SDPA, also head-tail sharded), so these rows test the model's cp terms

@@ -12,7 +12,7 @@ computed here from the same model, never typed in:
   TP's collectives hidden). The run's rate lies between the first and the last or it does not; the gain
   the run got from async TP is the published 70B pair's.
 - memory, on the worst rank as run (the rank whose total with both changes is largest):
-  Float8 weights, on the rows whose Float8 is modelled (titanlite refuses float8 with TP; the
+  Float8 weights, on the rows whose Float8 is modelled (titanlite gathers no float8 weights with TP or PP; the
   other Float8 rows are titanlite float8 runs, `calibration.FLOAT8`, whose estimate counts their float8
   gathers): FSDP2's float8 all-gather gathers the blocks' weights at 1 byte, not 2 (all of a rank's
   stages' weights under PP, which stay gathered for the step; the unit in flight otherwise);
