@@ -50,7 +50,7 @@ class Model:
     name: str = "llama3"
     """Model family: llama3, qwen3, qwen3_moe, or one registered with titanlite.models.registry.register_model."""
     flavor: str = "debugmodel"
-    """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B; qwen3: debugmodel, debugmodel_untied,
+    """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B; qwen3: debugmodel, debugmodel_tied,
     0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: debugmodel, 30B-A3B, 235B-A22B); the keys below override parts of it."""
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's original/tokenizer.model), or a Hugging Face tokenizer.json
