@@ -1,19 +1,35 @@
-"""Generation with the KV cache: the same logits and tokens as running the model over the whole sequence."""
+"""Generation with the KV cache: the same logits and tokens as running the model over the whole sequence, for
+every family (Llama 3, dense Qwen3, Qwen3-MoE, whose routing depends on each token's hidden state only)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from harness import tiny_args
+from titanlite.models import qwen3, qwen3_moe
 from titanlite.models.llama3.model import Transformer
 from titanlite.tools.generate import generate
 
+SMALL = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "vocab_size": 257, "ffn_dim": 96}
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
+
+def build(family: str) -> torch.nn.Module:
+    if family == "llama3":
+        return Transformer(tiny_args(n_layers=2), seq_len=48)
+    if family == "qwen3":
+        return qwen3.Transformer(dataclasses.replace(qwen3.SPEC.flavors["debugmodel"], n_layers=2, **SMALL), seq_len=48)
+    args = dataclasses.replace(qwen3_moe.SPEC.flavors["debugmodel"], n_layers=3, moe_ffn_dim=32, top_k=2, **SMALL)
+    assert args.moe_layers == 2
+    return qwen3_moe.Transformer(args, seq_len=48)
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "qwen3_moe"])
+def model(request) -> torch.nn.Module:
     torch.manual_seed(0)
-    m = Transformer(tiny_args(n_layers=2), seq_len=48)
+    m = build(request.param)
     m.init_weights(seed=1)
     return m.eval()
 

@@ -4,7 +4,13 @@ Model-agnostic: the names, conversions and `config.json` come from the model fam
 (`ModelSpec.hf_adapter`, e.g. `models/llama3/hf_adapter.py`), which provides `params(model)`,
 `hf_name(fqn, args)`, `to_hf(fqn, full, args)`, `row_group(fqn, args)`, `from_hf(fqn, rows, args)`,
 `config(args, dtype, bos_id, eos_id)`, `config_mismatches(config, args)` and
-`import_name(fqn, args, config)`.
+`import_name(fqn, args, config)`, and optionally `split_names(fqn, args)`.
+
+A stacked parameter (a mixture's experts, [experts, rows, ...]) that the published checkpoints store as
+one tensor per expert has `split_names`: for each index of its first dim, the HF names of the pieces
+its rows are cut into, equal in size and in that order (`mlp.experts.{j}.gate_proj.weight` then
+`up_proj`). Export writes those pieces; import reads the stacked tensor under `import_name` if the
+checkpoint has it, else assembles the pieces of this rank's experts, naming the first one missing.
 
 An export is a folder `transformers` loads whole: the weights, `config.json`, `generation_config.json`
 and whatever `write_extra` adds (the tokenizer, `data/hf_tokenizer.py`); files get the mode any file
@@ -108,12 +114,12 @@ def export_hf(
     for fqn, param in adapter.params(model):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if rank == 0:
-            t = adapter.to_hf(fqn, full.detach().to("cpu", dtype), args).contiguous()
-            if size and size + t.nbytes > max_shard_bytes:
-                flush()
-            buffer[adapter.hf_name(fqn, args)] = t
-            size += t.nbytes
-            total += t.nbytes
+            for name, t in _hf_tensors(adapter, fqn, full.detach().to("cpu", dtype), args):
+                if size and size + t.nbytes > max_shard_bytes:
+                    flush()
+                buffer[name] = t
+                size += t.nbytes
+                total += t.nbytes
         del full
     if rank == 0:
         flush()
@@ -132,6 +138,21 @@ def export_hf(
         os.rename(tmp, out)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _split_names(adapter: Any, fqn: str, args: Any) -> list[list[str]] | None:
+    """The per-index piece names of a stacked parameter (module docstring), or None for a whole tensor."""
+    return adapter.split_names(fqn, args) if hasattr(adapter, "split_names") else None
+
+
+def _hf_tensors(adapter: Any, fqn: str, full: torch.Tensor, args: Any) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors (name, contiguous tensor) that the whole parameter `fqn` is written as."""
+    t = adapter.to_hf(fqn, full, args)
+    parts = _split_names(adapter, fqn, args)
+    if parts is None:
+        return [(adapter.hf_name(fqn, args), t.contiguous())]
+    pieces = [zip(names, t[j].chunk(len(names))) for j, names in enumerate(parts)]
+    return [(name, piece.contiguous()) for expert in pieces for name, piece in expert]
 
 
 class _HFReader:
@@ -189,6 +210,10 @@ def import_hf(model: nn.Module, path: str | Path, *, adapter: Any, what: str = "
     config = check_hf_config(path, args, adapter, what)
     for fqn, param in adapter.params(model):
         name = adapter.import_name(fqn, args, config)
+        parts = _split_names(adapter, fqn, args)
+        if parts is not None and name not in reader.weight_map:
+            _import_pieces(param, parts, reader)
+            continue
         sl = reader.slice(name)
         shape = tuple(sl.get_shape())
         if shape != tuple(param.shape):
@@ -210,3 +235,26 @@ def import_hf(model: nn.Module, path: str | Path, *, adapter: Any, what: str = "
             block = sl[rows, cols] if cols is not None else sl[rows]
         local.copy_(block)
     return config
+
+
+def _import_pieces(param: torch.Tensor, parts: list[list[str]], reader: _HFReader) -> None:
+    """Assemble this rank's block of a stacked parameter (sharded by its first dim only) from the
+    checkpoint's per-index pieces, each checked for its shape."""
+    local, offset = local_block(param)
+    if local.numel() == 0:
+        return
+    if tuple(local.shape[1:]) != tuple(param.shape[1:]):
+        raise CheckpointError(f"stacked parameters ({tuple(param.shape)}) are read sharded by their first dim only")
+    for i in range(local.shape[0]):
+        names = parts[offset[0] + i]
+        want = (param.shape[1] // len(names), *param.shape[2:])
+        pieces = []
+        for name in names:
+            sl = reader.slice(name)
+            if tuple(sl.get_shape()) != want:
+                raise CheckpointError(
+                    f"Hugging Face checkpoint {reader.path}: {name!r} has shape {tuple(sl.get_shape())}, "
+                    f"this model {want} (another model flavor?)"
+                )
+            pieces.append(sl[:])
+        local[i].copy_(torch.cat(pieces))

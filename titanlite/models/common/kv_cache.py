@@ -32,3 +32,10 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.k[0].shape[2]} positions, {self.pos + new} asked")
         pos, self.pos = self.pos, self.pos + new
         return pos
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int) -> KVCache:
+        """An empty cache of `layers` blocks for `max_len` positions, on `like`'s device in its dtype."""
+        shape = (batch, kv_heads, max_len, head_dim)
+        make = [torch.zeros(shape, device=like.device, dtype=like.dtype) for _ in range(2 * layers)]
+        return cls(make[::2], make[1::2])

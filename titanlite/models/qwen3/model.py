@@ -183,10 +183,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for generating up to `max_len` positions (at most the RoPE tables' length)."""
-        p = self.tok_embeddings.weight
-        shape = (batch, self.args.kv_heads, min(max_len, self.seq_len), self.args.head_dim)
-        make = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(2 * len(self.layers))]
-        return KVCache(make[::2], make[1::2])
+        a, length = self.args, min(max_len, self.seq_len)
+        return KVCache.empty(self.tok_embeddings.weight, len(self.layers), batch, a.kv_heads, length, a.head_dim)
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised (TorchTitan's scheme). A tied embedding is the

@@ -3,13 +3,16 @@
 The model mirrors HF's module tree and RoPE layout (`model.py`), so every tensor converts by name only.
 Names (titanlite -> HF): `tok_embeddings` -> `model.embed_tokens`, `layers.{i}.attention.w{q,k,v,o}` ->
 `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `attention.{q,k}_norm` -> `self_attn.{q,k}_norm`,
-`moe.gate` -> `mlp.gate`, `moe.experts.{gate_up_proj,down_proj}` -> `mlp.experts.{gate_up_proj,down_proj}`
-(the stacked [experts, ...] tensors of transformers 5), `feed_forward.w1/w3/w2` (dense layers) ->
-`mlp.gate/up/down_proj`, `attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`,
-`norm` -> `model.norm`, `output` -> `lm_head`.
+`moe.gate` -> `mlp.gate`, `feed_forward.w1/w3/w2` (dense layers) -> `mlp.gate/up/down_proj`,
+`attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `norm` -> `model.norm`,
+`output` -> `lm_head`.
 
-Import reads the same names: a checkpoint that stores one tensor per expert (`mlp.experts.{j}.gate_proj`,
-as the published Qwen3 checkpoints do) is refused with the missing tensor's name.
+The experts, stacked here as transformers 5 holds them in memory (`moe.experts.gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]), are written one tensor per expert, `mlp.experts.{j}.gate_proj.weight` (rows
+0..I of expert j's `gate_up_proj`), `up_proj.weight` (rows I..2I) and `down_proj.weight`: the layout of
+the published Qwen3-MoE checkpoints, which transformers 5's `save_pretrained` writes and its loading
+stacks (its conversion mapping), and which transformers 4 and other readers expect. Import takes that
+layout, or the stacked one (`mlp.experts.gate_up_proj`, `save_pretrained(save_original_format=False)`).
 """
 
 from __future__ import annotations
@@ -62,16 +65,21 @@ def _differ(a: Any, b: Any) -> bool:
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
     """(HF field, checkpoint value, model value) for every field that changes what the weights compute."""
     theta, scaling = _hf_rope(config)
+    # transformers 5 writes `num_local_experts` (the published configs: `num_experts`) and no `head_dim`
+    # when it is hidden_size / num_attention_heads, the width its attention then takes.
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
     fields: list[tuple[str, Any, Any]] = [
         ("model_type", config.get("model_type"), "qwen3_moe"),
-        ("hidden_size", config.get("hidden_size"), args.dim),
+        ("hidden_size", hidden, args.dim),
         ("num_hidden_layers", config.get("num_hidden_layers"), args.n_layers),
-        ("num_attention_heads", config.get("num_attention_heads"), args.n_heads),
+        ("num_attention_heads", heads, args.n_heads),
         ("num_key_value_heads", config.get("num_key_value_heads"), args.kv_heads),
-        ("head_dim", config.get("head_dim"), args.head_dim),
+        ("head_dim", head_dim, args.head_dim),
         ("intermediate_size", config.get("intermediate_size"), args.ffn_dim),
         ("moe_intermediate_size", config.get("moe_intermediate_size"), args.moe_ffn_dim),
-        ("num_experts", config.get("num_experts"), args.num_experts),
+        ("num_experts", experts, args.num_experts),
         ("num_experts_per_tok", config.get("num_experts_per_tok"), args.top_k),
         ("norm_topk_prob", config.get("norm_topk_prob", False), args.norm_topk_prob),
         ("decoder_sparse_step", config.get("decoder_sparse_step", 1), args.decoder_sparse_step),
@@ -143,6 +151,16 @@ class Qwen3MoeHFAdapter:
     @staticmethod
     def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
         return hf_name(fqn)
+
+    @staticmethod
+    def split_names(fqn: str, args: ModelArgs) -> list[list[str]] | None:
+        """Per expert, the HF tensors a stacked expert weight is written as (module docstring)."""
+        prefix, _, leaf = fqn.rpartition(".")
+        if not prefix.endswith("moe.experts"):
+            return None
+        base = hf_name(f"{prefix}.weight").removesuffix(".weight")
+        pieces = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
+        return [[f"{base}.{j}.{piece}.weight" for piece in pieces] for j in range(args.num_experts)]
 
     @staticmethod
     def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:

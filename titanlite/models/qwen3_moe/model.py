@@ -21,6 +21,7 @@ from torch import nn
 
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
+from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
 from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
@@ -132,14 +133,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.q_norm(self.wq(x).view(bsz, seq, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(bsz, seq, -1, self.head_dim))
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        causal = True
+        if kv is not None:  # generation: attend to every position so far (KVCache)
+            k_all, v_all, pos = kv
+            k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
+            k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
+            causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -157,8 +164,9 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        # The KV cache only when generating: the tensor-parallel plan declares the layouts of (x, cos, sin).
+        h = x + self.attention(self.attention_norm(x), cos, sin, *([kv] if kv is not None else []))
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -179,7 +187,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
-        self, tokens: torch.Tensor, routing: torch.Tensor | None = None
+        self, tokens: torch.Tensor, routing: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [b, s] -> logits [b, s, vocab].
 
@@ -187,16 +195,30 @@ class Transformer(nn.Module):
         MoE layer's routing, travels with the hidden states: a stage before the last returns (hidden
         states, the `moe.routing_sums` of its layers and of the `routing` it was handed), and the last
         stage keeps the `routing` it was handed for the loss (`balance.aux_loss_term`). The gradient of
-        the loss reaches each stage's routers back along the same way."""
+        the loss reaches each stage's routers back along the same way.
+
+        With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
+        from position 0, then one token at a time (`models/common/kv_cache.py`)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope_cos, self.rope_sin)
+        else:
+            pos = cache.check(tokens.shape[1])
+            cos, sin = self.rope_cos[pos : pos + tokens.shape[1]], self.rope_sin[pos : pos + tokens.shape[1]]
+            for i, layer in enumerate(self.layers.values()):
+                h = layer(h, cos, sin, (cache.k[i], cache.v[i], pos))
         if self.output is None:
             if routing is None:  # the first stage
                 routing = torch.zeros(3, self.args.num_experts, device=h.device)
             return h, routing_sums(layer_stats(self), routing)
         self.routing_in = routing
         return self.output(self.norm(h))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for generating up to `max_len` positions (at most the RoPE tables' length)."""
+        a, length = self.args, min(max_len, self.seq_len)
+        return KVCache.empty(self.tok_embeddings.weight, len(self.layers), batch, a.kv_heads, length, a.head_dim)
 
     def init_spec(self, fqn: str) -> InitSpec:
         """How the parameter named `fqn` is initialised: TorchTitan's scheme, experts like linear layers."""
