@@ -162,6 +162,9 @@ RULES: list[Rule] = [
     Rule(r"pip freeze|scripts/wheelhouse\.sh", "listed", "two machines, one offline; tests/test_setup.py: wheelhouses"),
     Rule(r"benchmarks/", "listed", "a measurement that takes minutes"),
     Rule(r"-m titanlite\.tools\.(calibration|reconciliation)$", "listed", "tests/test_calibration.py: the tables"),
+    Rule(
+        r"-m titanlite\.tools\.tokenize --config CONFIG", "listed", "placeholders; tests/test_token_shards.py runs it"
+    ),
     # TorchTitan's published runs as the reconciliation plans them (tests/test_calibration.py: the block is
     # `reconciliation.commands()`, their memory its table's).
     Rule(r"--comm\.fake_gpu_memory_gib 95 --parallelism\.dp_impl fsdp2", "config", "17 dry runs of 8B-405B"),

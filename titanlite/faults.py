@@ -22,6 +22,8 @@ a full disk where no small disk can be mounted, a kill inside a checkpoint save.
     TITANLITE_FAULT_SLOW_PURGE=s       each deletion of a retired checkpoint folder (`checkpoint/purge.py`)
                                        first waits s seconds, as deleting terabytes on a shared file
                                        system does
+    TITANLITE_FAULT_TOKENIZE_KILL_AFTER=n  the tokenize tool SIGKILLs itself once it has written n shards
+                                       (an interrupted tokenization, which the same command resumes)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ NAN_AT = PREFIX + "NAN_AT"
 METRICS_DISK_FULL = PREFIX + "METRICS_DISK_FULL"
 KILL_AT = PREFIX + "KILL_AT"
 SLOW_PURGE = PREFIX + "SLOW_PURGE"
+TOKENIZE_KILL_AFTER = PREFIX + "TOKENIZE_KILL_AFTER"
 
 
 def _step(name: str) -> int | None:
@@ -105,3 +108,9 @@ def slow_purge(path: Path) -> None:
     if seconds := float(os.environ.get(SLOW_PURGE) or 0):
         logger.warning(f"{SLOW_PURGE}={seconds:g}: deleting {path.name} takes {seconds:g}s longer")
         time.sleep(seconds)
+
+
+def tokenize_kill(shards_written: int) -> None:
+    """SIGKILL the tokenize tool once it has written TOKENIZE_KILL_AFTER shards in this run, if asked to."""
+    if shards_written == _step("TOKENIZE_KILL_AFTER"):
+        os.kill(os.getpid(), signal.SIGKILL)

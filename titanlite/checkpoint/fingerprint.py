@@ -28,7 +28,8 @@ from pathlib import Path
 from titanlite.data.data_source import DataSource
 from titanlite.data.mixture import MixedSources
 from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
-from titanlite.data.tokenizer import tokenizer_files
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.tokenizer import tokenizer_digest
 
 _EDGE = 64 << 10
 
@@ -58,7 +59,7 @@ def dataset_fingerprint(source: DocumentSource, text_field: str, holdout_documen
     Documents held out for validation are not trained on, so their count is part of the digest (when
     non-zero, so fingerprints of runs without a hold-out stay what they were)."""
     digest = _start(text_field, holdout_documents)
-    if not isinstance(source, LocalSource):
+    if not isinstance(source, (LocalSource, TokenShards)):
         digest.update(source.name.encode())
         return {"name": source.name, "text_field": text_field, "files": 0, "bytes": 0, "digest": digest.hexdigest()}
     root = os.path.commonpath([str(f.parent) for f in source.files])
@@ -148,15 +149,7 @@ def tokenizer_fingerprint(tokenizer_path: str) -> dict:
     """{"name", "digest"} of the tokenizer's files (`model.tokenizer_path`, "" = the bundled one): the
     content of a one-file tokenizer (a tiktoken file, a lone `tokenizer.json`); each file's size and content
     in order where there are more (a `tokenizer.json` with its `tokenizer_config.json`, which names BOS and EOS)."""
-    files = tokenizer_files(tokenizer_path)
-    if len(files) == 1:
-        digest = hashlib.blake2b(files[0].read_bytes(), digest_size=8)
-    else:
-        digest = hashlib.blake2b(digest_size=8)
-        for path in files:
-            digest.update(f"{path.stat().st_size}\0".encode())
-            digest.update(path.read_bytes())
-    return {"name": str(tokenizer_path or "bundled"), "digest": digest.hexdigest()}
+    return {"name": str(tokenizer_path or "bundled"), "digest": tokenizer_digest(tokenizer_path)}
 
 
 def describe_dataset(fp: dict) -> str:

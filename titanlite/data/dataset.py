@@ -206,7 +206,8 @@ class ShardStream:
                 c.epoch, c.doc, c.offset, c.source = c.epoch + 1, 0, 0, None
                 self._docs = None
                 return self._current()
-            self._tokens = self.tokenizer.encode(text, bos=True, eos=True)
+            # Pre-tokenized data gives the tokens that encoding its text here would.
+            self._tokens = text if isinstance(text, list) else self.tokenizer.encode(text, bos=True, eos=True)
         return self._tokens
 
     def __getstate__(self) -> dict:

@@ -47,7 +47,8 @@ from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
 from titanlite.data.mixture import MixedSources, Mixture
 from titanlite.data.sources import DocumentSource, LocalSource, counted, open_source
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.tokenizer import Tokenizer, tokenizer_digest
 from titanlite.data.workers import WorkerSetup, worker_context
 from titanlite.errors import CheckpointError, DataError
 
@@ -123,6 +124,7 @@ def merge_loader_states(states: list[dict]) -> dict:
 
 def _checked_source(
     dataset_path: str,
+    tokenizer: Tokenizer,
     text_field: str,
     layout: ShardLayout,
     index_dir: str | None,
@@ -130,11 +132,14 @@ def _checked_source(
     holdout_documents: int,
     heldout: bool,
 ) -> DocumentSource:
-    """One dataset, opened and checked up front (it fills every virtual shard); its line logged."""
+    """One dataset, opened and checked up front (it fills every virtual shard; pre-tokenized, it was made by
+    `tokenizer`); its line logged."""
     source = open_source(dataset_path, text_field, index_dir=index_dir, report=report)
+    if isinstance(source, TokenShards):
+        source.check_tokenizer(tokenizer_digest(tokenizer.path), tokenizer.path)
     what = "held-out document" if heldout else "document"
     if holdout_documents:
-        if not isinstance(source, LocalSource):
+        if not isinstance(source, (LocalSource, TokenShards)):
             raise DataError(f"dataset_path {source.name}: documents can be held out of local data only")
         n = source.num_documents
         if holdout_documents >= n:
@@ -143,7 +148,7 @@ def _checked_source(
                 f"{counted(n, 'document')} to train on"
             )
         source = source.part(n - holdout_documents, n) if heldout else source.part(0, n - holdout_documents)
-    if isinstance(source, LocalSource):
+    if isinstance(source, (LocalSource, TokenShards)):
         n = source.num_documents
         if n == 0:
             raise DataError(f"dataset_path {source.name}: no usable documents in {counted(len(source.files), 'file')}")
@@ -205,14 +210,16 @@ def build_dataloader(
         opened = []
         for entry in mixture:
             try:
-                opened.append(_checked_source(entry.path, text_field, layout, index_dir, report, 0, False))
+                opened.append(_checked_source(entry.path, tokenizer, text_field, layout, index_dir, report, 0, False))
             except DataError as e:  # "dataset_path X: why" -> "datasets source NAME: X: why"
                 raise DataError(f"datasets source {entry.name!r}:{str(e).removeprefix('dataset_path')}") from None
         names, weights = [entry.name for entry in mixture], [entry.weight for entry in mixture]
         source: DocumentSource | MixedSources = MixedSources(opened, Mixture(names, weights, seed, layout.num_shards))
         logger.info(f"data: mixture {source.name}")
     else:
-        source = _checked_source(dataset_path, text_field, layout, index_dir, report, holdout_documents, heldout)
+        source = _checked_source(
+            dataset_path, tokenizer, text_field, layout, index_dir, report, holdout_documents, heldout
+        )
     dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")

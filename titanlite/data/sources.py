@@ -59,6 +59,7 @@ from typing import BinaryIO, Literal, Protocol
 
 from titanlite.data import index
 from titanlite.data.data_source import DataSource, HFDataset
+from titanlite.data.token_shards import TokenShards, is_token_folder
 from titanlite.errors import DataError
 
 logger = logging.getLogger("titanlite")
@@ -93,11 +94,14 @@ class DocumentSource(Protocol):
     num_documents: int | None
     """Documents in one pass, or None when unknown before the end (streams)."""
 
-    def shard_documents(self, shard: int, num_shards: int, start: int, position: dict | None = None) -> Iterator[str]:
+    def shard_documents(
+        self, shard: int, num_shards: int, start: int, position: dict | None = None
+    ) -> Iterator[str] | Iterator[list[int]]:
         """Documents `shard + i * num_shards` for i = start, start + 1, ... until the end of the pass.
 
         Streams also take the `position()` their iterator reported before document `start` (the resume
-        point, then `start` is not skipped again); an iterator with a `position()` method reports it."""
+        point, then `start` is not skipped again); an iterator with a `position()` method reports it.
+        Pre-tokenized data (`token_shards.py`) yields each document's tokens, BOS and EOS included."""
         ...
 
 
@@ -585,10 +589,13 @@ def open_source(
     dataset_path: str, text_field: str, index_dir: str | None = None, report: bool = True
 ) -> DocumentSource:
     """The source for a dataset path (`DataSource.parse`): "" is the bundled corpus, `hf://...` a Hugging Face
-    dataset. `index_dir` and `report`: `LocalSource`'s."""
+    dataset, a folder the tokenize tool wrote its tokens (`token_shards.py`). `index_dir` and `report`:
+    `LocalSource`'s."""
     source = DataSource.parse(dataset_path)
     if isinstance(source, HFDataset):
         return HFSource(source, text_field)
+    if is_token_folder(dataset_path):
+        return TokenShards(dataset_path)
     path = dataset_path or str(BUNDLED_CORPUS)
     files = resolve_files(path)
     if dataset_path and report:  # the bundled corpus's README is expected

@@ -11,6 +11,7 @@ Both encode a special token's string found in text as plain text: data can never
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -43,6 +44,20 @@ def tokenizer_files(path: str) -> list[Path]:
         file, config = tokenizer_json_files(path)
         return [file] if config is None else [file, config]
     return [Path(path)]
+
+
+def tokenizer_digest(path: str) -> str:
+    """A hash of the tokenizer's files (`tokenizer_files`): the content of a one-file tokenizer; each file's
+    size and content in order where there are more. Checkpoints and pre-tokenized data record it: token
+    ids mean something only under the vocabulary that made them."""
+    files = tokenizer_files(path)
+    if len(files) == 1:
+        return hashlib.blake2b(files[0].read_bytes(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        digest.update(f"{file.stat().st_size}\0".encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def build_tokenizer(path: str | None) -> Tokenizer:

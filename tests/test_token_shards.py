@@ -1,0 +1,151 @@
+"""Pre-tokenized data (`data/token_shards.py`, `tools/tokenize.py`): the shards hold what on-the-fly tokenization
+makes, document by document and batch by batch; the dtype follows the vocabulary; another tokenizer, an
+unfinished or a truncated folder is refused in one line; an interrupted tokenization resumes to the same bytes.
+The slow test drives the tool and `run_train.sh` end to end."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import ROOT, SMALL, child_env, train
+from titanlite.data.loader import build_dataloader
+from titanlite.data.sources import open_source
+from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB
+from titanlite.data.token_shards import INDEX, TokenShards, shard_name, token_dtype, write_shard
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import DataError, run_cli
+from titanlite.faults import TOKENIZE_KILL_AFTER
+from titanlite.launcher import preflight
+from titanlite.tools.tokenize import tokenize_source
+
+PER_SHARD = 500  # the bundled corpus's 3,851 documents in 8 shards
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokens")
+    tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD)
+    return out
+
+
+def loader(path: str, tokenizer_path: str = "", **over):
+    args = dict(seq_len=32, local_batch_size=4, global_batch_size=8, dp_rank=0, dp_degree=1)
+    return build_dataloader(
+        tokenizer=build_tokenizer(tokenizer_path), dataset_path=path, text_field="text", **{**args, **over}
+    )
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_the_shards_hold_the_on_the_fly_tokens_document_by_document(folder):
+    text, tokens, tokenizer = open_source("", "text"), open_source(str(folder), "text"), build_tokenizer("")
+    assert isinstance(tokens, TokenShards) and tokens.dtype == np.uint16
+    assert tokens.num_documents == text.num_documents == 3851
+    for shard in (0, 5):  # virtual shard streams of V = 8, as a run reads them
+        expected = [tokenizer.encode(t, bos=True, eos=True) for t in text.shard_documents(shard, 8, 0)]
+        assert list(tokens.shard_documents(shard, 8, 0)) == expected
+    # A whole loader: the same batches and positions, and the same state to resume from.
+    for a, b in itertools.islice(zip(loader(""), loader(str(folder))), 40):
+        assert a.inputs.equal(b.inputs) and a.labels.equal(b.labels) and a.positions.equal(b.positions)
+
+
+def test_a_run_resumes_and_holds_out_documents_as_with_text(folder):
+    ahead, fly = loader(str(folder), holdout_documents=10), loader("", holdout_documents=10)
+    for _ in itertools.islice(zip(ahead, fly), 7):
+        pass
+    state = ahead.state_dict()
+    assert state == fly.state_dict()
+    resumed = loader(str(folder), holdout_documents=10)
+    resumed.load_state_dict(state)
+    for a, b in itertools.islice(zip(resumed, fly), 5):
+        assert a.inputs.equal(b.inputs)
+    held = loader(str(folder), holdout_documents=10, heldout=True, global_batch_size=4, local_batch_size=4)
+    held_text = loader("", holdout_documents=10, heldout=True, global_batch_size=4, local_batch_size=4)
+    assert next(iter(held)).inputs.equal(next(iter(held_text)).inputs)
+
+
+def test_the_dtype_follows_the_vocabulary(tmp_path):
+    assert (token_dtype(2056), token_dtype(65536), token_dtype(65537), token_dtype(151_669)) == (
+        "uint16",
+        "uint16",
+        "uint32",
+        "uint32",
+    )
+    docs = [[1, 65535, 65536, 151_668], [7]]
+    shard = write_shard(tmp_path / shard_name(0), docs, "uint32")
+    assert (shard.documents, shard.tokens) == (2, 5)
+    data = (tmp_path / shard_name(0)).read_bytes()
+    assert np.frombuffer(data[-20:], dtype=np.uint32).tolist() == [1, 65535, 65536, 151_668, 7]
+    with pytest.raises(OverflowError):  # never wrapped into uint16
+        write_shard(tmp_path / shard_name(1), docs, "uint16")
+
+
+def test_another_tokenizer_is_refused_before_any_rank_starts(folder, tmp_path, capsys):
+    other = tmp_path / "other.tiktoken"
+    other.write_bytes(b"".join(BUNDLED_VOCAB.read_bytes().splitlines(keepends=True)[:-1]))
+    args = ["--job.dump_folder", str(tmp_path / "dump"), "--training.dataset_path", str(folder)]
+    assert run_cli(preflight.main, [*args, "--model.tokenizer_path", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"titanlite: error: training.dataset_path {folder} was tokenized with "
+    ), err
+    assert f"this run's tokenizer is {other}" in err[0]
+    assert run_cli(preflight.main, args) == 0  # the tokenizer that made it
+
+
+def test_an_unfinished_or_truncated_folder_is_refused_and_an_unfinished_one_resumes(folder, tmp_path):
+    whole = files(folder)
+    out = tmp_path / "tokens"
+    tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD)
+    assert files(out) == whole
+    # Interrupted: no index, two shards missing, one write cut short under its temporary name.
+    (out / INDEX).unlink()
+    (out / shard_name(3)).unlink()
+    (out / shard_name(7)).rename(out / f".{shard_name(7)}.123.tmp")
+    with pytest.raises(DataError, match=r"an unfinished tokenization \(6 of 8 shards\); run the same"):
+        open_source(str(out), "text")
+    tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD)
+    assert files(out) == whole
+    # Complete, then a shard cut short (a copy that failed): refused, never read as whole.
+    with open(out / shard_name(2), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(DataError, match=f"shard {shard_name(2)} is 1,000 bytes, not "):
+        open_source(str(out), "text")
+    # A folder begun with another shard size is not continued with this one.
+    with pytest.raises(DataError, match="holds a tokenization of other documents_per_shard"):
+        tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD + 1)
+
+
+@pytest.mark.slow
+def test_tokenized_interrupted_and_resumed_then_trained_on_gives_the_on_the_fly_losses(tmp_path):
+    """The tool killed after its third shard (2 worker processes), run again, then `run_train.sh` on the
+    folder and on the text: the same losses, bitwise."""
+    out = tmp_path / "tokens"
+    cmd = [sys.executable, "-m", "titanlite.tools.tokenize", "--out", str(out), "--workers", "2"]
+    cmd += ["--documents_per_shard", str(PER_SHARD)]
+    killed = subprocess.run(cmd, env=child_env(**{TOKENIZE_KILL_AFTER: "3"}), cwd=ROOT, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (out / INDEX).exists() and 3 <= len(list(out.glob("shard-*.bin"))) < 8
+    done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True)  # bytes: "\r" kept
+    stdout, stderr = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines() == [f"tokenized 3,851 documents into 605,529 tokens (uint16, 8 shards): {out}"]
+    assert stderr.count("\n") == 1 and stderr.endswith("\n") and "3,851/3,851 documents (100%)" in stderr  # one line
+    reference = tmp_path / "reference"
+    tokenize_source("", "text", "", reference, workers=1, per_shard=PER_SHARD)
+    assert files(out) == files(reference)
+    run = [*SMALL, "--training.steps", "4"]
+    on_the_fly = train(tmp_path / "text", 2, *run, launcher="run_train").ok()
+    ahead = train(tmp_path / "ahead", 2, *run, "--training.dataset_path", str(out), launcher="run_train").ok()
+    assert len(on_the_fly.losses) == 4 and ahead.losses == on_the_fly.losses
+    assert f"data: 3,851 documents in 8 files from {out}" in ahead.stderr
+    assert os.environ.get(TOKENIZE_KILL_AFTER) is None

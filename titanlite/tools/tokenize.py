@@ -1,0 +1,202 @@
+"""Tokenize a run's training data once, into binary token shards that training reads memory-mapped.
+
+    python -m titanlite.tools.tokenize --config CONFIG --out DIR [--workers N] [--documents_per_shard C]
+                                       [--section.key value ...]
+
+It reads the config's training data (`training.dataset_path`, "" = the bundled corpus; or each source of
+`training.datasets`, into DIR/<name>) and its tokenizer (`model.tokenizer_path`), and writes the folder
+`data/token_shards.py` describes: every document as BOS + tokens + EOS, exactly as training tokenizes it
+on the fly, in the data's own document order. Point `training.dataset_path` (or a source's path) at the
+folder: the run reads the same tokens in the same order, without tokenizing.
+
+Shards of C documents (default 16,384) are tokenized by N processes (default: the machine's cores), with a
+progress line on stderr. Each shard is renamed into place once whole, so an interrupted run (killed,
+out of time) continues where it stopped when the same command is run again, and the folder ends up
+byte for byte the same. A folder begun for other data, another tokenizer or another shard size is
+refused. Local data only: `hf://` datasets stream during training.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from titanlite.checkpoint.fingerprint import dataset_fingerprint, tokenizer_fingerprint
+from titanlite.config import DEFAULT_CONFIG, load_config
+from titanlite.data.sources import LocalSource, counted, open_source
+from titanlite.data.token_shards import (
+    FORMAT,
+    INDEX,
+    PLAN,
+    VERSION,
+    WrittenShard,
+    read_shard,
+    shard_name,
+    token_dtype,
+    write_json,
+    write_shard,
+)
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
+from titanlite.errors import ConfigError, DataError, exit_now, run_cli
+from titanlite.faults import tokenize_kill
+from titanlite.tools.options import number, split_options
+
+OPTIONS = {"--out": "", "--workers": "0", "--documents_per_shard": "16384"}
+PROGRESS_INTERVAL_S = 0.2
+
+
+class ShardTask:
+    """What a worker process needs to write shards: the source's index and the tokenizer's path (each
+    worker builds its tokenizer once)."""
+
+    def __init__(self, source: LocalSource, tokenizer_path: str, out: Path, per_shard: int, dtype: str) -> None:
+        self.source, self.tokenizer_path, self.out = source, tokenizer_path, out
+        self.per_shard, self.dtype = per_shard, dtype
+        self._tokenizer: Tokenizer | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokenizer": None}
+
+    def __call__(self, k: int) -> tuple[int, WrittenShard]:
+        """Tokenize and write shard k: documents [k C, (k + 1) C)."""
+        if self._tokenizer is None:
+            self._tokenizer = build_tokenizer(self.tokenizer_path or None)
+        tokenizer, source = self._tokenizer, self.source
+        end = min((k + 1) * self.per_shard, source.num_documents)
+        docs = (tokenizer.encode(source.document(d), bos=True, eos=True) for d in range(k * self.per_shard, end))
+        return k, write_shard(self.out / shard_name(k), docs, self.dtype)
+
+
+class Progress:
+    """One updating line on stderr: documents, tokens and the rate so far."""
+
+    def __init__(self, what: str, documents: int, done: int) -> None:
+        self.what, self.documents, self.done, self.tokens = what, documents, done, 0
+        self.start = self._last = time.perf_counter()
+
+    def add(self, shard: WrittenShard, force: bool = False) -> None:
+        self.done += shard.documents
+        self.tokens += shard.tokens
+        now = time.perf_counter()
+        if force or now - self._last >= PROGRESS_INTERVAL_S or self.done == self.documents:
+            self._last = now
+            rate = self.tokens / max(now - self.start, 1e-9)
+            pct = 100 * self.done / max(self.documents, 1)
+            print(
+                f"\rtokenize {self.what}: {self.done:,}/{self.documents:,} documents ({pct:.0f}%), "
+                f"{rate:,.0f} tokens/s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        print(file=sys.stderr, flush=True)
+
+
+def _plan(
+    dataset_path: str, source: LocalSource, text_field: str, tokenizer_path: str, tokenizer: Tokenizer, per_shard: int
+) -> dict:
+    """What a folder holds, as its plan records it: independent of where the data lives (its content digest)."""
+    data = dataset_fingerprint(source, text_field)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer_path),
+        "vocab_size": tokenizer.n_words,
+        "dtype": token_dtype(tokenizer.n_words),
+        "source": {"name": dataset_path or "bundled", "digest": data["digest"], "text_field": text_field},
+        "documents": source.num_documents,
+        "documents_per_shard": per_shard,
+    }
+
+
+def _begin(out: Path, plan: dict) -> None:
+    """Record the plan, or check that a folder already begun has the same one (a resume)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / PLAN).exists():
+        was = json.loads((out / PLAN).read_text())
+        changed = [key for key in plan if was.get(key) != plan[key]]
+        if changed:
+            raise DataError(
+                f"--out {out} holds a tokenization of other {', '.join(changed)} ({PLAN}); use another folder or "
+                "delete it"
+            )
+    elif any(out.iterdir()):
+        raise DataError(f"--out {out} is not empty and holds no tokenization: use an empty or new folder")
+    else:
+        write_json(out / PLAN, plan)
+    for tmp in out.glob(".*.tmp"):  # a write an interruption cut short
+        tmp.unlink(missing_ok=True)
+
+
+def tokenize_source(
+    dataset_path: str, text_field: str, tokenizer_path: str, out: Path, workers: int, per_shard: int
+) -> dict:
+    """Tokenize one dataset into `out` (module docstring), resuming a folder begun with the same plan;
+    returns its `tokens.json`."""
+    source = open_source(dataset_path, text_field)
+    if not isinstance(source, LocalSource):
+        raise DataError(f"dataset_path {source.name}: only local text data can be tokenized ahead (not hf://, tokens)")
+    if not source.num_documents:
+        raise DataError(f"dataset_path {source.name}: no usable documents")
+    tokenizer = build_tokenizer(tokenizer_path or None)
+    plan = _plan(dataset_path, source, text_field, tokenizer_path, tokenizer, per_shard)
+    _begin(out, plan)
+    num_shards = -(-source.num_documents // per_shard)
+    shards: dict[int, WrittenShard] = {
+        k: read_shard(out / shard_name(k)) for k in range(num_shards) if (out / shard_name(k)).exists()
+    }
+    todo = [k for k in range(num_shards) if k not in shards]
+    progress = Progress(source.name, source.num_documents, sum(s.documents for s in shards.values()))
+    task = ShardTask(source, tokenizer_path, out, per_shard, plan["dtype"])
+    pool = multiprocessing.get_context("forkserver").Pool(min(workers, len(todo))) if len(todo) > 1 < workers else None
+    try:
+        done = pool.imap_unordered(task, todo) if pool else map(task, todo)
+        for written, (k, shard) in enumerate(done, 1):
+            shards[k] = shard
+            progress.add(shard)
+            tokenize_kill(written)
+    finally:
+        if pool:
+            pool.terminate()
+    if not todo:
+        progress.add(WrittenShard("", 0, 0, 0, ""), force=True)
+    progress.close()
+    entries = [asdict(shards[k]) for k in range(num_shards)]
+    index = {**plan, "tokens": sum(e["tokens"] for e in entries), "shards": entries}
+    write_json(out / INDEX, index)
+    return index
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    opts, rest = split_options(argv, OPTIONS)
+    if not opts["--out"]:
+        raise ConfigError("--out DIR is required (python -m titanlite.tools.tokenize --help)")
+    workers, per_shard = int(number(opts, "--workers")), int(number(opts, "--documents_per_shard"))
+    if workers < 0 or per_shard < 1:
+        raise ConfigError("--workers must be non-negative (0 = one per core), --documents_per_shard positive")
+    workers = workers or len(os.sched_getaffinity(0))
+    cfg = load_config(rest, default_config=DEFAULT_CONFIG)
+    out, t = Path(opts["--out"]), cfg.training
+    jobs = [(entry.path, out / entry.name) for entry in t.datasets] or [(t.dataset_path, out)]
+    for path, folder in jobs:
+        index = tokenize_source(path, t.dataset_text_field, cfg.model.tokenizer_path, folder, workers, per_shard)
+        print(
+            f"tokenized {counted(index['documents'], 'document')} into {index['tokens']:,} tokens "
+            f"({index['dtype']}, {counted(len(index['shards']), 'shard')}): {folder}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(run_cli(main))
