@@ -46,6 +46,7 @@ CASES = [
     ),
     (None, ["--parallelism.context_parallel_degree", "3"], 2, ["world size 2", "context_parallel_degree 3"]),
     (None, ["--model.tokenizer_path", "/nonexistent/tokenizer.model"], 2, ["tokenizer_path", "/nonexistent"]),
+    (None, ["--model.vocab_size", "2000"], 2, ["model.vocab_size 2,000", "tokenizer's 2,056 ids"]),
     (None, ["--training.dataset_path", "/nonexistent/*.jsonl"], 2, ["/nonexistent/*.jsonl"]),
     (None, ["--job.dump_folder", "/etc/passwd/out"], 2, ["dump_folder", "/etc/passwd/out", "not writable"]),
     ("[training]\nsteps = 3\n[model\n", [], 2, ["invalid TOML", "line 3"]),

@@ -14,10 +14,12 @@ from titanlite.checkpoint.hf import export_hf
 from titanlite.plan import RunPlan
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
+PADDED = 2112
+"""The bundled tokenizer's 2,056 ids padded to a multiple of 64, as a published checkpoint's vocabulary is."""
 
 
-def export(family: str, seed: int, out) -> None:
-    plan = RunPlan.build(config(None, model__name=family, model__flavor="debugmodel"), 1)
+def export(family: str, seed: int, out, vocab_size: int = 0) -> None:
+    plan = RunPlan.build(config(None, model__name=family, model__flavor="debugmodel", model__vocab_size=vocab_size), 1)
     model = plan.spec.model_cls(plan.model_args)
     model.init_weights(seed=seed)
     tok = plan.tokenizer
@@ -39,9 +41,18 @@ def test_first_step_of_an_imported_run_is_the_imported_weights_step(tmp_path):
             load = ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"]
             runs.append((dump, [*base, *load]))
             pairs[dump] = (plain, seed)
+    # A published checkpoint's vocabulary is padded past its tokenizer's ids (Qwen3: 151,936 rows, 151,669
+    # ids): model.vocab_size gives the run those rows, so the weights load.
+    padded, plain = tmp_path / "hf-qwen3-padded", tmp_path / "qwen3-padded-plain"
+    export("qwen3", 0, padded, vocab_size=PADDED)
+    base = [*SMALL, "--training.steps", "1", "--model.name", "qwen3", "--model.vocab_size", str(PADDED)]
+    runs += [(plain, base), (tmp_path / "qwen3-padded-hf0", [*base, "--checkpoint.initial_load_path", str(padded),
+                                                               "--checkpoint.initial_load_in_hf"])]  # fmt: skip
+    pairs[tmp_path / "qwen3-padded-hf0"] = (plain, 0)
     results = train_in_one_launch(runs, 1)
     for dump, (plain, seed) in pairs.items():
         folder = tmp_path / f"hf-{dump.name.split('-hf')[0]}-{seed}"
+        folder = tmp_path / "hf-qwen3-padded" if "padded" in dump.name else folder
         assert f"checkpoint: loading Hugging Face weights from {folder}" in results[dump].stderr
         imported, drawn = step_metric(dump)[1], step_metric(plain)[1]
         if seed == 0:

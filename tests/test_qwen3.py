@@ -117,3 +117,13 @@ def test_published_flavors():
     hf = transformers.Qwen3Config(**config)
     assert (hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size, hf.head_dim) == (4096, 36, 12288, 128)
     assert not SPEC.hf_adapter.config_mismatches(hf.to_dict(), qwen3_configs["8B"])
+
+
+def test_a_padded_vocabulary_is_named_on_import(tmp_path):
+    """A published checkpoint's rows past its tokenizer's ids (`model.vocab_size`): a model built with the
+    tokenizer's size alone is refused by name, the padded one loads."""
+    padded = dataclasses.replace(ARGS, vocab_size=320)
+    export_hf(titan(padded), tmp_path / "hf", adapter=SPEC.hf_adapter, bos_id=1, eos_id=2)
+    with pytest.raises(CheckpointError, match=r"vocab_size = 320 in its config.json, 300 in"):
+        import_hf(titan(ARGS), tmp_path / "hf", adapter=SPEC.hf_adapter)
+    import_hf(titan(padded), tmp_path / "hf", adapter=SPEC.hf_adapter)

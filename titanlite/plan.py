@@ -43,7 +43,8 @@ from titanlite.parallelisms.pipeline import StagePlan
 
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
-    """The flavor's args with the configured shape overrides and the tokenizer's vocabulary, checked before
+    """The flavor's args with the configured shape overrides and the vocabulary (`model.vocab_size`, else the
+    tokenizer's `vocab_size`), checked before
     any rank starts (the family's `shape.check_args`; the training sequence fits); tensor-parallel divisibility
     is checked with the mesh (`ParallelDims`)."""
     m = cfg.model
@@ -53,7 +54,12 @@ def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
     for key in overrides:
         if key not in spec.shape.keys:
             raise ConfigError(f"config key 'model.{key}' does not apply to {m.name} models")
-    args = dataclasses.replace(spec.flavors[m.flavor], **overrides, vocab_size=vocab_size)
+    if m.vocab_size and m.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {m.vocab_size:,} is smaller than the tokenizer's {vocab_size:,} ids: raise it, "
+            "or set 0 (the tokenizer's size)"
+        )
+    args = dataclasses.replace(spec.flavors[m.flavor], **overrides, vocab_size=m.vocab_size or vocab_size)
     if m.moe_experts != "grouped_mm":
         if not hasattr(args, "grouped_mm"):
             raise ConfigError(f"config key 'model.moe_experts' does not apply to {m.name} models")

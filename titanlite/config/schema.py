@@ -55,6 +55,10 @@ class Model:
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's original/tokenizer.model), or a Hugging Face tokenizer.json
     (the file, or its folder: Qwen3's, Llama 3's; needs the hf extra); empty = the bundled 2k vocabulary."""
+    vocab_size: int = field(default=0, metadata=NON_NEGATIVE)
+    """Rows of the embedding and the output projection; 0 = the tokenizer's ids. A larger size pads them with
+    rows no token uses, as published checkpoints do (Qwen3: 151,936 rows for its tokenizer's 151,669 ids),
+    so that their weights load; smaller than the tokenizer is refused."""
     # Shape overrides of the flavor (0 = the flavor's value); checked before any rank starts against the
     # family's `shape.keys` (titanlite/models/registry.py).
     n_layers: int = field(default=0, metadata=SHAPE)

@@ -118,9 +118,13 @@ def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]
     if not path or Path(path).exists():
         return RunPlan.build(cfg, world_size), []
     spec = get_model_spec(cfg.model.name)
-    vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else 0
+    if cfg.model.vocab_size:
+        vocab, source = cfg.model.vocab_size, "model.vocab_size"
+    else:
+        vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else 0
+        source = f"the {cfg.model.flavor} flavor's vocabulary"
     plan = RunPlan.build(cfg, world_size, tokenizer=build_tokenizer(None), args=model_args(cfg, spec, vocab))
-    return plan, [f"tokenizer {path} not found: planned with the {cfg.model.flavor} flavor's vocabulary of {vocab:,}"]
+    return plan, [f"tokenizer {path} not found: planned with {source} of {vocab:,}"]
 
 
 @contextmanager
