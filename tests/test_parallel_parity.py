@@ -77,6 +77,9 @@ CASES_2 = [
     {"family": "qwen3", "shard": 2},
     {"family": "qwen3", "shard": 2, "dp_impl": "fsdp2"},
     {"family": "qwen3", "cp": 2},
+    # Untied (tied embeddings cannot span pipeline stages): stages, and one compiled graph under full AC.
+    {"family": "qwen3", "tied": False, "pp": 2, "mb": 2},
+    {**COMPILED_FULL_AC, "family": "qwen3", "tied": False},
     # Checked apart, below: its parameters differ by more than the harness's tolerance.
     {"family": "qwen3", "tp": 2},
     # Negative control: the K/V gather without its backward reduce-scatter (each rank keeps only the

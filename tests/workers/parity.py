@@ -239,7 +239,7 @@ class CountGathers(TorchDispatchMode):
 
 def case_args(case: dict):
     if case.get("family") == "qwen3":
-        return QWEN3
+        return dataclasses.replace(QWEN3, tie_embeddings=case.get("tied", True))
     return tiny_args(n_layers=case["layers"]) if "layers" in case else TINY
 
 
