@@ -289,3 +289,17 @@ def test_tokens_seen_reach_metrics_jsonl_and_tensorboard(tmp_path, sources):
     acc = EventAccumulator(str(events.parent), size_guidance={"tensors": 0})
     acc.Reload()
     assert "data/tokens_seen/code" in acc.Tags()["tensors"]
+
+
+def test_a_changed_mixture_names_the_first_source_in_list_order():
+    """With several sources removed or added, the line names the first in the mixture's order, the same on
+    every run (not whichever a set of names yields first)."""
+    from titanlite.checkpoint.fingerprint import describe_mixture_change
+
+    def fp(names: list[str]) -> dict:
+        parts = [{"source": n, "weight": 1.0, "digest": n} for n in names]
+        return {"name": " + ".join(names), "sources": parts, "seed": 0}
+
+    many = [f"src{i}" for i in range(12)]
+    assert "source 'src1' was removed" in describe_mixture_change(fp(many), fp(many[:1]))
+    assert "source 'src1' was added" in describe_mixture_change(fp(many[:1]), fp(many))

@@ -110,9 +110,9 @@ def describe_mixture_change(was: dict, now: dict) -> str:
         return f"training.datasets was the mixture {was['name']}, this run reads {describe_dataset(now)}"
     old = {p["source"]: p for p in was["sources"]}
     new = {p["source"]: p for p in now["sources"]}
-    for name in old.keys() - new.keys():
+    for name in (name for name in old if name not in new):  # list order: the same source every run
         return f"training.datasets source {name!r} was removed (mixture {was['name']} -> {now['name']})"
-    for name in new.keys() - old.keys():
+    for name in (name for name in new if name not in old):
         return f"training.datasets source {name!r} was added (mixture {was['name']} -> {now['name']})"
     for name, part in new.items():
         if old[name]["weight"] != part["weight"]:
