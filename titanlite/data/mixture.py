@@ -20,7 +20,7 @@ one arc of v, so a child's phases are `frac(u + (a * v mod V) / V)` with `a / V`
 (a coprime to V): shifting an arc's phases by q then moves them by one lattice step, and the split of all
 the samples stays within a sample or two. Deeper nodes use `a / V` close to golden-ratio multiples (a
 lattice whose points spread over every arc), which keeps them within a few samples without a proof.
-Measured over the first 200 steps, V from 1 to 1,024, seeds and random weights: up to 4 sources within
+Measured over the first 120 steps, V from 1 to 1,024, seeds and random weights: up to 4 sources within
 3 samples of their weights at every step (a proof would bound the root's children; the rest is
 measured), 5 to 8 sources within 16. Shares and
 phases are fixed-point integers (32 fractional bits): the order is the same on every machine.
