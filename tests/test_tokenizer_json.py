@@ -80,8 +80,9 @@ def test_special_token_strings_stay_plain_text(bundled):
 
 
 def test_bos_and_eos_come_from_tokenizer_config(bundled, tmp_path):
-    """Qwen3's way (no BOS, EOS named), the older `{"content": ...}` form, and no config at all (the
-    tokens' usual names); a name that is not a token is one line."""
+    """Qwen3's way (no BOS, EOS named), GPT-2's (`add_bos_token` false), the older `{"content": ...}` form,
+    and no config at all (the tokens' usual names); a name that is not a token, or an `add_bos_token` that
+    is not a boolean, is one line."""
     source = Path(bundled[1].path)
     shutil.copy(source / TOKENIZER_JSON, tmp_path / TOKENIZER_JSON)
     bare = build_tokenizer(str(tmp_path / TOKENIZER_JSON))
@@ -94,6 +95,17 @@ def test_bos_and_eos_come_from_tokenizer_config(bundled, tmp_path):
     assert qwen_like.encode("a b", bos=True, eos=True) == [*plain, 2050]
     cfg.write_text(json.dumps({"bos_token": {"content": "<|reserved_special_token_1|>"}}))
     assert (build_tokenizer(str(tmp_path)).bos_id, build_tokenizer(str(tmp_path)).eos_id) == (2051, 2049)
+    # GPT-2's way: BOS and EOS one token, `add_bos_token` false: documents are separated by EOS alone.
+    gpt2 = {"bos_token": "<|reserved_special_token_0|>", "eos_token": "<|reserved_special_token_0|>"}
+    cfg.write_text(json.dumps({**gpt2, "add_bos_token": False}))
+    gpt2_like = build_tokenizer(str(tmp_path))
+    assert (gpt2_like.bos_id, gpt2_like.eos_id) == (None, 2050)
+    assert gpt2_like.encode("a b", bos=True, eos=True) == [*plain, 2050]
+    cfg.write_text(json.dumps({**gpt2, "add_bos_token": True}))
+    assert build_tokenizer(str(tmp_path)).encode("a b", bos=True, eos=True) == [2050, *plain, 2050]
+    cfg.write_text(json.dumps({**gpt2, "add_bos_token": "no"}))
+    with pytest.raises(ConfigError, match=r"tokenizer_config.json: add_bos_token 'no' is not true or false"):
+        build_tokenizer(str(tmp_path))
     cfg.write_text(json.dumps({"eos_token": "<|im_end|>"}))
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: eos_token '<\|im_end\|>' is not a token of"):
         build_tokenizer(str(tmp_path))

@@ -85,7 +85,14 @@ class HFTokenizer:
                 raise ConfigError(f"{config_file}: not a JSON object")
         vocab = self.model.get_vocab(with_added_tokens=True)
         self.n_words: int = max(vocab.values()) + 1
-        self.bos_id: int | None = self._token_id(config, "bos_token", BOS_NAMES, config_file or file)
+        # `add_bos_token: false` (GPT-2's way: BOS and EOS are one `<|endoftext|>`) means documents get no
+        # BOS; taking the named token would frame each packed document with it twice.
+        add_bos = config.get("add_bos_token", True)
+        if not isinstance(add_bos, bool):
+            raise ConfigError(f"{config_file}: add_bos_token {add_bos!r} is not true or false")
+        self.bos_id: int | None = (
+            self._token_id(config, "bos_token", BOS_NAMES, config_file or file) if add_bos else None
+        )
         eos_id = self._token_id(config, "eos_token", EOS_NAMES, config_file or file)
         if eos_id is None:
             raise ConfigError(

@@ -24,9 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.models.common.hf_config import DTYPE_NAMES
-from titanlite.models.common.hf_config import differ as _differ
-from titanlite.models.common.hf_config import hf_rope as _hf_rope
+from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
 from titanlite.models.llama3.model import ModelArgs
 
 _BLOCK = {
@@ -92,7 +90,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
 
     A tied checkpoint is no mismatch for an untied model (the embedding is copied into the output)."""
     heads = config.get("num_attention_heads")
-    theta, scaling = _hf_rope(config)
+    theta, scaling = hf_rope(config)
     ours_scaling = rope_scaling(args)
     fields: list[tuple[str, Any, Any]] = [
         ("model_type", config.get("model_type", "llama"), "llama"),
@@ -119,7 +117,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
             fields += [(f"rope_scaling.{k}", scaling.get(k), v) for k, v in ours_scaling.items() if k != "rope_type"]
     if args.tie_embeddings:
         fields.append(("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), True))
-    return [(name, theirs, ours) for name, theirs, ours in fields if _differ(theirs, ours)]
+    return [(name, theirs, ours) for name, theirs, ours in fields if differ(theirs, ours)]
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from titanlite.errors import CheckpointError
-from titanlite.models.llama3.hf_adapter import DTYPE_NAMES, _hf_rope
+from titanlite.models.common.hf_config import DTYPE_NAMES, hf_rope
 from titanlite.models.qwen3_moe.model import ModelArgs
 
 _BLOCK = {
@@ -64,7 +64,7 @@ def _differ(a: Any, b: Any) -> bool:
 
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
     """(HF field, checkpoint value, model value) for every field that changes what the weights compute."""
-    theta, scaling = _hf_rope(config)
+    theta, scaling = hf_rope(config)
     # transformers 5 writes `num_local_experts` (the published configs: `num_experts`) and no `head_dim`
     # when it is hidden_size / num_attention_heads, the width its attention then takes.
     experts = config.get("num_experts", config.get("num_local_experts"))

@@ -1,14 +1,15 @@
-"""Qwen3-MoE's tensor-parallel plan: Llama's for the dense parts, the MoE layer on gathered tokens.
+"""Qwen3-MoE's tensor-parallel plan: the dense decoder's for the dense parts, the MoE layer on gathered
+tokens.
 
-Attention, the dense FFN layers, the embedding, norms and output split as Llama's (Megatron-style TP with
-sequence parallelism; `models/llama3/parallelize.py`); the per-head q/k RMSNorms run on each rank's own
-heads, their weights replicated (`SequenceParallel` over the heads dim, whose weight gradients are
-reduced over tp). A MoE layer is not split: its input's sequence shards are gathered, every tp rank
-routes the same tokens with the same (replicated) router and experts, and the output is split back into
-sequence shards. So the experts' weights and gradients are whole and equal on every tp rank, expert
-parallelism (which splits them over the data-parallel shard ranks) needs nothing of tp, and the router's
-auxiliary loss sees the whole microbatch as in one process. The price is the MoE layer's compute done
-tp times; splitting the experts' tokens over tp is not done.
+Attention, the dense FFN layers, the embedding, norms and output split as every dense decoder's
+(Megatron-style TP with sequence parallelism; `models/common/tensor_parallel.py`); the per-head q/k
+RMSNorms run on each rank's own heads, their weights replicated (`SequenceParallel` over the heads dim,
+whose weight gradients are reduced over tp). A MoE layer is not split: its input's sequence shards are
+gathered, every tp rank routes the same tokens with the same (replicated) router and experts, and the
+output is split back into sequence shards. So the experts' weights and gradients are whole and equal on
+every tp rank, expert parallelism (which splits them over the data-parallel shard ranks) needs nothing of
+tp, and the router's auxiliary loss sees the whole microbatch as in one process. The price is the MoE
+layer's compute done tp times; splitting the experts' tokens over tp is not done.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanlite.models.llama3.parallelize import llama_tp_plan
+from titanlite.models.common.tensor_parallel import dense_tp_plan
 from titanlite.parallelisms.replicate_weights import ReplicateWeights
 from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
-    llama = llama_tp_plan(loss_parallel)
-    dense = {name: style for name, style in llama.block.items() if not name.startswith("attention")}
+    common = dense_tp_plan(loss_parallel)
+    dense = {name: style for name, style in common.block.items() if not name.startswith("attention")}
     return TensorParallelPlan(
-        roots=llama.roots,
+        roots=common.roots,
         block={
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
