@@ -80,7 +80,8 @@ CASES_2 = [
     # Untied (tied embeddings cannot span pipeline stages): stages, and one compiled graph under full AC.
     {"family": "qwen3", "tied": False, "pp": 2, "mb": 2},
     {**COMPILED_FULL_AC, "family": "qwen3", "tied": False},
-    # Checked apart, below: its parameters differ by more than the harness's tolerance.
+    {"family": "qwen3", "tied": False, "tp": 2},
+    # Tied under tp, checked apart below: its parameters differ by more than the harness's tolerance.
     {"family": "qwen3", "tp": 2},
     # Negative control: the K/V gather without its backward reduce-scatter (each rank keeps only the
     # gradient its own queries give its keys and values).
@@ -173,7 +174,7 @@ def _fp32(cases: list[dict]) -> list[dict]:
         and not c.get("no_kv_grad")
         and not (c.get("float8") == "tensorwise" and c.get("tp", 1) == 1)
         and not (c.get("float8") == "rowwise" and c.get("tp", 1) > 1)
-        and not (c.get("family") == "qwen3" and c.get("tp", 1) > 1)
+        and not (c.get("family") == "qwen3" and c.get("tp", 1) > 1 and c.get("tied", True))
     ]
 
 
@@ -437,7 +438,8 @@ def test_qwen3_under_tensor_parallelism_matches_one_process(records):
     """Tied Qwen3 at tp 2 (the tied embedding and output split alike, the q/k norms on each rank's heads):
     losses and gradients at the harness's tolerances (measured: 2.6e-7 relative, 1.9e-8), parameters after
     4 AdamW steps within 5e-4, a looser bound than the harness's 1e-4 (measured: 1.4e-4, worst in layer 1's
-    `wq`, where the gradients are not small: 0.08 of the weight's norm; Llama at tp 2: 2.3e-5)."""
+    `wq`; 1.36e-4 at dp 2 x tp 2). The untied case above is within 1e-4 (4.5e-5), so the tie's summed
+    gradient, reduced in another order under tp, is where the rounding starts."""
     rec = records(2, CASES_2)[case_id({"family": "qwen3", "tp": 2})]
     assert rec["loss_rel"] <= LOSS_REL and rec["grad_abs"] <= GRAD_ABS and not rec.get("missing"), rec
     assert rec["param_abs"] <= 5e-4, rec["param_abs"]
