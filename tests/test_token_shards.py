@@ -5,7 +5,9 @@ The slow test drives the tool and `run_train.sh` end to end."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 from harness import ROOT, SMALL, child_env, train
+from titanlite.data import sources
 from titanlite.data.loader import build_dataloader
 from titanlite.data.sources import open_source
 from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB
@@ -123,6 +126,27 @@ def test_an_unfinished_or_truncated_folder_is_refused_and_an_unfinished_one_resu
     # A folder begun with another shard size is not continued with this one.
     with pytest.raises(DataError, match="holds a tokenization of other documents_per_shard"):
         tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD + 1)
+
+
+def test_a_compressed_file_is_decompressed_once_not_once_per_document(tmp_path, monkeypatch):
+    data = tmp_path / "docs.jsonl.gz"
+    lines = [json.dumps({"text": f"document {i}: " + "word " * (i % 7)}) + "\n" for i in range(50)]
+    with gzip.open(data, "wt") as f:
+        f.writelines(lines)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "docs.jsonl").write_text("".join(lines))
+    opened = []
+    real = sources.open_stream
+    monkeypatch.setattr(
+        sources, "open_stream", lambda path, compression: opened.append(path) or real(path, compression)
+    )
+    open_source(str(data), "text")
+    indexing = len(opened)  # the index scan's reads
+    opened.clear()
+    tokenize_source(str(data), "text", "", tmp_path / "gz", workers=1, per_shard=50)
+    assert len(opened) - indexing <= 1, f"{data} opened {len(opened) - indexing} times to tokenize it"
+    tokenize_source(str(tmp_path / "plain"), "text", "", tmp_path / "ref", workers=1, per_shard=50)
+    assert (tmp_path / "gz" / shard_name(0)).read_bytes() == (tmp_path / "ref" / shard_name(0)).read_bytes()
 
 
 @pytest.mark.slow
