@@ -13,14 +13,14 @@ Shards of C documents (default 16,384) are tokenized by N processes (default: th
 given a contiguous run of them (so a compressed file is decompressed forward once per process, not once per
 document or shard), with a progress line on stderr. Each shard is renamed into place once whole, so an
 interrupted run (killed, out of time) continues where it stopped when the same command is run again, and
-the folder ends up byte for byte the same. A folder begun for other data, another tokenizer or another
-shard size is refused. Local data only: `hf://` datasets stream during training.
+the folder ends up byte for byte the same, also where the data or the tokenizer has moved since (the
+plan compares their content digests, not their paths). A folder begun for other data, another tokenizer or
+another shard size is refused. Local data only: `hf://` datasets stream during training.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import multiprocessing
 import os
 import queue
@@ -40,6 +40,7 @@ from titanlite.data.token_shards import (
     PLAN,
     VERSION,
     WrittenShard,
+    read_json,
     read_shard,
     shard_name,
     token_dtype,
@@ -170,23 +171,42 @@ def _plan(
     }
 
 
-def _begin(out: Path, plan: dict) -> None:
-    """Record the plan, or check that a folder already begun has the same one (a resume)."""
+def _what(plan: dict) -> dict:
+    """The part of a plan that says what a folder holds: all but the names of the data and the tokenizer
+    (where they are, as spelled on the command line; kept for display)."""
+    return {
+        **plan,
+        "tokenizer": {k: v for k, v in plan["tokenizer"].items() if k != "name"},
+        "source": {k: v for k, v in plan["source"].items() if k != "name"},
+    }
+
+
+def _begin(out: Path, plan: dict) -> dict:
+    """Record the plan, or check that a folder already begun holds the same (a resume, perhaps of data or a
+    tokenizer moved since, or named otherwise); returns the folder's plan."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / PLAN).exists():
-        was = json.loads((out / PLAN).read_text())
-        changed = [key for key in plan if was.get(key) != plan[key]]
+        was = read_json(out / PLAN, f"--out {out}", "use another folder or delete it")
+        try:
+            begun = _what(was)
+        except (KeyError, TypeError, AttributeError):
+            raise DataError(
+                f"--out {out}: {PLAN} is not a tokenization plan; use another folder or delete it"
+            ) from None
+        changed = [key for key in plan if begun.get(key) != _what(plan)[key]]
         if changed:
             raise DataError(
                 f"--out {out} holds a tokenization of other {', '.join(changed)} ({PLAN}); use another folder or "
                 "delete it"
             )
+        plan = was
     elif any(out.iterdir()):
         raise DataError(f"--out {out} is not empty and holds no tokenization: use an empty or new folder")
     else:
         write_json(out / PLAN, plan)
     for tmp in out.glob(".*.tmp"):  # a write an interruption cut short
         tmp.unlink(missing_ok=True)
+    return plan
 
 
 def tokenize_source(
@@ -201,7 +221,7 @@ def tokenize_source(
         raise DataError(f"dataset_path {source.name}: no usable documents")
     tokenizer = build_tokenizer(tokenizer_path or None)
     plan = _plan(dataset_path, source, text_field, tokenizer_path, tokenizer, per_shard)
-    _begin(out, plan)
+    plan = _begin(out, plan)
     num_shards = -(-source.num_documents // per_shard)
     shards: dict[int, WrittenShard] = {
         k: read_shard(out / shard_name(k)) for k in range(num_shards) if (out / shard_name(k)).exists()
