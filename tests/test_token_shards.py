@@ -5,8 +5,11 @@ The slow test drives the tool and `run_train.sh` end to end."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +18,16 @@ import numpy as np
 import pytest
 
 from harness import ROOT, SMALL, child_env, train
+from titanlite.data import sources
 from titanlite.data.loader import build_dataloader
-from titanlite.data.sources import open_source
+from titanlite.data.sources import BUNDLED_CORPUS, open_source
 from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB
-from titanlite.data.token_shards import INDEX, TokenShards, shard_name, token_dtype, write_shard
+from titanlite.data.token_shards import INDEX, PLAN, TokenShards, shard_name, token_dtype, write_shard
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import DataError, run_cli
 from titanlite.faults import TOKENIZE_KILL_AFTER
 from titanlite.launcher import preflight
+from titanlite.tools import tokenize
 from titanlite.tools.tokenize import tokenize_source
 
 PER_SHARD = 500  # the bundled corpus's 3,851 documents in 8 shards
@@ -123,6 +128,76 @@ def test_an_unfinished_or_truncated_folder_is_refused_and_an_unfinished_one_resu
     # A folder begun with another shard size is not continued with this one.
     with pytest.raises(DataError, match="holds a tokenization of other documents_per_shard"):
         tokenize_source("", "text", "", out, workers=1, per_shard=PER_SHARD + 1)
+
+
+def test_a_compressed_file_is_decompressed_once_not_once_per_document(tmp_path, monkeypatch):
+    data = tmp_path / "docs.jsonl.gz"
+    lines = [json.dumps({"text": f"document {i}: " + "word " * (i % 7)}) + "\n" for i in range(50)]
+    with gzip.open(data, "wt") as f:
+        f.writelines(lines)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "docs.jsonl").write_text("".join(lines))
+    opened = []
+    real = sources.open_stream
+    monkeypatch.setattr(
+        sources, "open_stream", lambda path, compression: opened.append(path) or real(path, compression)
+    )
+    open_source(str(data), "text")
+    indexing = len(opened)  # the index scan's reads
+    opened.clear()
+    tokenize_source(str(data), "text", "", tmp_path / "gz", workers=1, per_shard=50)
+    assert len(opened) - indexing <= 1, f"{data} opened {len(opened) - indexing} times to tokenize it"
+    tokenize_source(str(tmp_path / "plain"), "text", "", tmp_path / "ref", workers=1, per_shard=50)
+    assert (tmp_path / "gz" / shard_name(0)).read_bytes() == (tmp_path / "ref" / shard_name(0)).read_bytes()
+
+
+def test_an_unfinished_folder_resumes_after_the_data_and_tokenizer_move(folder, tmp_path, monkeypatch):
+    """The plan compares what the data and tokenizer hold (digests, text field), not where they are."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    for f in sorted(BUNDLED_CORPUS.glob("*.txt")):
+        shutil.copy(f, a)
+    shutil.copy(BUNDLED_VOCAB, tmp_path / "vocab-a.tiktoken")
+    out = tmp_path / "tokens"
+    tokenize_source(str(a), "text", str(tmp_path / "vocab-a.tiktoken"), out, workers=1, per_shard=PER_SHARD)
+    whole = files(out)
+    (out / INDEX).unlink()  # as if interrupted after the first shards
+    for k in range(3, 8):
+        (out / shard_name(k)).unlink()
+    shutil.copytree(a, b)
+    shutil.copy(BUNDLED_VOCAB, tmp_path / "vocab-b.tiktoken")
+    monkeypatch.chdir(tmp_path)
+    tokenize_source("./b", "text", "vocab-b.tiktoken", out, workers=1, per_shard=PER_SHARD)
+    assert files(out) == whole
+    assert [p.read_bytes() for p in sorted(folder.glob("shard-*"))] == [
+        out.joinpath(n).read_bytes() for n in sorted(whole) if n.startswith("shard-")
+    ]
+
+
+def test_a_corrupt_plan_index_or_shard_is_refused_in_one_line(folder, tmp_path, capsys):
+    out = tmp_path / "begun"
+    out.mkdir()
+    (out / PLAN).write_text("{not json")
+    assert run_cli(tokenize.main, ["--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"titanlite: error: --out {out}: cannot read {PLAN} ("), err
+    # A complete folder whose index lacks a key, or a shard that is not a shard file.
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    index = json.loads((copy / INDEX).read_text())
+    for key in ("shards", "dtype", "documents"):
+        (copy / INDEX).write_text(json.dumps({k: v for k, v in index.items() if k != key}))
+        with pytest.raises(DataError, match=f"{INDEX} has no {key!r}.*: tokenize the data again"):
+            open_source(str(copy), "text")
+    (copy / INDEX).write_text(json.dumps(index))
+    with open(copy / shard_name(4), "r+b") as f:
+        f.write(b"NOTTOKEN")
+    with pytest.raises(DataError, match=f"shard {shard_name(4)} is not a token shard.*: tokenize the data again"):
+        open_source(str(copy), "text")
+    # A resumed tokenization does not take it as a written shard.
+    (copy / INDEX).unlink()
+    with pytest.raises(DataError, match=f"shard {shard_name(4)} is not a token shard"):
+        tokenize_source("", "text", "", copy, workers=1, per_shard=PER_SHARD)
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ an interrupted tokenization resumes by writing only the missing ones, and produc
 
 The folder records the digest of the tokenizer that made it (`tokenizer.tokenizer_digest`, the one a
 checkpoint records); the loader refuses a run whose tokenizer differs, and a folder without
-`tokens.json` or with a shard of the wrong size (unfinished, truncated).
+`tokens.json` or with a shard of the wrong size (unfinished, truncated), one whose `tokens.json` lacks what
+the tool writes, and a shard file that does not begin with `MAGIC`, each in one line.
 """
 
 from __future__ import annotations
@@ -100,9 +101,16 @@ def write_shard(path: Path, documents: Iterable[list[int]], dtype: str) -> Writt
 def read_shard(path: Path) -> WrittenShard:
     """A whole shard file's entry (a resumed tokenization lists the shards written before)."""
     data = path.read_bytes()
+    check_magic(data[: len(MAGIC)], path, f"--out {path.parent}", f"delete {path.name} to write it again")
     n = int.from_bytes(data[len(MAGIC) : _HEADER], "little")
     end = np.frombuffer(data, dtype=np.int64, count=1, offset=_HEADER + 8 * n)[0]
     return WrittenShard(path.name, n, int(end), len(data), hashlib.blake2b(data, digest_size=16).hexdigest())
+
+
+def check_magic(head: bytes, path: Path, name: str, remedy: str) -> None:
+    """Refuse a file that does not begin as a shard file does (another file under a shard's name)."""
+    if head != MAGIC:
+        raise DataError(f"{name}: shard {path.name} is not a token shard (it begins {head!r}, not {MAGIC!r}): {remedy}")
 
 
 class TokenShards:
@@ -112,21 +120,32 @@ class TokenShards:
 
     def __init__(self, path: str) -> None:
         self.name = path
-        folder = Path(path)
+        try:
+            self._open(Path(path))
+        except (KeyError, TypeError, ValueError) as e:  # valid JSON, not what the tool writes
+            what = f"has no {e.args[0]!r}" if isinstance(e, KeyError) else f"is malformed ({e})"
+            raise DataError(f"dataset_path {path}: {INDEX} {what}: tokenize the data again") from None
+        self._first = 0
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray, np.ndarray]] = {}
+
+    def _open(self, folder: Path) -> None:
+        """Read and check the index and the shards' sizes and headers."""
+        path = self.name
         if not (folder / INDEX).exists():
-            plan = _read_json(folder / PLAN, path)
+            plan = read_json(folder / PLAN, f"dataset_path {path}")
             total = -(-plan["documents"] // plan["documents_per_shard"])
             done = len([k for k in range(total) if (folder / shard_name(k)).exists()])
             raise DataError(
                 f"dataset_path {path}: an unfinished tokenization ({done} of {total} shards); run the same "
                 "titanlite.tools.tokenize command again to finish it"
             )
-        self.meta = _read_json(folder / INDEX, path)
+        self.meta = read_json(folder / INDEX, f"dataset_path {path}")
         if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
             raise DataError(
                 f"dataset_path {path}: {INDEX} is format {self.meta.get('format')} version {self.meta.get('version')}, "
                 f"this titanlite reads {FORMAT} version {VERSION}: tokenize the data again"
             )
+        self._made_by = {"name": str(self.meta["tokenizer"]["name"]), "digest": str(self.meta["tokenizer"]["digest"])}
         self.dtype = np.dtype(self.meta["dtype"])
         self.files = [folder / s["file"] for s in self.meta["shards"]]
         self.digests = [s["digest"] for s in self.meta["shards"]]
@@ -135,17 +154,17 @@ class TokenShards:
             if size != entry["bytes"]:
                 found = "missing" if size is None else f"{size:,} bytes, not {entry['bytes']:,}"
                 raise DataError(f"dataset_path {path}: shard {file.name} is {found}: tokenize the data again")
+            with open(file, "rb") as f:
+                check_magic(f.read(len(MAGIC)), file, f"dataset_path {path}", "tokenize the data again")
         self._starts = array("q", [0])  # each shard's first document
         for entry in self.meta["shards"][:-1]:
             self._starts.append(self._starts[-1] + entry["documents"])
         self.num_documents: int = self.meta["documents"]
-        self._first = 0
-        self._maps: dict[int, tuple[mmap.mmap, np.ndarray, np.ndarray]] = {}
 
     @property
     def tokenizer(self) -> dict:
         """{"name", "digest"} of the tokenizer that made the shards."""
-        return self.meta["tokenizer"]
+        return self._made_by
 
     def part(self, begin: int, end: int) -> TokenShards:
         """Documents [begin, end) as a source numbered from 0 (`sources.LocalSource.part`)."""
@@ -195,8 +214,12 @@ class TokenShards:
         return {**self.__dict__, "_maps": {}}
 
 
-def _read_json(path: Path, name: str) -> dict:
+def read_json(path: Path, name: str, remedy: str = "tokenize the data again") -> dict:
+    """A JSON object the folder holds, or a `DataError` naming `name` and the `remedy`."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"dataset_path {name}: cannot read {path.name} ({e}): tokenize the data again") from None
+        raise DataError(f"{name}: cannot read {path.name} ({e}): {remedy}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{name}: {path.name} is not a JSON object: {remedy}")
+    return data

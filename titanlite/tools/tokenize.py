@@ -9,20 +9,25 @@ It reads the config's training data (`training.dataset_path`, "" = the bundled c
 on the fly, in the data's own document order. Point `training.dataset_path` (or a source's path) at the
 folder: the run reads the same tokens in the same order, without tokenizing.
 
-Shards of C documents (default 16,384) are tokenized by N processes (default: the machine's cores), with a
-progress line on stderr. Each shard is renamed into place once whole, so an interrupted run (killed,
-out of time) continues where it stopped when the same command is run again, and the folder ends up
-byte for byte the same. A folder begun for other data, another tokenizer or another shard size is
-refused. Local data only: `hf://` datasets stream during training.
+Shards of C documents (default 16,384) are tokenized by N processes (default: the machine's cores), each
+given a contiguous run of them (so a compressed file is decompressed forward once per process, not once per
+document or shard), with a progress line on stderr. Each shard is renamed into place once whole, so an
+interrupted run (killed, out of time) continues where it stopped when the same command is run again, and
+the folder ends up byte for byte the same, also where the data or the tokenizer has moved since (the
+plan compares their content digests, not their paths). A folder begun for other data, another tokenizer or
+another shard size is refused. Local data only: `hf://` datasets stream during training.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import multiprocessing
 import os
+import queue
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +40,7 @@ from titanlite.data.token_shards import (
     PLAN,
     VERSION,
     WrittenShard,
+    read_json,
     read_shard,
     shard_name,
     token_dtype,
@@ -42,7 +48,7 @@ from titanlite.data.token_shards import (
     write_shard,
 )
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.errors import ConfigError, DataError, exit_now, run_cli
+from titanlite.errors import ConfigError, DataError, UserError, exit_now, run_cli
 from titanlite.faults import tokenize_kill
 from titanlite.tools.options import number, split_options
 
@@ -57,19 +63,68 @@ class ShardTask:
     def __init__(self, source: LocalSource, tokenizer_path: str, out: Path, per_shard: int, dtype: str) -> None:
         self.source, self.tokenizer_path, self.out = source, tokenizer_path, out
         self.per_shard, self.dtype = per_shard, dtype
-        self._tokenizer: Tokenizer | None = None
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokenizer": None}
+    def _documents(self, k: int) -> range:
+        """Shard k's documents: [k C, (k + 1) C)."""
+        return range(k * self.per_shard, min((k + 1) * self.per_shard, self.source.num_documents))
 
-    def __call__(self, k: int) -> tuple[int, WrittenShard]:
-        """Tokenize and write shard k: documents [k C, (k + 1) C)."""
-        if self._tokenizer is None:
-            self._tokenizer = build_tokenizer(self.tokenizer_path or None)
-        tokenizer, source = self._tokenizer, self.source
-        end = min((k + 1) * self.per_shard, source.num_documents)
-        docs = (tokenizer.encode(source.document(d), bos=True, eos=True) for d in range(k * self.per_shard, end))
-        return k, write_shard(self.out / shard_name(k), docs, self.dtype)
+    def write(self, shards: list[int]) -> Iterator[tuple[int, WrittenShard]]:
+        """Tokenize and write `shards` (increasing), yielding each once written. Their documents are read in
+        one forward pass (`LocalSource.documents`): a compressed file is decompressed once for a run of
+        shards, not from its start for every document."""
+        tokenizer = build_tokenizer(self.tokenizer_path or None)
+        texts = self.source.documents(d for k in shards for d in self._documents(k))
+        try:
+            for k in shards:
+                docs = (
+                    tokenizer.encode(t, bos=True, eos=True) for t in itertools.islice(texts, len(self._documents(k)))
+                )
+                yield k, write_shard(self.out / shard_name(k), docs, self.dtype)
+        finally:
+            texts.close()
+
+    def run(self, shards: list[int], results: multiprocessing.Queue) -> None:
+        """A worker process: `write(shards)` onto `results`, then (None, the error) if one stopped it. It
+        stops after the shard it is writing when the tool's process is gone (killed), as a pool's would."""
+        parent = multiprocessing.parent_process()
+        try:
+            for written in self.write(shards):
+                results.put(written)
+                if parent is not None and not parent.is_alive():
+                    return
+        except Exception as e:
+            results.put((None, e if isinstance(e, UserError) else RuntimeError(traceback.format_exc())))
+
+
+def _written(task: ShardTask, todo: list[int], workers: int) -> Iterator[tuple[int, WrittenShard]]:
+    """(k, shard) for the shards `todo` as they are written: here for one worker, else by up to `workers`
+    processes, each given a contiguous run of them, so that it reads each file forward once."""
+    runs = [r for w in range(workers) if (r := todo[len(todo) * w // workers : len(todo) * (w + 1) // workers])]
+    if len(runs) <= 1:
+        yield from task.write(todo)
+        return
+    context = multiprocessing.get_context("forkserver")
+    results = context.Queue()
+    procs = [context.Process(target=task.run, args=(run, results), daemon=True) for run in runs]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in todo:
+            while True:
+                try:
+                    k, shard = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    failed = [p.exitcode for p in procs if p.exitcode]
+                    if failed or all(p.exitcode is not None for p in procs):
+                        raise RuntimeError(f"a tokenize worker exited (codes {failed}) before its shards") from None
+            if k is None:
+                raise shard
+            yield k, shard
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
 
 
 class Progress:
@@ -116,23 +171,42 @@ def _plan(
     }
 
 
-def _begin(out: Path, plan: dict) -> None:
-    """Record the plan, or check that a folder already begun has the same one (a resume)."""
+def _what(plan: dict) -> dict:
+    """The part of a plan that says what a folder holds: all but the names of the data and the tokenizer
+    (where they are, as spelled on the command line; kept for display)."""
+    return {
+        **plan,
+        "tokenizer": {k: v for k, v in plan["tokenizer"].items() if k != "name"},
+        "source": {k: v for k, v in plan["source"].items() if k != "name"},
+    }
+
+
+def _begin(out: Path, plan: dict) -> dict:
+    """Record the plan, or check that a folder already begun holds the same (a resume, perhaps of data or a
+    tokenizer moved since, or named otherwise); returns the folder's plan."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / PLAN).exists():
-        was = json.loads((out / PLAN).read_text())
-        changed = [key for key in plan if was.get(key) != plan[key]]
+        was = read_json(out / PLAN, f"--out {out}", "use another folder or delete it")
+        try:
+            begun = _what(was)
+        except (KeyError, TypeError, AttributeError):
+            raise DataError(
+                f"--out {out}: {PLAN} is not a tokenization plan; use another folder or delete it"
+            ) from None
+        changed = [key for key in plan if begun.get(key) != _what(plan)[key]]
         if changed:
             raise DataError(
                 f"--out {out} holds a tokenization of other {', '.join(changed)} ({PLAN}); use another folder or "
                 "delete it"
             )
+        plan = was
     elif any(out.iterdir()):
         raise DataError(f"--out {out} is not empty and holds no tokenization: use an empty or new folder")
     else:
         write_json(out / PLAN, plan)
     for tmp in out.glob(".*.tmp"):  # a write an interruption cut short
         tmp.unlink(missing_ok=True)
+    return plan
 
 
 def tokenize_source(
@@ -147,7 +221,7 @@ def tokenize_source(
         raise DataError(f"dataset_path {source.name}: no usable documents")
     tokenizer = build_tokenizer(tokenizer_path or None)
     plan = _plan(dataset_path, source, text_field, tokenizer_path, tokenizer, per_shard)
-    _begin(out, plan)
+    plan = _begin(out, plan)
     num_shards = -(-source.num_documents // per_shard)
     shards: dict[int, WrittenShard] = {
         k: read_shard(out / shard_name(k)) for k in range(num_shards) if (out / shard_name(k)).exists()
@@ -155,16 +229,10 @@ def tokenize_source(
     todo = [k for k in range(num_shards) if k not in shards]
     progress = Progress(source.name, source.num_documents, sum(s.documents for s in shards.values()))
     task = ShardTask(source, tokenizer_path, out, per_shard, plan["dtype"])
-    pool = multiprocessing.get_context("forkserver").Pool(min(workers, len(todo))) if len(todo) > 1 < workers else None
-    try:
-        done = pool.imap_unordered(task, todo) if pool else map(task, todo)
-        for written, (k, shard) in enumerate(done, 1):
-            shards[k] = shard
-            progress.add(shard)
-            tokenize_kill(written)
-    finally:
-        if pool:
-            pool.terminate()
+    for written, (k, shard) in enumerate(_written(task, todo, workers), 1):
+        shards[k] = shard
+        progress.add(shard)
+        tokenize_kill(written)
     if not todo:
         progress.add(WrittenShard("", 0, 0, 0, ""), force=True)
     progress.close()
