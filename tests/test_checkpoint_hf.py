@@ -17,8 +17,9 @@ from safetensors import safe_open
 from harness import ROOT, assert_ok, child_env, tiny_args, torchrun
 from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, run_cli
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name
 from titanlite.models.llama3 import SPEC, ModelArgs, Transformer, llama3_configs
-from titanlite.models.llama3.hf_adapter import from_hf_rope, hf_config, hf_name, to_hf_rope
+from titanlite.models.llama3.hf_adapter import from_hf_rope, hf_config, to_hf_rope
 from titanlite.models.llama3.model import apply_rope, rope_tables
 
 # DCP warns on every single-process save/load (no process group), which is what these tests do.
@@ -47,16 +48,16 @@ def tokens(args: ModelArgs = ARGS) -> torch.Tensor:
 
 
 def test_names():
-    assert hf_name("tok_embeddings.weight") == "model.embed_tokens.weight"
-    assert hf_name("layers.3.attention.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
-    assert hf_name("layers.0.feed_forward.w1.weight") == "model.layers.0.mlp.gate_proj.weight"
-    assert hf_name("layers.0.feed_forward.w3.weight") == "model.layers.0.mlp.up_proj.weight"
-    assert hf_name("layers.0.feed_forward.w2.weight") == "model.layers.0.mlp.down_proj.weight"
-    assert hf_name("layers.1.attention_norm.weight") == "model.layers.1.input_layernorm.weight"
-    assert hf_name("layers.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
-    assert hf_name("norm.weight") == "model.norm.weight"
-    assert hf_name("output.weight") == "lm_head.weight"
-    assert hf_name("output.weight", tied=True) == "model.embed_tokens.weight"
+    assert hf_name("tok_embeddings.weight", DECODER_BLOCK) == "model.embed_tokens.weight"
+    assert hf_name("layers.3.attention.wk.weight", DECODER_BLOCK) == "model.layers.3.self_attn.k_proj.weight"
+    assert hf_name("layers.0.feed_forward.w1.weight", DECODER_BLOCK) == "model.layers.0.mlp.gate_proj.weight"
+    assert hf_name("layers.0.feed_forward.w3.weight", DECODER_BLOCK) == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("layers.0.feed_forward.w2.weight", DECODER_BLOCK) == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("layers.1.attention_norm.weight", DECODER_BLOCK) == "model.layers.1.input_layernorm.weight"
+    assert hf_name("layers.1.ffn_norm.weight", DECODER_BLOCK) == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_name("norm.weight", DECODER_BLOCK) == "model.norm.weight"
+    assert hf_name("output.weight", DECODER_BLOCK) == "lm_head.weight"
+    assert hf_name("output.weight", DECODER_BLOCK, tied=True) == "model.embed_tokens.weight"
 
 
 def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """A KV cache for generation: the keys and values of the positions generated so far, per block, so each new
 token runs the model over itself alone instead of over the whole sequence again. The dense families'
-attention reads and writes it (`Transformer.forward` with `cache`)."""
+attention reads and writes it (`Transformer.forward` with `cache`, `attend_cached`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from titanlite.models.common.attention import Mask, attend
 
 LayerKV = tuple[torch.Tensor, torch.Tensor, int]
 """One block's view of a `KVCache`: its key and value buffers [b, kv_heads, max_len, head_dim] and the
@@ -39,3 +41,20 @@ class KVCache:
         shape = (batch, kv_heads, max_len, head_dim)
         make = [torch.zeros(shape, device=like.device, dtype=like.dtype) for _ in range(2 * layers)]
         return cls(make[::2], make[1::2])
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kv: LayerKV | None) -> torch.Tensor:
+    """Attention of q [b, s, heads, d] over k, v [b, s, kv_heads, d] -> [b, s, heads * d], what every
+    dense family's attention runs once its heads are projected and rotated. With a block's `kv`
+    (generation) the new keys and values are written into the cache and the queries attend every
+    position so far: causally for a prompt (from position 0, `KVCache.check`), every key for a single
+    new token."""
+    bsz, seq = q.shape[:2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    causal = True
+    if kv is not None:
+        k_all, v_all, pos = kv
+        k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
+        k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
+        causal = seq > 1
+    return attend(q, k, v, mask, causal).transpose(1, 2).reshape(bsz, seq, -1)

@@ -24,33 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name, params_once, reads_tied
 from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
 from titanlite.models.llama3.model import ModelArgs
-
-_BLOCK = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_name(fqn: str, tied: bool = False) -> str:
-    """The HF name of titanlite parameter `fqn`."""
-    if fqn == "tok_embeddings.weight" or (tied and fqn == "output.weight"):
-        return "model.embed_tokens.weight"
-    if fqn == "output.weight":
-        return "lm_head.weight"
-    if fqn == "norm.weight":
-        return "model.norm.weight"
-    _, layer, rest = fqn.split(".", 2)
-    module, _, leaf = rest.rpartition(".")
-    return f"model.layers.{layer}.{_BLOCK[module]}.{leaf}"
 
 
 def rope_heads(fqn: str, args: ModelArgs) -> int:
@@ -153,19 +129,17 @@ class LlamaHFAdapter:
 
     @staticmethod
     def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """(FQN, parameter as stored: shard or plain), in state-dict order, each tied tensor once."""
-        tied = model.args.tie_embeddings
-        return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "output.weight")]
+        return params_once(model)
 
     @staticmethod
     def hf_name(fqn: str, args: ModelArgs) -> str:
-        return hf_name(fqn, args.tie_embeddings)
+        return hf_name(fqn, DECODER_BLOCK, args.tie_embeddings)
 
     @staticmethod
     def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
         """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
         embedding."""
-        return hf_name(fqn, args.tie_embeddings or bool(config.get("tie_word_embeddings", False)))
+        return hf_name(fqn, DECODER_BLOCK, reads_tied(args.tie_embeddings, config))
 
     @staticmethod
     def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:

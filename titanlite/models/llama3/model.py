@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.models.common.attention import Mask, attend, causal_mask
+from titanlite.models.common.attention import Mask, causal_mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
-from titanlite.models.common.kv_cache import KVCache, LayerKV
+from titanlite.models.common.kv_cache import KVCache, LayerKV, attend_cached
 from titanlite.models.common.norm import RMSNorm
 from titanlite.parallelisms.context_parallel import SequenceShard
 
@@ -181,15 +181,7 @@ class Attention(nn.Module):
             pending = cp.start_gather(torch.stack((k, v)), dim=2)
             q = apply_rope(heads(self.wq), cos, sin)
             k, v = cp.finish_gather(pending, dim=2).unbind(0)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        causal = True
-        if kv is not None:  # generation: attend to every position so far (KVCache)
-            k_all, v_all, pos = kv
-            k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
-            k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
-            causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
-        out = attend(q, k, v, mask, causal)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return self.wo(attend_cached(q, k, v, mask, kv))
 
 
 class TransformerBlock(nn.Module):

@@ -20,35 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, hf_name, params_once, reads_tied
 from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
 from titanlite.models.qwen3.model import ModelArgs
 
-_BLOCK = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "attention.q_norm": "self_attn.q_norm",
-    "attention.k_norm": "self_attn.k_norm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_name(fqn: str, tied: bool = False) -> str:
-    """The HF name of titanlite parameter `fqn` (`output` is the embedding when `tied`)."""
-    if fqn == "tok_embeddings.weight" or (tied and fqn == "output.weight"):
-        return "model.embed_tokens.weight"
-    if fqn == "output.weight":
-        return "lm_head.weight"
-    if fqn == "norm.weight":
-        return "model.norm.weight"
-    _, layer, rest = fqn.split(".", 2)
-    module, _, leaf = rest.rpartition(".")
-    return f"model.layers.{layer}.{_BLOCK[module]}.{leaf}"
+_BLOCK = DECODER_BLOCK | QK_NORM
 
 
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
@@ -104,40 +80,26 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> 
     }
 
 
-class Qwen3HFAdapter:
+class Qwen3HFAdapter(ByName):
     """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
 
     @staticmethod
     def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """(FQN, parameter as stored: shard or plain), in state-dict order, a tied tensor once."""
-        tied = model.args.tie_embeddings
-        return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "output.weight")]
+        return params_once(model)
 
     @staticmethod
     def hf_name(fqn: str, args: ModelArgs) -> str:
-        return hf_name(fqn, args.tie_embeddings)
+        return hf_name(fqn, _BLOCK, args.tie_embeddings)
 
     @staticmethod
     def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
         """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
         embedding."""
-        return hf_name(fqn, args.tie_embeddings or bool(config.get("tie_word_embeddings", False)))
+        return hf_name(fqn, _BLOCK, reads_tied(args.tie_embeddings, config))
 
     @staticmethod
     def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
         return config_mismatches(config, args)
-
-    @staticmethod
-    def to_hf(fqn: str, full: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-        return full
-
-    @staticmethod
-    def row_group(fqn: str, args: ModelArgs) -> int:
-        return 1
-
-    @staticmethod
-    def from_hf(fqn: str, rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-        return rows
 
     @staticmethod
     def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:

@@ -4,8 +4,9 @@ tied to the embedding in the small flavors.
 
 The module tree is Llama 3's, TorchTitan's names (`tok_embeddings`, `layers.{i}.attention.{wq,wk,wv,wo}`,
 `attention.{q,k}_norm`, `feed_forward.{w1,w2,w3}`, `attention_norm`, `ffn_norm`, `norm`, `output`), so the
-dense tensor-parallel plan addresses it (`models/common/tensor_parallel.py`); RoPE rotates halves as HF
-does (`models/common/rope_halves.py`), so the HF conversion is a renaming (`hf_adapter.py`).
+dense tensor-parallel plan addresses it (`models/common/tensor_parallel.py`). The attention is the QK-norm
+attention Qwen3-MoE shares (`models/common/qk_norm_attention.py`); RoPE rotates halves as HF does
+(`models/common/rope_halves.py`), so the HF conversion is a renaming (`hf_adapter.py`).
 
 With `tie_embeddings` the output projection's weight is the embedding's Parameter: one tensor, sharded,
 gathered, initialised and trained once under every layout (the framework keeps the tie through
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanlite.models.common.attention import Mask, attend, causal_mask
+from titanlite.models.common.attention import Mask, causal_mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
-from titanlite.models.common.rope_halves import apply_rope, rope_at, rope_tables
+from titanlite.models.common.qk_norm_attention import QKNormAttention
+from titanlite.models.common.rope_halves import rope_at, rope_tables
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len")
@@ -73,58 +75,10 @@ class ModelArgs:
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
-class Attention(nn.Module):
-    context_parallel: SequenceShard | None = None
-    """The context-parallel seam, as on Llama 3's attention (`models/llama3/model.py`): this rank's part
-    of every sequence, set by the framework."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None, kv: LayerKV | None = None
-    ) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-
-        def heads(w: nn.Linear, norm: RMSNorm | None = None) -> torch.Tensor:
-            # Under tensor parallelism the projections hold a slice of the heads: infer the local count.
-            h = w(x).view(bsz, seq, -1, self.head_dim)
-            return apply_rope(norm(h), cos, sin) if norm is not None else h
-
-        cp = self.context_parallel if kv is None else None
-        if cp is None:
-            # Queries first, as Llama's: the order autograd sums the projections' gradients into x's.
-            q, k, v = heads(self.wq, self.q_norm), heads(self.wk, self.k_norm), heads(self.wv)
-        else:
-            if mask is None:
-                raise ValueError("attention under context parallelism takes the mask of its queries (causal_mask)")
-            k, v = heads(self.wk, self.k_norm), heads(self.wv)
-            # The keys and values are gathered while the queries are projected.
-            pending = cp.start_gather(torch.stack((k, v)), dim=2)
-            q = heads(self.wq, self.q_norm)
-            k, v = cp.finish_gather(pending, dim=2).unbind(0)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        causal = True
-        if kv is not None:  # generation: attend to every position so far (KVCache)
-            k_all, v_all, pos = kv
-            k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
-            k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
-            causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
-        out = attend(q, k, v, mask, causal)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = QKNormAttention(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)

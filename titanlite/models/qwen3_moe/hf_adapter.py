@@ -17,49 +17,17 @@ layout, or the stacked one (`mlp.experts.gate_up_proj`, `save_pretrained(save_or
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from titanlite.errors import CheckpointError
-from titanlite.models.common.hf_config import DTYPE_NAMES, hf_rope
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, hf_name
+from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
 from titanlite.models.qwen3_moe.model import ModelArgs
 
-_BLOCK = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "attention.q_norm": "self_attn.q_norm",
-    "attention.k_norm": "self_attn.k_norm",
-    "moe.gate": "mlp.gate",
-    "moe.experts": "mlp.experts",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_name(fqn: str) -> str:
-    """The HF name of titanlite parameter `fqn`."""
-    roots = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-    if fqn in roots:
-        return roots[fqn]
-    if fqn == "norm.weight":
-        return "model.norm.weight"
-    _, layer, rest = fqn.split(".", 2)
-    module, _, leaf = rest.rpartition(".")
-    return f"model.layers.{layer}.{_BLOCK[module]}.{leaf}"
-
-
-def _differ(a: Any, b: Any) -> bool:
-    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
-        return not math.isclose(a, b, rel_tol=1e-9)
-    return a != b
+_BLOCK = DECODER_BLOCK | QK_NORM | {"moe.gate": "mlp.gate", "moe.experts": "mlp.experts"}
 
 
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
@@ -92,7 +60,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
         ("attention_bias", config.get("attention_bias", False), False),
         ("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), False),
     ]
-    return [(name, theirs, ours) for name, theirs, ours in fields if _differ(theirs, ours)]
+    return [(name, theirs, ours) for name, theirs, ours in fields if differ(theirs, ours)]
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
@@ -130,7 +98,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> 
     }
 
 
-class Qwen3MoeHFAdapter:
+class Qwen3MoeHFAdapter(ByName):
     """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
 
     @staticmethod
@@ -146,11 +114,11 @@ class Qwen3MoeHFAdapter:
 
     @staticmethod
     def hf_name(fqn: str, args: ModelArgs) -> str:
-        return hf_name(fqn)
+        return hf_name(fqn, _BLOCK)
 
     @staticmethod
     def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
-        return hf_name(fqn)
+        return hf_name(fqn, _BLOCK)
 
     @staticmethod
     def split_names(fqn: str, args: ModelArgs) -> list[list[str]] | None:
@@ -158,25 +126,13 @@ class Qwen3MoeHFAdapter:
         prefix, _, leaf = fqn.rpartition(".")
         if not prefix.endswith("moe.experts"):
             return None
-        base = hf_name(f"{prefix}.weight").removesuffix(".weight")
+        base = hf_name(f"{prefix}.weight", _BLOCK).removesuffix(".weight")
         pieces = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
         return [[f"{base}.{j}.{piece}.weight" for piece in pieces] for j in range(args.num_experts)]
 
     @staticmethod
     def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
         return config_mismatches(config, args)
-
-    @staticmethod
-    def to_hf(fqn: str, full: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-        return full
-
-    @staticmethod
-    def row_group(fqn: str, args: ModelArgs) -> int:
-        return 1
-
-    @staticmethod
-    def from_hf(fqn: str, rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-        return rows
 
     @staticmethod
     def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:

@@ -4,8 +4,9 @@ is a mixture of experts (`moe.py`), or a dense SwiGLU in the layers `decoder_spa
 
 The module tree mirrors Hugging Face's `Qwen3MoeForCausalLM` one to one (`tok_embeddings` ->
 `model.embed_tokens`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`, `layers.{i}.moe.{gate,experts}`
-or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`), and RoPE rotates halves of each head as
-Hugging Face does (`rotate_half`), so the export is a renaming (`hf_adapter.py`).
+or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`). The attention is dense Qwen3's QK-norm
+attention (`models/common/qk_norm_attention.py`) and RoPE rotates halves of each head as Hugging Face does
+(`models/common/rope_halves.py`), so the export is a renaming (`hf_adapter.py`).
 
 Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name
 (`models/common/init.py`) and zeroes the routing counters, so every parallel layout starts from the same weights.
@@ -16,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
+from titanlite.models.common.qk_norm_attention import QKNormAttention
+from titanlite.models.common.rope_halves import rope_tables
 from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
 SHAPE_KEYS = (
@@ -105,55 +107,10 @@ class ModelArgs:
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
-def rope_tables(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq_len, head_dim] in Hugging Face's layout (the half-width frequencies twice)."""
-    hd = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), freqs)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, s, h, d] by the position's angle, channel i paired with i + d/2 (HF's `rotate_half`)."""
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated * sin).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = self.q_norm(self.wq(x).view(bsz, seq, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(bsz, seq, -1, self.head_dim))
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        causal = True
-        if kv is not None:  # generation: attend to every position so far (KVCache)
-            k_all, v_all, pos = kv
-            k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
-            k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
-            causal = seq > 1  # a prompt (from position 0, KVCache.check); a single new token sees all
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
 class DecoderBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = QKNormAttention(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.norm_eps)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe(layer_id):
@@ -166,7 +123,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         # The KV cache only when generating: the tensor-parallel plan declares the layouts of (x, cos, sin).
-        h = x + self.attention(self.attention_norm(x), cos, sin, *([kv] if kv is not None else []))
+        h = x + self.attention(self.attention_norm(x), cos, sin, *([None, kv] if kv is not None else []))
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -180,7 +137,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args, self.seq_len)
+        cos, sin = rope_tables(args.head_dim, args.rope_theta, self.seq_len)
         self.routing_in: torch.Tensor | None = None
         """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -238,7 +195,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         init_parameters_([(fqn, p, self.init_spec(fqn)) for fqn, p in self.named_parameters()], seed)
         device = buffer_device or self.rope_cos.device
-        self.rope_cos, self.rope_sin = rope_tables(self.args, self.seq_len, device=device)
+        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, self.args.rope_theta, self.seq_len, device)
         for moe in moe_layers(self):
             moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
             if moe.expert_bias is not None:

@@ -1,0 +1,71 @@
+"""What every family's Hugging Face adapter shares: HF's decoder names for the modules the families have in
+common, the rule that names the embedding and output projection (tied or not), the tensors an export
+writes, and the conversion of a tensor that HF stores as titanlite does (by name only).
+
+The families' own parts (their extra modules, `config.json`, RoPE permutation, expert splitting) stay in
+their `hf_adapter.py`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DECODER_BLOCK = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+"""A decoder block's modules (titanlite -> HF, under `model.layers.{i}.`): TorchTitan's names to HF's Llama
+and Qwen3 names."""
+
+QK_NORM = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
+"""The QK-norm attention's norms (`qk_norm_attention.py`), as both Qwen3 families name them in HF."""
+
+
+def hf_name(fqn: str, block: dict[str, str], tied: bool = False) -> str:
+    """The HF name of titanlite parameter `fqn`, a block's module named through `block` (`output` is the
+    embedding when `tied`)."""
+    if fqn == "tok_embeddings.weight" or (tied and fqn == "output.weight"):
+        return "model.embed_tokens.weight"
+    if fqn == "output.weight":
+        return "lm_head.weight"
+    if fqn == "norm.weight":
+        return "model.norm.weight"
+    _, layer, rest = fqn.split(".", 2)
+    module, _, leaf = rest.rpartition(".")
+    return f"model.layers.{layer}.{block[module]}.{leaf}"
+
+
+def reads_tied(tie_embeddings: bool, config: dict) -> bool:
+    """Whether import reads `output` from the embedding: the model is tied, or the checkpoint is (a tied
+    checkpoint loads into an untied model by copying the embedding)."""
+    return tie_embeddings or bool(config.get("tie_word_embeddings", False))
+
+
+def params_once(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, parameter as stored: shard or plain), in state-dict order, a tied output projection once
+    (as the embedding)."""
+    tied = model.args.tie_embeddings
+    return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "output.weight")]
+
+
+class ByName:
+    """The conversions of a family whose every tensor HF stores as titanlite does: none."""
+
+    @staticmethod
+    def to_hf(fqn: str, full: torch.Tensor, args: object) -> torch.Tensor:
+        return full
+
+    @staticmethod
+    def row_group(fqn: str, args: object) -> int:
+        return 1
+
+    @staticmethod
+    def from_hf(fqn: str, rows: torch.Tensor, args: object) -> torch.Tensor:
+        return rows
