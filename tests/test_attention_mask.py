@@ -18,10 +18,9 @@ from titanlite.config import ActivationCheckpoint
 from titanlite.data.batch import Batch
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
-from titanlite.models.common import attention
+from titanlite.models.common import attention, kv_cache
 from titanlite.models.common import dense_activations as activations
 from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
-from titanlite.models.llama3 import model as llama3_model
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import SEAM, SequenceShard
@@ -200,13 +199,13 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     monkeypatch.setattr(SequenceShard, "finish_gather", lambda self, t, dim: torch.cat([t, t], dim=dim))
     monkeypatch.setattr(attention, "uses_flex", lambda device_type: True)
     monkeypatch.setattr(attention, "block_mask", lambda *ids: FlexMask(dense_mask(*ids)))
-    masks, attend = [], llama3_model.attend
+    masks, attend = [], kv_cache.attend
 
     def recording_attend(q, k, v, mask, causal=True):
         masks.append(mask)
         return attend(q, k, v, mask.dense if isinstance(mask, FlexMask) else mask, causal)
 
-    monkeypatch.setattr(llama3_model, "attend", recording_attend)
+    monkeypatch.setattr(kv_cache, "attend", recording_attend)
     tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
     stage = model(shard.shard(tokens))  # the first stage of a pipeline: the schedule hands tokens alone
     assert len(masks) == ARGS.n_layers and all(isinstance(m, FlexMask) for m in masks), masks
