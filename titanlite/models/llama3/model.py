@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.models.common.attention import Mask, causal_mask
+from titanlite.models.common.attention import Mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.models.common.kv_cache import KVCache, LayerKV, attend_cached
 from titanlite.models.common.norm import RMSNorm
+from titanlite.models.common.rope_rows import rope_rows
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
@@ -241,23 +242,21 @@ class Transformer(nn.Module):
         context parallelism without them (a pipeline stage, whose rows are `seq_len` tokens: the plan
         refuses validation under pipeline parallelism) the tokens are this rank's part of every row: RoPE
         takes their global indices and every block the causal mask of their queries against every key,
-        built here once per microbatch as the step builds it without stages (`causal_mask`: flex
-        attention's BlockMask on CUDA, never a dense mask, which sends grouped-query attention to SDPA's
-        math kernel)."""
+        built once per microbatch as the step builds it without stages (`models/common/rope_rows.py`;
+        flex attention's BlockMask on CUDA, never a dense mask, which sends grouped-query attention to
+        SDPA's math kernel)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin, pos = self.rope_cos, self.rope_sin, 0
-        if cache is not None:
-            if positions is not None or mask is not None:
-                raise ValueError("generation with a KV cache is causal over one sequence: no positions or mask")
-            pos = cache.check(tokens.shape[1])
-            cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
-        elif positions is not None:
-            cos, sin = rope_at(self.args, positions)
-        elif (cp := self.context_parallel) is not None and mask is None:
-            # A stage's rows are the training's, `seq_len` tokens (its hidden states arrive sequence-sharded
-            # under TP: their length is not the rank's share of the row).
-            held = cp.positions(self.seq_len // cp.degree, h.device)
-            cos, sin, mask = cos[held], sin[held], causal_mask(h.shape[0], self.seq_len, held)
+        cos, sin, mask, pos = rope_rows(
+            (self.rope_cos, self.rope_sin),
+            h,
+            tokens.shape[1],
+            cache=cache,
+            positions=positions,
+            mask=mask,
+            cp=self.context_parallel,
+            seq_len=self.seq_len,
+            at=lambda p: rope_at(self.args, p),
+        )
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, None, (cache.k[i], cache.v[i], pos))
         return self.output(self.norm(h)) if self.output is not None else h

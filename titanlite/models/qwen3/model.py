@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanlite.models.common.attention import Mask, causal_mask
+from titanlite.models.common.attention import Mask
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
 from titanlite.models.common.qk_norm_attention import QKNormAttention
 from titanlite.models.common.rope_halves import rope_at, rope_tables
+from titanlite.models.common.rope_rows import rope_rows
 from titanlite.parallelisms.context_parallel import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len")
@@ -120,17 +121,18 @@ class Transformer(nn.Module):
         (`models/llama3/model.py`): pipeline stages, a KV `cache` for generation, per-document `positions`
         and the batch's `mask`, and a stage's own causal mask under context parallelism."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin, pos = self.rope_cos, self.rope_sin, 0
-        if cache is not None:
-            if positions is not None or mask is not None:
-                raise ValueError("generation with a KV cache is causal over one sequence: no positions or mask")
-            pos = cache.check(tokens.shape[1])
-            cos, sin = cos[pos : pos + tokens.shape[1]], sin[pos : pos + tokens.shape[1]]
-        elif positions is not None:
-            cos, sin = rope_at(self.args.head_dim, self.args.rope_theta, positions)
-        elif (cp := self.context_parallel) is not None and mask is None:
-            held = cp.positions(self.seq_len // cp.degree, h.device)
-            cos, sin, mask = cos[held], sin[held], causal_mask(h.shape[0], self.seq_len, held)
+        a = self.args
+        cos, sin, mask, pos = rope_rows(
+            (self.rope_cos, self.rope_sin),
+            h,
+            tokens.shape[1],
+            cache=cache,
+            positions=positions,
+            mask=mask,
+            cp=self.context_parallel,
+            seq_len=self.seq_len,
+            at=lambda p: rope_at(a.head_dim, a.rope_theta, p),
+        )
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, None, (cache.k[i], cache.v[i], pos))
         return self.output(self.norm(h)) if self.output is not None else h
