@@ -2,7 +2,7 @@
 
     python benchmarks/bench_launches.py --a "--compile.enable --compile.bucketing transformer_block" \
         --b "--parallelism.dp_impl fsdp2" [--pairs 2] [--from-step 11] [--out outputs/bench/launches.json] \
-        [-- --training.steps 30 --training.seq_len 512 ...]
+        [--release-freed] [-- --training.steps 30 --training.seq_len 512 ...]
 
 Each launch is `run_train.sh` with the arguments after `--` (default `--training.steps 30 --training.seq_len
 512`) plus its variant's, its own dump folder and `--metrics.log_freq 1`, so every step writes a row to
@@ -16,7 +16,13 @@ step and its metrics.
 `mem_peak_gib` is what the trainer logs (`titanlite/metrics/peak_memory.py`): on CUDA the step's
 `max_memory_allocated`; on CPU the rank's peak resident set (`VmHWM`, reset after every log), which holds
 the whole process: the Python runtime, torch's libraries, the compiled code and inductor's caches besides
-the tensors, so on CPU the ratio of two variants is diluted by a few hundred MiB both share.
+the tensors, so on CPU the ratio of two variants is diluted by a few hundred MiB both share. It also holds
+what glibc's allocator keeps after a free: buffers under its dynamic mmap threshold (up to 32 MiB) return to
+the heap, not to the system, so the resident set keeps the largest heap a step ever needed, however the
+freed blocks fit. `--release-freed` runs every launch with `MALLOC_MMAP_THRESHOLD_=65536`: every block of
+64 KiB or more is mapped on its own and returned when freed, so `mem_peak_gib` is the runtime plus what is
+live. It costs tokens/s (a page fault per touched page of every new buffer), so compare throughput
+without it.
 
 Prints one line per launch and a table with B's ratios to A (and A's to B); writes the JSON to `--out`.
 """
@@ -38,12 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COMMON = ["--training.steps", "30", "--training.seq_len", "512"]
 
 
-def launch(variant: list[str], common: list[str], from_step: int) -> dict:
+def launch(variant: list[str], common: list[str], from_step: int, env: dict[str, str]) -> dict:
     """Run one launch; its medians from `from_step` on, its wall seconds and the rows used."""
     dump = tempfile.mkdtemp(prefix="bench_launch_")
     cmd = [str(ROOT / "run_train.sh"), *common, *variant, "--job.dump_folder", dump, "--metrics.log_freq", "1"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"launch failed (exit {proc.returncode}): {shlex.join(cmd)}\n{proc.stderr[-2000:]}")
@@ -68,13 +74,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--from-step", type=int, default=11)
     parser.add_argument("--out", default="outputs/bench/launches.json")
+    parser.add_argument(
+        "--release-freed",
+        action="store_true",
+        help="launch with MALLOC_MMAP_THRESHOLD_=65536: freed buffers go back to the system (memory runs)",
+    )
     args = parser.parse_args(own)
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if args.release_freed else {}
     common = common or DEFAULT_COMMON
     variants = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     for i in range(args.pairs):
         for name, variant in variants.items():
-            r = launch(variant, common, args.from_step)
+            r = launch(variant, common, args.from_step, env)
             runs[name].append(r)
             print(
                 f"pair {i + 1} {name}: {r['tps']:,.0f} tokens/s, {r['mem_peak_gib']:.3f} GiB "
@@ -82,7 +94,11 @@ def main(argv: list[str]) -> int:
                 flush=True,
             )
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("tps", "mem_peak_gib")} for n, rs in runs.items()}
-    print(f"\n{shlex.join(common)}, {args.pairs} launches each, medians of steps {args.from_step}+ per launch\n")
+    allocator = ", freed buffers released (MALLOC_MMAP_THRESHOLD_=65536)" if args.release_freed else ""
+    print(
+        f"\n{shlex.join(common)}, {args.pairs} launches each, medians of steps {args.from_step}+ per launch"
+        f"{allocator}\n"
+    )
     print("| variant | arguments | tokens/s | x A | mem_peak_gib | x A |")
     print("|---|---|---:|---:|---:|---:|")
     for name in variants:
@@ -93,7 +109,7 @@ def main(argv: list[str]) -> int:
         )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"common": common, "variants": variants, "runs": runs, "medians": med}, f, indent=2)
+        json.dump({"common": common, "env": env, "variants": variants, "runs": runs, "medians": med}, f, indent=2)
     return 0
 
 
