@@ -1,6 +1,7 @@
 """The data loader: layout-invariant global batches, exact and reshardable resume, robust reading."""
 
 import gzip
+import io
 import json
 import logging
 import os
@@ -515,6 +516,41 @@ def test_each_new_epoch_is_logged_once_with_its_step(tmp_path, docs, caplog):
         expected[0],
         f"data: epoch 2 begins after {len(docs)} documents of virtual shard 0",
     ]
+
+
+def test_a_text_file_read_in_chunks_of_any_size_has_the_paragraphs_of_reading_it_line_by_line(tmp_path, monkeypatch):
+    """Paragraphs are runs of lines with a non-whitespace byte; the scan reads chunks, so a paragraph, a
+    line or a UTF-8 character can straddle two. Reference: lines read one by one, here."""
+    from titanlite.data import sources
+
+    def by_lines(data: bytes) -> tuple[list[tuple[int, int]], int]:
+        spans, bad, para, start, pos = [], 0, [], 0, 0
+        lines = [x + b"\n" for x in data.split(b"\n")]
+        lines[-1] = lines[-1][:-1]
+        for line in [*lines, b""]:
+            if line.strip():
+                start = pos if not para else start
+                para.append(line)
+            elif para:
+                text = b"".join(para)
+                try:
+                    text.strip().decode("utf-8")
+                    spans.append((start + len(text) - len(text.lstrip()), len(text.strip())))
+                except UnicodeDecodeError:
+                    bad += 1
+                para = []
+            pos += len(line)
+        return spans, bad
+
+    rng = random.Random(0)
+    pieces = [b"a", b"b", b" ", b"\t", b"\n", b"\n", b"\r", b"\x0b", b"\x0c", "é".encode(), b"\xff", b"\xe2\x82"]
+    files = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    for chunk in (1, 2, 3, 7):
+        monkeypatch.setattr(sources, "_SCAN_CHUNK", chunk)
+        for data in files:
+            spans, issues = [], Counter()
+            sources._scan_txt(io.BytesIO(data), 0, "text", issues, spans, sources.index.content_hash())
+            assert (spans, issues["undecodable paragraphs"]) == by_lines(data), (chunk, data)
 
 
 def test_truncated_or_corrupt_compressed_files_are_skipped_with_a_warning(tmp_path, caplog):

@@ -51,6 +51,7 @@ import json
 import logging
 import mmap
 import os
+import re
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
@@ -446,35 +447,40 @@ class LocalSource:
         return {**self.__dict__, "_cache": OrderedDict()}
 
 
+_PARAGRAPH = re.compile(rb"(?:^[ \t\r\x0b\x0c]*[^\s][^\n]*(?:\n|\Z))+", re.MULTILINE)
+"""A paragraph: consecutive lines with a non-whitespace byte (`bytes.strip`'s whitespace is `\\s`)."""
+_SCAN_CHUNK = 64 << 10
+
+
 def _scan_txt(
-    lines: Iterable[bytes], pos: int, field: str, issues: Counter[str], spans: list[tuple[int, int]], digest
+    stream: BinaryIO, pos: int, field: str, issues: Counter[str], spans: list[tuple[int, int]], digest
 ) -> None:
     """Append (offset, length) of each paragraph (lines up to a blank one) that is valid UTF-8, whitespace
-    trimmed, to `spans`; `pos` is the offset of the first line; every line read goes into `digest`."""
-    para: list[bytes] = []  # the current paragraph's lines
-    start = 0
-
-    def close() -> None:
-        text = b"".join(para)
-        stripped = text.strip()
-        try:
-            stripped.decode("utf-8")
-            spans.append((start + len(text) - len(text.lstrip()), len(stripped)))
-        except UnicodeDecodeError:
-            issues["undecodable paragraphs"] += 1
-        para.clear()
-
-    for line in lines:
-        digest.update(line)
-        if line.strip():
-            if not para:
-                start = pos
-            para.append(line)
-        elif para:
-            close()
-        pos += len(line)
-    if para:
-        close()
+    trimmed, to `spans`; `pos` is the offset of the stream's first byte; every byte read goes into
+    `digest`. Reads a chunk at a time and finds the paragraphs with one regular expression (the scan of a
+    large text file is a start-up cost); a paragraph that may go on in the next chunk is carried over."""
+    carry = b""
+    while True:
+        chunk = stream.read(_SCAN_CHUNK)
+        digest.update(chunk)
+        buffer = carry + chunk
+        end = buffer.rfind(b"\n") + 1 if chunk else len(buffer)  # whole lines only, until the stream ends
+        rest = end
+        for m in _PARAGRAPH.finditer(buffer, 0, end):
+            if chunk and m.end() == end:  # its next line is in the next chunk: it may go on there
+                rest = m.start()
+                break
+            text = m.group()
+            stripped = text.strip()
+            try:
+                stripped.decode("utf-8")
+                spans.append((pos + m.start() + len(text) - len(text.lstrip()), len(stripped)))
+            except UnicodeDecodeError:
+                issues["undecodable paragraphs"] += 1
+        if not chunk:
+            return
+        carry = buffer[rest:]
+        pos += rest
 
 
 def _scan_jsonl(
