@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.ranges import Range
-from titanlite.config.schema import CHOICES, DatasetSource, JobConfig, all_keys, sections
+from titanlite.config.schema import CHOICES, FIELD_TYPES, DatasetSource, JobConfig, all_keys, sections
 from titanlite.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -96,10 +96,9 @@ def _type_of(key: str, origin: str) -> Any:
     """The schema's type of `section.key`, or one line naming the unknown section or key."""
     where = f" in {origin}" if origin else ""
     section, _, name = key.partition(".")
-    known = sections()
-    if section not in known:
-        raise ConfigError(f"unknown config section '{section}'{where}{_suggest(section, list(known))}")
-    hints = typing.get_type_hints(known[section])
+    if section not in FIELD_TYPES:
+        raise ConfigError(f"unknown config section '{section}'{where}{_suggest(section, list(FIELD_TYPES))}")
+    hints = FIELD_TYPES[section]
     if not name or name not in hints:
         raise ConfigError(f"unknown config key '{key}'{where}{_suggest(key, all_keys())}")
     return hints[name]
@@ -133,9 +132,7 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], origin: str) -> None:
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """Turn `--a.b v`, `--a.b=v`, `--a.flag`, `--no-a.flag` into (key, raw value) pairs."""
-    bool_keys = {
-        f"{s}.{k}" for s, cls in sections().items() for k, t in typing.get_type_hints(cls).items() if t is bool
-    }
+    bool_keys = {f"{s}.{k}" for s, hints in FIELD_TYPES.items() for k, t in hints.items() if t is bool}
     out: list[tuple[str, Any]] = []
     i = 0
     while i < len(args):
@@ -189,7 +186,7 @@ def load_config(argv: list[str], default_config: str = "") -> JobConfig:
 def _numeric_values(cfg: JobConfig) -> Iterator[tuple[str, float, Range | None]]:
     """(`section.key`, value, its `Range` or None) for every int and float field of the schema."""
     for section, cls in sections().items():
-        hints = typing.get_type_hints(cls)
+        hints = FIELD_TYPES[section]
         for f in dataclasses.fields(cls):
             if hints[f.name] in (int, float):
                 yield f"{section}.{f.name}", getattr(getattr(cfg, section), f.name), f.metadata.get("range")

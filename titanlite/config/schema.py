@@ -478,13 +478,19 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2)
 
 
+SECTION_TYPES: dict[str, type] = typing.get_type_hints(JobConfig)
+"""Section name -> its dataclass, in declaration order (resolved once: the annotations are strings)."""
+FIELD_TYPES: dict[str, dict[str, Any]] = {s: typing.get_type_hints(cls) for s, cls in SECTION_TYPES.items()}
+"""Section name -> {key: its type}: what every parse, override and check of a key reads."""
+
+
 def _choice_fields() -> dict[str, tuple[str, ...]]:
     """`section.key` -> allowed values, for every `Literal[...]` field of the schema."""
     return {
-        f"{s}.{k}": get_args(t)
-        for s, cls in typing.get_type_hints(JobConfig).items()
-        for k, t in typing.get_type_hints(cls).items()
-        if get_origin(t) is Literal
+        f"{section}.{key}": get_args(typ)
+        for section, hints in FIELD_TYPES.items()
+        for key, typ in hints.items()
+        if get_origin(typ) is Literal
     }
 
 
@@ -494,12 +500,12 @@ CHOICES: dict[str, tuple[str, ...]] = _choice_fields()
 
 def sections() -> dict[str, type]:
     """Section name -> its dataclass, in declaration order."""
-    return typing.get_type_hints(JobConfig)
+    return dict(SECTION_TYPES)
 
 
 def all_keys() -> list[str]:
     """Every `section.key` of the schema, for suggesting the closest to a misspelt one."""
-    return [f"{s}.{k}" for s, cls in sections().items() for k in typing.get_type_hints(cls)]
+    return [f"{s}.{k}" for s, hints in FIELD_TYPES.items() for k in hints]
 
 
 def shape_fields() -> list[str]:
