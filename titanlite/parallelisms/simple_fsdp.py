@@ -28,6 +28,7 @@ Every wrapped model owns its `SimpleFSDPState`: two models in one process never 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,8 +150,10 @@ model, would cost one Dynamo + AOT trace per block, or per model)."""
 
 
 def _leading_submesh(mesh: DeviceMesh, ndim: int) -> DeviceMesh:
-    """The submesh of `mesh`'s first `ndim` dims (the data-parallel ones)."""
+    """The submesh of `mesh`'s first `ndim` dims (the data-parallel ones); `mesh` itself when that is all."""
     names = mesh.mesh_dim_names
+    if ndim == mesh.ndim:
+        return mesh
     return mesh[names[:ndim]] if ndim > 1 else mesh[names[0]]
 
 
@@ -193,6 +196,12 @@ class DataParallelMesh:
     mode: str
     dp_ndim: int
 
+    @functools.cached_property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel dims of `mesh`, sliced once: slicing a DeviceMesh builds a new one each time
+        (milliseconds; a 70B model has over 700 parameters)."""
+        return _leading_submesh(self.mesh, self.dp_ndim)
+
 
 def data_parallel(
     model: nn.Module,
@@ -216,24 +225,17 @@ def data_parallel(
     # A Parameter several modules share (tied embeddings, `tied_parameters.py`) is sharded once and has
     # one gather, which every module holding it reads (one gradient sink, one reduction).
     done: dict[int, tuple[nn.Parameter, ReplicateComputation]] = {}
-    # Slicing a DeviceMesh builds a new one each time (milliseconds: a 70B model has over 700 parameters).
-    dp_meshes: dict[DataParallelMesh, DeviceMesh] = {}
     for module in list(model.modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
         where = (own_meshes or {}).get(module, default)
-        if where not in dp_meshes:
-            dp_meshes[where] = (
-                where.mesh if where.mesh.ndim == where.dp_ndim else _leading_submesh(where.mesh, where.dp_ndim)
-            )
-        dp_mesh = dp_meshes[where]
         parametrizations = {}
         for name in names:
             original = module._parameters[name]
             if id(original) not in done:
-                param, extra = _shard_parameter(original, where.mesh, where.mode, dp_mesh)
-                done[id(original)] = param, ReplicateComputation(state, dp_mesh, where.mode, mp_policy, **extra)
+                param, extra = _shard_parameter(original, where.mesh, where.mode, where.dp_mesh)
+                done[id(original)] = param, ReplicateComputation(state, where.dp_mesh, where.mode, mp_policy, **extra)
             param, parametrizations[name] = done[id(original)]
             module.register_parameter(name, param)
         _register_parametrization(module, parametrizations)
