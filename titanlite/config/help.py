@@ -10,11 +10,10 @@ import inspect
 import json
 import re
 import textwrap
-import typing
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.ranges import Range
-from titanlite.config.schema import DatasetSource, sections
+from titanlite.config.schema import FIELD_TYPES, DatasetSource, sections
 
 USAGE = (
     "usage: ./run_train.sh [--config FILE] [--dry-run | --plan] [--section.key VALUE | --section.key=VALUE | "
@@ -71,7 +70,7 @@ def help_text() -> str:
         "(see the header of run_train.sh). --job.print_config prints the merged config and exits.",
     ]
     for section, cls in sections().items():
-        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        hints, docs = FIELD_TYPES[section], field_docs(cls)
         out += ["", f"[{section}]  {first_sentence(inspect.getdoc(cls) or '')}"]
         for f in dataclasses.fields(cls):
             if f.name == "config_file":
