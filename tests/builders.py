@@ -5,6 +5,7 @@ dtype: bf16 compute is the CUDA default), no TensorBoard, the given dump folder,
 `section__name=value` (e.g. `training__seq_len=8`), after any presets a test file shares among its
 cases. `loader` is a data loader of the byte tokenizer over
 a path, with the keys the tests vary. `llama3_sized_tiktoken` writes a 128,000-rank `tokenizer.model`.
+`transformers_model` is transformers' own model of a config, the reference of the HF round-trip tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from titanlite.config import JobConfig
 from titanlite.data.loader import TokenLoader, build_dataloader
@@ -73,3 +76,15 @@ def llama3_sized_tiktoken(folder: Path) -> TiktokenTokenizer:
     path = folder / "tokenizer.model"
     path.write_text("\n".join(f"{base64.b64encode(t).decode()} {r}" for r, t in enumerate(tokens)))
     return TiktokenTokenizer(path)
+
+
+def transformers_model(model_class: Any, hf_config: Any) -> torch.nn.Module:
+    """`model_class(hf_config)` (a transformers `...ForCausalLM`), seeded 0, in eval mode, with every norm
+    weight drawn from [0.5, 1.5] instead of 1, so a norm weight put in the wrong place moves the logits."""
+    torch.manual_seed(0)
+    model = model_class(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model

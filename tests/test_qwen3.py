@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from builders import transformers_model
 
 from titanlite.checkpoint.hf import INDEX, export_hf, import_hf
 from titanlite.errors import CheckpointError
@@ -37,13 +38,7 @@ def hf_model(tied: bool) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         tie_word_embeddings=tied,
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+    return transformers_model(transformers.Qwen3ForCausalLM, config)
 
 
 def titan(args: ModelArgs, seed: int = 3) -> Transformer:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from builders import transformers_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_qwen3_moe import ARGS, SEQ, tokens
@@ -25,13 +26,7 @@ transformers = pytest.importorskip("transformers")
 def hf_model() -> torch.nn.Module:
     """transformers' own model of ARGS' shapes (its config is titanlite's export config)."""
     config = transformers.Qwen3MoeConfig(**SPEC.hf_adapter.config(ARGS, torch.float32, 1, 2))
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+    return transformers_model(transformers.Qwen3MoeForCausalLM, config)
 
 
 def titan(seed: int = 3) -> Transformer:
