@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import SMALL, RunResult, train
+from harness import SHALLOW, SMALL, RunResult, train
 from titanlite.checkpoint import folders
 
 pytestmark = pytest.mark.slow
 
-BASE = [*SMALL, "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
+BASE = [*SMALL, *SHALLOW, "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
 def run(dump: Path, steps: int, *overrides: str, env: dict[str, str] | None = None) -> RunResult:

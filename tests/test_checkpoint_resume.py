@@ -1,7 +1,8 @@
 """Resume through the real entry point (torchrun, gloo, fp32, deterministic): exact resume, kill -9, resharding.
 
-Every run trains the debug model for 4 steps (seq_len 64, global batch 8) and checkpoints every 2 steps,
-so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses come from metrics.jsonl.
+Every run trains the debug model cut to 2 blocks (`SHALLOW`) for 4 steps (seq_len 64, global batch 8) and
+checkpoints every 2 steps, so "10 steps, stop, resume to 20" becomes "2 steps, stop, resume to 4"; losses come
+from metrics.jsonl.
 
 The kill -9 test uses the test hook TITANLITE_FAULT_KILL_AT (titanlite/faults.py) and restarts in the same dump
 folder, as a relaunch would.
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from harness import LOSS_REL, SMALL, RunResult, assert_ok, assert_resumed, copy_checkpoint, train_in_one_launch
+from harness import LOSS_REL, SHALLOW, SMALL, RunResult, assert_ok, assert_resumed, copy_checkpoint, train_in_one_launch
 from harness import train as run_trainer
 from titanlite.checkpoint import folders, rank_state
 from titanlite.faults import KILL_AT as TEST_KILL_ENV
@@ -60,7 +61,7 @@ VALIDATION = [
 def overrides(layout: str, *extra: str) -> list[str]:
     steps = ["--training.steps", str(STEPS), "--training.local_batch_size", "2", "--training.global_batch_size", "8"]
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(INTERVAL)]
-    return [*SMALL, *steps, *ckpt, *HOLDOUT, *LAYOUTS[layout][1], *extra]
+    return [*SMALL, *SHALLOW, *steps, *ckpt, *HOLDOUT, *LAYOUTS[layout][1], *extra]
 
 
 def train(dump: Path, layout: str, *extra: str, kill_at: str = "") -> RunResult:

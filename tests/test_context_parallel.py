@@ -10,7 +10,7 @@ same and on other cp degrees. The other layouts are checked in-process only: blo
 1e-3 of bf16 dp_shard2), compiled with bucketing, cp2 x tp2 and pp2 x cp2 in
 tests/test_parallel_parity.py.
 
-CLI runs: the debug model, seq_len 64, global batch 4, 4 steps, a checkpoint at step 2. Tolerances: fp32
+CLI runs: the debug model cut to 2 blocks, seq_len 64, global batch 4, 4 steps, a checkpoint at step 2. Tolerances: fp32
 layouts agree within the harness's relative 1e-5; a resume on its own layout is bitwise.
 """
 
@@ -26,6 +26,7 @@ import torch
 from harness import (
     LOSS_REL,
     ROOT,
+    SHALLOW,
     SMALL,
     RunResult,
     assert_ok,
@@ -122,7 +123,7 @@ def test_attention_and_its_gradients_match_plain_pytorch(tmp_path):
 def overrides(layout: str, *extra: str) -> list[str]:
     steps = ["--training.steps", str(STEPS), "--training.local_batch_size", LAYOUTS[layout][1]]
     steps += ["--training.global_batch_size", "4", "--checkpoint.interval", str(SAVE_AT)]
-    return [*SMALL, *steps, *HOLDOUT, *LAYOUTS[layout][2], *extra]
+    return [*SMALL, *SHALLOW, *steps, *HOLDOUT, *LAYOUTS[layout][2], *extra]
 
 
 def train(dump: Path, layout: str, *extra: str) -> RunResult:

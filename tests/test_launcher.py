@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness import ROOT, SMALL, child_env
+from harness import ROOT, SHALLOW, SMALL, child_env
 from titanlite.launcher.agent import root_cause
 from titanlite.launcher.rank_exit import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
-RUN = [*SMALL, "--training.steps", "1000"]
+RUN = [*SMALL, *SHALLOW, "--training.steps", "1000"]
 CHECKPOINTING = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
 NOTHING_TRAINED = "stop signal ({}) before the first step: nothing trained, nothing to save; exiting"
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from harness import LOSS_REL, SMALL, assert_resumed, copy_checkpoint, step_metric, train, train_in_one_launch
+from harness import LOSS_REL, SHALLOW, SMALL, assert_resumed, copy_checkpoint, step_metric, train, train_in_one_launch
 from titanlite.faults import KILL_AT
 
 STEPS, SAVE = 6, 3
@@ -19,7 +19,7 @@ DP2XTP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tenso
 def test_a_mixture_follows_its_weights_resumes_exactly_after_a_kill_and_reshards(tmp_path):
     code = tmp_path / "code.jsonl"
     code.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}"}) + "\n" for i in range(32)))
-    run = [*SMALL, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
+    run = [*SMALL, *SHALLOW, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
     run += ["--checkpoint.enable", "--checkpoint.interval", str(SAVE), "--training.datasets", f":0.8,{code}:0.2"]
     first = train(tmp_path / "first", 2, *run, launcher="run_train").ok()
     assert "data: mixture corpus 0.8 + code 0.2" in first.stderr

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from harness import SMALL, train
+from harness import SHALLOW, SMALL, train
 from titanlite.config import Profiling
 from titanlite.metrics.profiling import Profiler
 
@@ -52,6 +52,7 @@ def test_two_ranks_write_traces_and_cpu_memory_timelines_and_train_on(tmp_path):
         tmp_path,
         2,
         *SMALL,
+        *SHALLOW,
         "--training.steps",
         "4",
         "--training.local_batch_size",

@@ -1,7 +1,7 @@
 """Fault injection: preemption (and determinism), a crashed rank with restarts, non-finite losses.
 
 Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/faults.py).
-Runs use the debug model with seq_len 64 and metrics every step, so each is a few seconds.
+Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step, so each is a few seconds.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import SMALL, RunResult, train
+from harness import SHALLOW, SMALL, RunResult, train
 
 
 def run(dump: Path, *overrides: str, nproc: int = 2, launcher: str = "torchrun", **env: str) -> RunResult:
-    return train(dump, nproc, *SMALL, *overrides, launcher=launcher, env=env)
+    return train(dump, nproc, *SMALL, *SHALLOW, *overrides, launcher=launcher, env=env)
 
 
 def losses(dump: Path) -> dict[int, float]:

@@ -22,12 +22,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from harness import LOSS_REL, SMALL, assert_resumed, copy_checkpoint, max_rel, step_metric, train, train_in_one_launch
+from harness import (
+    LOSS_REL,
+    SHALLOW,
+    SMALL,
+    assert_resumed,
+    copy_checkpoint,
+    max_rel,
+    step_metric,
+    train,
+    train_in_one_launch,
+)
 
 pytestmark = pytest.mark.slow
 
 TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
-RUN = [*SMALL, *TIED, "--training.steps", "4", "--training.global_batch_size", "4"]
+RUN = [*SMALL, *SHALLOW, *TIED, "--training.steps", "4", "--training.global_batch_size", "4"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import ROOT, SMALL, child_env, train
+from harness import ROOT, SHALLOW, SMALL, child_env, train
 from titanlite.data import sources
 from titanlite.data.loader import build_dataloader
 from titanlite.data.sources import BUNDLED_CORPUS, open_source
@@ -218,7 +218,7 @@ def test_tokenized_interrupted_and_resumed_then_trained_on_gives_the_on_the_fly_
     reference = tmp_path / "reference"
     tokenize_source("", "text", "", reference, workers=1, per_shard=PER_SHARD)
     assert files(out) == files(reference)
-    run = [*SMALL, "--training.steps", "4"]
+    run = [*SMALL, *SHALLOW, "--training.steps", "4"]
     on_the_fly = train(tmp_path / "text", 2, *run, launcher="run_train").ok()
     ahead = train(tmp_path / "ahead", 2, *run, "--training.dataset_path", str(out), launcher="run_train").ok()
     assert len(on_the_fly.losses) == 4 and ahead.losses == on_the_fly.losses

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import SMALL, resume_from, train
+from harness import SHALLOW, SMALL, resume_from, train
 from titanlite.checkpoint.fingerprint import tokenizer_fingerprint
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
 from titanlite.data.sources import open_source
@@ -174,7 +174,14 @@ def test_a_resume_compares_the_tokenizer_files(bundled, tmp_path, process_group)
 def test_run_train_with_a_tokenizer_json_resumes_exactly(bundled, tmp_path):
     """Two ranks through run_train.sh, each with a loader worker (the tokenizer crosses a pickle): 4 steps
     with a checkpoint every 2, then step-2 alone resumed to step 4: the same losses, bitwise."""
-    common = [*SMALL, "--model.tokenizer_path", f"{bundled[1].path}/{TOKENIZER_JSON}", "--training.steps", "4"]
+    common = [
+        *SMALL,
+        *SHALLOW,
+        "--model.tokenizer_path",
+        f"{bundled[1].path}/{TOKENIZER_JSON}",
+        "--training.steps",
+        "4",
+    ]
     common += ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.dataloader_num_workers", "1"]
     reference = train(tmp_path / "reference", 2, *common, launcher="run_train").ok()
     resumed = resume_from(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SMALL, child_env
+from harness import LOSS_REL, ROOT, SHALLOW, SMALL, child_env
 from harness import train as run_trainer
 from titanlite.tools.dashboard import read_dashboard
 
@@ -51,6 +51,7 @@ def test_one_process_gets_the_full_plan_and_matches_two(tmp_path):
                 tmp_path / name,
                 nproc,
                 *SMALL,
+                *SHALLOW,
                 *FULL_PLAN,
                 "--training.local_batch_size",
                 local,
