@@ -61,8 +61,8 @@ SMALL = [
 ]
 
 # Two of the debug model's six blocks: for runs that check what surrounds the model (resume, signals,
-# checkpoint lineage, data, the launcher) rather than the model itself. A step and a checkpoint cost about
-# a third of the six-block model's, and the launches of a module run in about half the time.
+# checkpoint lineage, data, the launcher) rather than the model itself. On 2 ranks a step and a checkpoint
+# cost less than half of the six-block model's (805 vs 347 tokens/s; a save 0.13 vs 0.3 s).
 SHALLOW = ["--model.n_layers", "2"]
 
 
