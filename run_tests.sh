@@ -12,6 +12,9 @@ cd "$TITANLITE_ROOT"
 "$PYTHON" -m ruff format --check --quiet .
 LINT=(-c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())' --no-cache)
 "$PYTHON" "${LINT[@]}" >/dev/null || "$PYTHON" "${LINT[@]}"
+# The suite starts some 600 Python processes: with PYTHONDONTWRITEBYTECODE set (some images set it), each
+# would compile titanlite's and the tests' sources again (and pytest rewrite every test module's asserts).
+unset PYTHONDONTWRITEBYTECODE
 # Two test processes, each module's tests in one of them (module fixtures run once): the two cores stay
 # busy while a launch starts or one process compiles. `-n 0` runs everything in this process.
 exec "$PYTHON" -m pytest -n 2 --dist loadfile "$@"
