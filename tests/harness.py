@@ -2,7 +2,7 @@
 
 * `train(dump, nproc, *overrides, launcher=...)` runs the trainer as users do (`python -m titanlite.train`
   alone, under torchrun, or through `run_train.sh`) and returns its exit code, log and metrics rows.
-* `parity(cases, nproc, tmp)` runs many layouts in one torchrun launch of `workers/parity.py`, each
+* `parity(cases, nproc, tmp)` runs many layouts in one launch of `workers/parity.py`, each
   trained by the shipped `Trainer.train_step` and compared with one shared one-process reference;
   `check_parity` applies the tolerances below.
 * `tiny_args()` is the tiny Llama every in-process test builds; `one_rank_group()` gives a test the
@@ -94,6 +94,15 @@ def torchrun(
     return subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_workers(
+    script: str, args: list[str], nproc: int, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run the test worker `script` on `nproc` ranks with torchrun's environment, forked from one process
+    that has imported torch and the trainer (`workers/ranks.py`); output captured."""
+    cmd = [sys.executable, str(ROOT / "tests" / "workers" / "ranks.py"), str(nproc), script, *args]
+    return subprocess.run(cmd, env=env or child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
@@ -170,8 +179,9 @@ def train_in_one_launch(
     config: str = "train_configs/debug_model.toml",
     copy_before: dict[Path, Path] | None = None,
 ) -> dict[Path, RunResult]:
-    """Train each (dump, overrides) of `runs` with `config`, one after another in one torchrun launch of
-    `workers/runs.py` (each run is `titanlite.train.main`, as `train(..., launcher="torchrun")` runs it);
+    """Train each (dump, overrides) of `runs` with `config`, one after another in one launch of
+    `workers/runs.py` (`launch_workers`; each run is `titanlite.train.main`, as `train(...,
+    launcher="torchrun")` runs it);
     every run must succeed. `copy_before` maps a run's dump folder to a checkpoint step folder of an
     earlier run of the launch, copied there just before the run (which resumes from it). Each result's
     `stderr` holds every rank's output of that run."""
@@ -185,13 +195,13 @@ def train_in_one_launch(
     spec_file = runs[0][0].parent / f"runs-{runs[0][0].name}.json"
     spec_file.write_text(json.dumps(specs))
     env = child_env(OMP_NUM_THREADS=str(threads(nproc)))
-    assert_ok(torchrun(["tests/workers/runs.py", str(spec_file)], nproc, env=env))
+    assert_ok(launch_workers("tests/workers/runs.py", [str(spec_file)], nproc, env=env))
     logs = {dump: "".join(p.read_text() for p in sorted(dump.glob("worker.rank*.log"))) for dump, _ in runs}
     return {dump: RunResult(0, "", logs[dump], dump) for dump, _ in runs}
 
 
 def end_worker() -> None:
-    """End a torchrun test worker once its results are written: the ranks wait for each other, the
+    """End a test worker once its results are written: the ranks wait for each other, the
     process group goes and the process exits as the trainer's ranks do (`errors.exit_now`)."""
     dist.barrier()
     dist.destroy_process_group()
@@ -233,9 +243,11 @@ def resume_from(src: Path, dst: Path, step: int, run: Callable[[Path], RunResult
 
 
 def parity(cases: list[dict], nproc: int, tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
-    """One torchrun launch of the parity worker over `cases`; one record per case (workers/parity.py)."""
+    """One launch of the parity worker over `cases`; one record per case (workers/parity.py)."""
     out = tmp_path / "parity.json"
-    assert_ok(torchrun(["tests/workers/parity.py", json.dumps(cases), str(out)], nproc, env=child_env(**(env or {}))))
+    assert_ok(
+        launch_workers("tests/workers/parity.py", [json.dumps(cases), str(out)], nproc, env=child_env(**(env or {})))
+    )
     records = json.loads(out.read_text())
     assert len(records) == len(cases)
     return records

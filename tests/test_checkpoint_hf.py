@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from harness import ROOT, assert_ok, child_env, tiny_args, torchrun
+from harness import ROOT, assert_ok, child_env, launch_workers, tiny_args
 from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name
@@ -149,7 +149,7 @@ def test_sharded_export_and_import(tmp_path):
     """Export from dp2 x tp2 (streamed, many shards) and import into dp2 x tp2 and FSDP2 dp4: the same
     bits as one process, and logits within fp32 tolerance."""
     out = tmp_path / "result.json"
-    assert_ok(torchrun(["tests/workers/ckpt_hf.py", str(tmp_path / "hf"), str(out)], 4))
+    assert_ok(launch_workers("tests/workers/ckpt_hf.py", [str(tmp_path / "hf"), str(out)], 4))
     result = json.loads(out.read_text())
     assert result["export_matches_single_process"], result
     assert result["shards"] > 2

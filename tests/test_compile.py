@@ -1,7 +1,7 @@
 """torch.compile with SimpleFSDP: graph passes, the collective report, and numerical parity.
 
 Structure (one process, torch's fake process group, aot_eager): the report's per-step collective counts
-for a 3-block model under each bucketing mode and scope. Parity (torchrun, gloo): compiled runs under
+for a 3-block model under each bucketing mode and scope. Parity (2 gloo ranks): compiled runs under
 every bucketing mode, both backends, 1D and dp x tp and every AC mode match one process within the
 parity harness's tolerances (loss 1e-5 relative over 4 steps, gradients 1e-6, parameters 1e-4 after one
 AdamW step; bucketing only concatenates buffers, so it is exact, and inductor's fused fp32 kernels stay
@@ -312,7 +312,7 @@ def test_invalid_combinations_are_config_errors():
     assert not any(a.in_graph for a in ac.values())
 
 
-# --- numerical parity through the torchrun harness --------------------------------------------------------
+# --- numerical parity through the parity worker ----------------------------------------------------------
 
 COMPILED = {"compile": True, "backend": "aot_eager"}
 # Full activation checkpointing in one graph (scope model: recompute tags), and in per-block graphs with

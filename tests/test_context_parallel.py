@@ -32,7 +32,7 @@ from harness import (
     assert_ok,
     assert_resumed,
     copy_checkpoint,
-    torchrun,
+    launch_workers,
     train_in_one_launch,
 )
 from harness import max_rel as rel
@@ -112,7 +112,7 @@ def test_attention_and_its_gradients_match_plain_pytorch(tmp_path):
     projection (its matmul runs between the gather's issue and its wait) and the reduce-scatter the
     query projection's backward (both matmuls)."""
     out = tmp_path / "diffs.json"
-    assert_ok(torchrun(["tests/workers/cp_attention.py", str(out)], 2))
+    assert_ok(launch_workers("tests/workers/cp_attention.py", [str(out)], 2))
     result = json.loads(out.read_text())
     diffs = result["diffs"]
     assert max(diffs.values()) < 1e-5, diffs

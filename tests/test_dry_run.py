@@ -2,7 +2,7 @@
 
 (a) 70B on 64 fake ranks (dp_shard 8 x tp 8): every matrix holds numel/64 elements, every norm (TP
     replicates norms) numel/8; model state bytes follow from them.
-(b) The debug model's local shard sizes per rank equal those of real gloo ranks (torchrun, 2 ranks,
+(b) The debug model's local shard sizes per rank equal those of real gloo ranks (2 ranks,
     materialised and initialised as the trainer does) for fully_shard, tp, replicate and FSDP2.
 (c) The activation estimate against MemTracker's peak of activation + temporary memory over one
     forward/backward (single process and tp=2). Tolerance 2%: the model follows the eager kernels tensor
@@ -25,7 +25,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
-from harness import ROOT, assert_ok, child_env, end_worker, torchrun
+from harness import ROOT, assert_ok, child_env, end_worker, launch_workers
 from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
@@ -137,7 +137,8 @@ def test_uneven_shards_follow_the_reported_rank():
 
 
 def _worker(out_path: str) -> None:
-    """torchrun entry: local numels per layout from materialised models, and tp=2 activation peaks."""
+    """The 2-rank worker (`harness.launch_workers`): local numels per layout from materialised models,
+    and tp=2 activation peaks."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -168,7 +169,7 @@ def _worker(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_records(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry_run") / "records.json"
-    assert_ok(torchrun([__file__, str(out)], nproc=2))
+    assert_ok(launch_workers(__file__, [str(out)], nproc=2))
     return json.loads(out.read_text())
 
 

@@ -30,6 +30,7 @@ from harness import (
     assert_resumed,
     child_env,
     copy_checkpoint,
+    launch_workers,
     torchrun,
     train_in_one_launch,
 )
@@ -128,7 +129,7 @@ def test_dispatch_and_combine_match_plain_pytorch(tmp_path):
     gradients equal one process's over both ranks' tokens (fp32, 1e-5), with grouped GEMM and the loop;
     a dispatch without its backward all-to-all, and expert gradients without the 1 / ep scale, do not."""
     out = tmp_path / "diffs.json"
-    assert_ok(torchrun(["tests/workers/ep_dispatch.py", str(out)], 2))
+    assert_ok(launch_workers("tests/workers/ep_dispatch.py", [str(out)], 2))
     diffs = json.loads(out.read_text())
     for case in ("grouped", "loop"):
         assert max(diffs[case].values()) < 1e-5, diffs
@@ -178,8 +179,8 @@ RESUMES = {
 def runs(tmp_path_factory) -> dict[str, RunResult]:
     """Every run of the module, by name. One process and ep2 through run_train.sh, as users start them
     (each checkpointing); the other layouts and the resumes of those checkpoints (`RESUMES`) in one
-    torchrun launch per world size, each run `titanlite.train.main` in the launch's processes. Two
-    launches at a time (a launch's start-up keeps about one core busy)."""
+    launch per world size (`harness.train_in_one_launch`), each run `titanlite.train.main` in the
+    launch's processes. Two launches at a time (a launch's start-up keeps about one core busy)."""
     root = tmp_path_factory.mktemp("ep_runs")
     out: dict[str, RunResult] = {}
 

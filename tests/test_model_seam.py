@@ -15,7 +15,7 @@ from builders import config
 from torch.distributed.fsdp import FSDPModule
 from workers.mlp_lm import SPEC
 
-from harness import SMALL, assert_ok, torchrun
+from harness import SMALL, assert_ok, launch_workers
 from titanlite.build import build_model
 from titanlite.checkpoint import folders
 from titanlite.data.batch import Batch
@@ -99,9 +99,9 @@ def test_a_family_without_the_context_parallel_seam_refuses_cp():
 @pytest.mark.slow
 def test_a_second_model_family_trains_checkpoints_and_resumes(tmp_path):
     def run(steps: int, *extra: str):
-        return torchrun(
+        return launch_workers(
+            "tests/workers/mlp_lm.py",
             [
-                "tests/workers/mlp_lm.py",
                 "--model.name",
                 "mlp_lm",
                 "--model.flavor",

@@ -1,6 +1,6 @@
 """Every data/tensor/pipeline-parallel layout trains like one process: losses, gradients and updated parameters.
 
-All cases of one world size run in one torchrun launch (`harness.parity`), each through the shipped
+All cases of one world size run in one launch (`harness.parity`), each through the shipped
 `Trainer.train_step`, against one shared one-process reference; each case is then its own test id.
 Tolerances are the harness's (`LOSS_REL`, `GRAD_ABS`, `PARAM_ABS`). The tiny model has vocab 257 and
 FFN 192; the vocabulary shards unevenly.

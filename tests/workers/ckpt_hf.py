@@ -1,4 +1,4 @@
-"""HF export/import across layouts, run by test_checkpoint_hf.py under torchrun with 4 ranks.
+"""HF export/import across layouts, run by test_checkpoint_hf.py on 4 ranks (`harness.launch_workers`).
 
 Exports a dp2 x tp2 SimpleFSDP model (streamed, small shards), checks on rank 0 that every exported
 tensor equals the single-process model's (the init is layout-independent), then imports the folder into

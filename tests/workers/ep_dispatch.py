@@ -1,15 +1,15 @@
 """Expert-parallel dispatch and combine against plain PyTorch, on the ranks of one ep group.
 
-Run by tests/test_expert_parallel.py through torchrun. Every rank builds the same Qwen3-MoE layer and
-every rank's input; the reference runs the layer over all ranks' tokens in one process (no seam), its
-loss the sum over the ranks of each rank's output against its own output gradient; the expert-parallel
-copy holds num_experts / ep experts and runs this rank's tokens only. Compared (max abs difference):
-the output, the input's gradient (this rank's tokens), the router's gradient summed over the ranks (as
-the data-parallel plan's reduction sums before it averages), and this rank's experts' gradients times
-ep (`ExpertShard.run` scales them by 1 / ep so that the data-parallel average is the mean over ranks).
+Run by tests/test_expert_parallel.py on 2 ranks (`harness.launch_workers`). Every rank builds the same
+Qwen3-MoE layer and every rank's input; the reference runs the layer over all ranks' tokens in one process
+(no seam), its loss the sum over the ranks of each rank's output against its own output gradient; the
+expert-parallel copy holds num_experts / ep experts and runs this rank's tokens only. Compared (max abs
+difference): the output, the input's gradient (this rank's tokens), the router's gradient summed over the
+ranks (as the data-parallel plan's reduction sums before it averages), and this rank's experts' gradients
+times ep (`ExpertShard.run` scales them by 1 / ep so that the data-parallel average is the mean over ranks).
 Both expert kernels (grouped GEMM and the loop) run. Negative controls: a dispatch whose rows carry no
-gradient back (no backward all-to-all), and expert gradients without the 1 / ep scale.
-Rank 0 writes {case: {quantity: max difference over the ranks}} as JSON.
+gradient back (no backward all-to-all), and expert gradients without the 1 / ep scale. Rank 0 writes {case:
+{quantity: max difference over the ranks}} as JSON.
 """
 
 from __future__ import annotations

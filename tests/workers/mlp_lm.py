@@ -1,10 +1,10 @@
 """A second model family, registered from outside titanlite, trained by the unchanged trainer.
 
-`torchrun ... tests/workers/mlp_lm.py [trainer arguments] --model.name mlp_lm --model.flavor tiny`
-registers a two-block MLP language model (embedding -> [norm, MLP, residual] x 2 -> norm -> output)
-as a `ModelSpec` of data only (its model, flavor and block container: no parallelism code), then runs
-`titanlite.train.main`: config, build (AC, compile, SimpleFSDP or FSDP2 in the framework's order), step,
-metrics and checkpoints know nothing of the model.
+`tests/workers/mlp_lm.py [trainer arguments] --model.name mlp_lm --model.flavor tiny` (on 2 ranks,
+`harness.launch_workers`) registers a two-block MLP language model (embedding -> [norm, MLP, residual] x 2
+-> norm -> output) as a `ModelSpec` of data only (its model, flavor and block container: no parallelism
+code), then runs `titanlite.train.main`: config, build (AC, compile, SimpleFSDP or FSDP2 in the framework's
+order), step, metrics and checkpoints know nothing of the model.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-process parity worker: train the tiny Llama under several layouts and compare with one process.
 
-Run by tests through torchrun (`harness.parity`). Each case builds the trainer as a run does
+Run by tests on N ranks (`harness.parity`, through `harness.launch_workers`). Each case builds the trainer as a run does
 (`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
 tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
 one-process reference itself (the plain module, the whole global batch, a plain PyTorch loop written

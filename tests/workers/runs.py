@@ -1,8 +1,8 @@
-"""Several trainer runs in one torchrun launch: each is `titanlite.train.main(argv)`, the function
+"""Several trainer runs in one launch: each is `titanlite.train.main(argv)`, the function
 `python -m titanlite.train argv` runs, one after another in the same processes.
 
-`torchrun --nproc_per_node N tests/workers/runs.py RUNS.json` (`harness.train_in_one_launch`), where
-RUNS.json is a list of {"dump": folder, "argv": [...]} runs (the folder is the argv's dump folder); a run
+`tests/workers/runs.py RUNS.json` on N ranks (`harness.train_in_one_launch`, through `launch_workers`),
+where RUNS.json is a list of {"dump": folder, "argv": [...]} runs (the folder is the argv's dump folder); a run
 with "copy": [src, dst] first has rank 0 copy the checkpoint folder `src` (of an earlier run of the
 launch) to `dst` (in its own dump folder), where it resumes from it. The process group is created once;
 each run's trainer uses it and leaves it open (`Trainer.close`), so a run costs its build and its steps,
