@@ -71,7 +71,7 @@ def main() -> None:
     import titanlite.trainer  # noqa: F401
 
     run_id = uuid.uuid4().hex
-    children: dict[int, int] = {}
+    children: set[int] = set()
     writers: list[int] = []
     for rank in range(nproc):
         read, write = os.pipe()
@@ -85,7 +85,7 @@ def main() -> None:
             os._exit(code)
         os.close(read)
         writers.append(write)
-        children[pid] = rank
+        children.add(pid)
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     for w in writers:
         os.write(w, str(store.port).encode())
@@ -93,7 +93,7 @@ def main() -> None:
     code = 0
     while children:
         pid, status = os.wait()
-        del children[pid]
+        children.remove(pid)
         rc = os.waitstatus_to_exitcode(status)
         if rc != 0 and code == 0:
             code = rc if rc > 0 else 128 - rc
