@@ -18,6 +18,7 @@ A single process is a world of one: it gets a one-rank process group and the sam
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,20 +60,27 @@ def default_alloc_conf(environ: dict[str, str]) -> None:
         environ["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
 
 
-def rank_compile_cache(environ: dict[str, str] | os._Environ, rank: int) -> None:
-    """Give this rank its own compile cache: `TORCHINDUCTOR_CACHE_DIR` (the user's, else torch's default
-    folder) gets a `rank<r>` subfolder. Ranks on one host share that folder, and torch keys some cached
-    artifacts on what is equal across ranks while their content is not: AOTAutograd's key of a DTensor
-    program is its global spec, but the traced graph bakes in the rank's mesh coordinate (loss-parallel
-    cross-entropy's vocab offset), so with a warm cache every rank ran one rank's graph and the loss was
-    wrong. A rank's own folder still serves it on the next launch of the same layout (the key holds the
-    mesh). Idempotent: a process that builds twice keeps one folder."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+CACHE_KEY_TAG_ENV = "TORCH_COMPILE_CACHE_KEY_TAG"
+"""torch's variable for `torch.compiler.config.cache_key_tag`, read when a process imports torch."""
 
-    base = environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    leaf = f"rank{rank}"
-    if os.path.basename(os.path.normpath(base)) != leaf:
-        environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+
+def rank_compile_cache(environ: dict[str, str] | os._Environ, rank: int) -> None:
+    """Key this rank's cached graphs by its rank, in the one compile cache the ranks of a host share
+    (`TORCHINDUCTOR_CACHE_DIR`, else torch's default folder). torch keys some cached graphs on what is
+    equal across ranks while their content is not: AOTAutograd's key of a DTensor program is its global
+    spec, but the traced graph bakes in the rank's mesh coordinate (loss-parallel cross-entropy's vocab
+    offset), so under one key every rank ran one rank's graph and the loss was wrong. torch's cache key
+    tag is part of every cached graph's key (FX graph, AOTAutograd, dynamic-shape profile); `rank<r>` is
+    appended to the user's tag, and set in `environ` too for inductor's compile workers. What is keyed
+    by its own source stays shared: the ranks build each C++ kernel once (one rank compiles it while the
+    others wait for its lock, then load it). A rank's graphs still serve it on the next launch of the
+    same layout (the key holds the mesh). Idempotent: a process that builds again keeps one rank in the tag."""
+    import torch.compiler.config as compiler_config
+
+    user = re.sub(r"(^|-)rank\d+$", "", compiler_config.cache_key_tag)  # without a rank set before
+    tag = f"{user}-rank{rank}" if user else f"rank{rank}"
+    compiler_config.cache_key_tag = tag
+    environ[CACHE_KEY_TAG_ENV] = tag
 
 
 def init_device() -> torch.device:
