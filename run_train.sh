@@ -78,8 +78,8 @@ fi
 # else 2 CPU processes. A launch refuses a node whose GPUs torch cannot use (a CPU build of torch) unless
 # TITANLITE_DEVICE=cpu says CPU on purpose, which also hides the GPUs from the ranks:
 # titanlite/tools/visible_gpus.py. A dry run or a plan runs on any machine.
-# Counting the GPUs imports torch (seconds): the config is checked first, so a mistyped key is one line at
-# once (with NGPU given, the launcher checks it before importing torch).
+# Counting the GPUs imports a CUDA build of torch (seconds): the config is checked first, so a mistyped key
+# is one line at once (with NGPU given, the launcher checks it before importing torch).
 # Both run in the background (_titanlite_run, scripts/env.sh): a stop signal meanwhile is one line.
 [ -n "$GIVEN_NGPU" ] || _titanlite_run "$PYTHON" -m titanlite.config --config "$CONFIG" "${ARGS[@]+"${ARGS[@]}"}"
 CHECK=()

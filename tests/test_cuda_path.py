@@ -161,6 +161,7 @@ def test_threaded_init_draws_the_same_values_as_one_thread():
 
 
 def test_visible_gpus_is_torchs_count(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build (a CPU build is not asked)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert visible_gpus() == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -14,7 +14,8 @@ A node with GPUs (nvidia-smi lists some, or SLURM allocated some to the job) whe
 rank on CPU with gloo, hundreds of times slower, without a word: that is one line and exit code 2, before
 any rank starts. `TITANLITE_DEVICE=cpu` says CPU on purpose: run_train.sh then hides the GPUs from the
 ranks. Whether torch is a CUDA build is read from torch/version.py, without importing torch (which takes
-seconds), so a launch with NGPU set pays nothing for the check.
+seconds), so a launch with NGPU set pays nothing for the check, and none on a CPU build of torch
+(which sees no GPU) for the count.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def node_gpus() -> tuple[int, str]:
 
 
 def visible_gpus() -> int:
-    """CUDA devices a process started with this environment can use; 0 where CUDA is unusable."""
+    """CUDA devices a process started with this environment can use; 0 where CUDA is unusable. A CPU
+    build of torch sees none: it is not imported (seconds) to be asked."""
+    if torch_build()[1] is None:
+        return 0
     import torch  # seconds: only when the count is needed
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
