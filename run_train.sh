@@ -30,11 +30,18 @@
 #   DRY_LAUNCH   1 = after the preflight, print the launch command line instead of running it
 #   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the network interfaces NCCL / gloo use (passed to every rank
 #                as is; a name this node lacks: one line, exit code 2; docs/multinode.md)
-set -euo pipefail
-# A stop signal before the launcher runs (the set-up, the config check, counting the GPUs): scripts/env.sh's
-# trap prints this line (after "titanlite: SIG<NAME> "), as the launcher does after, and exits 128 + signal.
+# A stop signal before the launcher runs (the set-up, the config check, counting the GPUs) prints this line
+# (after "titanlite: SIG<NAME> "), as the launcher does after, and exits 128 + signal: from the script's first
+# command on through these traps, then through scripts/env.sh's (which also end the child being waited for).
 TITANLITE_STOPPED="before any rank started: nothing was trained"
-source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
+trap 'echo "titanlite: SIGINT $TITANLITE_STOPPED" >&2; exit 130' INT
+trap 'echo "titanlite: SIGTERM $TITANLITE_STOPPED" >&2; exit 143' TERM
+trap 'echo "titanlite: SIGUSR1 $TITANLITE_STOPPED" >&2; exit 138' USR1
+set -euo pipefail
+# The script's folder without a subshell ($(dirname ...) would run without these traps).
+_here=${BASH_SOURCE[0]%/*}
+[ "$_here" != "${BASH_SOURCE[0]}" ] || _here=.
+source "$_here/scripts/env.sh"
 
 CONFIG="$TITANLITE_ROOT/train_configs/debug_model.toml"
 ARGS=()
