@@ -145,12 +145,20 @@ def rank_processes(marker: str, ranks_only: bool = False) -> list[int]:
 
 
 def handles_stop_signals(pid: int) -> bool:
-    """Whether process `pid` has a handler for SIGUSR1 (`SigCgt` in /proc): the launcher's first instruction
-    installs one, long before it starts a rank."""
+    """Whether process `pid` has a handler for SIGUSR1 (`SigCgt` in /proc): run_train.sh's first commands and
+    the launcher's first instruction install one, long before a rank starts."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):
             return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
     return False
+
+
+def is_launcher(pid: int) -> bool:
+    """Whether process `pid` (run_train.sh, which ends in an exec of the launcher) is the launcher by now."""
+    try:
+        return b"titanlite.launcher.launch" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 def wait_until(proc: subprocess.Popen, dump: Path, when: str, timeout: float = 180) -> None:
@@ -166,7 +174,7 @@ def wait_until(proc: subprocess.Popen, dump: Path, when: str, timeout: float = 1
             return
         if when == "launcher":
             assert not ranks, "the ranks started before the launcher was seen handling signals"
-            if handles_stop_signals(proc.pid):
+            if is_launcher(proc.pid) and handles_stop_signals(proc.pid):  # not run_train.sh's own traps
                 return
         time.sleep(0.1 if when == "first step" else 0.01)
 
@@ -428,8 +436,8 @@ EARLY = [
 
 
 def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | None, dump: Path) -> tuple:
-    """`run_train.sh` signalled `delay` seconds after it started (its set-up, the config check, counting the
-    GPUs, the launcher's imports): its exit code, its stderr lines (which end only once every process
+    """`run_train.sh` signalled `delay` seconds after its first command (its set-up, the config check,
+    counting the GPUs, the launcher's imports): its exit code, its stderr lines (which end only once every process
     holding the pipe has ended) and the processes of its session still there after (none may outlive it)."""
     env = child_env()
     env.pop("NGPU", None)
@@ -448,8 +456,10 @@ def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | No
     )
     try:
         start = time.monotonic()
-        while not sigint_default(proc.pid):
-            time.sleep(0.005)
+        # From the script's first command on, its traps hold the stop signals (before bash runs it, a signal
+        # takes its default action: nothing has started; docs/failure_handling.md).
+        while not (sigint_default(proc.pid) and handles_stop_signals(proc.pid)):
+            time.sleep(0.002)
         time.sleep(max(0.0, delay - (time.monotonic() - start)))
         os.killpg(proc.pid, sig) if target == "group" else os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=120)
@@ -464,8 +474,8 @@ def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | No
 @pytest.mark.slow
 def test_a_stop_signal_in_the_first_half_second_is_one_line_and_leaves_no_process(tmp_path):
     """Ctrl-C or SIGTERM while run_train.sh sets up, checks the config, counts the GPUs or while the
-    launcher imports: the documented line and exit code 128 + signal at every moment, no traceback, and
-    no child process left behind."""
+    launcher imports, from the script's first command on: the documented line and exit code 128 + signal
+    at every moment, no traceback, and no child process left behind."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             case: pool.submit(stopped_early, *case, tmp_path / f"{case[0].name}-{case[1]}-{case[2]}-{case[3]}")
