@@ -27,8 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
     launcher tests send. A caught SIGINT is reset to the default in each child at exec.
 
     Inductor on a CPU first dry-compiles a test program for each vector ISA the CPU reports, into its
-    compile cache folder; the tests give each launch (and each rank) a fresh folder, so every process
-    that compiled paid it again (about 8 of a 16-second first compile here). `TORCHINDUCTOR_VEC_ISA_OK=1`
+    compile cache folder; the tests give each compiling test a fresh folder (its ranks share it), so
+    every process that compiled paid it again (about 8 of a 16-second first compile here). `TORCHINDUCTOR_VEC_ISA_OK=1`
     (torch's own switch, read when inductor's config is first imported, which no test has done yet)
     takes the ISAs the CPU reports as they are: the same ISA is chosen (avx512 on this machine's CPU),
     and a compiler that lacked it would fail the compile instead of falling back. Every launch inherits
