@@ -14,7 +14,7 @@
 # the config's comm.fake_world_size is planned for (the 70B/405B configs name their intended size), else
 # the visible GPUs (or 2) x NNODES.
 # --plan: the same world, searched for the fastest parallel layout that fits (titanlite/tools/layout_search.py,
-# --plan.gpu h100|h200|a100|b200|...): a ranked table and <dump_folder>/plan.toml, no torchrun.
+# --layout_search.gpu h100|h200|a100|b200|...): a ranked table and <dump_folder>/plan.toml, no torchrun.
 #
 # Environment:
 #   NGPU         processes per node (default: the CUDA GPUs torch sees, honouring CUDA_VISIBLE_DEVICES;

@@ -35,6 +35,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
 from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.optim import lr_factor
+from titanlite.parallelisms.parallel_dims import WorldLayout
 from titanlite.plan import RunPlan
 from titanlite.trainer import Trainer
 
@@ -761,7 +762,9 @@ def test_loader_state_reshards_without_repeats_or_gaps(tmp_path, old_dp, old_tp,
     new = [loader("", rank=d, dp=new_dp, lbs=lbs, seq_len=16) for d in range(new_dp)]
     for d, x in enumerate(new):
         x.load_state_dict(
-            rank_state.loader_state_for(d, new_dp, old_dp, old_tp, lambda r: rank_state.read(tmp_path, r))
+            rank_state.loader_state_for(
+                d, new_dp, WorldLayout(old_dp * old_tp, old_dp, tp=old_tp), lambda r: rank_state.read(tmp_path, r)
+            )
         )
     iters = [iter(x) for x in new]
     got += [_step_samples(iters, gbs // (lbs * new_dp)) for _ in range(3)]

@@ -188,7 +188,7 @@ RULES: list[Rule] = [
     Rule(r"^bash scripts/env\.sh$", "run", ""),
     Rule(r"^\./run_train\.sh (--help|--job\.print_config|--training\.step 20)$", "run", ""),
     # The plans whose lines the page shows, and the dry runs of a world of NGPU x NNODES.
-    Rule(r"405b\.toml --plan --comm\.fake_world_size 8$|--plan\.gpu x100$|fake_world_size 7 ", "run", ""),
+    Rule(r"405b\.toml --plan --comm\.fake_world_size 8$|--layout_search\.gpu x100$|fake_world_size 7 ", "run", ""),
     Rule(r"--plan\b", "config", PLANS),
     Rule(r"^NGPU=8 NNODES=\d+ \./run_train\.sh .*--dry-run", "run", ""),
     Rule(r"--dry-run\b", "config", DRY_RUNS),

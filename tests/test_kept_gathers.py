@@ -23,7 +23,7 @@ from titanlite.build import build_training
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
-from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, choose_step
+from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, first_fitting
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.plan import RunPlan
 from titanlite.step import LocalRunner, cross_entropy_loss
@@ -186,10 +186,10 @@ def test_the_first_policy_that_fits_in_the_margin_wins_else_the_one_that_holds_l
     candidates = step_candidates(JobConfig(), "fully_shard", backwards=4)[0]
     capacity = 80 * GiB
     margin = int(COMFORT_FRACTION * capacity)
-    chosen = choose_step(candidates, [margin + 1, margin, 10 * GiB, 5 * GiB], capacity)
+    chosen = first_fitting(candidates, [margin + 1, margin, 10 * GiB, 5 * GiB], capacity)
     assert chosen.policy == candidates[1]  # per_microbatch + kept: exactly at the margin
     assert "over 90%: per_step + kept 72.0 GiB" in chosen.describe()
-    least = choose_step(candidates, [90 * GiB, 85 * GiB, 81 * GiB, 82 * GiB], capacity)
+    least = first_fitting(candidates, [90 * GiB, 85 * GiB, 81 * GiB, 82 * GiB], capacity)
     assert least.policy == candidates[2] and "none fits in 90%" in least.describe()
 
 

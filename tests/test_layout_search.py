@@ -124,7 +124,7 @@ def test_analytic_memory_equals_the_dry_run(config, overrides):
     cfg = load_config(["--config", f"train_configs/{config}", *overrides])
     exact = dry_run(cfg)
     model, plan, est = analytic(cfg, exact.world_size)
-    assert est.step.policy == exact.step_choice.policy
+    assert est.step_choice.policy == exact.step_choice.policy
     assert est.peak_total == exact.peak_total
     assert [r.total for r in est.ranks] == [r.total for r in exact.pipeline_ranks or [exact.memory]]
     assert [r.memory.total for r in est.ranks] == [r.total for r in est.ranks]  # the fast total is the estimate's
@@ -224,7 +224,7 @@ def test_a_long_search_says_how_far_it_is(capsys, tmp_path, monkeypatch):
     start, so exactly one line comes, at the first layout; the table on stdout is the same either way.
     A row's reason gives the gap and its parts in a unit that shows them: the debug model's step takes
     milliseconds, which read "+0.00 s"."""
-    args = ["--config", "train_configs/debug_model.toml", "--comm.fake_world_size", "2", "--plan.gpu", "h200"]
+    args = ["--config", "train_configs/debug_model.toml", "--comm.fake_world_size", "2", "--layout_search.gpu", "h200"]
     rc, quiet, err = run_plan(capsys, *args, "--job.dump_folder", str(tmp_path / "a"))
     assert (rc, err) == (0, "")
     assert [line for line in quiet.splitlines() if line.startswith("  given: ")] == [
@@ -310,9 +310,9 @@ def test_step_time_parts():
     batch = ["--training.global_batch_size", "8", "--no-compile.enable"]
     dp8 = step_of("llama3_8b.toml", 8, *batch, "--training.local_batch_size", "1")
     cp2 = step_of("llama3_8b.toml", 8, *batch, "--training.local_batch_size", "2", P + "context_parallel_degree", "2")
-    assert dp8.cp_comm == 0 < cp2.cp_comm < 0.1 * cp2.step
+    assert dp8.comm.get("context", 0.0) == 0 < cp2.comm["context"] < 0.1 * cp2.step
     assert cp2.compute == pytest.approx(dp8.compute) and cp2.dp_comm_total == pytest.approx(dp8.dp_comm_total)
-    assert cp2.step == pytest.approx(dp8.step + cp2.cp_comm)
+    assert cp2.step == pytest.approx(dp8.step + cp2.comm["context"])
     assert Link.of(kind, 8, 8).bytes_per_s < Link.of(kind, 2, 1).bytes_per_s
 
 
@@ -346,9 +346,10 @@ def run_plan(capsys, *argv):
 
 def test_bad_input_is_one_line(capsys, tmp_path):
     dump = ["--job.dump_folder", str(tmp_path)]
-    rc, _, err = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--plan.gpu", "x100", *dump)
+    rc, _, err = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--layout_search.gpu", "x100", *dump)
     assert rc == 2 and err == (
-        "titanlite: error: config key 'plan.gpu' = 'x100': expected one of h100, h100-96gb-500w, h200, a100, b200"
+        "titanlite: error: config key 'layout_search.gpu' = 'x100': "
+        "expected one of h100, h100-96gb-500w, h200, a100, b200"
     )
     world7 = ["--comm.fake_world_size", "7", "--training.global_batch_size", "8"]
     rc, _, err = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", *world7, *dump)
@@ -386,8 +387,8 @@ def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path)
     check = sh("--config", str(plan), "--dry-run")
     assert check.returncode == 0, check.stderr
     assert check.stdout.strip().splitlines()[-1].startswith("fits: ")
-    bad = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--plan.gpu", "x100")
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "plan.gpu" in bad.stderr
+    bad = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--layout_search.gpu", "x100")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "layout_search.gpu" in bad.stderr
     full = sh("--config", "train_configs/llama3_8b.toml", "--plan", "--comm.fake_world_size", "1")
     assert full.returncode == 1 and not full.stdout and full.stderr.strip().count("\n") == 0
     assert full.stderr.startswith("titanlite: error: no layout fits 1 x h100: closest ")

@@ -19,12 +19,16 @@ from titanlite.parallelisms.parallel_dims import (
 )
 
 ROOT = Path(__file__).resolve().parents[1] / "titanlite"
+DEGREE_NAMES = {"cp", "tp", "ep", "pp", "efsdp"}
+"""The degrees by their dim names: a variable so named holds one."""
 DEGREE_ATTRIBUTES = {
-    *(f"{d}{suffix}" for d in ("cp", "tp", "ep", "pp") for suffix in ("", "_enabled", "_mesh")),
+    *(f"{d}{suffix}" for d in ("cp", "tp", "ep", "pp") for suffix in ("", "_enabled", "_mesh", "_comm")),
     "efsdp",
     "efsdp_mesh",
+    "degree",
 }
-"""A degree, whether it is on, its mesh: reads of these off an object are reads of a degree."""
+"""A degree, whether it is on, its mesh, its collectives' time, a unit's degree: reads of these off an object
+are reads of a degree."""
 DEGREE_WORDS = re.compile(r"(context|tensor|expert|pipeline)_parallel_degree|\b(cp|tp|ep|pp)_degree\b")
 """The degrees' config keys and a checkpoint marker's keys."""
 SCANNED = ["checkpoint", "trainer.py", "validation.py", "step.py", "run_loader.py", "tools"]
@@ -43,7 +47,7 @@ def degree_names(source: str) -> list[tuple[int, str]]:
             found.append((node.lineno, node.attr))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             found += [(node.lineno, m.group(0)) for m in DEGREE_WORDS.finditer(node.value)]
-        elif isinstance(node, ast.Name) and DEGREE_WORDS.search(node.id):
+        elif isinstance(node, ast.Name) and (node.id in DEGREE_NAMES or DEGREE_WORDS.search(node.id)):
             found.append((node.lineno, node.id))
     return found
 
@@ -86,6 +90,8 @@ def test_the_scan_catches_a_degree_read_and_leaves_prose_alone():
     names = sorted(name for _, name in degree_names(injected))
     assert names == ["cp", "cp_mesh", "tensor_parallel_degree", "tp_degree"]
     assert degree_names('"""tp and cp ranks read the same tensor_parallel_degree."""\n# dims.cp\nx = 1\n') == []
+    read = "pp, dp = stages, 2\nx = plan.pipeline.degree + est.tp_comm\n"
+    assert sorted(name for _, name in degree_names(read)) == ["degree", "pp", "tp_comm"]
 
 
 def test_the_checkpoint_layout_keeps_its_marker_keys_and_reads_markers_without_cp_and_ep():

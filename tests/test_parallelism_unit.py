@@ -25,7 +25,7 @@ from titanlite.launcher.preflight import check_run
 from titanlite.parallelisms import parallelize
 from titanlite.parallelisms.gradient_reduction import StepPolicy
 from titanlite.parallelisms.memory_plan import StepChoice
-from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
 from titanlite.plan import RunPlan
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
@@ -56,8 +56,8 @@ class Toy:
         self.applied.append(a.model)
         return {}
 
-    def unit(self) -> Parallelism:
-        return Parallelism("toy", lambda dims: 2, self.rules, self.apply, step_hook=lambda dims: HalfHook())
+    def unit(self) -> ParallelismUnit:
+        return ParallelismUnit("toy", lambda dims: 2, self.rules, self.apply, step_hook=lambda dims: HalfHook())
 
 
 @pytest.fixture

@@ -34,8 +34,8 @@ from titanlite.parallelisms.memory_plan import (
     MemoryEstimate,
     StageMemory,
     StepChoice,
-    choose_step,
     estimate,
+    first_fitting,
     pipeline_estimate,
 )
 from titanlite.parallelisms.parallel_dims import ParallelDims
@@ -238,19 +238,19 @@ def choose_step_policy(
     max_over_ranks: Callable[[list[int]], list[int]] | None = None,
     device_type: str = "cuda",
 ) -> StepChoice:
-    """The step policy of the run (`memory_plan.choose_step`), the one decision the trainer and the dry
+    """The step policy of the run (`memory_plan.first_fitting`), the one decision the trainer and the dry
     run share: every candidate the config allows (`plan.step_candidates`) is estimated on each planned rank
     (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included),
     `max_over_ranks` (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
     first candidate that fits comfortably in `capacity` bytes wins."""
     candidates, fixed = plan.step_candidates, plan.step_fixed
     if len(candidates) == 1 or plan.spec.planning.activation_bytes is None:
-        return choose_step(candidates, [0] * len(candidates), capacity, fixed)
+        return first_fitting(candidates, [0] * len(candidates), capacity, fixed)
     totals = [
         max(rank_estimate(plan, parts, plan.layout(c, device_type), r).total for r, parts in ranks.items())
         for c in candidates
     ]
-    return choose_step(candidates, max_over_ranks(totals) if max_over_ranks else totals, capacity, fixed)
+    return first_fitting(candidates, max_over_ranks(totals) if max_over_ranks else totals, capacity, fixed)
 
 
 def device_memory(device: torch.device) -> int:
@@ -275,11 +275,11 @@ class TrainingModel:
         return self.runner.model
 
 
-def step_context(plan: RunPlan, step: StepChoice) -> StepContext:
+def step_context(plan: RunPlan, step_choice: StepChoice) -> StepContext:
     """The step's loss and reduction (`StepContext`): the configured loss, loss parallel, clipping, the
     family's extra loss term, and the step policy where it applies (data parallelism over several
     backwards)."""
-    policy = plan.effective(step.policy)
+    policy = plan.effective(step_choice.policy)
     return StepContext(
         training_loss_fn(plan.cfg),
         loss_parallel=plan.loss_parallel,

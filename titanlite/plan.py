@@ -297,7 +297,7 @@ class RunPlan:
         """The memory plan's view of this run under step policy `policy` (the trainer's build), on
         `device_type` (the dry run plans GPUs)."""
         p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
-        step = self.effective(policy or StepPolicy())
+        effective = self.effective(policy or StepPolicy())
         return Layout(
             dims=dims,
             dp_mode=dims.dp_mode if dims.dp_enabled else None,
@@ -310,14 +310,14 @@ class RunPlan:
             ac_option=self.cfg.activation_checkpoint.selective_ac_option,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
-            unreduced_grads=step.reduce_once,
-            keep_gathers=step.keep_gathers,
+            unreduced_grads=effective.reduce_once,
+            keep_gathers=effective.keep_gathers,
             attn_mask=self.cfg.model.attn_mask_type,
             device_type=device_type,
             float8_gather=self.cfg.float8.enable and self.cfg.float8.all_gather,
         )
 
-    def describe(self, step: StepChoice) -> str:
+    def describe(self, step_choice: StepChoice) -> str:
         """The start-up log's line of what runs: AC, compilation, precision and the step's policy."""
         c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
         compiled = "eager"
@@ -335,9 +335,9 @@ class RunPlan:
         backwards, text = self.backwards_per_step, ""
         if self.dims.dp_enabled and backwards > 1:
             fsdp2_pp = self.pipeline is not None and self.cfg.parallelism.dp_impl == "fsdp2"
-            if self.effective(step.policy).reduce_once and fsdp2_pp and self.grad_accum > 1:
+            if self.effective(step_choice.policy).reduce_once and fsdp2_pp and self.grad_accum > 1:
                 text = "; reduced once per schedule step (torch's pipeline stage)"
-            text = f"; step of {backwards} backwards: {step.describe()}{text}"
+            text = f"; step of {backwards} backwards: {step_choice.describe()}{text}"
         mask = self.cfg.model.attn_mask_type
         attention = "" if mask == "causal" else f"; attention {mask} (packed documents masked apart)"
         return f"AC {ac_text}; {compiled}; {precision}{text}{attention}"

@@ -74,7 +74,7 @@ def model_forward(
             return model(batch.inputs)
         return model(batch.inputs, positions=batch.positions, mask=build_mask(mask_type, batch.positions))
     rows, seq = batch.inputs.shape
-    held = sequence.positions(seq // sequence.degree, batch.inputs.device)
+    held = sequence.held_positions(seq, batch.inputs.device)
     if mask_type == "causal":
         positions, mask = held.expand(rows, -1), causal_mask(rows, seq, held)
     else:

@@ -102,7 +102,7 @@ class Trainer:
         self.plan = plan or RunPlan.build(cfg, self.world_size)
         self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
         self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
-        t, dp = cfg.training, self.dims.dp
+        t = cfg.training
         # Built before the process group: a bad dataset path is reported before any rank starts work.
         dp_rank = self.dims.dp_rank_of(self.rank)
         # Under the launcher its preflight has reported on the data already.
@@ -119,16 +119,17 @@ class Trainer:
         self.runner, self.model = training.runner, training.model
         """The step runner (`step.StepRunner`): the only way the trainer and the validator call the model."""
         self.step_choice = training.step_choice
-        """The step policy (`memory_plan.choose_step`): reduction per step or per microbatch, gathers kept."""
+        """The step policy (`build.choose_step_policy`): reduction per step or per microbatch, gathers kept."""
         self.reduce_once = self.runner.context.reduce_once
         self.keep_gathers = self.runner.context.keep_gathers
         self.model.train()
         n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
+        split = self.dims.describe_batch(f"local {t.local_batch_size}", self.grad_accum)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
             f"vocab {self.model_args.vocab_size}; "
             f"{self.dims.describe()}; "
-            f"global batch {self.global_batch} = local {t.local_batch_size} x dp {dp} x accum {self.grad_accum}"
+            f"global batch {self.global_batch} = {split}"
         )
         logger.info(f"plan: {self.plan.describe(self.step_choice)}")
         if self.plan.pipeline is not None:

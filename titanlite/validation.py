@@ -94,7 +94,7 @@ class Validator:
             v, t = self.cfg, self.plan.cfg.training
             logger.warning(
                 f"validation: the held-out data is smaller than one evaluation (validation.steps {v.steps} x "
-                f"validation.local_batch_size {v.local_batch_size} x dp {self.plan.dims.dp} sequences of "
+                f"{self.plan.dims.describe_batch(f'validation.local_batch_size {v.local_batch_size}')} sequences of "
                 f"training.seq_len {t.seq_len} tokens): each evaluation reads some of its documents up to "
                 f"{passes.item()} times; hold out more documents or lower validation.steps"
             )

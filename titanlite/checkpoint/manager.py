@@ -394,7 +394,7 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.warning(resume.dataset_changed)
         elif self.dataloader is not None:
-            loader_state = rank_state.loader_state_for(self.dp_rank, new.dp, old.dp, old.replica_width, read_rank)
+            loader_state = rank_state.loader_state_for(self.dp_rank, new.dp, old, read_rank)
             if loader_state is None:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)

@@ -5,7 +5,7 @@ DCP reshards tensors, but this state is per rank and not a tensor: each rank wri
 lists these files too), and a resuming rank picks what it needs from the old ranks' files.
 
 Resharding rule for the data loader (the ranks of a dp rank are consecutive, `ParallelDims.replica_width`
-of them per pipeline stage, so the old rank `d * old_replica_width` is the first rank of old dp rank `d`;
+of them per pipeline stage, so the old layout's `WorldLayout.first_rank_of(d)` is the first rank of old dp rank `d`;
 all ranks of a dp rank read the same data, and its first rank holds the state,
 `parallelisms/replica_batches.py`):
 
@@ -34,6 +34,7 @@ import torch
 from titanlite.checkpoint.folders import rank_state_file
 from titanlite.data.loader import merge_loader_states
 from titanlite.errors import CheckpointError
+from titanlite.parallelisms.parallel_dims import WorldLayout
 
 
 def path_of(folder: Path, rank: int) -> Path:
@@ -71,21 +72,20 @@ def read(folder: Path, rank: int) -> dict:
         raise CheckpointError(f"checkpoint {folder}: cannot read {path.name} ({e})") from None
 
 
-def loader_state_for(
-    dp_rank: int, dp_degree: int, old_dp: int, old_replica: int, read_rank: Callable[[int], dict]
-) -> dict | None:
+def loader_state_for(dp_rank: int, dp_degree: int, old: WorldLayout, read_rank: Callable[[int], dict]) -> dict | None:
     """The data loader state that new dp rank `dp_rank` of `dp_degree` resumes from (module docstring);
-    `old_replica` is the old layout's ranks per dp rank and pipeline stage (`WorldLayout.replica_width`).
+    `old` is the layout the checkpoint was saved under (its first rank of each dp rank holds that dp rank's
+    state: `WorldLayout.first_rank_of`).
 
     `read_rank(r)` returns old rank r's saved state; only the files needed are read.
     """
-    if old_dp == dp_degree:
-        state = read_rank(dp_rank * old_replica)
+    if old.dp == dp_degree:
+        state = read_rank(old.first_rank_of(dp_rank))
         _check_dp_rank(state, dp_rank)
         return state["dataloader"]
     states = []
-    for d in range(old_dp):
-        state = read_rank(d * old_replica)
+    for d in range(old.dp):
+        state = read_rank(old.first_rank_of(d))
         _check_dp_rank(state, d)
         states.append(state["dataloader"])
     if any(s is None for s in states):

@@ -442,7 +442,7 @@ class Comm:
 
 
 @dataclass
-class Plan:
+class LayoutSearch:
     """The layout search (`--plan`, titanlite/tools/layout_search.py)."""
 
     gpu: GpuName = "h100"
@@ -469,7 +469,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
-    plan: Plan = field(default_factory=Plan)
+    layout_search: LayoutSearch = field(default_factory=LayoutSearch)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StageWork
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork
 
 SEAM = "context_parallel"
 """The attribute a module declares (None) to receive the rank's `SequenceShard`."""
@@ -105,6 +105,10 @@ class SequenceShard:
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """The global indices of this rank's `local_len` tokens (a sequence of degree x local_len)."""
         return sequence_positions(local_len * self.degree, self.degree, self.rank, device)
+
+    def held_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """The global indices of the tokens this rank holds of a whole sequence of `seq_len` tokens."""
+        return self.positions(seq_len // self.degree, device)
 
     def start_gather(self, t: torch.Tensor, dim: int) -> PendingGather:
         """Issue the all-gather of every rank's part of `t` along `dim` and return without waiting for it
@@ -209,7 +213,7 @@ def _step_hook(dims: ParallelDims) -> SequenceShard | None:
     return SequenceShard.of(dims.cp_mesh) if dims.cp_mesh is not None else None
 
 
-UNIT = Parallelism(
+UNIT = ParallelismUnit(
     name="context",
     degree=lambda dims: dims.cp,
     rules=check_context_parallel,
@@ -217,5 +221,6 @@ UNIT = Parallelism(
     step_hook=_step_hook,
     step_time=step_time,
     group=lambda dims: (dims.cp, dims.tp),
+    comm_words="cp K/V collectives",
 )
-"""Context parallelism as one unit (`parallelism.Parallelism`)."""
+"""Context parallelism as one unit (`parallelism.ParallelismUnit`)."""

@@ -53,7 +53,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
 
 if TYPE_CHECKING:
     from titanlite.parallelisms.simple_fsdp import DataParallelMesh
@@ -235,6 +235,6 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, DataParallelMesh]:
     return dict.fromkeys(experts, where)
 
 
-UNIT = Parallelism(name="expert", degree=lambda dims: dims.ep, rules=check_expert_parallel, apply=_apply)
-"""Expert parallelism as one unit (`parallelism.Parallelism`); its all-to-alls are not in the step-time
+UNIT = ParallelismUnit(name="expert", degree=lambda dims: dims.ep, rules=check_expert_parallel, apply=_apply)
+"""Expert parallelism as one unit (`parallelism.ParallelismUnit`); its all-to-alls are not in the step-time
 model, and their buffers are the family's activation model's (`models/qwen3_moe/memory.py`)."""

@@ -17,7 +17,7 @@ microbatches. Two choices (`StepPolicy`), each trading memory held for the step 
       regathered      every forward gathers again (and backward too, for the blocks resharded after forward)
 
 `step_candidates` lists what the config allows, most collectives saved first; `auto` settings leave
-the choice to the memory plan (`memory_plan.choose_step`), which takes the first that fits comfortably.
+the choice to the memory plan (`memory_plan.first_fitting`), which takes the first that fits comfortably.
 
 Under pipeline parallelism torch's pipeline stage already handles FSDP2 itself (gradient sync and
 resharding after backward off for all but the schedule step's last backward: per_step, once per
@@ -41,7 +41,7 @@ from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
 
 @dataclass(frozen=True)
 class StepPolicy:
-    """What a step of several backwards holds across them; one per run (`memory_plan.choose_step`)."""
+    """What a step of several backwards holds across them; one per run (`build.choose_step_policy`)."""
 
     reduce_once: bool = False
     """Gradients accumulate unsharded and are reduced once, after the step's last backward (per_step)."""

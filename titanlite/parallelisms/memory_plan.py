@@ -33,7 +33,7 @@ schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 toke
 Activations are the model family's own estimate (`ModelSpec.planning.activation_bytes`; Llama 3's is in
 `models/common/dense_activations.py`). The total adds every part as if all peaked together, which is conservative.
 
-`choose_step` picks the step policy from these estimates: the first of `step_candidates` (most
+`first_fitting` picks the step policy from these estimates: the first of `step_candidates` (most
 collectives saved first) whose total fits comfortably (`COMFORT_FRACTION` of the GPU); the trainer and
 the dry run both reach it through `build.choose_step_policy`.
 """
@@ -60,7 +60,7 @@ GiB = 2**30
 COMFORT_FRACTION = 0.9
 """A plan fits comfortably when its total is at most this share of the GPU's memory: the rest is for the
 CUDA context, NCCL's buffers and allocator fragmentation. Above it the dry run calls a plan tight, and
-`choose_step` takes a policy that holds less."""
+`first_fitting` takes a policy that holds less."""
 
 
 @dataclass(frozen=True)
@@ -458,7 +458,7 @@ _SHORT = {(True, True): "per_step + kept", (False, True): "per_microbatch + kept
 
 @dataclass(frozen=True)
 class StepChoice:
-    """The step policy chosen by `choose_step`, with the totals it was chosen from."""
+    """The step policy chosen by `first_fitting`, with the totals it was chosen from."""
 
     policy: StepPolicy
     candidates: tuple[StepPolicy, ...]
@@ -488,7 +488,7 @@ class StepChoice:
         return f"{self.policy.describe()} ({'; '.join(why)})" if why else self.policy.describe()
 
 
-def choose_step(
+def first_fitting(
     candidates: list[StepPolicy], totals: list[int], capacity: int, fixed: Sequence[str] = ()
 ) -> StepChoice:
     """The first candidate (`step_candidates` order: most collectives saved first) whose total is at most

@@ -50,6 +50,16 @@ def degree_overrides(**degrees: int) -> list[str]:
     return [arg for name, d in degrees.items() for arg in (f"--parallelism.{DEGREE_KEYS[name]}", str(d))]
 
 
+WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The world mesh's dims, outermost first (expert parallelism splits dp_shard x cp, not the world)."""
+
+
+def layout_overrides(**degrees: int) -> list[str]:
+    """Command-line overrides setting every world mesh dim's degree: the given ones (by dim name), the others
+    those of plain data parallelism (1; the shard degree the rest of the world, -1)."""
+    return degree_overrides(**({name: -1 if name == "dp_shard" else 1 for name in WORLD_DIMS} | degrees))
+
+
 def reset_to_data_parallel(p: Any) -> None:
     """Config section `parallelism` (`p`) set to plain data parallelism: every degree 1, the shard degree
     the rest of the world, no pipeline split points or stage count."""
@@ -79,6 +89,11 @@ class WorldLayout:
         """Ranks of one data-parallel replica in one pipeline stage (cp x tp): rank `d * replica_width` is
         the first rank of dp rank `d`, the one that reads its data."""
         return self.cp * self.tp
+
+    def first_rank_of(self, dp_rank: int) -> int:
+        """The first global rank of data-parallel rank `dp_rank` in the first pipeline stage: the rank whose
+        saved data loader state is that dp rank's."""
+        return dp_rank * self.replica_width
 
     def to_marker(self) -> dict[str, int]:
         """The completion marker's entries."""
@@ -196,6 +211,11 @@ class ParallelDims:
         share them)."""
         return local_batch * self.dp
 
+    def describe_batch(self, local: str, accum: int | None = None) -> str:
+        """A batch's split in words: `local` (the sequences of one data-parallel rank, in words) over the
+        replicas, and the microbatches a step accumulates: `local 2 x dp 4 x accum 2`."""
+        return f"{local} x dp {self.dp}" + (f" x accum {accum}" if accum is not None else "")
+
     def rank_tokens(self, seq_len: int) -> int:
         """Tokens of each sequence one rank computes (its part under context parallelism)."""
         return seq_len // self.cp
@@ -304,13 +324,7 @@ class ParallelDims:
         return (("pp",) if self.pp > 1 else ()) + self.dim_names
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        degrees = {
-            "pp": self.pp,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "cp": self.cp,
-            "tp": self.tp,
-        }
+        degrees = {name: getattr(self, name) for name in WORLD_DIMS}
         names = self.mesh_dim_names or ("dp_shard",)
         mesh = init_device_mesh(device_type, tuple(degrees[n] for n in names), mesh_dim_names=names)
         if len(self.dp_dim_names) > 1:
@@ -433,4 +447,14 @@ class ParallelDims:
 
     def pp_rank_of(self, rank: int) -> int:
         """Global `rank`'s pipeline rank (0 holds the first stage)."""
-        return rank // (self.dp * self.replica_width)
+        return rank // self._stage_ranks
+
+    def pipeline_peers(self, rank: int) -> list[int]:
+        """The global rank of each pipeline rank (by index) that has global `rank`'s other coordinates:
+        `[rank]` without pipeline parallelism."""
+        return [rank % self._stage_ranks + p * self._stage_ranks for p in range(self.pp)]
+
+    @property
+    def _stage_ranks(self) -> int:
+        """Ranks of one pipeline rank (dp x cp x tp)."""
+        return self.dp * self.replica_width

@@ -11,7 +11,8 @@
                 (`step_context.StepContext`) that both step runners and validation use.
     step_time   `(StageWork) -> seconds`: its exposed collectives for one microbatch through one pipeline
                 stage, read by the step-time model (`planning/step_time.py`) for the dry run and the layout
-                search; `group` names its ranks' mesh group (size, stride in ranks) for the link it runs on.
+                search; `group` names its ranks' mesh group (size, stride in ranks) for the link it runs on,
+                and `comm_words` what the search calls that term when it compares two layouts.
 
 A parallelism is adding this unit in its own module, its setting in `config/schema.py` and its place in the
 order; the plan, the step context and the step-time model read it from the order and name none of them.
@@ -100,7 +101,7 @@ def _no_hook(dims: ParallelDims) -> StepHook | None:
 
 
 @dataclass(frozen=True)
-class Parallelism:
+class ParallelismUnit:
     """One parallelism (module docstring)."""
 
     name: str
@@ -112,6 +113,9 @@ class Parallelism:
     step_time: Callable[[StageWork], float] | None = None
     group: Callable[[ParallelDims], tuple[int, int]] | None = None
     """(ranks, stride in ranks) of its group in the mesh, innermost dims fastest; with `step_time`."""
+    comm_words: str = ""
+    """What its `step_time` term counts, in the layout search's words (`exposed tp collectives`); with
+    `step_time`."""
 
     def enabled(self, dims: ParallelDims) -> bool:
         return self.degree(dims) > 1

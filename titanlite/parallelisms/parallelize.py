@@ -7,7 +7,7 @@
                             part of every sequence (after TP, whose layouts split it further)
     expert parallelism      `expert_parallel.apply_expert_parallel`: the experts' weights become DTensors sharded
                             over `ep`, and the MoE layers dispatch their tokens to the experts' ranks
-The three are units (`parallelism.Parallelism`), listed in this order in `PARALLELISMS`, which the run plan
+The three are units (`parallelism.ParallelismUnit`), listed in this order in `PARALLELISMS`, which the run plan
 (their rules), the step context (their step hooks, `step_hooks`) and the step-time model (their terms) read
 too: a new parallelism is its unit, its setting and its place in that tuple.
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
@@ -54,7 +54,7 @@ from titanlite.parallelisms import context_parallel, expert_parallel, tensor_par
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StepHook
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
 from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
@@ -63,16 +63,16 @@ if TYPE_CHECKING:
     from titanlite.parallelisms.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
 
-PARALLELISMS: tuple[Parallelism, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
+PARALLELISMS: tuple[ParallelismUnit, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
 """The parallelism units in the order they are applied (module docstring)."""
 
 
-def enabled(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> list[Parallelism]:
+def enabled(dims: ParallelDims, order: tuple[ParallelismUnit, ...] | None = None) -> list[ParallelismUnit]:
     """The units of `order` (default `PARALLELISMS`, read when called) this mesh runs (degree above one)."""
     return [unit for unit in (PARALLELISMS if order is None else order) if unit.enabled(dims)]
 
 
-def step_hooks(dims: ParallelDims, order: tuple[Parallelism, ...] | None = None) -> tuple[StepHook, ...]:
+def step_hooks(dims: ParallelDims, order: tuple[ParallelismUnit, ...] | None = None) -> tuple[StepHook, ...]:
     """The step hooks of the units this mesh runs, in order (`step_context.StepContext.hooks`)."""
     return tuple(hook for unit in enabled(dims, order) if (hook := unit.step_hook(dims)) is not None)
 
@@ -83,7 +83,7 @@ def parallelize(
     tp_plan: TensorParallelPlanFn | None,
     dims: ParallelDims,
     cfg: JobConfig,
-    order: tuple[Parallelism, ...] | None = None,
+    order: tuple[ParallelismUnit, ...] | None = None,
     high_precision: tuple[str, ...] = (),
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in

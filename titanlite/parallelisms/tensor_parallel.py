@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, Parallelism, StageWork
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:  # DTensor is imported where a plan is applied: the run plan reads this unit's rules in
@@ -94,12 +94,13 @@ def _apply(a: ApplyArgs) -> dict:
     return {}
 
 
-UNIT = Parallelism(
+UNIT = ParallelismUnit(
     name="tensor",
     degree=lambda dims: dims.tp,
     rules=check_tensor_parallel,
     apply=_apply,
     step_time=step_time,
     group=lambda dims: (dims.tp, 1),
+    comm_words="exposed tp collectives",
 )
-"""Tensor parallelism as one unit (`parallelism.Parallelism`)."""
+"""Tensor parallelism as one unit (`parallelism.ParallelismUnit`)."""

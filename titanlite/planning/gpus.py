@@ -162,14 +162,14 @@ GPU_KINDS: dict[str, GpuKind] = {
         float8_matmul_tflops=3432.5,
     ),
 }
-"""One kind per `config.GpuName` (the `plan.gpu` choices): [peak], [mamf], [fa], [hbm], [link], [mem], [cal] in
+"""One kind per `config.GpuName` (the `layout_search.gpu` choices): [peak], [mamf], [fa], [hbm], [link], [mem], [cal] in
 the module docstring."""
 
 
 def gpu_kind(name: str) -> GpuKind:
     """The table's kind `name`, its calibration filled in; an unknown name is one config error line."""
     if name not in GPU_KINDS:
-        raise ConfigError(f"config key 'plan.gpu' = {name!r}: expected one of {', '.join(GPU_KINDS)}")
+        raise ConfigError(f"config key 'layout_search.gpu' = {name!r}: expected one of {', '.join(GPU_KINDS)}")
     kind = GPU_KINDS[name]
     if not kind.training_efficiency:
         kind = dataclasses.replace(kind, training_efficiency=H100_TRAINING_EFFICIENCY)

@@ -8,7 +8,7 @@ SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`Para
 rank 0 holds the ceiling; pure replication shards nothing); context parallelism changes no other shape,
 and its activations are the family's estimate for the layout's cp. Everything else follows the memory
 plan's rules, through its own objects where they take numbers (`Layout`, `gather_buffers`,
-`pipeline_estimate`, `step_candidates` and `choose_step`, the family's activation model): gathered
+`pipeline_estimate`, `step_candidates` and `first_fitting`, the family's activation model): gathered
 weights held from forward to backward or kept for the step (those of the float8 layers, which the
 shape table marks, at 1 byte with `float8.all_gather`; SimpleFSDP's float8 shards), gathers in flight
 (one unit, two for FSDP2), the reduce-scatter input or the unreduced gradients and their packing,
@@ -36,13 +36,14 @@ from titanlite.parallelisms.memory_plan import (
     MemoryEstimate,
     StageMemory,
     StepChoice,
-    choose_step,
+    first_fitting,
     float8_shard_bytes,
     gather_buffers,
     pipeline_estimate,
     stage_runtime,
     under,
 )
+from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.units import Units
 from titanlite.plan import RunPlan
 
@@ -94,11 +95,8 @@ class ShapeTable:
 
     def _build(self, tp: int) -> list[ParamShape]:
         cfg = copy.deepcopy(self.cfg)
-        p = cfg.parallelism
-        p.tensor_parallel_degree, p.data_parallel_shard_degree, p.data_parallel_replicate_degree = tp, 1, 1
-        p.pipeline_parallel_degree, p.pipeline_parallel_split_points = 1, []
-        p.context_parallel_degree = 1
-        p.pipeline_parallel_stages_per_rank = -1
+        reset_to_data_parallel(cfg.parallelism)  # on a world of `tp` ranks: tensor parallelism alone
+        cfg.parallelism.tensor_parallel_degree = tp
         cfg.compile.enable, cfg.activation_checkpoint.mode = False, "none"
         cfg.training.global_batch_size = -1
         plan = RunPlan.build(cfg, tp, tokenizer=self.plan.tokenizer, args=self.plan.model_args)
@@ -233,8 +231,8 @@ class RankMemory:
 @dataclass
 class LayoutMemory:
     ranks: list[RankMemory]
-    step: StepChoice | None = None
-    """The step policy the memory plan chose for this layout (`memory_plan.choose_step`)."""
+    step_choice: StepChoice | None = None
+    """The step policy the memory plan chose for this layout (`memory_plan.first_fitting`)."""
 
     @property
     def layout(self) -> Layout:
@@ -387,12 +385,12 @@ class LayoutMemoryModel:
         candidates, fixed = plan.step_candidates, plan.step_fixed
         if len(candidates) == 1:
             memory = self.of_layout(plan, plan.layout(candidates[0]))
-            memory.step = choose_step(candidates, [0], capacity, fixed)
+            memory.step_choice = first_fitting(candidates, [0], capacity, fixed)
             return memory
         estimates = [self.of_layout(plan, plan.layout(c)) for c in candidates]
-        step = choose_step(candidates, [e.peak_total for e in estimates], capacity, fixed)
-        memory = estimates[candidates.index(step.policy)]
-        memory.step = step
+        choice = first_fitting(candidates, [e.peak_total for e in estimates], capacity, fixed)
+        memory = estimates[candidates.index(choice.policy)]
+        memory.step_choice = choice
         return memory
 
     def of_layout(self, plan: RunPlan, layout: Layout) -> LayoutMemory:

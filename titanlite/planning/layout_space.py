@@ -14,9 +14,9 @@ are the search's own: tensor parallelism stays within a node
 config's, so the training recipe is unchanged; only its split into data-parallel ranks, accumulation
 batches and pipeline microbatches varies.
 
-A new mesh dim (context or expert parallelism) is a field of `Degrees` with its config key in
-`DEGREE_KEYS`: the factorisation of the world runs over every field, and `RunPlan.build` says which
-degrees the model and the config allow.
+A new mesh dim searched is a field of `Degrees` (named as its dim in `parallel_dims.DEGREE_KEYS`, which
+gives its config key): the factorisation of the world runs over every field, and `RunPlan.build` says
+which degrees the model and the config allow.
 """
 
 from __future__ import annotations
@@ -32,17 +32,9 @@ from typing import Any
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.registry import get_model_spec
+from titanlite.parallelisms.parallel_dims import DEGREE_KEYS
 from titanlite.parallelisms.pipeline import MULTI_STAGE, SINGLE_STAGE
 from titanlite.plan import RunPlan
-
-DEGREE_KEYS = {
-    "pp": "pipeline_parallel_degree",
-    "dp_replicate": "data_parallel_replicate_degree",
-    "dp_shard": "data_parallel_shard_degree",
-    "cp": "context_parallel_degree",
-    "tp": "tensor_parallel_degree",
-}
-"""`Degrees` field -> `parallelism.*` key, outermost mesh dim first (`ParallelDims`' mesh order)."""
 
 AC_CHOICES: tuple[tuple[str, str], ...] = (
     ("none", "op"),
@@ -68,6 +60,8 @@ whose chunks are whole): every cp degree multiplies the meshes, batch splits and
 
 @dataclass(frozen=True)
 class Degrees:
+    """The degrees a searched layout sets, by dim name (`parallel_dims.DEGREE_KEYS`), outermost mesh dim first."""
+
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1

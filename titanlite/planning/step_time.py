@@ -16,7 +16,7 @@ whatever the kernel (under cp, and under block_causal, CUDA runs flex attention 
 rate against flash attention's is assumed equal, not measured).
 
 Collectives, each part its own term: tensor and context parallelism's are their units' terms
-(`parallelism.Parallelism.step_time`, summed by name into `StepTime.comm`), data parallelism's is
+(`parallelism.ParallelismUnit.step_time`, summed by name into `StepTime.comm`), data parallelism's is
 `data_parallel_time.py`'s (with the overlap its implementation schedules), the pipeline's is here
 (`StepTimeModel.send_recv`). Ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes
 per rank, an all-reduce twice that; plus a fixed latency (`link.Link`). A group spans nodes when its
@@ -91,7 +91,8 @@ class StepTime:
     recompute: float
     dp_comm: float
     """Exposed data-parallel collectives."""
-    pp_comm: float
+    send_recv: float
+    """The pipeline's exposed sends and receives of hidden states between stages."""
     bubble: float
     optimizer: float
     bubble_fraction: float
@@ -106,16 +107,6 @@ class StepTime:
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
-    def tp_comm(self) -> float:
-        """Exposed tensor-parallel collectives."""
-        return self.comm.get("tensor", 0.0)
-
-    @property
-    def cp_comm(self) -> float:
-        """Context-parallel K/V all-gathers and their gradients' reduce-scatters (all exposed)."""
-        return self.comm.get("context", 0.0)
-
-    @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_gpu / self.step
 
@@ -128,7 +119,7 @@ class StepTime:
         units = 0.0
         for seconds in self.comm.values():
             units += seconds
-        return units + self.dp_comm + self.pp_comm
+        return units + self.dp_comm + self.send_recv
 
 
 @dataclass(frozen=True)
@@ -228,7 +219,7 @@ class StepTimeModel:
             compute=n * worst.compute,
             recompute=n * worst.recompute,
             dp_comm=n * worst.dp.per_microbatch + worst.dp.per_step,
-            pp_comm=n * worst.pp,
+            send_recv=n * worst.pp,
             bubble=accum * bubble,
             optimizer=optimizer,
             bubble_fraction=fraction,
@@ -298,7 +289,7 @@ class StepTimeModel:
         )
 
     def unit_terms(self, plan: RunPlan) -> list[UnitTerm]:
-        """Each enabled parallelism unit's term and the link its group runs on (`Parallelism.group`)."""
+        """Each enabled parallelism unit's term and the link its group runs on (`ParallelismUnit.group`)."""
         dims = plan.dims
         return [
             (u.name, u.step_time, Link.of(self.kind, *u.group(dims)))

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 
 from titanlite.config import load_config
-from titanlite.parallelisms.parallel_dims import degree_overrides
+from titanlite.parallelisms.parallel_dims import layout_overrides
 from titanlite.planning.gpus import GPU_KINDS, GpuKind, gpu_kind
 from titanlite.planning.step_time import Features
 from titanlite.tools.layout_search import Estimate, LayoutSearch
@@ -76,21 +76,14 @@ class Row:
 
 
 def _args(
-    local: int,
-    global_: int,
-    ac: str,
-    compile_: bool,
-    seq: int = 8192,
-    degrees: tuple[int, int, int] = (1, -1, 1),
-    reshard: str = "default",
-    cp: int = 1,
+    local: int, global_: int, ac: str, compile_: bool, seq: int = 8192, reshard: str = "default", **degrees: int
 ) -> list[str]:
-    pp, dp, tp = degrees
+    """A row's overrides; `degrees` by dim name (`parallel_dims.DEGREE_KEYS`), FSDP over the rest of the world."""
     mode, option = ("selective", ac) if ac in ("op", "2") else (ac, "op")
     out = [*FSDP2, "--training.seq_len", str(seq), "--training.local_batch_size", str(local)]
     out += ["--training.global_batch_size", str(global_), "--activation_checkpoint.mode", mode]
     out += ["--activation_checkpoint.selective_ac_option", option, "--parallelism.fsdp_reshard_after_forward", reshard]
-    out += degree_overrides(pp=pp, dp_shard=dp, tp=tp, dp_replicate=1, cp=cp)
+    out += layout_overrides(**degrees)
     if seq > MAX_SEQ_LEN:
         out += ["--model.max_seq_len", str(seq)]
     return out + ["--compile.enable" if compile_ else "--no-compile.enable"]
@@ -112,16 +105,17 @@ MAX_SEQ_LEN = 131072
 """The shipped flavors' `max_seq_len` (RoPE scaling's context): longer rows raise it (no parameter changes)."""
 
 
-def _cp(cp: int, seq: int) -> list[str]:
-    """TorchTitan's 8B context-parallel rows: 8 GPUs, FSDP 8 / cp, local batch 1, full AC, compile, Float8."""
-    return [*_args(1, 8 // cp, "full", True, seq, (1, 8 // cp, 1), cp=cp), *FLOAT8]
+def _cp(context: int, seq: int) -> list[str]:
+    """TorchTitan's 8B context-parallel rows: 8 GPUs, FSDP 8 / `context`, local batch 1, full AC, compile,
+    Float8."""
+    return [*_args(1, 8 // context, "full", True, seq, dp_shard=8 // context, cp=context), *FLOAT8]
 
 
-def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, cp: int = 1) -> list[str]:
+def _pp(schedule: str, v: int, local: int, global_: int, seq: int = 8192, context: int = 1) -> list[str]:
     """TorchTitan's pipeline of that time split the local batch into as many microbatches as pipeline ranks,
     whatever the schedule (`experimental.pipeline_parallel_microbatches` defaulted to
     `pipeline_parallel_degree`; its interleaved schedule ran 2 stages per rank over those 8)."""
-    out = _args(local, global_, "full", True, seq, (8, 8 // cp, 8), reshard="never", cp=cp)
+    out = _args(local, global_, "full", True, seq, "never", pp=8, dp_shard=8 // context, tp=8, cp=context)
     out += ["--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_stages_per_rank"]
     microbatch = local // 8
     return out + [
@@ -148,15 +142,15 @@ ROWS: tuple[Row, ...] = (
     ),
     *(
         Row(
-            f"8B, 8 GPUs, FSDP {8 // cp} CP {cp}, seq {seq}, full AC, compile + Float8",
+            f"8B, 8 GPUs, FSDP {8 // context} CP {context}, seq {seq}, full AC, compile + Float8",
             "8B",
             8,
-            _cp(cp, seq),
+            _cp(context, seq),
             tps,
             gib,
             features=F8,
         )
-        for cp, seq, tps, gib in ((2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0), (8, 262144, 548, 84.5))
+        for context, seq, tps, gib in ((2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0), (8, 262144, 548, 84.5))
     ),
     Row("8B, 128 GPUs, FSDP", "8B", 128, _args(2, 256, "op", False), 5605, 67.0),
     Row("8B, 128 GPUs, FSDP + compile", "8B", 128, _args(2, 256, "op", True), 6514, 62.0),
@@ -173,7 +167,7 @@ ROWS: tuple[Row, ...] = (
         "70B, 256 GPUs, FSDP 32 TP 8, full AC, compile + Float8",
         "70B",
         256,
-        _args(16, 512, "full", True, degrees=(1, 32, 8)),
+        _args(16, 512, "full", True, dp_shard=32, tp=8),
         829,
         71.9,
         features=F8,
@@ -182,7 +176,7 @@ ROWS: tuple[Row, ...] = (
         "70B, 256 GPUs, FSDP 32 TP 8, full AC, compile + Float8 + async TP",
         "70B",
         256,
-        _args(16, 512, "full", True, degrees=(1, 32, 8)),
+        _args(16, 512, "full", True, dp_shard=32, tp=8),
         876,
         67.6,
         features=F8_ATP,
@@ -216,15 +210,15 @@ ROWS: tuple[Row, ...] = (
     ),
     *(
         Row(
-            f"405B, 512 GPUs, FSDP {8 // cp} TP 8 PP 8 CP {cp}, seq {seq}, 1F1B, compile + Float8 + async TP",
+            f"405B, 512 GPUs, FSDP {8 // context} TP 8 PP 8 CP {context}, seq {seq}, 1F1B, compile + Float8 + async TP",
             "405B",
             512,
-            _pp("1F1B", 1, 8, 64 // cp, seq=seq, cp=cp),
+            _pp("1F1B", 1, 8, 64 // context, seq=seq, context=context),
             tps,
             gib,
             features=F8_ATP,
         )
-        for cp, seq, tps, gib in ((2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))
+        for context, seq, tps, gib in ((2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))
     ),
     Row("A100: 8B, 64 GPUs, FSDP, selective layer AC", "8B", 64, _args(1, 64, "2", False), 2904, None, gpu="a100"),
     Row(

@@ -150,11 +150,10 @@ def dry_run(cfg: JobConfig) -> DryRun:
         raise ConfigError(f"model {plan.spec.name!r} has no activation model: the dry run cannot plan it")
     # Every pipeline rank (one without PP) built on the meta device as one of its own ranks, with the same
     # dp/tp coordinates as `rank`; its parallelized modules, by pipeline rank.
-    per_pp = world_size // plan.pipeline.degree if plan.pipeline is not None else world_size
     pp_rank, ranks = plan.dims.pp_rank_of(rank), {}
-    for r in range(plan.pipeline.degree if plan.pipeline is not None else 1):
+    for r, peer in enumerate(plan.dims.pipeline_peers(rank)):
         r_plan = plan if r == pp_rank else build_run_plan(cfg, world_size)[0]
-        ranks[r] = build_rank(r_plan, rank % per_pp + r * per_pp, world_size)
+        ranks[r] = build_rank(r_plan, peer, world_size)
     step_choice = choose_step_policy(plan, ranks, int(cfg.comm.fake_gpu_memory_gib * GiB))
     layout = plan.layout(step_choice.policy)
     estimates = {r: rank_estimate(plan, parts, layout, r) for r, parts in ranks.items()}

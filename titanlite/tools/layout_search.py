@@ -1,6 +1,6 @@
 """Layout search: which parallel layout should this config use on N GPUs of a kind? One CPU process.
 
-    ./run_train.sh --config FILE --plan [--comm.fake_world_size N] [--plan.gpu h100|h200|a100|b200|...]
+    ./run_train.sh --config FILE --plan [--comm.fake_world_size N] [--layout_search.gpu h100|h200|a100|b200|...]
                                         [--comm.fake_gpu_memory_gib GIB: instead of the kind's memory]
     python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
 
@@ -10,7 +10,7 @@ estimated for peak memory per GPU (the dry run's model applied to parameter shap
 `titanlite/planning/layout_memory.py`) and step time (`titanlite/planning/step_time.py`, with the GPU
 kind's figures from `titanlite/planning/gpus.py`). Layouts within
 `COMFORT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
-estimated first (the `given` row); the `plan.confirm` fastest and the given one are then planned by the
+estimated first (the `given` row); the `layout_search.confirm` fastest and the given one are then planned by the
 dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
 `<dump_folder>/plan.toml`, which `--dry-run` accepts as is.
 
@@ -34,6 +34,7 @@ from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, 
 from titanlite.errors import ConfigError, exit_now, run_cli
 from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
+from titanlite.parallelisms.parallelize import PARALLELISMS
 from titanlite.plan import RunPlan
 from titanlite.planning.gpus import GpuKind, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
@@ -118,7 +119,7 @@ class LayoutSearch:
         t = self.cfg.training
         if t.global_batch_size > 0:
             return t.global_batch_size
-        return t.local_batch_size * self.base_plan.dims.dp
+        return self.base_plan.dims.sequences(t.local_batch_size)
 
     def fits(self, est: Estimate) -> bool:
         return est.memory.peak_total <= self.capacity * COMFORT_FRACTION
@@ -218,13 +219,13 @@ def planned_config(layout: ParallelLayout, cfg: JobConfig, world: int, kind: Gpu
 def why_slower(est: Estimate, best: Estimate) -> str:
     """One line: how much slower than the best and the part of the step that costs it most."""
     a, b = est.time, best.time
-    parts = {
-        "compute": a.compute - b.compute,
-        "AC recompute": a.recompute - b.recompute,
-        "exposed tp collectives": a.tp_comm - b.tp_comm,
-        "cp K/V collectives": a.cp_comm - b.cp_comm,
+    parts = {"compute": a.compute - b.compute, "AC recompute": a.recompute - b.recompute}
+    for unit in PARALLELISMS:
+        if unit.step_time is not None:
+            parts[unit.comm_words] = a.comm.get(unit.name, 0.0) - b.comm.get(unit.name, 0.0)
+    parts |= {
         "exposed dp collectives": a.dp_comm - b.dp_comm,
-        "pipeline send/recv": a.pp_comm - b.pp_comm,
+        "pipeline send/recv": a.send_recv - b.send_recv,
         "pipeline bubble": a.bubble - b.bubble,
         "optimizer": a.optimizer - b.optimizer,
     }
@@ -321,8 +322,8 @@ def memory_given(argv: list[str], cfg: JobConfig) -> bool:
 
 
 def kind_of(argv: list[str], cfg: JobConfig) -> GpuKind:
-    """`plan.gpu`'s kind, with `comm.fake_gpu_memory_gib`'s memory where the config or command line sets it."""
-    kind = gpu_kind(cfg.plan.gpu)
+    """`layout_search.gpu`'s kind, with `comm.fake_gpu_memory_gib`'s memory where the config or command line sets it."""
+    kind = gpu_kind(cfg.layout_search.gpu)
     if memory_given(argv, cfg):
         kind = dataclasses.replace(kind, memory_gib=cfg.comm.fake_gpu_memory_gib)
     return kind
@@ -336,7 +337,7 @@ def main(argv: list[str]) -> int:
     search = LayoutSearch(cfg, world, kind)
     given = search.given()
     global_batch = search.global_batch()
-    result = search.run(max(cfg.plan.top, cfg.plan.confirm), SearchProgress(world))
+    result = search.run(max(cfg.layout_search.top, cfg.layout_search.confirm), SearchProgress(world))
     ranked, closest = result.ranked, result.closest
     if not ranked:
         if closest is None:
@@ -353,7 +354,7 @@ def main(argv: list[str]) -> int:
         )
         return 1
     best = None
-    for est in ranked[: cfg.plan.confirm]:
+    for est in ranked[: cfg.layout_search.confirm]:
         planned = confirm(est, cfg, world, kind, global_batch)
         if best is None and est.exact_gib is not None and est.exact_gib * GiB <= search.capacity * COMFORT_FRACTION:
             best, best_cfg = est, planned
@@ -390,7 +391,7 @@ def report(cfg, world, kind, given, result: Ranking, best, out, elapsed, notes) 
     rows = []
     if isinstance(given, Estimate):
         rows.append(_row("given", given))
-    top = result.ranked[: cfg.plan.top]
+    top = result.ranked[: cfg.layout_search.top]
     rows += [_row(str(i + 1), e) for i, e in enumerate(top)]
     lines.append(format_table(rows))
     lines.append("")

@@ -47,6 +47,6 @@ def rope_rows(
     if positions is not None:
         return *at(positions), mask, 0
     if cp is not None and mask is None:
-        held = cp.positions(seq_len // cp.degree, h.device)
+        held = cp.held_positions(seq_len, h.device)
         return cos[held], sin[held], causal_mask(h.shape[0], seq_len, held), 0
     return cos, sin, mask, 0
