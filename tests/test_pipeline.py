@@ -102,3 +102,17 @@ def test_the_flattened_dp_mesh_is_kept_not_sliced_from_the_world_mesh():
         assert set(dims.process_groups()) == {"pp", "dp_replicate", "dp_shard", "tp", "dp"}
         with pytest.warns(UserWarning, match="flattened"):  # negative control: what the kept mesh avoids
             dims.world_mesh["dp"]
+
+
+def test_tensor_parallel_stages_need_a_sequence_the_tp_ranks_split_evenly():
+    """Under pipeline stages the hidden states pass sequence-sharded over tp: the tensor-parallel unit's rule
+    refuses a sequence tp does not divide, before any rank; a sequence it divides plans."""
+    from builders import config
+
+    from titanlite.plan import RunPlan
+
+    layout = dict(parallelism__pipeline_parallel_degree=2, parallelism__tensor_parallel_degree=2)
+    keys = dict(model__n_layers=4, training__local_batch_size=2, parallelism__pipeline_parallel_microbatch_size=1)
+    with pytest.raises(ConfigError, match="training.seq_len 63 is not a multiple of tensor_parallel_degree 2"):
+        RunPlan.build(config(None, layout, keys, training__seq_len=63), 4)
+    assert RunPlan.build(config(None, layout, keys, training__seq_len=64), 4).dims.tp == 2

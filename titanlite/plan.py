@@ -218,8 +218,9 @@ class RunPlan:
             unit.rules(cfg, dims, spec, args)
         float8.rules(cfg, dims)
         t = cfg.training
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
-        if global_batch % (t.local_batch_size * dims.dp):
+        per_step = dims.sequences(t.local_batch_size)  # one local batch on every data-parallel rank
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
+        if global_batch % per_step:
             raise ConfigError(
                 f"training.global_batch_size {global_batch} is not a multiple of "
                 f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
@@ -234,11 +235,6 @@ class RunPlan:
                     f"pipeline parallelism does not support model {spec.name}'s extra loss term "
                     "(its stages would each hold a part of it): set pipeline_parallel_degree 1"
                 )
-            if dims.tp_enabled and t.seq_len % dims.tp:
-                raise ConfigError(
-                    f"training.seq_len {t.seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
-                    "(pipeline stages pass sequence-sharded hidden states)"
-                )
         compile_passes = False
         if cfg.compile.enable:
             # Imported here: the compiler (torch._dynamo) is loaded by compiled runs only, so the launcher's
@@ -247,7 +243,7 @@ class RunPlan:
 
             full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
             compile_passes = check_compile(cfg, dims, full_ac)
-        accum = global_batch // (t.local_batch_size * dims.dp)
+        accum = global_batch // per_step
         virtual_shards = virtual_shard_count(t.dataset_virtual_shards, global_batch)
         return cls(
             cfg, spec, tokenizer, args, dims, global_batch, accum, virtual_shards, data, compile_passes, pipeline

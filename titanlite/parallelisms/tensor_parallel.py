@@ -66,9 +66,16 @@ def _has(module: nn.Module, name: str) -> bool:
 
 def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
     """What tensor parallelism needs beyond the mesh's own rule (tp divides the family's sizes:
-    `ParallelDims`): a family with a plan."""
+    `ParallelDims`): a family with a plan, and under pipeline stages a sequence its ranks split evenly (the
+    stages pass hidden states sequence-sharded, as sequence parallelism holds them)."""
     if spec.parallel.tp_plan is None:
         raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
+    seq_len = cfg.training.seq_len
+    if dims.pp_enabled and seq_len % dims.tp:
+        raise ConfigError(
+            f"training.seq_len {seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
+            "(pipeline stages pass sequence-sharded hidden states)"
+        )
 
 
 def step_time(work: StageWork) -> float:
