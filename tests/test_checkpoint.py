@@ -8,6 +8,7 @@ the command line in test_checkpoint_faults.py; HF interop in test_checkpoint_hf.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -409,6 +410,67 @@ def test_another_model_shape_is_refused_before_loading(tmp_path):
     deeper = ModelArgs(**{**ARGS.__dict__, "n_layers": 3})
     with pytest.raises(CheckpointError, match=r"step-1 has no entry 'layers.2.attention.wq.weight'"):
         Run(tmp_path, args=deeper).ckpt.load()
+
+
+def test_a_shallower_model_is_refused_before_loading(tmp_path):
+    """A model with fewer blocks than the checkpoint's would load a prefix of its parameters and leave the
+    rest unread: every parameter the checkpoint holds must be the model's, from a full resume and from a
+    seed checkpoint alike, with the model untouched."""
+    saved_run(tmp_path, steps=1)
+    shallower = ModelArgs(**{**ARGS.__dict__, "n_layers": 1})
+    run = Run(tmp_path, args=shallower, seed=9)
+    before = run.params()
+    with pytest.raises(CheckpointError, match=r"step-1 holds 'layers\.1\.\S+', which this model lacks"):
+        run.ckpt.load()
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
+    seed = Run(tmp_path / "seed", create_seed_checkpoint=True, enable=False)
+    seed.ckpt.save(0, force=True, model_only=True)
+    seed.ckpt.close()
+    shutil.copytree(root(tmp_path / "seed"), root(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match=r"step-0 holds 'layers\.1\.\S+', which this model lacks"):
+        Run(tmp_path / "run", args=shallower).ckpt.load()
+    assert Run(tmp_path / "run").ckpt.load() == 0  # the seed's own model starts from it
+
+
+def test_a_tool_reads_the_model_as_it_was_trained(tmp_path):
+    """HF export and generation (`load_tool_weights`) refuse a model setting other than the one the checkpoint
+    recorded, even one no tensor shows (RoPE's theta), in one line before anything loads; the run's own
+    settings load."""
+    from titanlite.checkpoint.weights import load_tool_weights
+
+    saved_run(tmp_path, steps=1)
+    run = Run(tmp_path, seed=9)
+    other = copy.deepcopy(run.cfg)
+    other.model.rope_theta = 10000.0
+    before = run.params()
+    with pytest.raises(CheckpointError, match=r"model\.rope_theta was \S+, this config has 10000\.0: a tool reads"):
+        load_tool_weights(run.model, other, step=1)
+    assert all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
+    assert load_tool_weights(run.model, run.cfg, step=1) == root(tmp_path) / "step-1"
+    assert not all(torch.equal(v, full_state(run.model)[k]) for k, v in before.items())
+
+
+def test_an_initial_load_refuses_untied_embeddings_into_a_tied_model():
+    """`initial_load_path` of another run's checkpoint: its tensors may change shape checks aside, but another
+    family, or untied embeddings into a model that ties them (one of the two matrices would be lost), is
+    refused; a tied checkpoint into an untied model (both keys hold the one matrix) and the same tying load."""
+    from titanlite.checkpoint.weights import another_model
+
+    def plan(flavor: str) -> RunPlan:
+        return RunPlan.build(config(None, model__name="qwen3", model__flavor=flavor), 1)
+
+    def marker(name: str, flavor: str) -> dict:
+        return {"config": {"model": {"name": name, "flavor": flavor}}}
+
+    tied, untied = plan("debugmodel_tied"), plan("debugmodel")
+    assert another_model(marker("qwen3", "debugmodel"), tied) == (
+        "its model.flavor 'debugmodel' has untied embeddings, this run's ties them"
+    )
+    assert another_model(marker("llama3", "debugmodel"), tied) == "it holds a 'llama3' model, this run trains 'qwen3'"
+    assert another_model(marker("qwen3", "debugmodel_tied"), untied) is None
+    assert another_model(marker("qwen3", "debugmodel_tied"), tied) is None
+    assert another_model(marker("qwen3", "debugmodel"), untied) is None
+    assert another_model({}, tied) is None
 
 
 # --- model-only saves, seed checkpoints, initial loads ----------------------------------------------------

@@ -56,7 +56,7 @@ from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
 from titanlite.checkpoint.purge import Purger
-from titanlite.checkpoint.resume_policy import RunRecord
+from titanlite.checkpoint.resume_policy import RunRecord, model_change
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
 from titanlite.checkpoint.weights import (
@@ -321,6 +321,12 @@ class CheckpointManager:
             raise CheckpointError(choice.error)
         if choice.path is not None:
             if choice.marker.get("model_only"):
+                if change := model_change(choice.marker, self.plan.cfg.to_dict()):
+                    key, was, now = change
+                    raise CheckpointError(
+                        f"checkpoint {choice.path}: {key} was {was}, this run has {now}; it cannot change when "
+                        "resuming (restore it, or train in another job.dump_folder)"
+                    )
                 self._log(f"checkpoint: loading model weights from {choice.path} (model-only); starting at step 0")
                 load_model_weights(self.model, choice.path)
                 step = 0

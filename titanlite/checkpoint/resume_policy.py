@@ -72,6 +72,21 @@ def model_shape(flat: dict, spec: ModelSpec) -> list:
     return list(spec.resolved_shape(args).values())
 
 
+def model_change(marker: dict, config: dict) -> tuple[str, object, object] | None:
+    """`(key, recorded, now)` for the first of the model's settings that differs between what checkpoint
+    `marker` recorded and `config` (`JobConfig.to_dict()`): `model.name`, `model.flavor`, then the family's
+    shape keys as built (`model_shape`); None when none differs or the marker records no config."""
+    if "config" not in marker:
+        return None
+    old, new = _flat(marker["config"]), _flat(config)
+    pairs = [(k, old.get(k), new[k]) for k in ("model.name", "model.flavor")]
+    if old.get("model.name") == new["model.name"]:
+        spec = get_model_spec(new["model.name"])
+        shape = zip(spec.shape.keys, model_shape(old, spec), model_shape(new, spec))
+        pairs += [(f"model.{k}", was, now) for k, was, now in shape]
+    return next(((k, was, now) for k, was, now in pairs if was != now), None)
+
+
 def compare_settings(
     path: str, marker: dict, inputs: dict, allow_dataset_change: bool, legacy_dataset: Callable[[], dict] | None = None
 ) -> ResumeCheck:
@@ -81,14 +96,9 @@ def compare_settings(
     if "config" not in marker:
         return ResumeCheck([])  # written before checkpoints recorded their settings
     old, new = _flat(marker["config"]), _flat(inputs["config"])
-    spec = get_model_spec(new["model.name"])
+    model = model_change(marker, inputs["config"])
     fixed = [
-        ("model.name", old.get("model.name"), new["model.name"], ""),
-        ("model.flavor", old.get("model.flavor"), new["model.flavor"], ""),
-        *(  # the model's shape: the flavor's values with the overrides (0 = the flavor's) applied
-            (f"model.{k}", was, now, "")
-            for k, was, now in zip(spec.shape.keys, model_shape(old, spec), model_shape(new, spec))
-        ),
+        *([(*model, "")] if model else []),  # the model's name, flavor and shape as built
         ("training.seq_len", old.get("training.seq_len"), new["training.seq_len"], ""),
         ("training.global_batch_size", marker["global_batch"], inputs["global_batch"], " samples per step"),
         ("training.dataset_virtual_shards", marker["virtual_shards"], inputs["virtual_shards"], " virtual shards"),

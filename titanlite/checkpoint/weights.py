@@ -2,9 +2,11 @@
 
 Protocol: every DCP checkpoint (seed, full or model-only) stores the model's parameters at the top level
 under their FQNs, so one model-only load reads any of them. Before a tensor is read, a folder is
-verified (sizes and checksums, each rank its share of the files, `verify_checksums`) and every entry of
-the model's state dict must exist in it with the same global shape (`check_compatible`), so a damaged
-folder or another model's checkpoint fails in one line with the model untouched. State dicts are taken
+verified (sizes and checksums, each rank its share of the files, `verify_checksums`), every entry of
+the model's state dict must exist in it with the same global shape, and every parameter it holds must be
+one of the model's (`check_compatible`), so a damaged folder or another model's checkpoint fails in one
+line with the model untouched; a tool and a model-only resume also refuse a model whose name, flavor or
+shape differs from the one the checkpoint recorded (`resume_policy.model_change`). State dicts are taken
 with SimpleFSDP parameters seen as shards (`sharded`): DCP then reshards them to any layout.
 
 A tool (HF export, generation) names a folder or a step of the run (`load_tool_weights`); a damaged one
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.hf import import_hf
+from titanlite.checkpoint.resume_policy import model_change
 from titanlite.config import JobConfig
 from titanlite.errors import CheckpointError
 from titanlite.parallelisms.simple_fsdp import sharded_view
@@ -53,29 +56,51 @@ def sharded(fn, model, *args, **kwargs):
         return fn(model, *args, **kwargs)
 
 
-def check_compatible(path: str, state: dict) -> None:
-    """Every tensor of `state` exists in checkpoint `path` with the same global shape, before anything loads.
+NOT_MODEL = ("optimizer", "lr_scheduler", "train_state")
+"""The top-level entries a full checkpoint holds beside the model's parameters (`CheckpointManager._full_state`)."""
 
-    DCP would otherwise fail half-way (or load a prefix of the keys); a model of another shape must be
-    reported as such, naming the folder and the first mismatching key.
+
+def check_compatible(path: str, state: dict) -> None:
+    """Before anything loads, on every rank alike (a collective over the default process group, if there is
+    one): every tensor of `state` exists in checkpoint `path` with the same global shape, and every model
+    parameter the checkpoint holds is one of the model's (over every rank's part: pipeline stages).
+
+    DCP would otherwise fail half-way, load a prefix of the keys, or load a smaller model from a larger
+    one's checkpoint and leave its other parameters unread; a model of another shape is reported as such,
+    naming the folder and the first mismatching key.
     """
     try:
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     flat, _ = flatten_state_dict(state)
+    why, keys = _missing_or_reshaped(path, metadata, flat), set(flat)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (why, sorted(keys)))
+        why, keys = next((w for w, _ in found if w), None), set().union(*(k for _, k in found))
+    extra = sorted(k for k in metadata if k.split(".", 1)[0] not in NOT_MODEL and k not in keys)
+    if why is None and extra:
+        why = f"checkpoint {path} holds {extra[0]!r}, which this model lacks (another model flavor or shape?)"
+    if why is not None:
+        raise CheckpointError(why)
+
+
+def _missing_or_reshaped(path: str, metadata: dict, flat: dict) -> str | None:
+    """The first entry of `flat` that checkpoint `path` lacks or holds in another shape, in one line."""
     for key, value in flat.items():
         stored = metadata.get(key)
         if stored is None:
-            raise CheckpointError(f"checkpoint {path} has no entry {key!r} (another model or optimizer?)")
+            return f"checkpoint {path} has no entry {key!r} (another model or optimizer?)"
         if isinstance(value, torch.Tensor):
             if not isinstance(stored, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+                return f"checkpoint {path}: entry {key!r} is not a tensor"
             if tuple(stored.size) != tuple(value.shape):
-                raise CheckpointError(
+                return (
                     f"checkpoint {path}: {key!r} has shape {tuple(stored.size)}, this model {tuple(value.shape)} "
                     "(another model flavor?)"
                 )
+    return None
 
 
 def verify_checksums(path: str, marker: dict) -> str | None:
@@ -115,8 +140,16 @@ def load_tool_weights(model: torch.nn.Module, cfg: JobConfig, checkpoint: str = 
             raise CheckpointError(f"no complete checkpoint in {root} (job.dump_folder = {cfg.job.dump_folder!r})")
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist")
-    if why := folders.problem(path) or verify_checksums(str(path), folders.read_marker(path)):
+    why = folders.problem(path)
+    marker = {} if why else folders.read_marker(path)
+    if why := why or verify_checksums(str(path), marker):
         raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    if change := model_change(marker, cfg.to_dict()):
+        key, was, now = change
+        raise CheckpointError(
+            f"checkpoint {path}: {key} was {was}, this config has {now}: a tool reads the model as it was "
+            "trained (give the run's model settings)"
+        )
     load_model_weights(model, str(path))
     return path
 
@@ -135,9 +168,24 @@ def load_initial_weights(model: torch.nn.Module, plan: RunPlan, path: str, log: 
         return
     if not Path(path).is_dir():
         raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
-    if (Path(path) / folders.MARKER).exists() and (
-        why := folders.problem(Path(path)) or verify_checksums(path, folders.read_marker(Path(path)))
-    ):
-        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    if (Path(path) / folders.MARKER).exists():
+        marker = {} if (why := folders.problem(Path(path))) else folders.read_marker(Path(path))
+        if why := why or verify_checksums(path, marker) or another_model(marker, plan):
+            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
     log(f"checkpoint: loading initial model weights from {path}")
     load_model_weights(model, path)
+
+
+def another_model(marker: dict, plan: RunPlan) -> str | None:
+    """Why a checkpoint of another run cannot start this one though its tensors may fit: another model
+    family, or untied embeddings loaded into a model that ties them (both matrices would load into its one
+    parameter, and one would be lost). Other settings may change: the tensors are checked one by one."""
+    if "config" not in marker:
+        return None
+    recorded = marker["config"]["model"]
+    if recorded["name"] != plan.cfg.model.name:
+        return f"it holds a {recorded['name']!r} model, this run trains {plan.cfg.model.name!r}"
+    tied, args = plan.spec.shape.tied_embeddings, plan.spec.flavors.get(recorded["flavor"])
+    if args is not None and tied(plan.model_args) and not tied(args):
+        return f"its model.flavor {recorded['flavor']!r} has untied embeddings, this run's ties them"
+    return None
