@@ -178,3 +178,37 @@ def test_an_unknown_section_is_named_whatever_follows_it(tmp_path):
 def test_print_config_roundtrip():
     cfg = load_config(["--training.steps", "11"])
     assert '"steps": 11' in cfg.to_json()
+
+
+def test_a_config_file_that_cannot_be_read_as_utf8_toml_is_one_line(tmp_path):
+    """A UTF-16 file (an editor's choice) or a folder is one line naming it; a UTF-8 byte-order mark is
+    skipped, so that file loads as the same text without it does."""
+    utf16, bom = tmp_path / "utf16.toml", tmp_path / "bom.toml"
+    utf16.write_text("[training]\nsteps = 3\n", encoding="utf-16")
+    bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 3\n")
+    for path, message in ((utf16, "is not UTF-8 text (byte 0): save it as UTF-8"), (tmp_path, "is a folder")):
+        with pytest.raises(ConfigError) as e:
+            load_config(["--config", str(path)])
+        assert message in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    assert load_config(["--config", str(bom)]).training.steps == 3
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--checkpoint.load_step", "3"], "checkpoint.load_step 3 needs checkpoint.enable"),
+        (["--checkpoint.initial_load_in_hf"], "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path"),
+    ],
+)
+def test_a_load_setting_that_would_be_ignored_is_refused(overrides, message):
+    """Keys that choose what a run loads take effect or stop the run before any rank: never ignored. With
+    what they need, the same keys plan."""
+    from titanlite.plan import RunPlan
+
+    with pytest.raises(ConfigError, match=message):
+        RunPlan.build(load_config(overrides), 1)
+    needed = ["--checkpoint.enable"] if "load_step" in message else ["--checkpoint.initial_load_path", "hf"]
+    assert (
+        RunPlan.build(load_config([*overrides, *needed]), 1).cfg.checkpoint
+        == load_config([*overrides, *needed]).checkpoint
+    )

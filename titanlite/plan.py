@@ -170,6 +170,18 @@ def check_seed_world(cfg: JobConfig, world_size: int) -> None:
         )
 
 
+def check_load_keys(cfg: JobConfig) -> None:
+    """A key that chooses what to load is never ignored: `load_step` picks among the run's checkpoints, which
+    are read with `checkpoint.enable` only, and `initial_load_in_hf` says what `initial_load_path` is."""
+    c = cfg.checkpoint
+    if c.load_step >= 0 and not c.enable:
+        raise ConfigError(
+            f"checkpoint.load_step {c.load_step} needs checkpoint.enable (without it no checkpoint is read)"
+        )
+    if c.initial_load_in_hf and not c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the folder it describes)")
+
+
 @dataclass
 class RunPlan:
     """Everything derived from the config and the world size alone (module docstring)."""
@@ -205,6 +217,7 @@ class RunPlan:
         """`tokenizer` and `args` replace the configured ones (the dry run without a tokenizer file, tests)."""
         torch_support.check(cfg, torch.__version__)
         check_seed_world(cfg, world_size)
+        check_load_keys(cfg)
         data = training_data(cfg)
         check_combinations(cfg, data)
         spec = get_model_spec(cfg.model.name)

@@ -111,11 +111,23 @@ def _set(cfg: JobConfig, key: str, value: Any, origin: str) -> None:
 
 
 def load_toml(path: str) -> dict[str, Any]:
+    """The TOML file `path` as a dict; whatever keeps it from being read is one line (`ConfigError`). A UTF-8
+    byte-order mark, which some editors write, is skipped."""
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            raw = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder: give a .toml file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
 
