@@ -94,13 +94,21 @@ CHECK=()
 _titanlite_run "$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$GIVEN_NGPU"} "${CHECK[@]+"${CHECK[@]}"}"
 NGPU=$_TITANLITE_STDOUT
 [ "${TITANLITE_DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
+# The launcher and the tools start with the stop signals blocked (coreutils' env, 8.31 and later): one that
+# comes before their handlers exist (titanlite/launcher/signals.py, titanlite/errors.py) waits for them
+# instead of killing the process.
+BLOCKED=()
+env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)
 if [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; then
   # NGPU x NNODES when the user set NGPU; else the config's comm.fake_world_size, else WORLD_SIZE.
   FAKE_WORLD=()
   [ -n "$GIVEN_NGPU" ] && FAKE_WORLD=(--comm.fake_world_size $((NGPU * NNODES)))
   TOOL=titanlite.tools.dry_run
   [ "$PLAN" = 1 ] && TOOL=titanlite.tools.layout_search
-  WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m "$TOOL" --config "$CONFIG" \
+  # Started with the stop signals blocked, as the launcher is: the tool's handlers (titanlite/errors.py,
+  # run_cli) take one sent while it imports, and it reports the signal in this script's words.
+  export TITANLITE_STOPPED
+  WORLD_SIZE=$((NGPU * NNODES)) exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "$PYTHON" -m "$TOOL" --config "$CONFIG" \
     "${FAKE_WORLD[@]+"${FAKE_WORLD[@]}"}" "${ARGS[@]+"${ARGS[@]}"}"
 fi
 
@@ -136,8 +144,4 @@ if [ "${DRY_LAUNCH:-0}" = 1 ]; then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${LAUNCH[@]}")"
   exit 0
 fi
-# The launcher starts with the stop signals blocked (coreutils' env, 8.31 and later): one that comes before
-# its recorder exists (its first instruction, titanlite/launcher/signals.py) waits for it instead of killing it.
-BLOCKED=()
-env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)
 exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "${LAUNCH[@]}"

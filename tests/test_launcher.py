@@ -153,12 +153,17 @@ def handles_stop_signals(pid: int) -> bool:
     return False
 
 
-def is_launcher(pid: int) -> bool:
-    """Whether process `pid` (run_train.sh, which ends in an exec of the launcher) is the launcher by now."""
+def runs_module(pid: int, module: str) -> bool:
+    """Whether process `pid` (run_train.sh, which ends in an exec) runs `python -m module` by now."""
     try:
-        return b"titanlite.launcher.launch" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+
+
+def is_launcher(pid: int) -> bool:
+    """Whether process `pid` (run_train.sh, which ends in an exec of the launcher) is the launcher by now."""
+    return runs_module(pid, "titanlite.launcher.launch")
 
 
 def wait_until(proc: subprocess.Popen, dump: Path, when: str, timeout: float = 180) -> None:
@@ -489,3 +494,47 @@ def test_a_stop_signal_in_the_first_half_second_is_one_line_and_leaves_no_proces
         if (code, lines, left) != (128 + sig, [line.format(sig.name)], [])
     ]
     assert wrong == [], "\n".join(map(str, wrong))
+
+
+TOOL_STOPS = [
+    # (signal, run_train.sh's arguments, its tool, while it imports (its handler not there yet) or after)
+    (signal.SIGINT, ["--config", "train_configs/llama3_405b.toml", "--dry-run"], "titanlite.tools.dry_run", False),
+    (signal.SIGTERM, ["--config", "train_configs/llama3_8b.toml", "--plan"], "titanlite.tools.layout_search", True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig,args,tool,handled", TOOL_STOPS, ids=["ctrl-c-dry-run-importing", "sigterm-plan-searching"]
+)
+def test_a_stop_signal_during_a_dry_run_or_a_layout_search_is_one_line(tmp_path, sig, args, tool, handled):
+    """The tools run_train.sh runs in place of a launch stop as a launch does before any rank: the documented
+    line and exit code 128 + signal, no traceback and no process left, whether the signal comes while the
+    tool imports (run_train.sh starts it with the stop signals blocked) or once it plans."""
+    env = child_env()
+    env.pop("NGPU", None)
+    proc = subprocess.Popen(
+        ["env", "--default-signal=INT", str(ROOT / "run_train.sh"), *args, "--job.dump_folder", str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not runs_module(proc.pid, tool) or (handled and not handles_stop_signals(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        importing = not handles_stop_signals(proc.pid)
+        time.sleep(1.0 if handled else 0.0)
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert importing != handled  # the moment the case names
+    line = f"titanlite: {sig.name} before any rank started: nothing was trained"
+    assert (proc.returncode, err.splitlines(), session_processes(proc.pid)) == (128 + sig, [line], [])

@@ -2,7 +2,8 @@
 
 A `UserError` is bad input (config, data paths, checkpoints) rather than a bug: the tool prints its
 message as one line and exits with code 2, without a traceback. `TrainingDiverged` exits with 3,
-`RunNotSaved` (a run that ended or stopped without saving what it trained) with 4.
+`RunNotSaved` (a run that ended or stopped without saving what it trained) with 4. A stop signal
+(SIGINT, SIGTERM, SIGUSR1) while a tool runs is one line and exit code 128 + the signal (`run_cli`).
 Anything else is a bug or an environment failure: its traceback is printed and the exit code is 1.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -55,13 +57,48 @@ def exit_code(error: UserError) -> int:
     return EXIT_NOT_SAVED if isinstance(error, RunNotSaved) else EXIT_USER_ERROR
 
 
+STOPPED_WORDS = "TITANLITE_STOPPED"
+"""The environment variable holding what a tool's stop line says after the signal's name (run_train.sh sets
+it for the tools it runs: `before any rank started: nothing was trained`)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived while a tool ran (`run_cli`); a BaseException, so no `except Exception` in the
+    tool swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """Run a tool's `main(argv)`: a `UserError` becomes one line on stderr and its exit code."""
+    """Run a tool's `main(argv)`: a `UserError` becomes one line on stderr and its exit code; a stop signal
+    (one not ignored when the process started) ends the tool with one line and 128 + the signal. The stop
+    signals are unblocked once their handlers exist: run_train.sh starts a tool with them blocked, so one
+    sent while the tool imports waits for its handler instead of killing it or raising inside an import."""
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be installed
+    stops = [sig for sig in _STOP_SIGNALS if main_thread and signal.getsignal(sig) not in (signal.SIG_IGN, None)]
+    previous = {sig: signal.getsignal(sig) for sig in stops}
     try:
+        for sig in stops:
+            signal.signal(sig, _stop)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         return main(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
         return exit_code(e)
+    except Stopped as e:
+        words = os.environ.get(STOPPED_WORDS) or "received: the command stopped before it finished"
+        print(f"titanlite: {signal.Signals(e.signum).name} {words}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def exit_now(code: int) -> None:
