@@ -267,7 +267,8 @@ def test_a_bad_combination_stops_before_any_rank(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert lines == ["titanlite: error: compile.bucketing=transformer_block needs SimpleFSDP data parallelism and "
-                     "backend aot_eager or inductor"], lines  # fmt: skip
+                     "backend aot_eager or inductor (parallelism.dp_impl is fsdp2); "
+                     "set compile.bucketing none"], lines  # fmt: skip
 
 
 @pytest.fixture
@@ -351,3 +352,24 @@ def test_float8_needs_a_tested_torchao_and_a_gpu_with_float8(
         assert "\n" not in str(err)
     else:
         assert not refused
+
+
+@pytest.mark.parametrize(
+    "tool,argv,line",
+    [
+        ("generate", ["--prompt", "a", "--temperature", "nan"], "--temperature 'nan' is not a finite number"),
+        ("generate", ["--prompt", "a", "--checkpoint", "x", "--step", "3"], "--checkpoint and --step exclude each"),
+        ("hf", ["export", "--out", "x", "--max-shard-mb", "inf"], "--max-shard-mb 'inf' is not a finite number"),
+        ("hf", ["export", "--out", "x", "--max-shard-mb", "0"], "--max-shard-mb 0 must be positive"),
+    ],
+)
+def test_a_tools_bad_option_is_one_line_before_anything_loads(capsys, tool, argv, line):
+    """Options a tool would otherwise turn into a traceback (a NaN temperature, an infinite shard size) or
+    silently ignore (a step beside an explicit checkpoint) or obey absurdly (one file per tensor): one line,
+    exit code 2."""
+    import importlib
+
+    main = importlib.import_module(f"titanlite.tools.{tool}").main
+    assert run_cli(main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titanlite: error: ") and line in err and err.count("\n") == 1, err

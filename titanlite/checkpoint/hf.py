@@ -89,7 +89,10 @@ def export_hf(
             error = f"export folder {out} already exists"
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:  # told to every rank below, which would otherwise wait in the broadcast
+                error = f"export folder {out}: cannot create {tmp} ({e.strerror})"
     if dist.is_initialized():
         box = [error]
         dist.broadcast_object_list(box, src=0)

@@ -102,7 +102,8 @@ class ShardLayout:
             raise ConfigError(
                 f"training.dataloader_num_workers {num_workers} needs the {layout.microbatches} microbatches per "
                 f"step to be a multiple of it, and local_batch_size {lbs} a multiple of the "
-                f"{layout.samples_per_shard} samples per virtual shard and step (global batch / virtual shards)"
+                f"{layout.samples_per_shard} samples per virtual shard and step (global batch / virtual shards): "
+                "each worker makes whole microbatches; -1 picks a count that fits"
             )
         return layout
 

@@ -67,8 +67,15 @@ def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
     c = cfg.compile
     with_passes = _with_passes(cfg, dims)
     if c.bucketing != "none" and not with_passes:
+        if not dims.dp_enabled:
+            what = f"this layout has no data parallelism: {dims.describe_degrees()}"
+        elif cfg.parallelism.dp_impl != "simple_fsdp":
+            what = f"parallelism.dp_impl is {cfg.parallelism.dp_impl}"
+        else:
+            what = f"compile.backend is {c.backend}"
         raise ConfigError(
-            f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor"
+            f"compile.bucketing={c.bucketing} needs SimpleFSDP data parallelism and backend aot_eager or inductor "
+            f"({what}); set compile.bucketing none"
         )
     if c.scope == "prefetch":
         _check_prefetch(cfg, dims, with_passes)

@@ -121,6 +121,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--prompt is required (python -m titanlite.tools.generate --help)")
     if opts["--hf"] and (opts["--checkpoint"] or opts["--step"] != "-1"):
         raise ConfigError("--hf excludes --checkpoint and --step")
+    if opts["--checkpoint"] and opts["--step"] != "-1":
+        raise ConfigError("--checkpoint and --step exclude each other")
     max_new, top_k, seed, threads = (
         int(number(opts, k)) for k in ("--max_new_tokens", "--top_k", "--seed", "--threads")
     )

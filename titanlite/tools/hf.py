@@ -61,6 +61,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--checkpoint and --step exclude each other")
     step = number(opts, "--step")
     shard_bytes = int(number(opts, "--max-shard-mb", float) * 2**20)
+    if shard_bytes <= 0:
+        raise ConfigError(f"--max-shard-mb {opts['--max-shard-mb']} must be positive")
     cfg = load_config(rest, default_config=DEFAULT_CONFIG)
     rank, world_size = world_from_env()
     plan = RunPlan.build(cfg, world_size)

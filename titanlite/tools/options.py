@@ -6,6 +6,8 @@ named the same way; their own options are `--name value` or `--name=value` pairs
 
 from __future__ import annotations
 
+import math
+
 from titanlite.errors import ConfigError
 
 
@@ -28,8 +30,11 @@ def split_options(argv: list[str], defaults: dict[str, str]) -> tuple[dict[str, 
 
 
 def number(opts: dict[str, str], name: str, kind: type = int) -> int | float:
-    """Option `name` as an int or float, or one line naming it."""
+    """Option `name` as an int or a finite float, or one line naming it."""
     try:
-        return kind(opts[name])
+        value = kind(opts[name])
     except ValueError:
-        raise ConfigError(f"{name} {opts[name]!r} is not {'an integer' if kind is int else 'a number'}") from None
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ConfigError(f"{name} {opts[name]!r} is not {'an integer' if kind is int else 'a finite number'}")
+    return value

@@ -184,7 +184,10 @@ def _what(plan: dict) -> dict:
 def _begin(out: Path, plan: dict) -> dict:
     """Record the plan, or check that a folder already begun holds the same (a resume, perhaps of data or a
     tokenizer moved since, or named otherwise); returns the folder's plan."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out} cannot be created ({e.strerror})") from None
     if (out / PLAN).exists():
         was = read_json(out / PLAN, f"--out {out}", "use another folder or delete it")
         try:
