@@ -205,3 +205,15 @@ def test_workers_log_as_the_loader_process_and_end_when_it_is_killed(tmp_path):
     for pid in left:  # (a failed test leaves nothing behind either)
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after the loader process was killed: {left}"
+
+
+@pytest.mark.slow
+def test_a_run_with_workers_logs_nothing_about_its_entry_point(tmp_path):
+    """`python -m titanlite.train` with a worker: each worker runs the entry point as `__mp_main__`, which the
+    fork server has not imported before it (else runpy warns, in the rank's log, that the module was found
+    in sys.modules before its execution)."""
+    from harness import SHALLOW, SMALL, train
+
+    run = train(tmp_path, 1, *SMALL, *SHALLOW, "--training.steps", "1", "--training.dataloader_num_workers", "1")
+    assert len(run.ok().losses) == 1
+    assert "Warning" not in run.stderr, run.stderr[-2000:]

@@ -36,15 +36,14 @@ WORKER_PRELOAD = "titanlite.data.loader"
 
 def worker_context() -> BaseContext:
     """The multiprocessing context that starts the loader's workers: the fork server, preloaded with the
-    data package and the main module (each worker runs the main module as `__mp_main__`, as a spawned
-    process does; preloaded, its imports are already done).
+    data package. Each worker runs the main module as `__mp_main__`, as a spawned process does; the server
+    does not import it first (a module already imported when runpy runs it again draws runpy's
+    RuntimeWarning in the rank's log), and what it imports itself is light (the entry point's first lines).
 
     The preload is multiprocessing's setting for this process's one fork server, read when the server
     starts (the process's first worker start); the loader is its only user here."""
-    main = getattr(sys.modules["__main__"].__spec__, "name", None)
-    preload = [WORKER_PRELOAD] + ([main] if main and not main.endswith("__main__") else [])
     context = multiprocessing.get_context(WORKER_START)
-    context.set_forkserver_preload(preload)
+    context.set_forkserver_preload([WORKER_PRELOAD])
     return context
 
 
