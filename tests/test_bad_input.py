@@ -188,11 +188,21 @@ CASES = [
     (None, [*F8, "--float8.all_gather", *PP2], 2, ["float8.all_gather with pipeline parallelism"]),
     (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
     (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),
+    (None, ["--job.dump_folder", "{tmp}/a_file"], 2, ["job.dump_folder", "a_file' is a file, not a folder"]),
+    (
+        None,
+        ["--checkpoint.initial_load_path", "{tmp}"],
+        2,
+        ["holds a Hugging Face model (config.json, safetensors)", "set checkpoint.initial_load_in_hf"],
+    ),
 ]
 
 # Files the cases above name as {tmp}/<name>: a BPE file of 300 two-byte tokens and no single bytes, a
-# truncated tokenizer.json.
+# truncated tokenizer.json, a file where a folder is expected, and what makes {tmp} a Hugging Face folder.
 FILES = {
+    "a_file": "not a folder\n",
+    "config.json": "{}\n",
+    "model.safetensors": "",
     "no_bytes.tiktoken": "".join(
         f"{base64.b64encode(bytes([i // 256 + 97, i % 256])).decode()} {i}\n" for i in range(300)
     ),

@@ -184,6 +184,29 @@ class _HFReader:
         return self._files[file].get_slice(name)
 
 
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether `path` holds a Hugging Face model (its `config.json` and safetensors) rather than a DCP
+    checkpoint (which has no `config.json`)."""
+    folder = Path(path)
+    return (folder / CONFIG).is_file() and any(folder.glob("*.safetensors"))
+
+
+def hf_without_flag(path: str | Path) -> str:
+    """The one line for a Hugging Face folder given as a DCP `initial_load_path` (the preflight's and the
+    rank's)."""
+    return (
+        f"checkpoint.initial_load_path {path} holds a Hugging Face model (config.json, safetensors), not a DCP "
+        "checkpoint: set checkpoint.initial_load_in_hf"
+    )
+
+
+def configured_model(cfg: Any, shape_keys: tuple[str, ...]) -> str:
+    """The model a config asks for, as a mismatch names it: `model.flavor 'debugmodel'`, with the shape
+    overrides it sets (`shape_keys`: the family's; 0 is the flavor's value)."""
+    overrides = [f"model.{k} {getattr(cfg.model, k)}" for k in shape_keys if getattr(cfg.model, k, 0)]
+    return f"model.flavor {cfg.model.flavor!r}" + (f" with {', '.join(overrides)}" if overrides else "")
+
+
 def check_hf_config(path: str | Path, args: Any, adapter: Any, what: str = "this model") -> dict:
     """The checkpoint's `config.json`, checked against the model `args` (`what` names them in the error):
     one line naming every field that differs with both values, before any tensor is read."""

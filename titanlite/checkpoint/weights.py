@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titanlite.checkpoint import folders
-from titanlite.checkpoint.hf import import_hf
+from titanlite.checkpoint.hf import configured_model, hf_without_flag, import_hf, is_hf_folder
 from titanlite.checkpoint.resume_policy import model_change
 from titanlite.config import JobConfig
 from titanlite.errors import CheckpointError
@@ -161,13 +161,14 @@ def load_initial_weights(model: torch.nn.Module, plan: RunPlan, path: str, log: 
     if cfg.checkpoint.initial_load_in_hf:
         adapter = plan.spec.require_hf_adapter()
         log(f"checkpoint: loading Hugging Face weights from {path}")
-        what = f"model.flavor {cfg.model.flavor!r}"
-        config = import_hf(model, path, adapter=adapter, what=what)
+        config = import_hf(model, path, adapter=adapter, what=configured_model(cfg, plan.spec.shape.keys))
         if config.get("tie_word_embeddings") and not getattr(model.args, "tie_embeddings", True):
             log("checkpoint: the checkpoint ties its embeddings: copied into the untied output layer")
         return
     if not Path(path).is_dir():
         raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
+    if is_hf_folder(path):
+        raise CheckpointError(hf_without_flag(path))
     if (Path(path) / folders.MARKER).exists():
         marker = {} if (why := folders.problem(Path(path))) else folders.read_marker(Path(path))
         if why := why or verify_checksums(path, marker) or another_model(marker, plan):

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from titanlite.checkpoint import folders, lock
-from titanlite.checkpoint.hf import check_hf_config
+from titanlite.checkpoint.hf import check_hf_config, configured_model, hf_without_flag, is_hf_folder
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.data.data_source import DataSource
 from titanlite.errors import CheckpointError, ConfigError, run_cli
@@ -36,6 +36,8 @@ logger = logging.getLogger("titanlite")
 def check_writable(key: str, path: str | Path) -> None:
     """The folder `key` names exists (it is created) and takes a new file: a read-only mount, a full
     disk's inodes or missing permissions are one line here instead of a traceback in a rank."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key} {str(path)!r} is a file, not a folder")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):
@@ -65,6 +67,8 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
             raise CheckpointError(f"checkpoint {path} is unusable: {why}")
     if cfg.initial_load_path and not done and not Path(cfg.initial_load_path).is_dir():
         raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
+    if cfg.initial_load_path and not done and not cfg.initial_load_in_hf and is_hf_folder(cfg.initial_load_path):
+        raise CheckpointError(hf_without_flag(cfg.initial_load_path))
     if cfg.enable:  # every run that checkpoints saves at its end
         check_writable("checkpoint.folder", root)
 
@@ -78,7 +82,7 @@ def check_initial_hf(plan: RunPlan) -> None:
     if cfg.enable and folders.scan(Path(plan.cfg.job.dump_folder) / cfg.folder)[0]:
         return
     adapter = plan.spec.require_hf_adapter()
-    check_hf_config(cfg.initial_load_path, plan.model_args, adapter, f"model.flavor {plan.cfg.model.flavor!r}")
+    check_hf_config(cfg.initial_load_path, plan.model_args, adapter, configured_model(plan.cfg, plan.spec.shape.keys))
 
 
 CPU_STEP_WARNING_S = 10.0
