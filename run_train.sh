@@ -106,7 +106,7 @@ if [ "$DRY_RUN" = 1 ] || [ "$PLAN" = 1 ]; then
   TOOL=titanlite.tools.dry_run
   [ "$PLAN" = 1 ] && TOOL=titanlite.tools.layout_search
   # Started with the stop signals blocked, as the launcher is: the tool's handlers (titanlite/errors.py,
-  # run_cli) take one sent while it imports, and it reports the signal in this script's words.
+  # run_tool) take one sent while it imports, and it reports the signal in this script's words.
   export TITANLITE_STOPPED
   WORLD_SIZE=$((NGPU * NNODES)) exec "${BLOCKED[@]+"${BLOCKED[@]}"}" "$PYTHON" -m "$TOOL" --config "$CONFIG" \
     "${FAKE_WORLD[@]+"${FAKE_WORLD[@]}"}" "${ARGS[@]+"${ARGS[@]}"}"

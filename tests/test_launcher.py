@@ -440,18 +440,16 @@ EARLY = [
 ]
 
 
-def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | None, dump: Path) -> tuple:
-    """`run_train.sh` signalled `delay` seconds after its first command (its set-up, the config check,
-    counting the GPUs, the launcher's imports): its exit code, its stderr lines (which end only once every process
-    holding the pipe has ended) and the processes of its session still there after (none may outlive it)."""
+def start_run_train(args: list[str], ngpu: str | None = None) -> subprocess.Popen:
+    """`run_train.sh args` in a session of its own (its process group is the launch's), output piped."""
     env = child_env()
     env.pop("NGPU", None)
     if ngpu:
         env["NGPU"] = ngpu
     # A Ctrl-C reaches a job only where SIGINT is not ignored (a background job of a non-interactive shell
     # starts with it ignored, and bash cannot reset that): `env --default-signal` resets it before exec.
-    proc = subprocess.Popen(
-        ["env", "--default-signal=INT", str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *SMALL],
+    return subprocess.Popen(
+        ["env", "--default-signal=INT", str(ROOT / "run_train.sh"), *args],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -459,6 +457,13 @@ def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | No
         text=True,
         start_new_session=True,
     )
+
+
+def stopped_early(sig: signal.Signals, target: str, delay: float, ngpu: str | None, dump: Path) -> tuple:
+    """`run_train.sh` signalled `delay` seconds after its first command (its set-up, the config check,
+    counting the GPUs, the launcher's imports): its exit code, its stderr lines (which end only once every process
+    holding the pipe has ended) and the processes of its session still there after (none may outlive it)."""
+    proc = start_run_train(["--job.dump_folder", str(dump), *SMALL], ngpu)
     try:
         start = time.monotonic()
         # From the script's first command on, its traps hold the stop signals (before bash runs it, a signal
@@ -511,17 +516,7 @@ def test_a_stop_signal_during_a_dry_run_or_a_layout_search_is_one_line(tmp_path,
     """The tools run_train.sh runs in place of a launch stop as a launch does before any rank: the documented
     line and exit code 128 + signal, no traceback and no process left, whether the signal comes while the
     tool imports (run_train.sh starts it with the stop signals blocked) or once it plans."""
-    env = child_env()
-    env.pop("NGPU", None)
-    proc = subprocess.Popen(
-        ["env", "--default-signal=INT", str(ROOT / "run_train.sh"), *args, "--job.dump_folder", str(tmp_path)],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_run_train([*args, "--job.dump_folder", str(tmp_path)])
     try:
         deadline = time.monotonic() + 60
         while not runs_module(proc.pid, tool) or (handled and not handles_stop_signals(proc.pid)):
@@ -530,7 +525,7 @@ def test_a_stop_signal_during_a_dry_run_or_a_layout_search_is_one_line(tmp_path,
         importing = not handles_stop_signals(proc.pid)
         time.sleep(1.0 if handled else 0.0)
         os.killpg(proc.pid, sig)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -3,7 +3,7 @@
 A `UserError` is bad input (config, data paths, checkpoints) rather than a bug: the tool prints its
 message as one line and exits with code 2, without a traceback. `TrainingDiverged` exits with 3,
 `RunNotSaved` (a run that ended or stopped without saving what it trained) with 4. A stop signal
-(SIGINT, SIGTERM, SIGUSR1) while a tool runs is one line and exit code 128 + the signal (`run_cli`).
+(SIGINT, SIGTERM, SIGUSR1) while a tool runs is one line and exit code 128 + the signal (`run_tool`).
 Anything else is a bug or an environment failure: its traceback is printed and the exit code is 1.
 """
 
@@ -64,7 +64,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class Stopped(BaseException):
-    """A stop signal arrived while a tool ran (`run_cli`); a BaseException, so no `except Exception` in the
+    """A stop signal arrived while a tool ran (`run_tool`); a BaseException, so no `except Exception` in the
     tool swallows it."""
 
     def __init__(self, signum: int) -> None:
@@ -77,10 +77,20 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """Run a tool's `main(argv)`: a `UserError` becomes one line on stderr and its exit code; a stop signal
-    (one not ignored when the process started) ends the tool with one line and 128 + the signal. The stop
-    signals are unblocked once their handlers exist: run_train.sh starts a tool with them blocked, so one
-    sent while the tool imports waits for its handler instead of killing it or raising inside an import."""
+    """Run a command's `main(argv)`: a `UserError` becomes one line on stderr and its exit code. The launcher,
+    the ranks and the set-up's checks run so: their stop signals are their own (`launcher/signals.py`)."""
+    try:
+        return main(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        return exit_code(e)
+
+
+def run_tool(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """Run a tool's `main(argv)` as `run_cli` does, and end it on a stop signal (one not ignored when the
+    process started) with one line and 128 + the signal. The stop signals are unblocked once their handlers
+    exist: run_train.sh starts the dry run and the layout search with them blocked, so one sent while the
+    tool imports waits for its handler instead of killing it or raising inside an import."""
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be installed
     stops = [sig for sig in _STOP_SIGNALS if main_thread and signal.getsignal(sig) not in (signal.SIG_IGN, None)]
     previous = {sig: signal.getsignal(sig) for sig in stops}
@@ -88,10 +98,7 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
         for sig in stops:
             signal.signal(sig, _stop)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        return main(list(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
-        return exit_code(e)
+        return run_cli(main, argv)
     except Stopped as e:
         words = os.environ.get(STOPPED_WORDS) or "received: the command stopped before it finished"
         print(f"titanlite: {signal.Signals(e.signum).name} {words}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from titanlite.errors import UserError, run_cli
+from titanlite.errors import UserError, run_tool
 
 
 @dataclass
@@ -108,4 +108,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_tool(main))

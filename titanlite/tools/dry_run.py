@@ -54,7 +54,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titanlite.build import build_model, choose_step_policy, rank_estimate
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.errors import ConfigError, exit_now, run_cli
+from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.compile_report import REPORT_NAME
@@ -420,4 +420,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_tool(main))

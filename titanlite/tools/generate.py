@@ -41,7 +41,7 @@ from titanlite.build import init_device, init_distributed
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.errors import ConfigError, exit_now, run_cli
+from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.plan import RunPlan
 from titanlite.tools.options import number, split_options
 from titanlite.tools.sampling import next_token
@@ -163,4 +163,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_tool(main))

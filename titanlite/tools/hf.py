@@ -37,7 +37,7 @@ from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.dtypes import DTYPES
-from titanlite.errors import CheckpointError, ConfigError, UserError, exit_now, run_cli
+from titanlite.errors import CheckpointError, ConfigError, UserError, exit_now, run_tool
 from titanlite.plan import RunPlan
 from titanlite.tools.options import number, split_options
 
@@ -100,4 +100,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_tool(main))

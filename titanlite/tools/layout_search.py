@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
-from titanlite.errors import ConfigError, exit_now, run_cli
+from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.parallelize import PARALLELISMS
@@ -408,4 +408,4 @@ def report(cfg, world, kind, given, result: Ranking, best, out, elapsed, notes) 
 
 
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_tool(main))

@@ -48,7 +48,7 @@ from titanlite.data.token_shards import (
     write_shard,
 )
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.errors import ConfigError, DataError, UserError, exit_now, run_cli
+from titanlite.errors import ConfigError, DataError, UserError, exit_now, run_tool
 from titanlite.faults import tokenize_kill
 from titanlite.tools.options import number, split_options
 
@@ -270,4 +270,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_tool(main))
