@@ -154,9 +154,10 @@ def handles_stop_signals(pid: int) -> bool:
 
 
 def runs_module(pid: int, module: str) -> bool:
-    """Whether process `pid` (run_train.sh, which ends in an exec) runs `python -m module` by now."""
+    """Whether process `pid` (run_train.sh, which ends in an exec, through `env --block-signal`) is the
+    interpreter running `python -m module` by now (not `env`, whose command line names it too)."""
     try:
-        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", module.encode()]
     except OSError:
         return False
 
