@@ -63,7 +63,8 @@ NOT_MODEL = ("optimizer", "lr_scheduler", "train_state")
 def check_compatible(path: str, state: dict) -> None:
     """Before anything loads, on every rank alike (a collective over the default process group, if there is
     one): every tensor of `state` exists in checkpoint `path` with the same global shape, and every model
-    parameter the checkpoint holds is one of the model's (over every rank's part: pipeline stages).
+    parameter the checkpoint holds is one of the model's (over every rank's part: pipeline stages); a rank
+    whose own part fits stops too when another's does not.
 
     DCP would otherwise fail half-way, load a prefix of the keys, or load a smaller model from a larger
     one's checkpoint and leave its other parameters unread; a model of another shape is reported as such,
@@ -74,12 +75,18 @@ def check_compatible(path: str, state: dict) -> None:
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     flat, _ = flatten_state_dict(state)
-    why, keys = _missing_or_reshaped(path, metadata, flat), set(flat)
+    why = _missing_or_reshaped(path, metadata, flat)
+    # One MAX all-reduce of a byte per checkpointed parameter (the same list on every rank: the metadata's),
+    # whatever the world's size: whether some rank holds it, and whether some rank found a mismatch.
+    params = sorted(k for k in metadata if k.split(".", 1)[0] not in NOT_MODEL)
+    device = next((t.device for t in flat.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    flags = torch.tensor([why is not None, *(k in flat for k in params)], dtype=torch.uint8, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        found: list = [None] * dist.get_world_size()
-        dist.all_gather_object(found, (why, sorted(keys)))
-        why, keys = next((w for w, _ in found if w), None), set().union(*(k for _, k in found))
-    extra = sorted(k for k in metadata if k.split(".", 1)[0] not in NOT_MODEL and k not in keys)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    held = flags[1:].tolist()
+    extra = [k for k, h in zip(params, held) if not h]
+    if why is None and flags[0]:
+        why = f"checkpoint {path} does not fit another rank's part of this model (that rank's line names the key)"
     if why is None and extra:
         why = f"checkpoint {path} holds {extra[0]!r}, which this model lacks (another model flavor or shape?)"
     if why is not None:
