@@ -122,6 +122,16 @@ def verify_checksums(path: str, marker: dict) -> str | None:
     return next((w for w in found if w), None)
 
 
+def verified_marker(path: Path) -> dict:
+    """The completion marker of checkpoint folder `path`, once the folder is complete and its files' sizes and
+    checksums are the marker's (`verify_checksums`: a collective); else one line, `CheckpointError`."""
+    why = folders.problem(path)
+    marker = {} if why else folders.read_marker(path)
+    if why := why or verify_checksums(str(path), marker):
+        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    return marker
+
+
 def load_model_weights(model: torch.nn.Module, path: str) -> None:
     """Load only the model's parameters from a DCP folder (seed, full or model-only checkpoint)."""
     quiet_single_process_dcp()
@@ -147,10 +157,7 @@ def load_tool_weights(model: torch.nn.Module, cfg: JobConfig, checkpoint: str = 
             raise CheckpointError(f"no complete checkpoint in {root} (job.dump_folder = {cfg.job.dump_folder!r})")
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist")
-    why = folders.problem(path)
-    marker = {} if why else folders.read_marker(path)
-    if why := why or verify_checksums(str(path), marker):
-        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    marker = verified_marker(path)
     if change := model_change(marker, cfg.to_dict()):
         key, was, now = change
         raise CheckpointError(
@@ -176,10 +183,8 @@ def load_initial_weights(model: torch.nn.Module, plan: RunPlan, path: str, log: 
         raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
     if is_hf_folder(path):
         raise CheckpointError(hf_without_flag(path))
-    if (Path(path) / folders.MARKER).exists():
-        marker = {} if (why := folders.problem(Path(path))) else folders.read_marker(Path(path))
-        if why := why or verify_checksums(path, marker) or another_model(marker, plan):
-            raise CheckpointError(f"checkpoint {path} is unusable: {why}")
+    if (Path(path) / folders.MARKER).exists() and (why := another_model(verified_marker(Path(path)), plan)):
+        raise CheckpointError(f"checkpoint {path} is unusable: {why}")
     log(f"checkpoint: loading initial model weights from {path}")
     load_model_weights(model, path)
 

@@ -65,10 +65,11 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
             )
         if why := folders.problem(path):
             raise CheckpointError(f"checkpoint {path} is unusable: {why}")
-    if cfg.initial_load_path and not done and not Path(cfg.initial_load_path).is_dir():
-        raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
-    if cfg.initial_load_path and not done and not cfg.initial_load_in_hf and is_hf_folder(cfg.initial_load_path):
-        raise CheckpointError(hf_without_flag(cfg.initial_load_path))
+    if cfg.initial_load_path and not done:  # read only when there is no checkpoint to resume from
+        if not Path(cfg.initial_load_path).is_dir():
+            raise CheckpointError(f"checkpoint.initial_load_path {cfg.initial_load_path} is not a folder")
+        if not cfg.initial_load_in_hf and is_hf_folder(cfg.initial_load_path):
+            raise CheckpointError(hf_without_flag(cfg.initial_load_path))
     if cfg.enable:  # every run that checkpoints saves at its end
         check_writable("checkpoint.folder", root)
 

@@ -52,19 +52,21 @@ def degree_overrides(**degrees: int) -> list[str]:
 
 WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The world mesh's dims, outermost first (expert parallelism splits dp_shard x cp, not the world)."""
+DATA_PARALLEL = {name: -1 if name == "dp_shard" else 1 for name in DEGREE_KEYS}
+"""Every degree of plain data parallelism, by dim name: 1, and the shard degree the rest of the world (-1)."""
 
 
 def layout_overrides(**degrees: int) -> list[str]:
     """Command-line overrides setting every world mesh dim's degree: the given ones (by dim name), the others
-    those of plain data parallelism (1; the shard degree the rest of the world, -1)."""
-    return degree_overrides(**({name: -1 if name == "dp_shard" else 1 for name in WORLD_DIMS} | degrees))
+    plain data parallelism's (`DATA_PARALLEL`)."""
+    return degree_overrides(**({name: DATA_PARALLEL[name] for name in WORLD_DIMS} | degrees))
 
 
 def reset_to_data_parallel(p: Any) -> None:
-    """Config section `parallelism` (`p`) set to plain data parallelism: every degree 1, the shard degree
-    the rest of the world, no pipeline split points or stage count."""
-    for name, key in DEGREE_KEYS.items():
-        setattr(p, key, -1 if name == "dp_shard" else 1)
+    """Config section `parallelism` (`p`) set to plain data parallelism (`DATA_PARALLEL`), with no pipeline
+    split points or stage count."""
+    for name, degree in DATA_PARALLEL.items():
+        setattr(p, DEGREE_KEYS[name], degree)
     p.pipeline_parallel_split_points, p.pipeline_parallel_stages_per_rank = [], -1
 
 
