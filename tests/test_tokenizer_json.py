@@ -81,8 +81,8 @@ def test_special_token_strings_stay_plain_text(bundled):
 
 def test_bos_and_eos_come_from_tokenizer_config(bundled, tmp_path):
     """Qwen3's way (no BOS, EOS named), GPT-2's (`add_bos_token` false), the older `{"content": ...}` form,
-    and no config at all (the tokens' usual names); a name that is not a token, or an `add_bos_token` that
-    is not a boolean, is one line."""
+    and no config at all (the tokens' usual names); a name that is not a token, an entry of no token's form
+    (a number, a list, a dict without `content`), or an `add_bos_token` that is not a boolean, is one line."""
     source = Path(bundled[1].path)
     shutil.copy(source / TOKENIZER_JSON, tmp_path / TOKENIZER_JSON)
     bare = build_tokenizer(str(tmp_path / TOKENIZER_JSON))
@@ -109,6 +109,11 @@ def test_bos_and_eos_come_from_tokenizer_config(bundled, tmp_path):
     cfg.write_text(json.dumps({"eos_token": "<|im_end|>"}))
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: eos_token '<\|im_end\|>' is not a token of"):
         build_tokenizer(str(tmp_path))
+    # An entry of another type is refused, not read as "no token" (which would train without BOS).
+    for entry in (2049, ["<|begin_of_text|>"], {"__type": "AddedToken"}):
+        cfg.write_text(json.dumps({"bos_token": entry}))
+        with pytest.raises(ConfigError, match=r"tokenizer_config.json: bos_token .* is not a token \(a string, "):
+            build_tokenizer(str(tmp_path))
 
 
 def test_the_fingerprint_covers_the_config(bundled, tmp_path):

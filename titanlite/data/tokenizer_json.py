@@ -51,8 +51,13 @@ def tokenizer_json_files(path: str | Path) -> tuple[Path, Path | None]:
 
 
 def _token_name(value: Any) -> str | None:
-    """A config's token entry: a string, `{"content": str, ...}` (older transformers), or null."""
-    return value.get("content") if isinstance(value, dict) else value
+    """A config's token entry: a string, `{"content": str, ...}` (older transformers), or null; anything
+    else (a number, a list, a dict without a string `content`) is an error: read as "no token", it would
+    silently train without BOS."""
+    name = value.get("content") if isinstance(value, dict) else value
+    if value is None or isinstance(name, str):
+        return name
+    raise ValueError(f'{value!r} is not a token (a string, {{"content": "..."}} or null)')
 
 
 class HFTokenizer:
@@ -105,7 +110,10 @@ class HFTokenizer:
     def _token_id(self, config: dict, key: str, names: tuple[str, ...], where: Path) -> int | None:
         """The id of the config's `key` token (None for null), or else of the first of `names` there is."""
         if key in config:
-            name = _token_name(config[key])
+            try:
+                name = _token_name(config[key])
+            except ValueError as e:
+                raise ConfigError(f"{where}: {key} {e}") from None
             if name is None:
                 return None
             token_id = self.model.token_to_id(name)
