@@ -123,6 +123,11 @@ CASES = [
     ),
     (None, [*PP2, "--parallelism.pipeline_parallel_split_points", "6"], 2, ["split_points [6]", "1..5"]),
     (None, ["--parallelism.pipeline_parallel_split_points", "3"], 2, ["pipeline_parallel_degree > 1"]),
+    # A key whose feature is off is refused, not ignored.
+    (None, ["--parallelism.pipeline_parallel_microbatch_size", "4"], 2, ["microbatch_size 4 needs", "degree > 1"]),
+    (None, ["--activation_checkpoint.selective_ac_option", "3"], 2, ["selective_ac_option 3 needs", "mode selective"]),
+    (None, ["--validation.dataset_path", "/x.jsonl"], 2, ["validation.dataset_path /x.jsonl needs validation.enable"]),
+    (None, ["--compile.enable", "--compile.components", ""], 2, ["compile.components is empty", "model and/or loss"]),
     (None, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 4, ["seq_len 127", "2"]),
     (
         None,

@@ -96,9 +96,15 @@ def training_data(cfg: JobConfig) -> DataSource:
 
 
 def check_combinations(cfg: JobConfig, data: DataSource) -> None:
-    """The rules between keys that need neither the model nor the mesh: held-out data, and which pipeline
-    schedules combine with which reduction and compilation."""
+    """The rules between keys that need neither the model nor the mesh: held-out data, which pipeline
+    schedules combine with which reduction and compilation, and keys whose feature is off (never ignored)."""
     v, p = cfg.validation, cfg.parallelism
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and cfg.activation_checkpoint.mode != "selective":
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option {option} needs activation_checkpoint.mode selective "
+            f"(the mode is {cfg.activation_checkpoint.mode})"
+        )
     if v.enable and not v.dataset_path and not v.holdout_documents:
         raise ConfigError(
             "validation.enable needs held-out data: set validation.dataset_path or validation.holdout_documents"
@@ -107,6 +113,10 @@ def check_combinations(cfg: JobConfig, data: DataSource) -> None:
         raise ConfigError(
             "validation.holdout_documents and validation.dataset_path exclude each other: held-out training "
             "documents would be read by nothing"
+        )
+    if v.dataset_path and not v.enable:
+        raise ConfigError(
+            f"validation.dataset_path {v.dataset_path} needs validation.enable (without it nothing is evaluated)"
         )
     if v.holdout_documents and cfg.training.datasets:
         raise ConfigError(
@@ -145,6 +155,11 @@ def check_combinations(cfg: JobConfig, data: DataSource) -> None:
         raise ConfigError(
             "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
             "pipeline_parallel_degree > 1"
+        )
+    if not pipelined and p.pipeline_parallel_microbatch_size != 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size {p.pipeline_parallel_microbatch_size} needs "
+            "pipeline_parallel_degree > 1 (gradient accumulation without stages: training.global_batch_size)"
         )
 
 

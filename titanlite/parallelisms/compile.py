@@ -61,10 +61,14 @@ from titanlite.parallelisms.units import Units
 
 def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
     """Whether compilation installs graph passes (`_with_passes`), after refusing what cannot compile:
-    bucketing without those passes, and one model-wide graph over fully checkpointed blocks (`full_ac`)
-    without them (a parallelism's own rules with compilation are its unit's). The run plan checks it before
-    any rank starts; `apply_compile` asks it again for its answer."""
+    nothing named to compile, bucketing without those passes, and one model-wide graph over fully
+    checkpointed blocks (`full_ac`) without them (a parallelism's own rules with compilation are its
+    unit's). The run plan checks it before any rank starts; `apply_compile` asks it again for its answer."""
     c = cfg.compile
+    if not c.components:
+        raise ConfigError(
+            "compile.enable is set but compile.components is empty: nothing would compile; name model and/or loss"
+        )
     with_passes = _with_passes(cfg, dims)
     if c.bucketing != "none" and not with_passes:
         if not dims.dp_enabled:

@@ -64,10 +64,11 @@ def layout_overrides(**degrees: int) -> list[str]:
 
 def reset_to_data_parallel(p: Any) -> None:
     """Config section `parallelism` (`p`) set to plain data parallelism (`DATA_PARALLEL`), with no pipeline
-    split points or stage count."""
+    split points, stage count or microbatch size."""
     for name, degree in DATA_PARALLEL.items():
         setattr(p, DEGREE_KEYS[name], degree)
     p.pipeline_parallel_split_points, p.pipeline_parallel_stages_per_rank = [], -1
+    p.pipeline_parallel_microbatch_size = 1
 
 
 _MARKER_KEYS = {"world_size": "world_size", "dp": "dp_degree", "tp": "tp_degree", "cp": "cp_degree", "ep": "ep_degree"}

@@ -154,6 +154,7 @@ class ParallelLayout:
             setattr(sections[section], name, value)
         if self.degrees.pp == 1:
             sections["parallelism"].pipeline_parallel_stages_per_rank = -1
+            sections["parallelism"].pipeline_parallel_microbatch_size = 1
         sections["training"].global_batch_size = global_batch
         return out
 
