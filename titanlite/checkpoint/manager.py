@@ -385,6 +385,11 @@ class CheckpointManager:
             raise CheckpointError(resume.error)
         if resume.changed:
             self._log(f"checkpoint: settings changed since {path}: {', '.join(resume.changed)} (the new values apply)")
+        if resume.not_applied and self.rank == 0:
+            logger.warning(
+                f"checkpoint: {', '.join(resume.not_applied)}: not read, the run resumes from {path} (initial "
+                "weights are read by a run without checkpoints of its own)"
+            )
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
         fresh = config_groups(self.optimizer)

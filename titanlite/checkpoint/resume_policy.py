@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titanlite.checkpoint.fingerprint import (
     dataset_fingerprint,
@@ -41,6 +41,9 @@ from titanlite.plan import RunPlan
 
 # Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
 _NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}
+# Keys that choose a fresh run's first weights: a resume reads its own checkpoint instead, so a change to
+# them is reported as not applied (never as a new value that applies).
+_FIRST_WEIGHTS = {"checkpoint.initial_load_path", "checkpoint.initial_load_in_hf"}
 
 
 @dataclass
@@ -53,6 +56,8 @@ class ResumeCheck:
     """A setting that cannot change did: the one line the resume stops with."""
     dataset_changed: str | None = None
     """The dataset changed and `training.allow_dataset_change` accepts it: the warning to log."""
+    not_applied: list[str] = field(default_factory=list)
+    """`key old -> new` for each changed `_FIRST_WEIGHTS` key, which a resume does not read: a warning line."""
 
 
 def _flat(config: dict) -> dict:
@@ -120,16 +125,18 @@ def compare_settings(
                 f"checkpoint {path}: {key} was {was}{unit}, this run has {now}{unit}; it cannot change when "
                 "resuming (restore it, or train in another job.dump_folder)",
             )
-    changed = [
-        f"{key} {json.dumps(old[key])} -> {json.dumps(value)}"
+    changes = {
+        key: f"{key} {json.dumps(old[key])} -> {json.dumps(value)}"
         for key, value in new.items()
         if key in old and old[key] != value and key not in _NOT_SETTINGS
-    ]
+    }
+    changed = [line for key, line in changes.items() if key not in _FIRST_WEIGHTS]
+    not_applied = [line for key, line in changes.items() if key in _FIRST_WEIGHTS]
     was, now = marker.get("dataset"), inputs["dataset"]
     if was and now and was.get("method") != now.get("method") and legacy_dataset is not None:
         now = legacy_dataset()
     if not (was and now and was["digest"] != now["digest"]):
-        return ResumeCheck(changed)
+        return ResumeCheck(changed, not_applied=not_applied)
     what = f"training.dataset_path was {describe_dataset(was)}, this run reads {describe_dataset(now)}"
     if "sources" in was or "sources" in now:
         what = describe_mixture_change(was, now)
@@ -140,9 +147,11 @@ def compare_settings(
             changed,
             f"checkpoint {path}: {what}; its data positions would point into other documents (set "
             "training.allow_dataset_change = true to read the new dataset from its beginning)",
+            not_applied=not_applied,
         )
     return ResumeCheck(
         changed,
+        not_applied=not_applied,
         dataset_changed=f"checkpoint {path}: {what}; training.allow_dataset_change = true: the data stream "
         "restarts from the beginning of the new dataset (model and optimizer state are resumed)",
     )
