@@ -82,6 +82,13 @@ CASES = [
     (None, ["--optimizer.name", "SGD"], 2, ["optimizer.name", "AdamW"]),
     (None, ["--comm.train_timeout_seconds", "0"], 2, ["comm.train_timeout_seconds", "positive"]),
     (None, ["--comm.init_timeout_seconds", "-5"], 2, ["comm.init_timeout_seconds", "positive"]),
+    (
+        None,
+        ["--comm.train_timeout_seconds", "10000000000000"],
+        2,
+        ["comm.train_timeout_seconds", "positive and <= 604800"],
+    ),
+    (None, ["--model.vocab_size", "99999999999999999999"], 2, ["model.vocab_size", "must fit a 64-bit integer"]),
     (None, ["--training.global_batch_size", "-8"], 2, ["global_batch_size", "-1 (local x dp) or positive"]),
     (None, ["--checkpoint.enable", "--checkpoint.load_step", "3"], 2, ["load_step 3", "step-3 does not exist"]),
     (None, ["--checkpoint.initial_load_path", "/nonexistent"], 2, ["initial_load_path /nonexistent is not a folder"]),

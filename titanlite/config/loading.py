@@ -218,6 +218,9 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
         if domain is not None and value not in domain:
             raise ConfigError(f"config key '{key}' must be {domain.describe()}, got {value}")
+        unbounded = domain is None or domain.high == math.inf  # a key's own bound (the seed's 2**64 - 1) rules
+        if isinstance(value, int) and unbounded and not -(2**63) <= value < 2**63:
+            raise ConfigError(f"config key '{key}' must fit a 64-bit integer, got {value}")
     if cfg.optimizer.name != "AdamW":
         raise ConfigError(f"config key 'optimizer.name' = {cfg.optimizer.name!r}: expected AdamW")
     option = cfg.activation_checkpoint.selective_ac_option

@@ -33,6 +33,8 @@ class Range:
         """The domain in words: `positive`, `non-negative`, `in [0, 1)`, `>= 2`, with the sentinel first."""
         if self.high == math.inf and self.low == 0:
             text = "positive" if self.low_open else "non-negative"
+        elif self.low == 0 and self.low_open:
+            text = f"positive and {'<' if self.high_open else '<='} {_num(self.high)}"
         elif self.high == math.inf:
             text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
         elif self.low == -math.inf:
@@ -58,3 +60,6 @@ def _range(**kwargs: Any) -> dict[str, Range]:
 POSITIVE = _range(low=0, low_open=True)
 NON_NEGATIVE = _range(low=0)
 FRACTION = _range(low=0, high=1)  # [0, 1]
+TIMEOUT = _range(low=0, low_open=True, high=7 * 24 * 3600)
+"""Seconds a collective may wait: at most a week (torch's backends keep milliseconds; far beyond any real
+wait, and a typo's huge number fails the key, not a rank's process group)."""

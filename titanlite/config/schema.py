@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
-from titanlite.config.ranges import FRACTION, NON_NEGATIVE, POSITIVE, _range
+from titanlite.config.ranges import FRACTION, NON_NEGATIVE, POSITIVE, TIMEOUT, _range
 
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
 """The config of a run started without `--config` (relative to the working directory, the checkout)."""
@@ -420,10 +420,10 @@ class Profiling:
 class Comm:
     """Process-group timeouts, restarts, stop signals and the dry run's fake backend."""
 
-    init_timeout_seconds: int = field(default=300, metadata=POSITIVE)
+    init_timeout_seconds: int = field(default=300, metadata=TIMEOUT)
     """Timeout of the process group's set-up and the first step (which includes compilation), and of the
     async checkpoint writer's collectives (which wait for every rank's file writes)."""
-    train_timeout_seconds: int = field(default=100, metadata=POSITIVE)
+    train_timeout_seconds: int = field(default=100, metadata=TIMEOUT)
     """Timeout of each collective after the first step: a dead peer surfaces within it."""
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     """Restarts of all ranks after a crash (not after bad input or divergence); MAX_RESTARTS overrides it."""
