@@ -94,6 +94,18 @@ def test_config_takes_toml_tables_and_the_command_line_form(tmp_path):
     ]
     cli = load_config(["--training.datasets", "hf://allenai/c4:en:0.2,:0.8"]).training.datasets
     assert cli == [DatasetSource("hf://allenai/c4:en", 0.2, "c4"), DatasetSource("", 0.8, "corpus")]
+    # NAME=PATH:WEIGHT names a source on the command line: a glob, or two files of one stem; a path whose
+    # first folder has '=' in its name (year=2024/) is written ./year=2024/ and stays a path.
+    named = "web=d/*.jsonl:1,x=x/a.jsonl:2,y=y/a.jsonl:3,k=v/b.jsonl:1"
+    assert load_config(["--training.datasets", named]).training.datasets == [
+        DatasetSource("d/*.jsonl", 1.0, "web"),
+        DatasetSource("x/a.jsonl", 2.0, "x"),
+        DatasetSource("y/a.jsonl", 3.0, "y"),
+        DatasetSource("v/b.jsonl", 1.0, "k"),
+    ]
+    assert load_config(["--training.datasets", "k=v/b.jsonl:1,./year=2024/b.jsonl:1"]).training.datasets[1] == (
+        DatasetSource("./year=2024/b.jsonl", 1.0, "b")
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,6 +120,7 @@ def test_config_takes_toml_tables_and_the_command_line_form(tmp_path):
         (["--training.datasets", "a.jsonl:-1"], "has weight -1.0"),
         (["--training.datasets", "x/a.jsonl:1,y/a.txt:1"], "two sources are named 'a' ('x/a.jsonl' and 'y/a.txt')"),
         (["--training.datasets", "d/*.jsonl:1"], "source 'd/*.jsonl' needs a name"),
+        (["--training.datasets", "a.jsonl:1e308,b.jsonl:1e308"], "the weights add up to more than a float holds"),
         (
             ["--training.datasets", "a.jsonl:1", "--training.dataset_path", "b.jsonl"],
             "'training.dataset_path' and 'training.datasets' are both set",

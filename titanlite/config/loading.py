@@ -12,14 +12,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import sys
 import typing
 from collections.abc import Iterator
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.ranges import Range
-from titanlite.config.schema import CHOICES, FIELD_TYPES, DatasetSource, JobConfig, all_keys, sections
+from titanlite.config.schema import (
+    CHOICES,
+    FIELD_TYPES,
+    SOURCE_NAME,
+    DatasetSource,
+    JobConfig,
+    all_keys,
+    sections,
+)
 from titanlite.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -235,7 +242,6 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config key 'compile.components' has {component!r}: expected model and/or loss")
 
 
-_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 BUNDLED_NAME = "corpus"
 """The default name of the bundled corpus (path "") in a mixture: its folder's name."""
 
@@ -249,6 +255,10 @@ def source_stem(path: str) -> str:
     if path.startswith("hf://"):
         return path.removeprefix("hf://").partition("@")[0].partition(":")[0].rstrip("/").rpartition("/")[2]
     return path.rstrip("/").rpartition("/")[2].partition(".")[0]
+
+
+NAME_IT = "`name` in its TOML table, NAME=PATH:WEIGHT on the command line"
+"""How a mixture source gets a name of its own."""
 
 
 def check_datasets(cfg: JobConfig) -> None:
@@ -268,14 +278,19 @@ def check_datasets(cfg: JobConfig) -> None:
         what = f"config key 'training.datasets': source {source.name!r} ({source.path or 'the bundled corpus'})"
         if not math.isfinite(source.weight) or source.weight <= 0:
             raise ConfigError(f"{what} has weight {source.weight}: weights must be positive numbers")
-        if not _SOURCE_NAME.fullmatch(source.name):
+        if not SOURCE_NAME.fullmatch(source.name):
             raise ConfigError(
                 f"config key 'training.datasets': source {source.path!r} needs a name of letters, digits, '_', "
-                f"'.' and '-' (got {source.name!r}; set its name)"
+                f"'.' and '-' (got {source.name!r}; {NAME_IT})"
             )
         if source.name in seen:
             raise ConfigError(
                 f"config key 'training.datasets': two sources are named {source.name!r} ({seen[source.name]!r} "
-                f"and {source.path!r}); give them names of their own"
+                f"and {source.path!r}); give them names of their own ({NAME_IT})"
             )
         seen[source.name] = source.path
+    if not math.isfinite(sum(source.weight for source in t.datasets)):
+        raise ConfigError(
+            "config key 'training.datasets': the weights add up to more than a float holds; scale them down "
+            "(only their ratios matter)"
+        )

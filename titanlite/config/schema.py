@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
@@ -135,6 +136,10 @@ class LRScheduler:
     """The final learning rate as a fraction of `optimizer.lr`."""
 
 
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""What a mixture source's name may be (it names metrics, `tokens_seen/<name>`, and checkpoint state)."""
+
+
 @dataclass
 class DatasetSource:
     """One source of a weighted mixture of training data (`training.datasets`)."""
@@ -148,13 +153,17 @@ class DatasetSource:
 
     @classmethod
     def parse(cls, text: str) -> DatasetSource:
-        """The command-line form `PATH:WEIGHT` (the weight follows the last colon, so `hf://name:config:0.2`
-        keeps its config); ValueError when the weight is missing or not a number."""
-        path, colon, weight = text.rpartition(":")
+        """The command-line form `[NAME=]PATH:WEIGHT` (the weight follows the last colon, so
+        `hf://name:config:0.2` keeps its config; a name names a glob's or a shared file stem's source, as
+        the TOML table's `name` does); ValueError when the weight is missing or not a number."""
+        name, equals, rest = text.partition("=")
+        if not (equals and SOURCE_NAME.fullmatch(name)):
+            name, rest = "", text
+        path, colon, weight = rest.rpartition(":")
         if not colon:
             raise ValueError(f"{text!r} has no weight (expected PATH:WEIGHT)")
         try:
-            return cls(path=path, weight=float(weight))
+            return cls(path=path, weight=float(weight), name=name)
         except ValueError:
             raise ValueError(f"{text!r}: the weight {weight!r} is not a number (expected PATH:WEIGHT)") from None
 
@@ -168,7 +177,7 @@ class Training:
     titanlite/data/sources.py), or `hf://name[:config][@split]`; empty = bundled corpus."""
     datasets: list[DatasetSource] = field(default_factory=list)
     """A weighted mixture instead of `dataset_path`: TOML tables {path, weight, name}, or on the command line
-    `PATH:WEIGHT,PATH:WEIGHT`; each sample of a step comes from one source, in proportion to the weights."""
+    `[NAME=]PATH:WEIGHT,...`; each sample of a step comes from one source, in proportion to the weights."""
     dataset_text_field: str = "text"
     """The JSON/parquet field holding the text."""
     dataset_virtual_shards: int = field(default=0, metadata=NON_NEGATIVE)
