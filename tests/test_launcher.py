@@ -173,9 +173,10 @@ def wait_until(proc: subprocess.Popen, dump: Path, when: str, timeout: float = 1
     while True:
         assert proc.poll() is None, f"exited with {proc.returncode} before {when}"
         assert time.monotonic() < deadline, f"no {when}"
-        ranks = rank_processes(str(dump), ranks_only=True)
         if when == "first step" and metrics.exists() and metrics.read_text().strip():
             return
+        # Scanning /proc costs milliseconds at every poll: only the start-up moments read the ranks.
+        ranks = rank_processes(str(dump), ranks_only=True) if when != "first step" else []
         if when == "ranks" and ranks:
             return
         if when == "launcher":
