@@ -200,6 +200,37 @@ def test_a_corrupt_plan_index_or_shard_is_refused_in_one_line(folder, tmp_path, 
         tokenize_source("", "text", "", copy, workers=1, per_shard=PER_SHARD)
 
 
+def test_a_token_id_beyond_the_vocabulary_is_a_damaged_shard_in_one_line(folder, tmp_path):
+    """A flipped bit in a shard's tokens (same size and header: only the contents can tell) that makes an id
+    no token of the tokenizer is refused where the document is read, naming the shard and the document,
+    before it reaches the embedding, also in a loader worker; the other documents read as before (the
+    control)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    first = TokenShards(str(copy))
+    path = copy / shard_name(0)
+    data = bytearray(path.read_bytes())
+    tokens = first.meta["shards"][0]["tokens"]
+    at = len(data) - 2 * tokens + 2 * (len(first.document(0)) + len(first.document(1)) + 3)  # document 2's 4th
+    data[at : at + 2] = (65535).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    damaged = TokenShards(str(copy))
+    assert [damaged.document(d) for d in (0, 1, 3)] == [first.document(d) for d in (0, 1, 3)]
+    with pytest.raises(DataError) as e:
+        damaged.document(2)
+    line = (
+        f"dataset_path {copy}: shard {shard_name(0)} holds token id 65535 in document 2, beyond the tokenizer's "
+        f"{first.vocab_size} ids (a damaged file): tokenize the data again"
+    )
+    assert str(e.value) == line
+    # Read by a loader worker, the error reaches the loop re-raised by torch with the worker's traceback as
+    # its message: it still reads as its one line (virtual shard 0 of 2 streams documents 0, 2, ...).
+    with pytest.raises(DataError) as e:
+        for _ in loader(str(copy), virtual_shards=2, num_workers=1):
+            pass
+    assert str(e.value) == line and "Original Traceback" in e.value.args[0]
+
+
 @pytest.mark.slow
 def test_tokenized_interrupted_and_resumed_then_trained_on_gives_the_on_the_fly_losses(tmp_path):
     """The tool killed after its third shard (2 worker processes), run again, then `run_train.sh` on the

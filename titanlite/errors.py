@@ -24,6 +24,16 @@ EXIT_NOT_SAVED = 4
 class UserError(Exception):
     """Bad input that the user can fix; reported in one line, exit code 2."""
 
+    def __str__(self) -> str:
+        """The message. One raised in a data loader worker reaches the training loop re-created by torch, with
+        the worker's traceback as its message (`Caught DataError in DataLoader worker process 0.` /
+        `Original Traceback ...` / `titanlite.errors.DataError: <message>`): its own is the last line's."""
+        text = super().__str__()
+        if text.startswith("Caught ") and "\nOriginal Traceback" in text:
+            last = text.rstrip().splitlines()[-1]
+            return last.split(": ", 1)[-1]
+        return text
+
 
 class ConfigError(UserError):
     """A config file or command-line override is invalid."""

@@ -147,6 +147,7 @@ class TokenShards:
             )
         self._made_by = {"name": str(self.meta["tokenizer"]["name"]), "digest": str(self.meta["tokenizer"]["digest"])}
         self.dtype = np.dtype(self.meta["dtype"])
+        self.vocab_size = int(self.meta["vocab_size"])
         self.files = [folder / s["file"] for s in self.meta["shards"]]
         self.digests = [s["digest"] for s in self.meta["shards"]]
         for file, entry in zip(self.files, self.meta["shards"]):
@@ -191,7 +192,15 @@ class TokenShards:
         k = bisect.bisect_right(self._starts, d) - 1
         offsets, tokens = self._shard(k)
         i = d - self._starts[k]
-        return tokens[offsets[i] : offsets[i + 1]].tolist()
+        ids = tokens[offsets[i] : offsets[i + 1]]
+        # The sizes and headers are checked up front, the contents here: a flipped bit that makes an id no
+        # token of the tokenizer would otherwise reach the embedding (an index error; on CUDA an assert).
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            raise DataError(
+                f"dataset_path {self.name}: shard {self.files[k].name} holds token id {int(ids.max())} in document "
+                f"{d}, beyond the tokenizer's {self.vocab_size} ids (a damaged file): tokenize the data again"
+            )
+        return ids.tolist()
 
     def shard_documents(
         self, shard: int, num_shards: int, start: int, position: dict | None = None
