@@ -136,6 +136,14 @@ CASES = [
     (None, ["--validation.dataset_path", "/x.jsonl"], 2, ["validation.dataset_path /x.jsonl needs validation.enable"]),
     (None, ["--compile.enable", "--compile.components", ""], 2, ["compile.components is empty", "model and/or loss"]),
     (None, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 4, ["seq_len 127", "2"]),
+    # Sequence parallelism splits every sequence over tp, pipeline stages or not; the FFN is split over tp.
+    (None, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 2, ["seq_len 127 is not a"]),
+    (
+        None,
+        ["--parallelism.tensor_parallel_degree", "2", "--model.ffn_dim", "767"],
+        2,
+        ["divide the model's ffn_dim 767"],
+    ),
     (
         None,
         [*PP2, "--parallelism.dp_impl", "fsdp2", "--parallelism.gradient_reduction", "per_microbatch"],

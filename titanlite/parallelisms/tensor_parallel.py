@@ -66,15 +66,20 @@ def _has(module: nn.Module, name: str) -> bool:
 
 def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
     """What tensor parallelism needs beyond the mesh's own rule (tp divides the family's sizes:
-    `ParallelDims`): a family with a plan, and under pipeline stages a sequence its ranks split evenly (the
-    stages pass hidden states sequence-sharded, as sequence parallelism holds them)."""
+    `ParallelDims`): a family with a plan, and a sequence its ranks split evenly (sequence parallelism holds
+    the hidden states between the blocks sequence-sharded, and pipeline stages pass them so; an uneven split
+    ends in the collectives' size mismatch on a rank)."""
     if spec.parallel.tp_plan is None:
         raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
     seq_len = cfg.training.seq_len
-    if dims.pp_enabled and seq_len % dims.tp:
+    local = seq_len // dims.cp  # the positions a rank holds (context parallelism's own rule: cp divides)
+    if dims.tp_enabled and local % dims.tp:
+        held = f"training.seq_len {seq_len}"
+        if dims.cp > 1:
+            held = f"the {local} positions of a context-parallel rank (training.seq_len {seq_len} / {dims.cp})"
         raise ConfigError(
-            f"training.seq_len {seq_len} is not a multiple of tensor_parallel_degree {dims.tp} "
-            "(pipeline stages pass sequence-sharded hidden states)"
+            f"{held} is not a multiple of tensor_parallel_degree {dims.tp} (sequence parallelism splits each "
+            "sequence over the tp ranks)"
         )
 
 

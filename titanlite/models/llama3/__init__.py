@@ -34,7 +34,11 @@ SPEC = ModelSpec(
     ),
     parallel=ParallelSeams(
         tp_plan=llama_tp_plan,
-        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        tp_divisible=lambda args: {
+            "n_heads": args.n_heads,
+            "n_kv_heads": args.kv_heads,
+            "ffn_dim": args.ffn_hidden_dim,
+        },
         context_parallel=True,
     ),
     planning=PlanningTerms(activation_bytes=activation_bytes, step_cost=step_cost),

@@ -44,7 +44,12 @@ SPEC = ModelSpec(
     shape=ShapeRules(keys=SHAPE_KEYS, check_args=check_args, check_layout=check_layout, high_precision=("moe.gate",)),
     parallel=ParallelSeams(
         tp_plan=qwen3_moe_tp_plan,
-        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads},
+        tp_divisible=lambda args: {
+            "n_heads": args.n_heads,
+            "n_kv_heads": args.kv_heads,
+            # The dense layers' SwiGLU is split over tp (the experts are whole on every tp rank).
+            **({"ffn_dim": args.ffn_dim} if not all(map(args.is_moe, range(args.n_layers))) else {}),
+        },
         num_experts=lambda args: args.num_experts,
     ),
     hooks=TrainingHooks(
