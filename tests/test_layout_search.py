@@ -368,6 +368,19 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     )
 
 
+def test_a_dump_folder_that_cannot_hold_the_plan_is_one_line_before_the_search(capsys, tmp_path):
+    """plan.toml goes to the dump folder: a file in its place is refused before the search runs (after it,
+    the search's minutes were lost to a traceback); a folder that takes files plans (the control)."""
+    (tmp_path / "a_file").write_text("")
+    rc, out, err = run_plan(capsys, "--job.dump_folder", str(tmp_path / "a_file"))
+    assert (rc, out) == (
+        2,
+        "",
+    ) and err == f"titanlite: error: job.dump_folder '{tmp_path / 'a_file'}' is a file, not a folder"
+    rc, out, err = run_plan(capsys, "--job.dump_folder", str(tmp_path / "plans"))
+    assert rc == 0 and (tmp_path / "plans" / "plan.toml").is_file(), err
+
+
 @pytest.mark.slow
 def test_plan_through_run_train_sh_writes_a_config_the_dry_run_accepts(tmp_path):
     def sh(*args: str) -> subprocess.CompletedProcess:

@@ -32,6 +32,7 @@ from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_tool
+from titanlite.launcher.preflight import check_writable
 from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.parallelize import PARALLELISMS
@@ -334,6 +335,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv, default_config=DEFAULT_CONFIG)
     world = world_size_of(cfg)
     kind = kind_of(argv, cfg)
+    check_writable("job.dump_folder", cfg.job.dump_folder)  # where plan.toml goes: before the search, not after
     search = LayoutSearch(cfg, world, kind)
     given = search.given()
     global_batch = search.global_batch()
