@@ -33,7 +33,8 @@ from titanlite.checkpoint import folders, lineage, lock, purge, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse
+from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse, run_cli
+from titanlite.launcher import preflight
 from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.optim import lr_factor
 from titanlite.parallelisms.parallel_dims import WorldLayout
@@ -671,6 +672,34 @@ def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
     held = lock.DumpFolderLock(str(tmp_path))
     assert f"pid {os.getpid()}," in (tmp_path / lock.LOCK_NAME).read_text()
     held.release()
+
+
+def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, monkeypatch, capsys):
+    """Two runs whose checkpoint.folder is one folder outside their dump folders (an absolute or `..` path)
+    would resume from, move aside and delete each other's checkpoints: the run locks that folder as it locks
+    its dump folder, and the preflight refuses a second run in one line; a checkpoint folder inside the dump
+    folder, or checkpointing off, adds no lock (the control)."""
+    dump, shared = tmp_path / "b", (tmp_path / "shared").resolve()
+    assert lock.run_folders(str(dump), "checkpoint") == {"job.dump_folder": str(dump)}
+    assert lock.run_folders(str(dump), None) == {"job.dump_folder": str(dump)}
+    for folder in ("../shared", str(shared)):
+        assert lock.run_folders(str(dump), folder) == {"job.dump_folder": str(dump), "checkpoint.folder": str(shared)}
+    holder, _ = hold_in_another_process(shared)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), "--checkpoint.enable"]
+    try:
+        assert run_cli(preflight.main, [*argv, "--checkpoint.folder", "../shared"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"titanlite: error: checkpoint.folder {shared} is in use by another run (host {socket.gethostname()}, "
+            f"pid {holder.pid}, "
+        ), err
+        with pytest.raises(DumpFolderInUse, match=rf"^checkpoint.folder {shared} is in use"):
+            lock.DumpFolderLock(str(shared), "checkpoint.folder")
+        assert run_cli(preflight.main, argv) == 0
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
 
 
 def test_lock_is_not_kept_by_a_forked_child_of_a_dead_holder(tmp_path):

@@ -26,10 +26,10 @@ from titanlite.build import (
     rank_compile_cache,
     world_from_env,
 )
-from titanlite.checkpoint.lock import DumpFolderLock
+from titanlite.checkpoint.lock import DumpFolderLock, run_folders
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
-from titanlite.errors import RunNotSaved, TrainingDiverged
+from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
 from titanlite.launcher import socket_interfaces
 from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
@@ -95,8 +95,18 @@ class Trainer:
         self.device = torch.device("cpu") if self.seed_only else init_device()
         rank_compile_cache(os.environ, self.rank)
         init_logging(self.rank)
-        # One run at a time per dump folder, held from before anything is written there until close().
-        self.folder_lock = DumpFolderLock(cfg.job.dump_folder) if self.rank == 0 else None
+        # One run at a time per dump folder (and checkpoint folder outside it), held from before anything is
+        # written there until close().
+        self.folder_locks: list[DumpFolderLock] = []
+        if self.rank == 0:
+            ckpt = cfg.checkpoint
+            try:
+                for key, folder in run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():
+                    self.folder_locks.append(DumpFolderLock(folder, key))
+            except DumpFolderInUse:
+                for held in self.folder_locks:
+                    held.release()
+                raise
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
         self.plan = plan or RunPlan.build(cfg, self.world_size)
@@ -323,5 +333,5 @@ class Trainer:
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-        if self.folder_lock is not None:
-            self.folder_lock.release()
+        for held in self.folder_locks:
+            held.release()

@@ -4,6 +4,8 @@ Two runs on one folder would delete each other's half-written saves, publish fol
 complete and interleave their metrics. Rank 0 therefore holds `fcntl.flock` on `<dump_folder>/.lock`
 for the life of the run and writes its host and pid into the file, so a second run can say who holds
 it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same before any rank starts).
+A checkpoint folder outside the dump folder (an absolute or `..` path, `run_folders`) is locked the same
+way: two runs sharing it would resume from, move aside and delete each other's checkpoints.
 
 The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
 killed run is simply locked again, there is no stale state to clean up. A flock belongs to the open file,
@@ -56,7 +58,19 @@ def _holder(fd: int) -> str:
     return text or "holder unknown"
 
 
-def _try_lock(path: Path) -> int | None:
+def run_folders(dump_folder: str, checkpoint_folder: str | None) -> dict[str, str]:
+    """The folders a run's lock covers, by the config key naming each: the dump folder, and the checkpoint
+    folder (`checkpoint_folder`, relative to the dump folder; None with checkpointing off) where it lies
+    outside the dump folder."""
+    out = {"job.dump_folder": dump_folder}
+    if checkpoint_folder is not None:
+        root = (Path(dump_folder) / checkpoint_folder).resolve()
+        if not root.is_relative_to(Path(dump_folder).resolve()):
+            out["checkpoint.folder"] = str(root)
+    return out
+
+
+def _try_lock(path: Path, key: str) -> int | None:
     """An open descriptor of `path` holding its flock, or None on a file system without flock."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -66,19 +80,19 @@ def _try_lock(path: Path) -> int | None:
             holder = _holder(fd)
             os.close(fd)
             raise DumpFolderInUse(
-                f"job.dump_folder {path.parent} is in use by another run ({holder}): wait for it to end "
-                "or choose another job.dump_folder"
+                f"{key} {path.parent} is in use by another run ({holder}): wait for it to end or choose another {key}"
             ) from None
         os.close(fd)
-        logger.warning(f"cannot lock {path} ({e.strerror}): a second run on this dump folder would not be detected")
+        logger.warning(f"cannot lock {path} ({e.strerror}): a second run on this {key} would not be detected")
         return None
     return fd
 
 
 class DumpFolderLock:
-    """Holds the lock of one dump folder until `release()` (or the process ends)."""
+    """Holds the lock of one dump folder (or of the folder `key` names) until `release()` (or the process
+    ends)."""
 
-    def __init__(self, dump_folder: str):
+    def __init__(self, dump_folder: str, key: str = "job.dump_folder"):
         self.path = _path(dump_folder)
         self._released = False
         if self.path in _held:
@@ -86,7 +100,7 @@ class DumpFolderLock:
             _held[self.path] = (fd, count + 1)
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _try_lock(self.path)
+        fd = _try_lock(self.path, key)
         if fd is None:
             self._released = True
             return
@@ -111,11 +125,11 @@ class DumpFolderLock:
         os.close(fd)  # closing the descriptor releases the flock; the file stays for the next run
 
 
-def check_free(dump_folder: str) -> None:
+def check_free(dump_folder: str, key: str = "job.dump_folder") -> None:
     """Raise `DumpFolderInUse` if another process holds the folder's lock (the preflight's check)."""
     path = _path(dump_folder)
     if path in _held or not path.parent.is_dir():
         return
-    fd = _try_lock(path)
+    fd = _try_lock(path, key)
     if fd is not None:
         os.close(fd)

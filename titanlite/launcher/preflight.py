@@ -134,7 +134,9 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
 
         check_device(cfg, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     check_writable("job.dump_folder", cfg.job.dump_folder)
-    lock.check_free(cfg.job.dump_folder)
+    ckpt = cfg.checkpoint
+    for key, folder in lock.run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():
+        lock.check_free(folder, key)
     if plan.data.local:  # indexes the data once for the ranks (data/index.py); hf:// streams are the ranks'
         build_loader(plan, dp_rank=0)
     if cfg.validation.enable and DataSource.parse(cfg.validation.dataset_path or cfg.training.dataset_path).local:
