@@ -389,6 +389,7 @@ def test_float8_needs_a_tested_torchao_and_a_gpu_with_float8(
     [
         ("generate", ["--prompt", "a", "--temperature", "nan"], "--temperature 'nan' is not a finite number"),
         ("generate", ["--prompt", "a", "--checkpoint", "x", "--step", "3"], "--checkpoint and --step exclude each"),
+        ("generate", ["--prompt", "a", "--top_k", "5", "--seed", "9"], "--top_k and --seed choose how to sample"),
         ("hf", ["export", "--out", "x", "--max-shard-mb", "inf"], "--max-shard-mb 'inf' is not a finite number"),
         ("hf", ["export", "--out", "x", "--max-shard-mb", "0"], "--max-shard-mb 0 must be positive"),
     ],

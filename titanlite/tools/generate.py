@@ -12,8 +12,8 @@ usage: python -m titanlite.tools.generate [--config FILE] [--checkpoint DIR | --
   --prompt TEXT        the text to continue (BOS is prepended, as in training)
   --max_new_tokens N   tokens to generate at most (default 50); generation also stops at EOS
   --temperature T      0 = greedy (the default: the same tokens as transformers' generate()); > 0 samples
-  --top_k K            sample only among the K most likely tokens (0 = all)
-  --seed S             the sampling seed (default 0): the same seed gives the same text
+  --top_k K            sample only among the K most likely tokens (0 = all; with --temperature > 0)
+  --seed S             the sampling seed (default 0): the same seed gives the same text (with --temperature > 0)
   --threads N          CPU threads (default: OMP_NUM_THREADS if set, else the cores not busy: the core count
                        minus the 1-minute load average, at least 1)
   -h, --help           this text
@@ -129,6 +129,8 @@ def main(argv: list[str]) -> int:
     temperature = float(number(opts, "--temperature", float))
     if max_new < 1 or top_k < 0 or temperature < 0 or threads < 0:
         raise ConfigError("--max_new_tokens must be positive, --top_k, --temperature and --threads non-negative")
+    if temperature == 0 and (top_k or seed):
+        raise ConfigError("--top_k and --seed choose how to sample: they need --temperature > 0 (0 is greedy)")
     if threads or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads or free_cores())
     cfg = load_config(rest, default_config=DEFAULT_CONFIG)
