@@ -135,6 +135,8 @@ CASES = [
     (None, ["--activation_checkpoint.selective_ac_option", "3"], 2, ["selective_ac_option 3 needs", "mode selective"]),
     (None, ["--validation.dataset_path", "/x.jsonl"], 2, ["validation.dataset_path /x.jsonl needs validation.enable"]),
     (None, ["--compile.enable", "--compile.components", ""], 2, ["compile.components is empty", "model and/or loss"]),
+    (None, ["--float8.recipe", "rowwise"], 2, ["float8.recipe is set but float8.enable is not"]),
+    (None, ["--float8.filter_fqns", "output"], 2, ["float8.filter_fqns is set but float8.enable is not"]),
     (None, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 4, ["seq_len 127", "2"]),
     # Sequence parallelism splits every sequence over tp, pipeline stages or not; the FFN is split over tp.
     (None, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "127"], 2, ["seq_len 127 is not a"]),

@@ -51,7 +51,15 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
     it is off and none of its switches is set)."""
     f8 = cfg.float8
     if not f8.enable:
-        stray = next((key for key in ("all_gather", "emulate") if getattr(f8, key)), None)
+        defaults = type(f8)()  # a switch or a choice away from its default says float8 was meant
+        stray = next(
+            (
+                key
+                for key in ("all_gather", "emulate", "recipe", "filter_fqns")
+                if getattr(f8, key) != getattr(defaults, key)
+            ),
+            None,
+        )
         if stray is not None:
             raise ConfigError(f"float8.{stray} is set but float8.enable is not: add --float8.enable, or drop it")
         return
