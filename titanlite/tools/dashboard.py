@@ -1,9 +1,9 @@
 """What TensorBoard shows for a run, read back from its event files:
 `python -m titanlite.tools.dashboard <dump_folder>/tb[/<run>]`.
 
-Prints the custom-scalars layout (category, chart title, tags) and every scalar tag with its display
-name, description and last value, through the event loader TensorBoard's own server uses, so the
-description of the dashboards in docs/metrics.md and the tests check what a browser would show. Given
+Prints the custom-scalars layout: each category, and in it each chart's title and tags with the tag's
+description, read through the event loader TensorBoard's own server uses, so the description of the
+dashboards in docs/metrics.md and the tests check what a browser would show. Given
 the TensorBoard folder itself (`<dump_folder>/tb`), it shows the newest run (the last name: runs are
 named in order, docs/metrics.md#runs) and names it on the first line. A folder that does not exist or
 holds no events is one line and exit code 2.
