@@ -627,19 +627,22 @@ def test_a_failed_dcp_write_stops_with_stop_on_save_error(tmp_path, failing_writ
 # --- the dump-folder lock ------------------------------------------------------------------------------------
 
 
-def hold_in_another_process(dump: Path, fork: bool = False) -> tuple[subprocess.Popen, int]:
-    """A process that holds `dump`'s lock until killed (and, with `fork`, a forked child of it, as a data
-    loader worker is); returns the process and the child's pid (0 without `fork`)."""
+def hold_in_another_process(
+    dump: Path, fork: bool = False, key: str = "job.dump_folder"
+) -> tuple[subprocess.Popen, int]:
+    """A process that holds `dump`'s lock (as the folder `key` names) until killed (and, with `fork`, a
+    forked child of it, as a data loader worker is); returns the process and the child's pid (0 without
+    `fork`)."""
     code = (
         "import os, sys, time\n"
         "from titanlite.checkpoint.lock import DumpFolderLock\n"
-        "DumpFolderLock(sys.argv[1])\n"
+        "DumpFolderLock(sys.argv[1], sys.argv[3])\n"
         "child = os.fork() if sys.argv[2] == '1' else 0\n"
         "if sys.argv[2] == '1' and child == 0: time.sleep(600); os._exit(0)\n"
         "print('held', child, flush=True); time.sleep(600)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(dump), str(int(fork))],
+        [sys.executable, "-c", code, str(dump), str(int(fork)), key],
         env=child_env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -674,32 +677,38 @@ def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
     held.release()
 
 
-def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, monkeypatch, capsys):
-    """Two runs whose checkpoint.folder is one folder outside their dump folders (an absolute or `..` path)
-    would resume from, move aside and delete each other's checkpoints: the run locks that folder as it locks
-    its dump folder, and the preflight refuses a second run in one line; a checkpoint folder inside the dump
-    folder, or checkpointing off, adds no lock (the control)."""
+def test_a_checkpoint_folder_shared_by_two_runs_is_locked_too(tmp_path, monkeypatch, capsys):
+    """Two runs whose checkpoint.folder is one folder (an absolute or `..` path outside their dump folders)
+    would resume from, move aside and delete each other's checkpoints: a run with checkpointing locks the
+    folder itself (no file is written into it), and the preflight refuses a second run in one line; another
+    checkpoint folder, or checkpointing off, is not refused (the control)."""
     dump, shared = tmp_path / "b", (tmp_path / "shared").resolve()
-    assert lock.run_folders(str(dump), "checkpoint") == {"job.dump_folder": str(dump)}
     assert lock.run_folders(str(dump), None) == {"job.dump_folder": str(dump)}
+    inside = {"job.dump_folder": str(dump), "checkpoint.folder": str((dump / "checkpoint").resolve())}
+    assert lock.run_folders(str(dump), "checkpoint") == inside
     for folder in ("../shared", str(shared)):
         assert lock.run_folders(str(dump), folder) == {"job.dump_folder": str(dump), "checkpoint.folder": str(shared)}
-    holder, _ = hold_in_another_process(shared)
+    holder, _ = hold_in_another_process(shared, key="checkpoint.folder")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), "--checkpoint.enable"]
+    argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump)]
     try:
-        assert run_cli(preflight.main, [*argv, "--checkpoint.folder", "../shared"]) == 2
+        assert list(shared.iterdir()) == []
+        assert run_cli(preflight.main, [*argv, "--checkpoint.enable", "--checkpoint.folder", "../shared"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(
-            f"titanlite: error: checkpoint.folder {shared} is in use by another run (host {socket.gethostname()}, "
-            f"pid {holder.pid}, "
-        ), err
+        assert err == [
+            f"titanlite: error: checkpoint.folder {shared} is in use by another run: wait for it to end or choose "
+            "another checkpoint.folder"
+        ], err
         with pytest.raises(DumpFolderInUse, match=rf"^checkpoint.folder {shared} is in use"):
             lock.DumpFolderLock(str(shared), "checkpoint.folder")
-        assert run_cli(preflight.main, argv) == 0
+        assert run_cli(preflight.main, [*argv, "--checkpoint.folder", "../shared"]) == 0  # checkpointing off
+        assert run_cli(preflight.main, [*argv, "--checkpoint.enable"]) == 0
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+    held = lock.DumpFolderLock(str(shared), "checkpoint.folder")  # released with its holder's death
+    held.release()
+    assert list(shared.iterdir()) == []
 
 
 def test_lock_is_not_kept_by_a_forked_child_of_a_dead_holder(tmp_path):

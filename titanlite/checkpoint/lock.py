@@ -4,8 +4,11 @@ Two runs on one folder would delete each other's half-written saves, publish fol
 complete and interleave their metrics. Rank 0 therefore holds `fcntl.flock` on `<dump_folder>/.lock`
 for the life of the run and writes its host and pid into the file, so a second run can say who holds
 it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same before any rank starts).
-A checkpoint folder outside the dump folder (an absolute or `..` path, `run_folders`) is locked the same
-way: two runs sharing it would resume from, move aside and delete each other's checkpoints.
+With checkpointing on, rank 0 also holds a flock on the checkpoint folder itself (a directory takes one;
+no file is written into it, which holds the run's checkpoints alone): a checkpoint folder outside the dump
+folder (an absolute or `..` path), or another run's, shared by two runs would have them resume from, move
+aside and delete each other's checkpoints (`run_folders`; the second run is refused naming
+`checkpoint.folder`).
 
 The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
 killed run is simply locked again, there is no stale state to clean up. A flock belongs to the open file,
@@ -45,8 +48,10 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def _path(dump_folder: str) -> Path:
-    return (Path(dump_folder) / LOCK_NAME).resolve()
+def _path(folder: str, key: str = "job.dump_folder") -> Path:
+    """What is locked: the dump folder's `.lock` file (it records the holder), or the folder `key` names
+    itself (module docstring)."""
+    return (Path(folder) / LOCK_NAME).resolve() if key == "job.dump_folder" else Path(folder).resolve()
 
 
 def _holder(fd: int) -> str:
@@ -59,28 +64,28 @@ def _holder(fd: int) -> str:
 
 
 def run_folders(dump_folder: str, checkpoint_folder: str | None) -> dict[str, str]:
-    """The folders a run's lock covers, by the config key naming each: the dump folder, and the checkpoint
-    folder (`checkpoint_folder`, relative to the dump folder; None with checkpointing off) where it lies
-    outside the dump folder."""
+    """The folders a run locks, by the config key naming each: the dump folder, and the checkpoint folder
+    (`checkpoint_folder`, relative to the dump folder; None with checkpointing off)."""
     out = {"job.dump_folder": dump_folder}
     if checkpoint_folder is not None:
-        root = (Path(dump_folder) / checkpoint_folder).resolve()
-        if not root.is_relative_to(Path(dump_folder).resolve()):
-            out["checkpoint.folder"] = str(root)
+        out["checkpoint.folder"] = str((Path(dump_folder) / checkpoint_folder).resolve())
     return out
 
 
 def _try_lock(path: Path, key: str) -> int | None:
-    """An open descriptor of `path` holding its flock, or None on a file system without flock."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """An open descriptor of `path` (a lock file, or a folder) holding its flock, or None on a file system
+    without flock."""
+    folder = path.is_dir()
+    fd = os.open(path, os.O_RDONLY) if folder else os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            holder = _holder(fd)
+            holder = "" if folder else f" ({_holder(fd)})"
             os.close(fd)
             raise DumpFolderInUse(
-                f"{key} {path.parent} is in use by another run ({holder}): wait for it to end or choose another {key}"
+                f"{key} {path if folder else path.parent} is in use by another run{holder}: wait for it to end "
+                f"or choose another {key}"
             ) from None
         os.close(fd)
         logger.warning(f"cannot lock {path} ({e.strerror}): a second run on this {key} would not be detected")
@@ -93,24 +98,33 @@ class DumpFolderLock:
     ends)."""
 
     def __init__(self, dump_folder: str, key: str = "job.dump_folder"):
-        self.path = _path(dump_folder)
+        self.path = _path(dump_folder, key)
         self._released = False
         if self.path in _held:
             fd, count = _held[self.path]
             _held[self.path] = (fd, count + 1)
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _try_lock(self.path, key)
+        if key == "job.dump_folder":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = _try_lock(self.path, key)
+        else:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                fd = _try_lock(self.path, key)
+            except OSError:  # no folder to hold checkpoints: the saves report that (stop_on_save_error)
+                fd = None
         if fd is None:
             self._released = True
             return
+        _held[self.path] = (fd, 1)
+        if key != "job.dump_folder":
+            return  # a folder records no holder
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         try:  # who holds it, for the message a second run gets; the lock itself needs no space
             os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {stamp}\n".encode(), 0)
         except OSError:
             pass
-        _held[self.path] = (fd, 1)
 
     def release(self) -> None:
         """Drop this holder; the flock is released when the last holder in the process lets go."""
@@ -127,8 +141,8 @@ class DumpFolderLock:
 
 def check_free(dump_folder: str, key: str = "job.dump_folder") -> None:
     """Raise `DumpFolderInUse` if another process holds the folder's lock (the preflight's check)."""
-    path = _path(dump_folder)
-    if path in _held or not path.parent.is_dir():
+    path = _path(dump_folder, key)
+    if path in _held or not (path.parent if key == "job.dump_folder" else path).is_dir():
         return
     fd = _try_lock(path, key)
     if fd is not None:
