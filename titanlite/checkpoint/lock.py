@@ -33,6 +33,9 @@ from titanlite.errors import DumpFolderInUse
 logger = logging.getLogger("titanlite")
 
 LOCK_NAME = ".lock"
+DUMP_FOLDER = "job.dump_folder"
+"""The key of the folder locked through a `.lock` file in it (which records the holder); a folder of any
+other key (`checkpoint.folder`) is locked itself."""
 
 # Locks held by this process: lock file -> (its descriptor, number of holders in this process).
 _held: dict[Path, tuple[int, int]] = {}
@@ -48,10 +51,15 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def _path(folder: str, key: str = "job.dump_folder") -> Path:
+def _path(folder: str, key: str = DUMP_FOLDER) -> Path:
     """What is locked: the dump folder's `.lock` file (it records the holder), or the folder `key` names
     itself (module docstring)."""
-    return (Path(folder) / LOCK_NAME).resolve() if key == "job.dump_folder" else Path(folder).resolve()
+    return (Path(folder) / LOCK_NAME).resolve() if key == DUMP_FOLDER else Path(folder).resolve()
+
+
+def _folder(path: Path, key: str) -> Path:
+    """The folder whose lock `path` is (`_path`'s inverse)."""
+    return path.parent if key == DUMP_FOLDER else path
 
 
 def _holder(fd: int) -> str:
@@ -66,7 +74,7 @@ def _holder(fd: int) -> str:
 def run_folders(dump_folder: str, checkpoint_folder: str | None) -> dict[str, str]:
     """The folders a run locks, by the config key naming each: the dump folder, and the checkpoint folder
     (`checkpoint_folder`, relative to the dump folder; None with checkpointing off)."""
-    out = {"job.dump_folder": dump_folder}
+    out = {DUMP_FOLDER: dump_folder}
     if checkpoint_folder is not None:
         out["checkpoint.folder"] = str((Path(dump_folder) / checkpoint_folder).resolve())
     return out
@@ -75,7 +83,7 @@ def run_folders(dump_folder: str, checkpoint_folder: str | None) -> dict[str, st
 def _try_lock(path: Path, key: str) -> int | None:
     """An open descriptor of `path` (a lock file, or a folder) holding its flock, or None on a file system
     without flock."""
-    folder = path.is_dir()
+    folder = key != DUMP_FOLDER
     fd = os.open(path, os.O_RDONLY) if folder else os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,7 +92,7 @@ def _try_lock(path: Path, key: str) -> int | None:
             holder = "" if folder else f" ({_holder(fd)})"
             os.close(fd)
             raise DumpFolderInUse(
-                f"{key} {path if folder else path.parent} is in use by another run{holder}: wait for it to end "
+                f"{key} {_folder(path, key)} is in use by another run{holder}: wait for it to end "
                 f"or choose another {key}"
             ) from None
         os.close(fd)
@@ -97,14 +105,14 @@ class DumpFolderLock:
     """Holds the lock of one dump folder (or of the folder `key` names) until `release()` (or the process
     ends)."""
 
-    def __init__(self, dump_folder: str, key: str = "job.dump_folder"):
+    def __init__(self, dump_folder: str, key: str = DUMP_FOLDER):
         self.path = _path(dump_folder, key)
         self._released = False
         if self.path in _held:
             fd, count = _held[self.path]
             _held[self.path] = (fd, count + 1)
             return
-        if key == "job.dump_folder":
+        if key == DUMP_FOLDER:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = _try_lock(self.path, key)
         else:
@@ -117,7 +125,7 @@ class DumpFolderLock:
             self._released = True
             return
         _held[self.path] = (fd, 1)
-        if key != "job.dump_folder":
+        if key != DUMP_FOLDER:
             return  # a folder records no holder
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
@@ -139,10 +147,10 @@ class DumpFolderLock:
         os.close(fd)  # closing the descriptor releases the flock; the file stays for the next run
 
 
-def check_free(dump_folder: str, key: str = "job.dump_folder") -> None:
+def check_free(dump_folder: str, key: str = DUMP_FOLDER) -> None:
     """Raise `DumpFolderInUse` if another process holds the folder's lock (the preflight's check)."""
     path = _path(dump_folder, key)
-    if path in _held or not (path.parent if key == "job.dump_folder" else path).is_dir():
+    if path in _held or not _folder(path, key).is_dir():
         return
     fd = _try_lock(path, key)
     if fd is not None:

@@ -365,8 +365,7 @@ def main(argv: list[str]) -> int:
     if best is None:
         raise RuntimeError("the dry run rejected every confirmed layout the estimate accepted")
     elapsed = time.perf_counter() - started
-    out = os.path.join(cfg.job.dump_folder, PLAN_NAME)
-    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    out = os.path.join(cfg.job.dump_folder, PLAN_NAME)  # the folder is made (check_writable)
     header = (
         f"Written by ./run_train.sh --config {cfg.job.config_file or DEFAULT_CONFIG} --plan: the fastest of "
         f"{result.fit:,} layouts that fit {world} x {kind.name} (estimated)\n"
