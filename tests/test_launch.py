@@ -15,9 +15,15 @@ import pytest
 from harness import ROOT, SMALL, child_env
 
 FAKE_SRUN = """#!/bin/bash
-# Records its options, then runs the task of node 0 (what srun starts on every node).
-while [[ "$1" == --* ]]; do echo "$1" >> "$SRUN_LOG"; shift; done
+# Records each call's options as one line, then runs the task of node 0 (what srun starts on every node).
+options=()
+while [[ "$1" == --* ]]; do options+=("$1"); shift; done
+echo "${options[*]}" >> "$SRUN_LOG"
 SLURM_NODEID=0 exec "$@"
+"""
+FAKE_HOSTNAME = """#!/bin/bash
+# The head node's addresses (documentation ranges: nothing is sent to them).
+[ "$1" = "--ip-address" ] && echo "192.0.2.7 2001:db8::7 "
 """
 FAKE_SCONTROL = """#!/bin/bash
 [ "$1 $2" = "show hostnames" ] && [ "$3" = "node[001-002]" ] && printf 'node001\\nnode002\\n'
@@ -61,10 +67,13 @@ def test_two_nodes_use_the_c10d_rendezvous():
 
 
 @pytest.mark.slow
-def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
+@pytest.mark.parametrize(("rdzv_host", "endpoint"), [(None, "192.0.2.7:29500"), ("2001:db8::9", "[2001:db8::9]:29500")])
+def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path, rdzv_host, endpoint):
+    """The agents meet at the head node's address as the head node reports it (a host name may resolve to
+    another interface on each node), or at RDZV_HOST; an IPv6 address is bracketed before the port."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("hostname", FAKE_HOSTNAME)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = child_env(
@@ -79,8 +88,10 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
         SLURM_SUBMIT_DIR=str(ROOT),
         TITANLITE_DEVICE="cpu",  # this CPU machine stands in for the GPU nodes SLURM_GPUS_ON_NODE names
     )
-    for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID"):
+    for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_HOST"):
         env.pop(key, None)
+    if rdzv_host:
+        env["RDZV_HOST"] = rdzv_host
     argv = launched(
         subprocess.run(
             ["bash", str(ROOT / "multinode_trainer.slurm"), "--training.steps", "5"],
@@ -91,17 +102,16 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path):
             timeout=300,
         )
     )
-    assert (tmp_path / "srun.log").read_text().split() == [
-        "--nodes=2",
-        "--ntasks-per-node=1",
-        "--cpus-per-task=16",
-        "--cpu-bind=none",
-        "--kill-on-bad-exit=1",
+    # The head node is asked for its address (unless RDZV_HOST names one), then one agent starts per node.
+    lookup = [] if rdzv_host else ["--nodes=1 --ntasks=1 --nodelist=node001"]
+    assert (tmp_path / "srun.log").read_text().splitlines() == [
+        *lookup,
+        "--nodes=2 --ntasks-per-node=1 --cpus-per-task=16 --cpu-bind=none --kill-on-bad-exit=1",
     ]
     assert option(argv, "--comm.stop_grace_seconds") == "270"
     assert (option(argv, "--nnodes"), option(argv, "--rdzv_endpoint"), option(argv, "--rdzv_id")) == (
         "2",
-        "node001:29500",
+        endpoint,
         "titanlite-1234",
     )
     assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
