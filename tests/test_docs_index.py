@@ -13,3 +13,12 @@ def test_the_docs_index_lists_every_page_once():
     listed = re.findall(r"^- \[[^\]]+\]\(([^)#]+\.md)\)", index, flags=re.MULTILINE)
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
     assert sorted(listed) == pages
+
+
+def test_the_readme_names_every_docs_page():
+    """The README's documentation paragraph links each page of docs/ (a new page is easy to leave out of it)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Documentation", 1)[1]
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)\)", section))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert linked == pages, sorted(pages ^ linked)
