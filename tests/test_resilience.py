@@ -1,4 +1,5 @@
-"""Fault injection: preemption (and determinism), a crashed rank with restarts, non-finite losses.
+"""Fault injection: preemption (and determinism), a crashed rank with restarts, a hung rank (stopped from
+outside, or stuck in Python) caught by the launcher's watchdog, non-finite losses.
 
 Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/faults.py).
 Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step, so each is a few seconds.
@@ -7,13 +8,18 @@ Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness import SHALLOW, SMALL, RunResult, train
+from harness import ROOT, SHALLOW, SMALL, RunResult, child_env, threads, train
 
 
 def run(dump: Path, *overrides: str, nproc: int = 2, launcher: str = "torchrun", **env: str) -> RunResult:
@@ -30,6 +36,48 @@ def losses(dump: Path) -> dict[int, float]:
 
 CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "8")
 RESTARTING = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1")
+WATCHED = ("--comm.hang_timeout_seconds", "5")
+"""A window the tests can wait for; the fault-free 100-step run shows it never fires on healthy steps."""
+
+
+def rank_pid(dump: Path, rank: int) -> int | None:
+    """The pid of rank `rank` of the run training into `dump` (its RANK in /proc/<pid>/environ)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or str(dump).encode() not in (entry / "cmdline").read_bytes().split(b"\0"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"titanlite.train" in cmdline and f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(
+                b"\0"
+            ):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1) -> RunResult:
+    """run_train.sh on 2 ranks; once metrics.jsonl holds `step` rows, rank `rank` is stopped from outside
+    (SIGSTOP, as a stuck process or a debugger leaves it)."""
+    args = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), *SMALL, *SHALLOW, *overrides]
+    env = child_env(NGPU="2", OMP_NUM_THREADS=str(threads(2)))
+    proc = subprocess.Popen(
+        [str(ROOT / "run_train.sh"), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = dump / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step"
+        time.sleep(0.05)
+    pid = rank_pid(dump, rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    out, err = proc.communicate(timeout=300)
+    return RunResult(proc.returncode, out, err, dump)
 
 
 @dataclass
@@ -59,6 +107,7 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
         return out
 
     crash = {"TITANLITE_FAULT_EXIT_AT": "6", "TITANLITE_FAULT_RANK": "1", "LOG_RANK": "0,1"}
+    hang = {"TITANLITE_FAULT_HANG_AT": "6", "TITANLITE_FAULT_RANK": "1", "launcher": "run_train"}
     plans = {
         "uninterrupted": [(("--training.steps", "8"), {})],
         # SIGTERM at step 4 on rank 1, then the resume in the same folder.
@@ -70,6 +119,17 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
         "crash": [
             (RESTARTING, {"launcher": "run_train", "TITANLITE_FAULT_ONCE": str(root / "crash" / "fired"), **crash})
         ],
+        # Rank 1 hangs in Python before step 6 once; the watchdog restarts every rank.
+        "hang": [(RESTARTING + WATCHED, {"TITANLITE_FAULT_ONCE": str(root / "hang" / "fired"), **hang})],
+        # The same with no restart left: the launch ends with the hang's code.
+        "hang_final": [(("--training.steps", "3", *WATCHED), {**hang, "TITANLITE_FAULT_HANG_AT": "2"})],
+        # A healthy run of 100 steps, with saves, under the same window.
+        "watched": [
+            (
+                ("--training.steps", "100", "--checkpoint.enable", "--checkpoint.interval", "40", *WATCHED),
+                {"launcher": "run_train"},
+            )
+        ],
         "nan_stop": [
             (
                 ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2"),
@@ -80,8 +140,17 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
             (("--training.steps", "6", "--training.skip_nonfinite_steps", "1"), {"TITANLITE_FAULT_NAN_AT": "3"})
         ],
     }
+
+    def stopped(name: str) -> Launches:
+        """Rank 1 stopped from outside after step 3, with one restart."""
+        dump = root / name
+        dump.mkdir()
+        result = run_stopping_a_rank(dump, 3, *RESTARTING, *WATCHED)
+        return Launches(dump, [result], [losses(dump)])
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(launches, name, *steps) for name, steps in plans.items()}
+        futures["stopped"] = pool.submit(stopped, "stopped")
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -123,6 +192,60 @@ def test_crashed_rank_restarts_from_checkpoint(runs, uninterrupted):
     ], own
     runs_ = [(r["run"], r["step"]) for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())]
     assert runs_ == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (2, 7), (2, 8)], runs_
+
+
+HUNG = (
+    r"rank 1{how} made no progress for \d+ s (at step \d+|in the checkpoint after step \d+); "
+    r"rank 0 was waiting in a collective; "
+    r"stacks in (.*)/hang/0/"
+)
+
+
+def own_lines(proc: RunResult) -> list[str]:
+    """What the launcher itself printed (not the ranks' log lines)."""
+    return [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "how", "frame"), [("stopped", " (a stopped process)", ""), ("hang", "", "faults.py")])
+def test_a_hung_rank_is_named_its_stacks_written_and_the_run_restarted_exactly(runs, uninterrupted, case, how, frame):
+    """A rank stopped from outside (SIGSTOP) or stuck in Python: the launcher's watchdog names it and the
+    step in one line, writes every rank's Python stacks, restarts every rank from the last checkpoint, and
+    the run finishes with the uninterrupted run's losses, bitwise."""
+    dump, (proc,) = runs[case].dump, runs[case].procs
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (line,) = own_lines(proc)
+    match = re.fullmatch(
+        "titanlite: restarting every rank \\(restart 1 of 1\\) after: " + HUNG.format(how=re.escape(how)), line
+    )
+    assert match, line
+    # The in-Python hang is before step 6; the stop lands wherever rank 1 was after step 3.
+    assert match[1] == "at step 6" if case == "hang" else int(match[1].split()[-1]) >= 3, line
+    assert match[2] == str(dump)
+    stuck, waiting = ((dump / "hang" / "0" / f"rank{r}.txt").read_text() for r in (1, 0))
+    assert stuck.startswith("rank 1, pid ") and ("stopped (SIGSTOP)" in stuck) == (case == "stopped"), stuck
+    assert 'File "' in stuck and frame in stuck, stuck
+    assert "torch/distributed/" in waiting or "torch/autograd/" in waiting, waiting
+    assert losses(dump) == uninterrupted  # the restart's rows replace steps 5-8 of the first attempt
+    assert [r["run"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())][-1] == 2
+
+
+@pytest.mark.slow
+def test_a_hang_with_no_restart_left_exits_5_in_one_line(runs):
+    (proc,) = runs["hang_final"].procs
+    assert proc.returncode == 5, (proc.stdout + proc.stderr)[-4000:]
+    (line,) = own_lines(proc)
+    match = re.fullmatch("titanlite: error: " + HUNG.format(how=""), line)
+    assert match and match[1] == "at step 2", line
+
+
+@pytest.mark.slow
+def test_the_watchdog_never_fires_on_a_healthy_run(runs):
+    """100 steps with two saves, under the same 5-second window as the hangs above."""
+    dump, (proc,) = runs["watched"].dump, runs["watched"].procs
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not (dump / "hang").exists() and "made no progress" not in proc.stderr
+    assert max(runs["watched"].losses[0]) == 100
 
 
 @pytest.mark.slow

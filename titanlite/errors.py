@@ -19,6 +19,8 @@ from collections.abc import Callable
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_NOT_SAVED = 4
+EXIT_HUNG = 5
+"""The launcher's: ranks hung (`launcher/hang_watchdog.py`) and no restart was left."""
 
 
 class UserError(Exception):

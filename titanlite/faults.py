@@ -10,8 +10,10 @@ a full disk where no small disk can be mounted, a kill inside a checkpoint save.
     TITANLITE_FAULT_USER_ERROR_AT=k    the faulting rank alone raises a `UserError` before step k (bad
                                        input only it can see, such as an unreadable shard on its host)
     TITANLITE_FAULT_CRASH_AT=k         the faulting rank alone raises a `RuntimeError` (a bug) before step k
-    TITANLITE_FAULT_RANK=r             the faulting rank of the four above (default 0)
-    TITANLITE_FAULT_ONCE=<file>        the four above fire only if <file> does not exist yet (it is created
+    TITANLITE_FAULT_HANG_AT=k          the faulting rank hangs in Python before step k (sleeps for ever: a
+                                       deadlock; its peers wait in the step's first collective)
+    TITANLITE_FAULT_RANK=r             the faulting rank of the five above (default 0)
+    TITANLITE_FAULT_ONCE=<file>        the five above fire only if <file> does not exist yet (it is created
                                        first), so a restarted run goes on normally
     TITANLITE_FAULT_NAN_AT=k[,k2...]   the loss of those steps is made NaN (every rank)
     TITANLITE_FAULT_METRICS_DISK_FULL  set: every write of every metrics output fails as on a full disk
@@ -66,7 +68,8 @@ def _claim_once() -> bool:
 
 
 def before_step(step: int, rank: int) -> None:
-    """The rank faults of step `step` (EXIT_AT, SIGTERM_AT, USER_ERROR_AT, CRASH_AT), on the faulting rank."""
+    """The rank faults of step `step` (EXIT_AT, SIGTERM_AT, USER_ERROR_AT, CRASH_AT, HANG_AT), on the faulting
+    rank."""
     if rank != int(os.environ.get(PREFIX + "RANK", "0")):
         return
     if step == _step("EXIT_AT") and _claim_once():
@@ -78,6 +81,10 @@ def before_step(step: int, rank: int) -> None:
         raise UserError(f"fault injection: rank {rank} found bad input at step {step}")
     if step == _step("CRASH_AT") and _claim_once():
         raise RuntimeError(f"fault injection: rank {rank} crashed at step {step}")
+    if step == _step("HANG_AT") and _claim_once():
+        logger.error(f"fault injection: rank {rank} hangs at step {step}")
+        while True:
+            time.sleep(1)
 
 
 def nan_loss_at(step: int) -> bool:

@@ -31,6 +31,7 @@ from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
 from titanlite.launcher import socket_interfaces
+from titanlite.launcher.progress import Progress
 from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
 from titanlite.launcher.signals import Preemption
@@ -153,6 +154,8 @@ class Trainer:
         """The last step's agreement: stop signal, finite, and the logged loss and grad norm."""
         self.preemption = preemption or Preemption()
         self.preempted = False
+        self.progress = Progress(self.rank)
+        """What the launcher's hang watchdog reads: each finished step, and the phases that may outlast one."""
         self.checkpointer = CheckpointManager(
             self.plan,
             model=self.model,
@@ -280,6 +283,7 @@ class Trainer:
                 batches = [next(data_iter) for _ in range(self.grad_accum)]
                 window_data += time.perf_counter() - t0
                 self.train_step(batches)
+                self.progress.beat(self.step)
                 profiler.step()
                 window_steps += 1
                 if self.step == first_step:
@@ -303,13 +307,18 @@ class Trainer:
                     )
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
                 if self.validator is not None and self.validator.due(self.step):
+                    self.progress.beat(self.step, "validation")
                     result = self.validator.run(self.runner)
                     self.metrics.log_validation(self.step, result)
                     window_start += result.seconds  # not training time: kept out of tokens/s
                 if self.preempted:
                     self._save_and_stop(start)
                     return
-                self.checkpointer.save(self.step, last_step=self.step == cfg.steps)
+                last_step = self.step == cfg.steps
+                if self.checkpointer.due(self.step, last_step):
+                    self.progress.beat(self.step, "checkpoint")
+                self.checkpointer.save(self.step, last_step=last_step)
+                self.progress.beat(self.step)
                 if cfg.gc_freq and self.step % cfg.gc_freq == 0:
                     gc.collect(1)
         if self.cfg.checkpoint.enable:
@@ -325,10 +334,12 @@ class Trainer:
                 f"{what}: nothing saved (checkpoint.enable = false): the {self.step - start} steps this run "
                 "trained are lost (--checkpoint.enable saves them at a stop signal, and the next launch resumes)"
             )
+        self.progress.beat(self.step, "checkpoint")
         self.checkpointer.save(self.step, force=True)
         logger.info(f"{what}: checkpoint saved to {self.checkpointer.confirm(self.step, what)}; exiting")
 
     def close(self) -> None:
+        self.progress.close()
         self.checkpointer.close()
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():

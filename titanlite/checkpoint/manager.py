@@ -156,7 +156,7 @@ class CheckpointManager:
         """Save after `step` if due (enabled and on the interval or the last step) or if `force`. A forced
         or last-step save is the run's last: `confirm` tells whether it was written."""
         self._poll()
-        due = self.cfg.enable and (last_step or step % self.cfg.interval == 0)
+        due = self.due(step, last_step)
         if force or (due and last_step):
             self._final = step
         if (force or due) and step != self._last_saved:
@@ -166,6 +166,10 @@ class CheckpointManager:
             self._wait_pending()
             self._save(step, model_only, dtype)
         faults.checkpoint_kill(step, "after_save")
+
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether `save(step)` saves without `force`: enabled, and on the interval or the last step."""
+        return self.cfg.enable and (last_step or step % self.cfg.interval == 0)
 
     def _save(self, step: int, model_only: bool, dtype: torch.dtype | None) -> None:
         """Collective. Rank 0 prepares `step-N.partial`; every rank writes its rank-state file, then DCP

@@ -434,6 +434,13 @@ class Comm:
     async checkpoint writer's collectives (which wait for every rank's file writes)."""
     train_timeout_seconds: int = field(default=100, metadata=TIMEOUT)
     """Timeout of each collective after the first step: a dead peer surfaces within it."""
+    hang_timeout_seconds: float = field(default=60.0, metadata=_range(low=0, high=7 * 24 * 3600))
+    """The launcher's hang watchdog (0 = off): when no rank of a node has finished a step for this long, it
+    writes every rank's Python stacks to <dump_folder>/hang/<n>/, names the rank that stopped, then
+    restarts the ranks (comm.max_restarts) or exits with code 5. Armed after each attempt's first step (not
+    during start-up or the first compile); the window stretches to 3x the longest step seen, and to
+    init_timeout_seconds during a checkpoint save or validation, so a healthy step never fires it. Below
+    train_timeout_seconds it names a hang before the collective timeout ends the job without a name."""
     max_restarts: int = field(default=0, metadata=NON_NEGATIVE)
     """Restarts of all ranks after a crash (not after bad input or divergence); MAX_RESTARTS overrides it."""
     stop_grace_seconds: float = field(default=120.0, metadata=POSITIVE)

@@ -8,6 +8,8 @@ stop signals, restart rule and error report. `titanlite.launcher.launch` checks 
   A signal while no rank runs (rendezvous, a restart) ends the launch at once.
 * Restarts: failures that a restart cannot fix (exit codes 2, 3, 4) are not restarted; every restart is
   announced on stderr with the failure that caused it.
+* Hangs (`hang_watchdog.py`): ranks that stop making progress are caught before the collective timeout,
+  their stacks written and the one that stopped named; then restarted like a crash, or exit code 5.
 * One error report (`root_cause`), printed once.
 * The ranks' log folder (torch elastic's, in the system temp folder) is removed when the launch ends,
   except after a crash, whose report names it.
@@ -20,13 +22,15 @@ import os
 import shutil
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed.elastic.rendezvous.registry as rdzv_registry
 from torch.distributed.elastic.agent.server import WorkerSpec
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -35,8 +39,10 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
 
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.errors import EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_USER_ERROR
+from titanlite.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_NOT_SAVED, EXIT_USER_ERROR
+from titanlite.launcher.hang_watchdog import Hang, HangWatchdog, nccl_pipe_env
 from titanlite.launcher.preflight import check_run
+from titanlite.launcher.progress import PROGRESS_DIR_ENV
 from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
@@ -121,6 +127,10 @@ class Agent(LocalElasticAgent):
     `launch` before `run()`."""
 
     stopper: Stopper | None = None
+    watchdog: HangWatchdog | None = None
+    hang: Hang | None = None
+    """The last hang caught (its report when no restart was left)."""
+    _watched = 0.0
     log_dir = ""
     started = False
     """Ranks were started at least once."""
@@ -134,6 +144,8 @@ class Agent(LocalElasticAgent):
         # (another thread of this process may take it) is only recorded, and forwarded once the new
         # ranks' pids are known.
         self.spawning = True
+        if self.watchdog is not None:
+            self.watchdog.reset()
         try:
             with blocked():
                 ids = super()._start_workers(worker_group)
@@ -152,6 +164,9 @@ class Agent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        hang = self._watch(worker_group) if result.state == WorkerState.HEALTHY else None
+        if hang is not None:
+            result = RunResult(state=WorkerState.FAILED)  # no rank failed: the launch reports `self.hang`
         if not result.is_failed():
             return result
         stopping = self.stopper is not None and self.stopper.received is not None
@@ -160,13 +175,30 @@ class Agent(LocalElasticAgent):
         elif self._remaining_restarts > 0:
             spec = worker_group.spec
             done = spec.max_restarts - self._remaining_restarts + 1
-            why = root_cause(result.failures, self.log_dir).text.removeprefix("titanlite: error: ")
+            cause = hang.line() if hang else root_cause(result.failures, self.log_dir).text
+            why = cause.removeprefix("titanlite: error: ")
             print(
                 f"titanlite: restarting every rank (restart {done} of {spec.max_restarts}) after: {why}",
                 file=sys.stderr,
                 flush=True,
             )
         return result
+
+    def _watch(self, worker_group: WorkerGroup) -> Hang | None:
+        """About once a second, ask the hang watchdog; on a hang, capture it and kill every rank."""
+        now = time.monotonic()
+        if self.watchdog is None or now - self._watched < 1.0:
+            return None
+        self._watched = now
+        pids = {w.global_rank: w.id for w in worker_group.workers if isinstance(w.id, int)}
+        idle = self.watchdog.idle(list(pids), now)
+        if idle is None:
+            return None
+        self.hang = self.watchdog.capture(pids, idle)
+        assert self._pcontext is not None
+        self._pcontext.close(signal.SIGKILL)  # a stop signal would wait for a step boundary that never comes
+        self.running = False
+        return self.hang
 
 
 @dataclass
@@ -225,6 +257,7 @@ class Launch:
     grace_seconds: float
     log_dir: str
     own_log_dir: bool
+    watchdog: HangWatchdog | None
 
 
 def build_launch(argv: list[str]) -> Launch:
@@ -288,7 +321,14 @@ def build_launch(argv: list[str]) -> Launch:
         log_line_prefix_template=config.log_line_prefix_template,
         **shutdown,
     )
-    return Launch(agent, grace, config.logs_specs.root_log_dir, own_log_dir=bool(args.log_dir))
+    log_dir = config.logs_specs.root_log_dir
+    watchdog = None
+    if cfg.comm.hang_timeout_seconds > 0:
+        progress = Path(log_dir) / "progress"
+        progress.mkdir(parents=True, exist_ok=True)
+        relaxed = cfg.comm.init_timeout_seconds
+        watchdog = HangWatchdog(progress, cfg.comm.hang_timeout_seconds, relaxed, cfg.job.dump_folder)
+    return Launch(agent, grace, log_dir, own_log_dir=bool(args.log_dir), watchdog=watchdog)
 
 
 def launch(argv: list[str], early: Preemption) -> int:
@@ -299,6 +339,11 @@ def launch(argv: list[str], early: Preemption) -> int:
     agent.log_dir = spec.log_dir
     stopper = agent.stopper = Stopper(spec.grace_seconds, agent, early.received)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks (rank_exit.follow_launcher)
+    if spec.watchdog is not None:  # inherited by the ranks (progress.Progress)
+        agent.watchdog = spec.watchdog
+        os.environ[PROGRESS_DIR_ENV] = str(spec.watchdog.folder)
+        for key, value in nccl_pipe_env(spec.watchdog.folder).items():
+            os.environ.setdefault(key, value)
     rdzv_handler = agent.get_worker_group().spec.rdzv_handler
     code = 1
     try:
@@ -307,7 +352,10 @@ def launch(argv: list[str], early: Preemption) -> int:
         stopper.cancel()
         rdzv_handler.shutdown()
         code = 0
-        if result.is_failed():
+        if result.is_failed() and not result.failures and agent.hang is not None:
+            print(f"titanlite: error: {agent.hang.line()}", file=sys.stderr, flush=True)
+            code = EXIT_HUNG
+        elif result.is_failed():
             report = root_cause(result.failures, spec.log_dir)
             print(report.text, file=sys.stderr, flush=True)
             code = report.code
