@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -20,23 +21,37 @@ from builders import config
 from host_syncs import SyncCounter
 
 import titanlite.trainer as trainer_module
-from harness import ROOT, child_env, tiny_args
+from harness import ROOT, child_env, one_rank_group, tiny_args
 from titanlite.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorder
 from titanlite.config import JobConfig
+from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import preflight
 from titanlite.models.common.init import InitSpec, init_parameter_, init_parameters_
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.plan import RunPlan
 from titanlite.run_loader import build_loader, loader_workers
+from titanlite.tools.dry_run import fake_process_group
 from titanlite.tools.visible_gpus import visible_gpus
 from titanlite.trainer import Trainer
 
-TITANLITE = str(ROOT / "titanlite")
-
 
 @pytest.fixture(autouse=True)
-def _process_group(process_group):
-    """As a single-process run: a one-rank process group."""
+def _process_group(request):
+    """As a single-process run: a one-rank process group (a test of several ranks makes its own)."""
+    if "fake_world" in request.fixturenames:
+        yield
+        return
+    with one_rank_group():
+        yield
+
+
+@pytest.fixture
+def fake_world() -> Callable[[int, int], AbstractContextManager[None]]:
+    """`fake_process_group(rank, world_size)`: the test is each of several ranks in turn, on torch's fake
+    process group (collectives do nothing), and gets no one-rank group."""
+    return fake_process_group
 
 
 RUN = dict(training__seq_len=8, training__local_batch_size=2, training__steps=3, metrics__log_freq=1)
@@ -52,16 +67,6 @@ def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonf
 ):
     trainer = trainer_of(config(tmp_path, RUN, training__skip_nonfinite_steps=1))
     monkeypatch.setenv("TITANLITE_FAULT_NAN_AT", "3")
-    copies = []
-    real_to = torch.Tensor.to
-
-    def to(tensor, *args, **kwargs):
-        moves = "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
-        if moves and traceback.extract_stack(limit=2)[0].filename.startswith(TITANLITE):  # not a dtype cast
-            copies.append(kwargs.get("non_blocking", False))
-        return real_to(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
     counter = SyncCounter(monkeypatch, trainer.optimizer)
     with counter:
         trainer.train()  # 3 steps, each logged; step 3 is not finite and is skipped
@@ -75,7 +80,28 @@ def test_one_host_sync_per_step_even_when_logging_every_step_and_skipping_a_nonf
     assert trainer.skipped_steps == 1 and "non-finite step 3: loss nan" in caplog.text
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
-    assert copies == [True] * 6  # inputs and labels of each step
+    assert counter.copies == 6  # inputs and labels of each step, none blocking
+
+
+@pytest.mark.parametrize("degrees", [dict(tp=2), dict(cp=2), dict(pp=2)], ids=["tp", "cp", "pp"])
+def test_a_replicas_batches_reach_the_device_without_a_host_sync_under_tp_cp_or_pp(monkeypatch, fake_world, degrees):
+    """Under tensor, context or pipeline parallelism one rank of a replica reads its batches and broadcasts
+    them (`replica_batches`): the reader's copy of each batch to the device does not block (it is counted as
+    the trainer loop's syncs are), and its peer, which receives, copies nothing."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, world_size=2, **{"tp": 1, **degrees})
+    shape = (2, 4)
+    counter = SyncCounter(monkeypatch)
+    seen = {}
+    for rank in range(2):
+        loader = (Batch(*(torch.full(shape, 10 * i + f) for f in range(3))) for i in range(3))
+        with fake_world(rank, 2), counter:
+            batches = replica_batches(loader, dims, torch.device("cpu"), shape, 60)
+            seen[rank] = [next(batches) for _ in range(3)], list(counter.calls), counter.copies
+    monkeypatch.undo()
+    (read, calls, copies), (_, peer_calls, peer_copies) = seen[0], seen[1]
+    assert [[int(t[0, 0]) for t in batch] for batch in read] == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
+    assert calls == [] and copies == 3, calls
+    assert peer_calls == [] and peer_copies == copies  # the receiver copies nothing
 
 
 def test_cuda_loader_pins_batches_and_gets_workers(tmp_path):

@@ -8,7 +8,9 @@ tokenization on every rank. The reader is the replica's lowest global rank (pipe
 the other ranks' loaders are built (a bad dataset is still reported before training) but never iterated,
 so their saved loader state stays at its start and is never read. Each microbatch costs one broadcast of
 its token ids, labels and positions over the replica's ranks ([3, local batch, seq_len] int64, on the
-device the step runs on).
+device the step runs on). The reader stacks them on the host (into page-locked memory on CUDA) and copies
+them to the device without blocking: the host goes on to the step while the copy runs, as the loader's
+pinned batches let it without tensor, context or pipeline parallelism (`data/batch.py`).
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def replica_batches(
     rank = dist.get_rank()
     reader = replicas[dims.dp_rank_of(rank)][0]
     batches = iter(loader) if rank == reader else None
+    rows_shape = (len(Batch._fields), *shape)
     while True:
         if batches is not None:
-            rows = torch.stack(next(batches)).to(device)
+            # A fresh pinned buffer each time: the caching host allocator keeps it until its copy is done.
+            staged = torch.empty(rows_shape, dtype=torch.long, pin_memory=device.type == "cuda")
+            rows = torch.stack(next(batches), out=staged).to(device, non_blocking=True)
         else:
-            rows = torch.empty((len(Batch._fields), *shape), dtype=torch.long, device=device)
+            rows = torch.empty(rows_shape, dtype=torch.long, device=device)
         dist.broadcast(rows, src=reader, group=group)
         yield Batch(*rows)
