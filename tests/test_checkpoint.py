@@ -247,6 +247,29 @@ def test_pruning_deletes_in_the_background_one_at_a_time_and_close_waits_for_it(
     assert started == ["step-1.deleting", "step-2.deleting", "step-3.deleting"]
 
 
+def test_a_stop_signal_while_the_run_waits_for_a_deletion_ends_the_wait(tmp_path, monkeypatch, caplog):
+    """A run that finished waits for its deletions; a stop signal then (the launcher kills ranks still
+    running after comm.stop_grace_seconds) ends the wait: the folder stays retired for the next run,
+    said in one line. (A stop signal before the wait: tests/test_checkpoint_faults.py.)"""
+    caplog.set_level(logging.INFO, logger="titanlite")
+    release, waiting = threading.Event(), threading.Event()
+    monkeypatch.setattr(purge.faults, "slow_purge", lambda path: (waiting.set(), release.wait(60)))
+    (root(tmp_path) / "step-1").mkdir(parents=True)
+    purger = purge.Purger()
+    purger.submit(folders.retire(root(tmp_path) / "step-1"))
+    assert waiting.wait(60)
+    asked = []
+    purger.finish(root(tmp_path), 1, None, stopping=lambda: asked.append(1) or len(asked) > 2)
+    assert len(asked) == 3 and (root(tmp_path) / "step-1.deleting").is_dir()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "checkpoint: waiting for the deletion of step-1.deleting",
+        "checkpoint: stop signal: step-1.deleting left retired, not deleted; the next run deletes them",
+    ]
+    release.set()
+    assert purger.join() == [] and not (root(tmp_path) / "step-1.deleting").exists()
+
+
 def test_retired_folders_are_never_resumed_and_the_next_run_deletes_them(tmp_path):
     """A crash during a deletion leaves `step-N.deleting`, complete or half deleted: no lister or resume
     sees it, a retired name is never reused, and the next run deletes it."""

@@ -1,9 +1,9 @@
 """Checkpoints under faults, as users meet them: through `run_train.sh` (NGPU=1: the preflight, the
 launcher and one rank; exit codes and error lines are what the launcher reports): a full disk under the
 metrics and the checkpoints (the last save failing: exit code 4), a full disk during an async save, a
-stop signal whose save fails under a file size limit, a slow deletion of an old checkpoint (two ranks),
-a second run on a locked dump folder, a bit flip in a shard (resume and HF export), a resume with
-changed settings or nothing to train.
+stop signal whose save fails under a file size limit, a slow deletion of an old checkpoint (two ranks)
+and a stop signal during one, a second run on a locked dump folder, a bit flip in a shard (resume and
+HF export), a resume with changed settings or nothing to train.
 
 The full disk is a real one where this process may mount a 4 MiB tmpfs (root); elsewhere a 4 MiB file
 size limit (RLIMIT_FSIZE, inherited by the trainer) makes the same DCP write fail (EFBIG). Either way
@@ -18,16 +18,18 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, SMALL, RunResult, child_env, train
+from harness import ROOT, SHALLOW, SMALL, RunResult, assert_resumed, child_env, train
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.optim import lr_factor
@@ -228,6 +230,47 @@ def test_a_slow_deletion_of_an_old_checkpoint_delays_no_step_and_ends_before_the
     assert "checkpoint: waiting for the deletion of step-2.deleting, step-4.deleting" in result.log
     assert "checkpoint: old checkpoints deleted" in result.log
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-5"]
+
+
+def test_a_stop_signal_exits_without_waiting_for_a_slow_deletion_and_the_next_run_deletes_it(tmp_path):
+    """SIGUSR1 to the launcher (SLURM's warning before the end of a job) while each deletion of an old
+    checkpoint takes 10 minutes, far past comm.stop_grace_seconds: the rank saves and exits, exit code 0,
+    instead of waiting for the deletions until the launcher kills it (138, "without a new checkpoint")
+    although the checkpoint was published. The pruned checkpoints are left retired, which no resume
+    takes, and the next run resumes from the stop's checkpoint and deletes them."""
+    dump, root = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    overrides = [*BASE, *SHALLOW, "--checkpoint.keep_latest_k", "1", "--comm.stop_grace_seconds", "20"]
+    config = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen(
+        [str(ROOT / "run_train.sh"), *config, *overrides, "--training.steps", "1000"],
+        env=child_env(NGPU="1", TITANLITE_FAULT_SLOW_PURGE="600"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job has
+    )
+    try:
+        while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGUSR1)  # step 2 is saved and step-1's deletion is under way
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert [line for line in err.splitlines() if not line.startswith("[rank")] == [], err[-3000:]
+    (step,), partial = folders.scan(root)
+    retired = [p.name for p in folders.retired(root)]
+    assert partial == [] and step >= 3 and retired == [f"step-{s}.deleting" for s in range(1, step)], retired
+    assert f"stop signal (SIGUSR1) at step {step}: checkpoint saved to {root / f'step-{step}'}; exiting" in err
+    left = ", ".join(retired)
+    assert f"checkpoint: stop signal: {left} left retired, not deleted; the next run deletes them" in err
+    assert err.count("left retired") == 1 and "waiting for the deletion" not in err
+    assert_resumed(train(dump, 1, *overrides, "--training.steps", str(step + 1), launcher="run_train").ok(), step)
+    assert sorted(p.name for p in root.iterdir()) == [f"step-{step + 1}"]
 
 
 # --- a second run on the same dump folder -------------------------------------------------------------------

@@ -164,6 +164,7 @@ class Trainer:
             dataloader=self.dataloader,
             rank=self.rank,
             device=self.device,
+            stopping=self.stopping,
         )
         self.metrics = MetricsLogger(
             cfg.metrics,
@@ -181,6 +182,10 @@ class Trainer:
             compiled=cfg.compile.enable,
             sources=tuple(source.name for source in t.datasets),
         )
+
+    def stopping(self) -> bool:
+        """Whether a stop signal ends the run: received by this rank, or agreed with the rank that did."""
+        return self.preempted or self.preemption.received is not None
 
     # --- set-up helpers ---------------------------------------------------------------------------------
 
@@ -244,6 +249,7 @@ class Trainer:
             return
         self.step = start = self.checkpointer.load()
         if stop_agreed(self.preemption, self.device):  # signalled while starting: nothing trained
+            self.preempted = True
             since = f" since the checkpoint of step {start}" if start else ""
             logger.info(
                 f"stop signal ({self.preemption.name or 'a peer'}) before the first step: "

@@ -15,7 +15,8 @@ takes the LR schedule's position with this run's hyperparameters (`lr_schedule.p
 
 Async saves (`async_mode = async`) write in the background (`async_save.py`); one is finalised when
 the next `save()` or `close()` finds it finished. Old checkpoints (`keep_latest_k`), replaced and
-interrupted saves are deleted on rank 0's purge thread (`purge.py`), which `close()` waits for.
+interrupted saves are deleted on rank 0's purge thread (`purge.py`), which `close()` waits for, except
+once a stop signal ends the run (`stopping`): the next run deletes what is left.
 
 A save that fails (full disk, permissions, a file size limit, an I/O error on any rank, sync or async)
 removes its `.partial` folder and logs one warning; training goes on with the previous checkpoint as the
@@ -55,7 +56,7 @@ from titanlite.checkpoint import folders, lineage, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
-from titanlite.checkpoint.purge import Purger
+from titanlite.checkpoint.purge import Purger, Stopping, never
 from titanlite.checkpoint.resume_policy import RunRecord, model_change
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
@@ -81,7 +82,8 @@ class CheckpointManager:
     """Saves and restores model, optimizer, LR schedule, step, data loader and RNG (module docstring).
 
     Saves forced while checkpointing is disabled (preemption) are synchronous: no writer thread or
-    process group is set up for a run that does not checkpoint.
+    process group is set up for a run that does not checkpoint. `stopping` tells whether a stop signal
+    ends the run (then `close` does not wait for deletions).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class CheckpointManager:
         dataloader,
         rank: int,
         device: torch.device,
+        stopping: Stopping = never,
     ):
         cfg = plan.cfg
         self.plan, self.cfg = plan, cfg.checkpoint
@@ -110,6 +113,7 @@ class CheckpointManager:
         self._verify_seconds = 0.0
         self._record = RunRecord(plan, dataloader, rank)
         self._purger = Purger()  # rank 0 deletes; its thread starts with the first folder handed over
+        self._stopping = stopping
         if self.cfg.enable:
             check_shared(self.root, rank, self.world_size)
         async_save = self.cfg.enable and self.cfg.async_mode != "disabled"
@@ -304,12 +308,13 @@ class CheckpointManager:
         return str(folders.step_dir(self.root, done[-1])) if done else None
 
     def close(self) -> None:
-        """Wait for an async save in flight and finalise it, then (rank 0) for the deletions it started."""
+        """Wait for an async save in flight and finalise it, then (rank 0) for the deletions it started,
+        unless a stop signal ends the run (`purge.Purger.finish`)."""
         self._wait_pending()
         if self._writer is not None:
             self._writer.close()
         if self.rank == 0:
-            self._purger.finish(self.root, self.cfg.keep_latest_k, self._published)
+            self._purger.finish(self.root, self.cfg.keep_latest_k, self._published, self._stopping)
 
     # --- load -------------------------------------------------------------------------------------------
 

@@ -12,10 +12,14 @@ pruned at a later save, so the queue never grows with the number of saves. Folde
 a save's way at once (a `step-N` a new save of step N replaces, an interrupted or failed save's
 `.partial`) are retired whatever the backlog: at most one of each per save.
 
-Joined: `close` waits until every folder handed over is deleted (the manager calls it at the end of the
+Joined: `finish` waits until every folder handed over is deleted (the manager calls it at the end of the
 run), so a run never ends with its deletions silently dropped; a deletion that fails is reported in
-one warning naming the folder. A crash before then leaves retired folders, never anything that looks
-like a checkpoint; the next run's rank 0 hands them to its own purge (`folders.retired`).
+one warning naming the folder. Not on a stop signal: a run that stops (SLURM's warning before the end
+of a job, a preemption) has `comm.stop_grace_seconds` to save and exit, which the deletion of terabytes
+can outlast, and the launcher would then kill the ranks of a run whose checkpoint is published. It
+leaves the folders retired and exits; one that arrives while the run waits ends the wait. What a
+stop or a crash leaves is retired, never anything that looks like a checkpoint (a half-deleted folder
+too); the next run's rank 0 hands it to its own purge (`folders.retired`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from titanlite import faults
@@ -33,6 +38,14 @@ logger = logging.getLogger("titanlite")
 
 PRUNE_BACKLOG = 1
 """Pruned checkpoints queued or being deleted at most: one deletion in flight, as one save is."""
+STOP_POLL_SECONDS = 0.2
+"""How often `finish` looks for a stop signal while it waits for deletions."""
+Stopping = Callable[[], bool]
+"""Whether a stop signal ends the run (asked while `finish` waits)."""
+
+
+def never() -> bool:
+    return False
 
 
 class Purger:
@@ -44,6 +57,7 @@ class Purger:
         self._pruned: set[Path] = set()  # the queued or in-flight folders that pruning handed over
         self._busy: Path | None = None
         self._failed: list[str] = []
+        self._left: set[Path] = set()  # the folders a stop signal left to the next run, as reported
         self._thread: threading.Thread | None = None
 
     def room(self) -> int:
@@ -81,30 +95,40 @@ class Purger:
             )
         return text
 
-    def finish(self, root: Path, keep: int, saved: int | None) -> None:
+    def finish(self, root: Path, keep: int, saved: int | None, stopping: Stopping = never) -> None:
         """The end of the run: retire what pruning left for later (up to step `saved`, the run's last
         save; None: the run saved nothing) and wait until every folder handed over is deleted, so none
-        is silently dropped; a failed deletion is one warning naming the folder."""
+        is silently dropped; a failed deletion is one warning naming the folder. On a stop signal
+        (`stopping`, before or during the wait) the rest is left to the next run (module docstring)."""
         start = time.perf_counter()
         try:
             folders.prune(root, keep, self._submit_pruned, saved=saved)
         except OSError as e:
             logger.warning(f"checkpoint: could not retire old checkpoints in {root}: {e}")
-        if waiting := self.pending():
+        if (waiting := self.pending()) and not stopping():
             logger.info(f"checkpoint: waiting for the deletion of {', '.join(p.name for p in waiting)}")
-        for failure in self.join():
+        failures = self.join(stopping)
+        for failure in failures or ():
             logger.warning(f"checkpoint: {failure}; delete it by hand")
-        if waiting:
+        if failures is None:
+            if left := [p for p in self.pending() if p not in self._left]:  # said once (close runs twice)
+                self._left.update(left)
+                names = ", ".join(p.name for p in left)
+                logger.info(f"checkpoint: stop signal: {names} left retired, not deleted; the next run deletes them")
+        elif waiting:
             logger.info(f"checkpoint: old checkpoints deleted ({time.perf_counter() - start:.2f}s waited)")
 
     def _submit_pruned(self, path: Path) -> None:
         self.submit(path, pruned=True)
 
-    def join(self) -> list[str]:
-        """Wait until every folder handed over is deleted; the failures since the last join, one line each."""
+    def join(self, stopping: Stopping = never) -> list[str] | None:
+        """Wait until every folder handed over is deleted; the failures since the last join, one line each,
+        or None when a stop signal (`stopping`) ended the wait first."""
         with self._lock:
             while self._queue or self._busy is not None:
-                self._lock.wait()
+                if stopping():
+                    return None
+                self._lock.wait(STOP_POLL_SECONDS)
             failed, self._failed = self._failed, []
         return failed
 
