@@ -2,7 +2,8 @@
 
 One tiny model with the bundled vocabulary is exported once (module fixture, with its tokenizer files);
 `AutoModelForCausalLM`, `AutoTokenizer` and `pipeline` load it as a user would. Logits must agree within
-1e-4 relative, tokenizer ids exactly, greedy generation token for token. The reverse direction imports
+1e-4 relative, tokenizer ids exactly (also those of llama3 and qwen3 exports of a user's own
+`tokenizer.json`), greedy generation token for token. The reverse direction imports
 `save_pretrained` folders (untied and tied); a config that does not match the flavor is one line.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
+import shutil
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -22,7 +25,9 @@ from harness import ROOT, tiny_args
 from titanlite.checkpoint.hf import check_hf_config, export_hf, import_hf
 from titanlite.data.hf_tokenizer import hf_tokenizer_files
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
+from titanlite.data.tokenizer_json import TOKENIZER_CONFIG, TOKENIZER_JSON
 from titanlite.errors import CheckpointError, run_cli
+from titanlite.models import qwen3
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
 from titanlite.models.llama3.model import rope_tables
 from titanlite.plan import RunPlan
@@ -138,6 +143,75 @@ def test_llama3_sized_tokenizer_ids_equal(tmp_path):
         for text in [*TEXTS, corpus]:
             assert copy.encode(text, bos=True, eos=True) == tokenizer.encode(text, bos=True, eos=True)
     assert RunPlan.build(config(model__tokenizer_path=str(tmp_path)), 1).model_args.vocab_size == 128256
+
+
+# --- the export's tokenizer per family: training's ids in transformers ------------------------------------
+
+NUMBERS = "In 2007 the 12,345th call to f(x) returned 42 (0.5 s)."
+"""A text with numbers: a pre-tokenization other than training's splits them otherwise (one id per digit)."""
+QWEN3_ARGS = qwen3.ModelArgs(
+    dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=TOK.n_words, ffn_dim=96, max_seq_len=SEQ
+)
+FAMILIES = {"llama3": (SPEC, "llama"), "qwen3": (qwen3.SPEC, "qwen3")}
+"""Each family's spec and the `model_type` its export's config.json names."""
+OWN_CONFIGS = {
+    "own_with_bos": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+    # Qwen3's published tokenizer_config.json: no BOS, its family's class.
+    "own_without_bos": {"bos_token": None, "eos_token": "<|end_of_text|>", "tokenizer_class": "Qwen2Tokenizer"},
+}
+
+
+def family_model(family: str) -> torch.nn.Module:
+    """A one-block model of `family` with the bundled vocabulary."""
+    if family == "llama3":
+        return titan_model(dataclasses.replace(ARGS, n_layers=1))
+    model = qwen3.Transformer(QWEN3_ARGS, seq_len=SEQ)
+    model.init_weights(seed=1)
+    return model.eval()
+
+
+def own_tokenizer(folder, source: str) -> Tokenizer:
+    """A user's own tokenizer.json (the bundled vocabulary's, with the library's byte-level post-processor
+    alone, as a tokenizer trained with `tokenizers` has) and its tokenizer_config.json (`OWN_CONFIGS`)."""
+    data = json.loads(hf_tokenizer_files(TOK, SEQ)[TOKENIZER_JSON])
+    data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    folder.mkdir()
+    (folder / TOKENIZER_JSON).write_text(json.dumps(data))
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(OWN_CONFIGS[source]))
+    return build_tokenizer(str(folder))
+
+
+@pytest.mark.parametrize("source", ["bundled", *OWN_CONFIGS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_tokenizes_in_transformers_as_training_did(tmp_path, family, source):
+    """An export of either family (its `config.json` names the family, whose class `transformers` would
+    otherwise pick), trained on the bundled vocabulary or on the user's own tokenizer.json with or without
+    BOS: `AutoTokenizer` gives training's ids for a text with numbers, BOS first exactly where training put
+    one. Training also ends each document with EOS; encoding a text in transformers adds none (generation
+    stops at it). The user's files copied as they are tokenize otherwise (the negative control)."""
+    tokenizer = TOK if source == "bundled" else own_tokenizer(tmp_path / "own", source)
+    assert (tokenizer.bos_id is None) is (source == "own_without_bos")
+    spec, model_type = FAMILIES[family]
+    out = tmp_path / "export"
+    export_hf(
+        family_model(family),
+        out,
+        adapter=spec.hf_adapter,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        write_extra=lambda folder: write_tokenizer(tokenizer, folder),
+    )
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ids = hf_tok(NUMBERS)["input_ids"]
+    assert ids == tokenizer.encode(NUMBERS, bos=True, eos=False)
+    assert (ids[0] == hf_tok.bos_token_id == tokenizer.bos_id) is (tokenizer.bos_id is not None)
+    assert tokenizer.encode(NUMBERS, bos=True, eos=True) == [*ids, hf_tok.eos_token_id]
+    assert build_tokenizer(str(out)).encode(NUMBERS, bos=True, eos=True) == [*ids, tokenizer.eos_id]
+    if source != "bundled":
+        for name in (TOKENIZER_JSON, TOKENIZER_CONFIG):
+            shutil.copy(tmp_path / "own" / name, out / name)
+        assert transformers.AutoTokenizer.from_pretrained(str(out))(NUMBERS)["input_ids"] != ids
 
 
 def hf_config(**over):

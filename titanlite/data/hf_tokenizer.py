@@ -1,42 +1,96 @@
 """A run's tokenizer as Hugging Face tokenizer files (`tokenizer.json` + `tokenizer_config.json`), for the export.
 
-A tokenizer read from Hugging Face files (`data/tokenizer_json.py`) is written as it was read. A
-tiktoken-format one is converted, so that `AutoTokenizer.from_pretrained` on the export folder gives
-titanlite's ids: the BPE ranks become a byte-level BPE with titanlite's pre-tokenization regex
-(`transformers`' `TikTokenConverter`), the special tokens keep their ids, and encoding prepends BOS as
-training does (`encode(text, bos=True, eos=False)`). No chat template is written: these are base models.
+`AutoTokenizer.from_pretrained` on the export folder must give the ids training gave (`encode(text,
+bos=True, eos=False)`: BOS first exactly where the run's tokenizer has one), whatever the model family. So:
+
+- A tiktoken-format tokenizer is converted: the BPE ranks become a byte-level BPE with titanlite's
+  pre-tokenization regex (`transformers`' `TikTokenConverter`), the special tokens keep their ids. A
+  tokenizer read from Hugging Face files (`data/tokenizer_json.py`) keeps its `tokenizer.json` model,
+  normalizer and pre-tokenizer as they are.
+- Either way the `tokenizer.json` post-processor prepends BOS when the run's tokenizer has one and adds
+  nothing otherwise (Qwen3's way); one that added other tokens (a template of its own) is replaced.
+- `tokenizer_config.json` is written anew: `tokenizer_class` `PreTrainedTokenizerFast` (without it
+  `transformers` picks the class of the family in `config.json`, which may rebuild the tokenizer with the
+  family's own pre-tokenization: `Qwen2Tokenizer` splits every digit), BOS and EOS as the run read them,
+  `add_bos_token` as the post-processor does and `add_eos_token` false. Training ends every document with
+  EOS; encoding a text adds none, as base models' tokenizers do (generation stops at it). No chat template
+  is written: these are base models.
 
 One difference is deliberate: titanlite encodes a special-token string found in text as plain text (data
 must not inject control tokens), while HF tokenizers turn it into the special token, as users of Llama 3
 expect; `tokenizer(text, split_special_tokens=True)` gives titanlite's ids for such text.
 
-The conversion needs `transformers` and `tokenizers` (the `hf` extra); the core install does not.
+The files need `transformers` (the conversion) and `tokenizers` (the `hf` extra); the core install does not.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from titanlite.data.tiktoken_bpe import BOS_TOKEN, EOS_TOKEN, LLAMA3_PATTERN, load_ranks, special_tokens
+from titanlite.data.tiktoken_bpe import LLAMA3_PATTERN, load_ranks, special_tokens
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokenizer_json import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer, tokenizer_json_files
 from titanlite.errors import UserError
 
+ADDS_TOKENS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+"""Post-processors that add tokens to an encoding (the others only adjust offsets)."""
+
 
 def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int) -> dict[str, str]:
-    """{file name: content} of the HF tokenizer equivalent to `tokenizer`."""
-    if isinstance(tokenizer, HFTokenizer):
-        file, config = tokenizer_json_files(tokenizer.path)
-        files = {TOKENIZER_JSON: file.read_text(encoding="utf-8")}
-        return files if config is None else {**files, TOKENIZER_CONFIG: config.read_text(encoding="utf-8")}
+    """{file name: content} of the HF tokenizer equivalent to `tokenizer` (module docstring)."""
     try:
+        from tokenizers import Tokenizer as Backend
         from tokenizers import processors
+    except ImportError:
+        raise _missing() from None
+    if isinstance(tokenizer, HFTokenizer):
+        backend = Backend.from_str(tokenizer_json_files(tokenizer.path)[0].read_text(encoding="utf-8"))
+    else:
+        backend = _converted(tokenizer.path)
+    bos = backend.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else None
+    eos = backend.id_to_token(tokenizer.eos_id)
+    data = json.loads(backend.to_str())
+    kept = _offset_processors(data.get("post_processor"))
+    # The template, serialised by the library itself: `Sequence` of what is kept and it.
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0" if bos else "$A:0",
+        pair=f"{bos}:0 $A:0 {bos}:1 $B:1" if bos else "$A:0 $B:1",
+        special_tokens=[(bos, tokenizer.bos_id)] if bos else [],
+    )
+    template = json.loads(backend.to_str())["post_processor"]
+    data["post_processor"] = {"type": "Sequence", "processors": [*kept, template]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": bos is not None,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length,
+    }
+    return {
+        TOKENIZER_JSON: json.dumps(data, indent=2, ensure_ascii=False),
+        TOKENIZER_CONFIG: json.dumps(config, indent=2),
+    }
+
+
+def _offset_processors(processor: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The parts of a serialised post-processor that add no tokens (`ADDS_TOKENS`)."""
+    if processor is None:
+        return []
+    parts = processor["processors"] if processor["type"] == "Sequence" else [processor]
+    return [p for p in parts if p["type"] not in ADDS_TOKENS]
+
+
+def _converted(path: str) -> Any:
+    """The tiktoken file at `path` as a `tokenizers.Tokenizer` with the same ids (module docstring)."""
+    try:
         from transformers.convert_slow_tokenizer import TikTokenConverter
     except ImportError:
-        raise UserError(
-            "writing Hugging Face tokenizer files needs transformers and tokenizers: pip install -e '.[hf]'"
-        ) from None
-    ranks = load_ranks(tokenizer.path)
+        raise _missing() from None
+    ranks = load_ranks(path)
     specials = special_tokens(len(ranks))
 
     class Converter(TikTokenConverter):
@@ -46,25 +100,12 @@ def hf_tokenizer_files(tokenizer: Tokenizer, model_max_length: int) -> dict[str,
             return ranks
 
     names = sorted(specials, key=specials.get)
-    hf = Converter(vocab_file=tokenizer.path, pattern=LLAMA3_PATTERN, extra_special_tokens=names).converted()
+    hf = Converter(vocab_file=path, pattern=LLAMA3_PATTERN, extra_special_tokens=names).converted()
     got = {name: hf.token_to_id(name) for name in names}
     if got != specials:  # added tokens take the ids after the ranks, in order: a converter change would show here
         raise RuntimeError(f"special token ids differ after conversion: {got} != {specials}")
-    bos = BOS_TOKEN
-    hf.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, specials[bos])]
-            ),
-        ]
-    )
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"],
-        "model_max_length": model_max_length,
-    }
-    return {TOKENIZER_JSON: hf.to_str(pretty=True), TOKENIZER_CONFIG: json.dumps(config, indent=2)}
+    return hf
+
+
+def _missing() -> UserError:
+    return UserError("writing Hugging Face tokenizer files needs transformers and tokenizers: pip install -e '.[hf]'")

@@ -13,10 +13,11 @@ usage: python -m titanlite.tools.hf export [--config FILE] --out DIR [--checkpoi
   -h, --help          this text
 
 The folder holds `model-0000K-of-0000N.safetensors` + index, `config.json`, `generation_config.json`
-(greedy, stops at EOS) and the tokenizer (`tokenizer.json`, `tokenizer_config.json`: BOS prepended, no
-chat template) of `model.tokenizer_path` or the bundled vocabulary; the tokenizer needs the `hf` extra
-(`pip install -e '.[hf]'`), without it the weights are exported and a warning says so. Weights are
-written in `checkpoint.export_dtype`. Run it through the project's Python, e.g.
+(greedy, stops at EOS) and the tokenizer (`tokenizer.json`, `tokenizer_config.json`: training's ids in
+`transformers`, BOS prepended where training prepends it, no chat template) of `model.tokenizer_path` or
+the bundled vocabulary; the tokenizer needs the `hf` extra (`pip install -e '.[hf]'`), without it the
+weights are exported and a warning says so. Weights are written in `checkpoint.export_dtype`. Run it
+through the project's Python, e.g.
 
     scripts/python.sh -m titanlite.tools.hf export --config train_configs/debug_model.toml --out hf_out
 
