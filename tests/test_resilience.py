@@ -7,6 +7,7 @@ Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -56,9 +57,10 @@ def rank_pid(dump: Path, rank: int) -> int | None:
     return None
 
 
-def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1) -> RunResult:
+def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1, every: float | None = None) -> RunResult:
     """run_train.sh on 2 ranks; once metrics.jsonl holds `step` rows, rank `rank` is stopped from outside
-    (SIGSTOP, as a stuck process or a debugger leaves it)."""
+    (SIGSTOP, as a stuck process or a debugger leaves it); with `every`, for two thirds of every `every`
+    seconds until the run ends (SIGCONT between: a rank slowed by something outside it)."""
     args = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump), *SMALL, *SHALLOW, *overrides]
     env = child_env(NGPU="2", OMP_NUM_THREADS=str(threads(2)))
     proc = subprocess.Popen(
@@ -76,6 +78,15 @@ def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1) -
     pid = rank_pid(dump, rank)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
+    while every is not None and proc.poll() is None:
+        time.sleep(every * 2 / 3)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(every / 3)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=300)
     return RunResult(proc.returncode, out, err, dump)
 
@@ -126,7 +137,8 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
         # A healthy run of 100 steps, with saves, under the same window.
         "watched": [
             (
-                ("--training.steps", "100", "--checkpoint.enable", "--checkpoint.interval", "40", *WATCHED),
+                ("--training.steps", "100", "--checkpoint.enable", "--checkpoint.interval", "40", *WATCHED)
+                + ("--metrics.log_freq", "10"),  # as by default
                 {"launcher": "run_train"},
             )
         ],
@@ -148,9 +160,17 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
         result = run_stopping_a_rank(dump, 3, *RESTARTING, *WATCHED)
         return Launches(dump, [result], [losses(dump)])
 
+    def slowed(name: str) -> Launches:
+        """Rank 1 stopped for two thirds of every half second from its first logged step on."""
+        dump = root / name
+        dump.mkdir()
+        result = run_stopping_a_rank(dump, 1, "--training.steps", "40", "--metrics.log_freq", "5", every=0.5)
+        return Launches(dump, [result], [losses(dump)])
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(launches, name, *steps) for name, steps in plans.items()}
         futures["stopped"] = pool.submit(stopped, "stopped")
+        futures["slowed"] = pool.submit(slowed, "slowed")
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -246,6 +266,28 @@ def test_the_watchdog_never_fires_on_a_healthy_run(runs):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert not (dump / "hang").exists() and "made no progress" not in proc.stderr
     assert max(runs["watched"].losses[0]) == 100
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_from_outside_is_named_the_straggler(runs):
+    """Rank 1 stopped two thirds of the time: its peers wait for it in every collective, so every rank's step
+    takes as long; the time each spent not waiting names rank 1 within 30 steps, in the log and metrics."""
+    dump, (proc,) = runs["slowed"].dump, runs["slowed"].procs
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    named = re.findall(r"straggler at step (\d+): rank (\d+) is ([\d.]+)x slower", proc.stderr)
+    assert len(named) == 1 and int(named[0][0]) <= 30 and named[0][1] == "1", proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    slowest = [r["straggler/slowest_rank"] for r in rows if r["step"] >= 10]
+    assert slowest.count(1) >= len(slowest) - 1, rows
+
+
+@pytest.mark.slow
+def test_a_healthy_run_names_no_straggler(runs):
+    """The negative control of the test above: the same measure on the healthy 100-step run."""
+    dump, (proc,) = runs["watched"].dump, runs["watched"].procs
+    assert "straggler at step" not in proc.stderr
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert all("straggler/ratio" in r and r["straggler/slowest_rank"] in (0, 1) for r in rows), rows
 
 
 @pytest.mark.slow

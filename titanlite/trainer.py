@@ -38,6 +38,7 @@ from titanlite.launcher.signals import Preemption
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.profiling import Profiler
 from titanlite.metrics.runs import layout_label
+from titanlite.metrics.straggler import StragglerMeter
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallelisms.replica_batches import replica_batches
 from titanlite.plan import RunPlan, describe_shape
@@ -125,6 +126,7 @@ class Trainer:
         if self.rank == 0 and (network := socket_interfaces.describe(os.environ)):
             logger.info(network)
         init_distributed(cfg, self.device)
+        self.stragglers = StragglerMeter(cfg.metrics.straggler_threshold, self.device)
         # With pipeline parallelism the model is this rank's stages (one module with the model's names).
         training = build_training(self.plan, self.device)
         self.runner, self.model = training.runner, training.model
@@ -174,6 +176,7 @@ class Trainer:
             enabled=self.rank == 0,
             run_config=cfg.to_dict(),
             validation=self.validator is not None,
+            stragglers=self.stragglers.own is not None,
             family_metrics=FAMILY_METRICS if self.plan.spec.hooks.step_metrics is not None else (),
             run_label=layout_label(
                 self.dims.mesh_degrees, cfg.parallelism.dp_impl, cfg.compile.enable, self.dims.experts_label
@@ -280,6 +283,7 @@ class Trainer:
         step_metrics = self.plan.spec.hooks.step_metrics
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         self.metrics.begin(self.step, cfg.steps)
+        self.stragglers.restart()
         first_step = self.step + 1  # of this process: after a resume or a restart too
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
@@ -297,6 +301,7 @@ class Trainer:
                 log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
                 if log_now or self.preempted:
                     elapsed = time.perf_counter() - window_start
+                    straggler = self.stragglers.measure(window_steps, self.step)
                     self.metrics.log(
                         StepStats(
                             step=self.step,
@@ -308,6 +313,7 @@ class Trainer:
                             data_time=window_data,
                             family=step_metrics(self.model) if step_metrics else {},
                             tokens_seen=self.dataloader.dataset.tokens_seen(self.step - start),
+                            straggler=straggler.metrics() if straggler else {},
                         ),
                         window_steps,
                     )
@@ -346,6 +352,7 @@ class Trainer:
 
     def close(self) -> None:
         self.progress.close()
+        self.stragglers.close()
         self.checkpointer.close()
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():

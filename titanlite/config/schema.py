@@ -389,6 +389,11 @@ class Metrics:
 
     log_freq: int = field(default=10, metadata=POSITIVE)
     """Log metrics every this many steps (and at the first and last step)."""
+    straggler_threshold: float = field(default=2.0, metadata=_range(low=1, also=0, also_means="off"))
+    """A rank whose own time (not waiting in collectives) over the last three log steps exceeds the other
+    ranks' median by this factor is named in the log as a straggler (0 = not measured). 2 = twice as slow:
+    on a shared CPU host healthy ranks differ by up to about 1.6x; lower it on dedicated GPUs.
+    `straggler/slowest_rank` and `straggler/ratio` are logged at every log step of a run of several ranks."""
     enable_tensorboard: bool = True
     """Write TensorBoard events under `job.dump_folder`/`save_tb_folder`."""
     save_tb_folder: str = "tb"

@@ -62,6 +62,7 @@ class MetricsLogger:
         enabled: bool,
         run_config: dict | None = None,
         validation: bool = False,
+        stragglers: bool = False,
         family_metrics: tuple[str, ...] = (),
         run_label: str = "1proc",
         world_size: int = 1,
@@ -74,7 +75,11 @@ class MetricsLogger:
         self.memory = MemoryMonitor(device)
         self.peak = Peak(cfg.peak_tflops, device) if enabled else None
         shown = [m for m in METRICS if not m.family or m.name in family_metrics]
-        self.metrics = [m for m in shown if (device.type == "cuda" or not m.cuda_only) and not m.validation]
+        self.metrics = [
+            m
+            for m in shown
+            if (device.type == "cuda" or not m.cuda_only) and not m.validation and (stragglers or not m.straggler)
+        ]
         self.metrics += [tokens_seen_metric(name) for name in sources]
         self.val_metrics = [m for m in METRICS if m.validation] if validation else []
         self.sinks: Sinks | None = None
@@ -151,6 +156,7 @@ class MetricsLogger:
         )
         record.update(s.family)
         record.update({f"tokens_seen/{name}": n for name, n in s.tokens_seen.items()})
+        record.update(s.straggler)
         if reserved is not None:
             record["mem_reserved_gib"] = reserved
             record["mem_pct"] = 100.0 * reserved * 2**30 / self.memory.capacity

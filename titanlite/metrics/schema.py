@@ -41,6 +41,8 @@ class StepStats:
     """The model family's own scalars (`ModelSpec.hooks.step_metrics`), by metric name."""
     tokens_seen: dict[str, int] = field(default_factory=dict)
     """A mixture's tokens per source since the run began (`tokens_seen_metric`), by source name."""
+    straggler: dict[str, float] = field(default_factory=dict)
+    """`straggler/slowest_rank` and `straggler/ratio` (`straggler.StragglerMeter`); none in a world of one."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,13 @@ class Metric:
     """Written by a held-out evaluation (its own metrics.jsonl row), not by the step line."""
     family: bool = False
     """Reported by the model family (`ModelSpec.hooks.step_metrics`): logged only for a family that reports it."""
+    straggler: bool = False
+    """Measured across ranks (`straggler.StragglerMeter`): logged only in a run of several ranks that measures it."""
 
     @property
     def tag(self) -> str:
-        return f"{self.group}/{self.name}"
+        """`<group>/<name>`; a name that begins with its group (`straggler/ratio`) is its own tag."""
+        return self.name if self.name.startswith(f"{self.group}/") else f"{self.group}/{self.name}"
 
     @property
     def display_name(self) -> str:
@@ -87,6 +92,22 @@ METRICS = (
     Metric("mem_pct", "memory", "Peak reserved", "% of GPU memory", "Peak reserved over the GPU's capacity.", True),
     Metric("data_pct", "time", "Data loading", "% of step time", "Time spent waiting for the next batch."),
     Metric("step_time_s", "time", "Step time", "s", "Wall time per optimizer step, averaged since the last log."),
+    Metric(
+        "straggler/slowest_rank",
+        "straggler",
+        "Slowest rank",
+        "rank",
+        "The rank with the most time of its own (not waiting in collectives) per step since the last log.",
+        straggler=True,
+    ),
+    Metric(
+        "straggler/ratio",
+        "straggler",
+        "Slowest rank's own time",
+        "x the others' median",
+        "The slowest rank's own time per step over the other ranks' median (1 when balanced).",
+        straggler=True,
+    ),
     Metric(
         "moe_aux_loss",
         "moe",
