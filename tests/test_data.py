@@ -1,5 +1,6 @@
 """The data loader: layout-invariant global batches, exact and reshardable resume, robust reading."""
 
+import contextlib
 import gzip
 import io
 import json
@@ -7,6 +8,7 @@ import logging
 import os
 import pickle
 import random
+import signal
 import sys
 from collections import Counter
 from itertools import islice
@@ -228,6 +230,57 @@ def test_path_matching_nothing_is_a_data_error(tmp_path, pattern):
     path = str(tmp_path / pattern)
     with pytest.raises(DataError, match="matches no"):
         loader(path)
+
+
+class EmptyFor:
+    """The byte tokenizer, except that the documents `empty(text)` picks give no tokens (as damaged data's
+    documents would come back)."""
+
+    def __init__(self, empty) -> None:
+        self.empty = empty
+        self.path, self.n_words, self.bos_id, self.eos_id, self.pad_id = "", TOK.n_words, TOK.bos_id, TOK.eos_id, -1
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        return [] if self.empty(text) else TOK.encode(text, bos=bos, eos=eos)
+
+    def decode(self, ids) -> str:
+        return TOK.decode(ids)
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail after `seconds` instead of hanging (the loop guarded against never returns)."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_whole_pass_without_tokens_is_a_data_error_not_endless_epochs(tmp_path, docs):
+    """Documents that all come back empty make every pass as empty as the last: the stream would start epoch
+    after epoch without a sample. A whole pass without tokens is one error. A pass resumed after its documents
+    with tokens is no whole pass: the stream goes on into the next (the control)."""
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    with within(20), pytest.raises(DataError) as e:
+        next(iter(loader(data, gbs=4, lbs=4, shards=2, tokenizer=EmptyFor(lambda text: True))))
+    assert str(e.value) == (
+        f"{data}: a whole pass over virtual shard 0 (30 documents) gave no tokens: its documents are empty"
+    )
+    tail_empty = EmptyFor(lambda text: int(text.split()[1].rstrip(":")) >= 40)  # "Document 40: ..." on
+    state = loader(data, gbs=4, lbs=4, shards=2).state_dict()
+    state["shards"] = {"0": {"epoch": 0, "doc": 20, "offset": 0}, "1": {"epoch": 0, "doc": 20, "offset": 0}}
+    resumed = loader(data, gbs=4, lbs=4, shards=2, tokenizer=tail_empty)
+    resumed.load_state_dict(state)
+    with within(20):
+        take(iter(resumed), 20)
+    assert all(shard["epoch"] >= 1 for shard in resumed.state_dict()["shards"].values())
 
 
 def test_fewer_documents_than_shards_is_a_data_error(tmp_path):

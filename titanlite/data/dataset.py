@@ -26,7 +26,9 @@ source the mixture names for the shard's sample number.
 Epochs. Shards start over independently (their token counts differ); the first time one of a
 process's shards starts a new pass, it logs `data: epoch E begins at step N` (the optimizer step the
 sample belongs to; the state counts completed steps). With workers only worker 0 logs, so the line
-comes once per rank and epoch, from worker 0's shards.
+comes once per rank and epoch, from worker 0's shards. A whole pass over a shard's documents that gives
+no tokens (all of them empty) stops with a `DataError`: every pass after it would be as empty, and no sample
+would ever come.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class ShardStream:
         self.cursor = cursor
         self._docs: Iterator[str] | None = None  # this pass's documents, positioned after `_tokens`' one
         self._tokens: list[int] | None = None
+        self._pass_tokens: int | None = None  # tokens of this pass so far; None if it was not read from its start
         self.pass_documents = 0  # documents of the last finished pass (known once one has finished)
 
     def _current(self) -> list[int]:
@@ -196,6 +199,7 @@ class ShardStream:
             c = self.cursor
             if self._docs is None:
                 self._docs = self.source.shard_documents(self.shard, self.num_shards, c.doc, c.source)
+                self._pass_tokens = 0 if c.doc == 0 else None
             text = next(self._docs, None)
             if text is None:  # end of this pass: start over
                 if c.doc == 0:
@@ -203,12 +207,19 @@ class ShardStream:
                         f"{self.source.name}: virtual shard {self.shard} has no documents; the data has fewer "
                         f"documents than the {self.num_shards} virtual shards (set training.dataset_virtual_shards)"
                     )
+                if self._pass_tokens == 0:  # a whole pass without tokens (module docstring)
+                    raise DataError(
+                        f"{self.source.name}: a whole pass over virtual shard {self.shard} "
+                        f"({counted(c.doc, 'document')}) gave no tokens: its documents are empty"
+                    )
                 self.pass_documents = c.doc
                 c.epoch, c.doc, c.offset, c.source = c.epoch + 1, 0, 0, None
                 self._docs = None
                 return self._current()
             # Pre-tokenized data gives the tokens that encoding its text here would.
             self._tokens = text if isinstance(text, list) else self.tokenizer.encode(text, bos=True, eos=True)
+            if self._pass_tokens is not None:
+                self._pass_tokens += len(self._tokens)
         return self._tokens
 
     def __getstate__(self) -> dict:
