@@ -200,6 +200,18 @@ def test_a_corrupt_plan_index_or_shard_is_refused_in_one_line(folder, tmp_path, 
         tokenize_source("", "text", "", copy, workers=1, per_shard=PER_SHARD)
 
 
+def test_out_naming_a_file_is_refused_in_one_line(tmp_path, capsys):
+    """--out that is a file, or lies inside one (a mixture's sources go to --out/<name>), says so."""
+    file = tmp_path / "tokens.bin"
+    file.write_text("")
+    for out, what in ((file, f"--out {file}"), (file / "web", f"--out {file / 'web'}: {file}")):
+        assert run_cli(tokenize.main, ["--out", str(out), "--workers", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"titanlite: error: {what} is a file, not a folder: name a new or empty folder"
+        ]
+    assert file.read_text() == ""
+
+
 def test_a_token_id_beyond_the_vocabulary_is_a_damaged_shard_in_one_line(folder, tmp_path):
     """A flipped bit in a shard's tokens (same size and header: only the contents can tell) that makes an id
     no token of the tokenizer is refused where the document is read, naming the shard and the document,

@@ -187,6 +187,10 @@ def _begin(out: Path, plan: dict) -> dict:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            what = f"--out {out}" if file == out else f"--out {out}: {file}"
+            raise DataError(f"{what} is a file, not a folder: name a new or empty folder") from None
         raise DataError(f"--out {out} cannot be created ({e.strerror})") from None
     if (out / PLAN).exists():
         was = read_json(out / PLAN, f"--out {out}", "use another folder or delete it")
