@@ -4,7 +4,7 @@ fly with Hugging Face `tokenizers` (the same vocabulary as a tokenizer.json), an
     python benchmarks/bench_loader_formats.py [--batches 400] [--seq_len 2048] [--local_batch_size 4]
 
 Each row: `build_dataloader` over the bundled corpus with no worker processes (one core does everything:
-read, tokenize or map, pack, batch), timed over `--batches` batches after 5 warm-up ones. The workers a
+read, tokenize (text), pack, batch), timed over `--batches` batches after 5 warm-up ones. The workers a
 node needs = what its GPUs consume / the row's tokens/s (each loader worker is one such core).
 """
 
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         cases = {
             "text, tiktoken on the fly": ("", ""),
             "text, HF tokenizers on the fly": (str(hf), ""),
-            "pre-tokenized shards (memory-mapped)": ("", str(tokens)),
+            "pre-tokenized shards": ("", str(tokens)),
         }
         print("| loader (0 workers, one core) | tokens/s per core | workers for 8 GPUs (611,728 tokens/s) |")
         print("|---|---|---|")

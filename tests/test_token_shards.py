@@ -1,7 +1,8 @@
 """Pre-tokenized data (`data/token_shards.py`, `tools/tokenize.py`): the shards hold what on-the-fly tokenization
 makes, document by document and batch by batch; the dtype follows the vocabulary; another tokenizer, an
-unfinished or a truncated folder is refused in one line; an interrupted tokenization resumes to the same bytes.
-The slow test drives the tool and `run_train.sh` end to end."""
+unfinished or a truncated folder is refused in one line; an interrupted tokenization resumes to the same bytes;
+damaged document offsets are one line where a shard is first read; more shards than open files are allowed
+are read through. The slow tests drive the tool and `run_train.sh` end to end."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gzip
 import itertools
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -20,9 +22,10 @@ import pytest
 from harness import ROOT, SHALLOW, SMALL, child_env, train
 from titanlite.data import sources
 from titanlite.data.loader import build_dataloader
+from titanlite.data.open_files import OPEN_FILES
 from titanlite.data.sources import BUNDLED_CORPUS, open_source
 from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB
-from titanlite.data.token_shards import INDEX, PLAN, TokenShards, shard_name, token_dtype, write_shard
+from titanlite.data.token_shards import INDEX, MAGIC, PLAN, TokenShards, shard_name, token_dtype, write_shard
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import DataError, run_cli
 from titanlite.faults import TOKENIZE_KILL_AFTER
@@ -49,6 +52,23 @@ def loader(path: str, tokenizer_path: str = "", **over):
 
 def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def damage_offsets(path: Path, damage) -> np.ndarray:
+    """Rewrite the document offsets of the shard file at `path` as `damage(offsets)` makes them (same size);
+    returns the offsets it had."""
+    data = bytearray(path.read_bytes())
+    at = len(MAGIC) + 8
+    end = at + 8 * (int.from_bytes(data[len(MAGIC) : at], "little") + 1)
+    offsets = np.frombuffer(bytes(data[at:end]), dtype=np.int64)
+    data[at:end] = damage(offsets.copy()).tobytes()
+    path.write_bytes(bytes(data))
+    return offsets
+
+
+def swap_11th_and_12th(offsets: np.ndarray) -> np.ndarray:
+    offsets[[10, 11]] = offsets[[11, 10]]
+    return offsets
 
 
 def test_the_shards_hold_the_on_the_fly_tokens_document_by_document(folder):
@@ -241,6 +261,79 @@ def test_a_token_id_beyond_the_vocabulary_is_a_damaged_shard_in_one_line(folder,
         for _ in loader(str(copy), virtual_shards=2, num_workers=1):
             pass
     assert str(e.value) == line and "Original Traceback" in e.value.args[0]
+
+
+def test_a_corpus_of_more_shards_than_open_files_allowed_trains_past_all_of_them(tmp_path):
+    """Every virtual shard stream strides over all the shard files: with 128 of them and a descriptor limit
+    24 above what this process holds, the loader reads a whole pass of every stream (so every file) and on,
+    keeping at most `OPEN_FILES` shards open."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 5)}) + "\n" for i in range(512)))
+    out = tmp_path / "tokens"
+    tokenize_source(str(data), "text", "", out, workers=1, per_shard=4)
+    assert len(list(out.glob("shard-*.bin"))) == 128
+    run = loader(str(out))
+    batches = iter(run)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + 24  # 24 free, whatever the held ones' numbers
+    assert limit < 128 <= soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        for _ in range(400):
+            next(batches)
+            if all(cursor["epoch"] >= 1 for cursor in run.state_dict()["shards"].values()):
+                break
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all(cursor["epoch"] >= 1 for cursor in run.state_dict()["shards"].values())
+    assert len(run.dataset.source._files) <= OPEN_FILES
+
+
+def test_damaged_offsets_are_a_damaged_shard_in_one_line(folder, tmp_path):
+    """A shard's offsets damaged at its size (all moved by 1e9, two swapped) would make documents empty or
+    cut wrongly: the shard is refused where it is first read, naming it; the other shards read as before (the
+    control). A shard cut short while it is read is one line too."""
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    whole = TokenShards(str(copy))
+    damage_offsets(copy / shard_name(3), lambda offsets: offsets + 10**9)
+    was = damage_offsets(copy / shard_name(5), swap_11th_and_12th)
+    damaged = TokenShards(str(copy))
+    others = [0, 499, 500, 1499, 2000, 2499, 3000, 3850]  # shards 0, 1, 2, 4, 6, 7
+    assert [damaged.document(d) for d in others] == [whole.document(d) for d in others]
+    line = f"dataset_path {copy}: shard {{}} has damaged document offsets ({{}}): tokenize the data again"
+    with pytest.raises(DataError) as e:
+        damaged.document(3 * PER_SHARD + 7)
+    assert str(e.value) == line.format(shard_name(3), "they begin at token 1,000,000,000, not 0")
+    tokens = whole.meta["shards"][5]["tokens"]
+    span = f"document 2510 is tokens [{was[11]:,}, {was[10]:,}) of the shard's {tokens:,}"  # its first wrong one
+    for d in (5 * PER_SHARD, 5 * PER_SHARD + 400):
+        with pytest.raises(DataError) as e:
+            damaged.document(d)
+        assert str(e.value) == line.format(shard_name(5), span)
+    # Whole when first read, then cut short: the document it cut is refused.
+    with open(copy / shard_name(0), "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) - 2)
+    with pytest.raises(DataError, match=f"shard {shard_name(0)} ends inside document 499 \\(it changed while"):
+        damaged.document(499)
+
+
+@pytest.mark.slow
+def test_damaged_offsets_stop_a_run_in_one_line(folder, tmp_path):
+    """Every shard's offsets moved by 1e9, so that every document would read empty: `run_train.sh` stops at
+    the first document with one line, exit code 2, instead of starting epoch after epoch without a step."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(folder, copy)
+    for k in range(8):
+        damage_offsets(copy / shard_name(k), lambda offsets: offsets + 10**9)
+    run = [*SMALL, *SHALLOW, "--training.steps", "2", "--training.dataset_path", str(copy)]
+    proc = train(tmp_path / "dump", 1, *run, launcher="run_train", timeout=90)
+    assert proc.returncode == 2, proc.log[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("titanlite:")] == [
+        f"titanlite: error: dataset_path {copy}: shard {shard_name(0)} has damaged document offsets (they begin "
+        "at token 1,000,000,000, not 0): tokenize the data again"
+    ]
+    assert "Traceback" not in proc.log and not proc.losses
 
 
 @pytest.mark.slow

@@ -53,13 +53,14 @@ import mmap
 import os
 import re
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
 from titanlite.data import index
 from titanlite.data.data_source import DataSource, HFDataset
+from titanlite.data.open_files import OpenFiles
 from titanlite.data.token_shards import TokenShards, is_token_folder
 from titanlite.errors import DataError
 
@@ -86,7 +87,6 @@ _LONGEST_FIRST = sorted(FORMATS, key=len, reverse=True)
 
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, as some editors start .txt files
 _BINARY_SNIFF = 8192  # like git: a NUL byte in the first 8 KiB means a binary file
-_OPEN_FILES = 8  # LRU of mapped files; shard streams advance roughly together
 _SKIP_CHUNK = 64 << 10  # decompress-and-discard step of a forward seek
 
 
@@ -280,6 +280,12 @@ class ForwardReader:
             self._f = None
 
 
+def _close_map(data: mmap.mmap | bytes | list[str | None]) -> None:
+    """Close what `LocalSource._read` made, if it is a map."""
+    if isinstance(data, mmap.mmap):
+        data.close()
+
+
 class LocalSource:
     """Local files, indexed once (`index.py`): document d -> (file, byte offset, byte length).
 
@@ -299,7 +305,7 @@ class LocalSource:
         self._lengths = array("q")
         self.digests: list[str] = []
         """Each file's content digest (`index.FileIndex.digest`), in file order."""
-        self._cache: OrderedDict[int, object] = OrderedDict()
+        self._cache: OpenFiles[mmap.mmap | bytes | list[str | None]] = OpenFiles(_close_map)
         if any(kind == "parquet" for kind, _ in self.formats):
             _require_pyarrow()
         if any(compression == "zst" for _, compression in self.formats):
@@ -321,12 +327,12 @@ class LocalSource:
         self._first = 0  # global index of this source's document 0 (`part`)
 
     def part(self, begin: int, end: int) -> LocalSource:
-        """Documents [begin, end) as a source of their own, numbered from 0, sharing this one's index (a
-        held-out tail for validation: the rest keeps its document numbers, hence its virtual shards)."""
+        """Documents [begin, end) as a source of their own, numbered from 0, sharing this one's index and open
+        files (a held-out tail for validation: the rest keeps its document numbers, hence its virtual shards)."""
         if not 0 <= begin <= end <= self.num_documents:
             raise ValueError(f"documents [{begin}, {end}) of {self.num_documents}")
         part = copy.copy(self)
-        part._first, part.num_documents, part._cache = self._first + begin, end - begin, OrderedDict()
+        part._first, part.num_documents = self._first + begin, end - begin
         return part
 
     def _index(self, i: int, path: Path) -> index.FileIndex:
@@ -383,25 +389,18 @@ class LocalSource:
         return found
 
     def _load(self, i: int) -> mmap.mmap | bytes | list[str | None]:
-        """A plain file mapped, or a parquet text column, with a small LRU cache: shard streams read
-        documents of the same few files."""
-        if i in self._cache:
-            self._cache.move_to_end(i)
-            return self._cache[i]  # type: ignore[return-value]
+        """A plain file mapped, or a parquet text column, kept among the few last used (`open_files.py`):
+        shard streams read documents of the same few files."""
+        return self._cache.get(i, self._read)
+
+    def _read(self, i: int) -> mmap.mmap | bytes | list[str | None]:
         path = self.files[i]
         if self.formats[i][0] == "parquet":
-            data: mmap.mmap | bytes | list[str | None] = _read_parquet_column(path, self.text_field)
-        elif path.stat().st_size == 0:
-            data = b""
-        else:
-            with open(path, "rb") as f:
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._cache[i] = data
-        if len(self._cache) > _OPEN_FILES:
-            _, old = self._cache.popitem(last=False)
-            if isinstance(old, mmap.mmap):
-                old.close()
-        return data
+            return _read_parquet_column(path, self.text_field)
+        if path.stat().st_size == 0:
+            return b""
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def document(self, d: int, readers: dict[int, ForwardReader] | None = None) -> str:
         """Document `d`. A compressed file is read through `readers[file]` (kept by the caller, so that
@@ -441,10 +440,6 @@ class LocalSource:
         finally:
             for reader in readers.values():
                 reader.close()
-
-    def __getstate__(self) -> dict:
-        """Picklable for spawned dataloader workers: open maps stay behind."""
-        return {**self.__dict__, "_cache": OrderedDict()}
 
 
 _PARAGRAPH = re.compile(rb"(?:^[ \t\r\x0b\x0c]*[^\s][^\n]*(?:\n|\Z))+", re.MULTILINE)

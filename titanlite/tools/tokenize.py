@@ -1,4 +1,4 @@
-"""Tokenize a run's training data once, into binary token shards that training reads memory-mapped.
+"""Tokenize a run's training data once, into binary token shards that training reads without tokenizing.
 
     python -m titanlite.tools.tokenize --config CONFIG --out DIR [--workers N] [--documents_per_shard C]
                                        [--section.key value ...]
