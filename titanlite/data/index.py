@@ -7,6 +7,18 @@ validation loader. So the first process to scan a file stores its `FileIndex` in
 (`<job.dump_folder>/data_index/`); the others, and later launches, load it while the file's size and
 modification time are unchanged. Without an `index_dir` (tools, tests) nothing is stored.
 
+One process builds each entry: a process that finds none takes an exclusive `fcntl.flock` on the lock file
+beside it (`<entry>.lock`), looks again, and scans only if it is still missing; the others of the run (the
+preflights of several nodes sharing the dump folder, ranks started without the launcher) wait on the lock
+and then load what it stored. Entries are written under a temporary name and renamed, so a reader sees
+none or a whole one. Where the folder takes no lock file or its file system no `flock` (a Lustre mount
+without the `flock` option), each process scans for itself, as without the lock.
+
+A loaded index holds no documents in memory: its offsets and lengths (`Spans`) are memory-mapped from the
+stored file when read, so the ranks and loader workers of a node share the page cache's one copy, and a
+worker receives only where they are (16 bytes a document would otherwise be held, and pickled into each
+worker, by every process).
+
 The scan hashes every byte it reads (BLAKE2b; the decompressed bytes of a compressed file, the raw bytes
 of a parquet file), so each index carries a digest of its file's whole content at no extra read. The
 dataset fingerprint a resume compares (`checkpoint/fingerprint.py`) is made of these digests: a change
@@ -19,14 +31,45 @@ JSON header line, then the offsets and the lengths as native int64 arrays.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import itertools
 import json
 import os
-from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 VERSION = 1
+
+
+class Spans:
+    """One file's documents: row 0 of `table()` their byte offsets in the (decompressed) file, row 1 their
+    byte lengths (parquet: row numbers). Loaded ones are mapped from the stored index at each `table()` (the
+    caller keeps the few it reads) and pickle as where they are; a scan's own are held in memory."""
+
+    def __init__(self, count: int, held: np.ndarray | None = None, stored: tuple[Path, int] | None = None) -> None:
+        self.count = count
+        self._held = held
+        self._stored = stored  # (index file, byte offset of the arrays)
+
+    @classmethod
+    def of(cls, spans: list[tuple[int, int]]) -> Spans:
+        flat = np.fromiter(itertools.chain.from_iterable(spans), dtype=np.int64, count=2 * len(spans))
+        return cls(len(spans), held=flat.reshape(-1, 2).T.copy())
+
+    def __len__(self) -> int:
+        return self.count
+
+    def table(self) -> np.ndarray:
+        """The (2, count) int64 table: offsets, lengths."""
+        if self._stored is None or not self.count:
+            return self._held if self._held is not None else np.zeros((2, 0), dtype=np.int64)
+        path, start = self._stored
+        return np.memmap(path, dtype=np.int64, mode="r", offset=start, shape=(2, self.count))
 
 
 @dataclass
@@ -37,8 +80,7 @@ class FileIndex:
     mtime_ns: int
     digest: str = ""
     """BLAKE2b of the bytes the scan read (the file's whole content)."""
-    offsets: array = field(default_factory=lambda: array("q"))
-    lengths: array = field(default_factory=lambda: array("q"))
+    spans: Spans = field(default_factory=lambda: Spans(0))
     notes: list[str] = field(default_factory=list)
     """What the scan reported (skipped records, an unreadable tail), printed as warnings by the process
     that reports on the data."""
@@ -48,51 +90,85 @@ def content_hash() -> hashlib.blake2b:
     return hashlib.blake2b(digest_size=16)
 
 
-def _entry(index_dir: Path, path: Path, key: str) -> Path:
+def entry(index_dir: str, path: Path, key: str, suffix: str = ".idx") -> Path:
+    """Where `index_dir` keeps what it records of `path` (under `key`: its kind and text field)."""
     name = hashlib.blake2b(f"{path.resolve()}\0{key}".encode(), digest_size=12).hexdigest()
-    return index_dir / f"{name}.idx"
+    return Path(index_dir) / f"{name}{suffix}"
+
+
+@contextlib.contextmanager
+def building(path: Path) -> Iterator[None]:
+    """Held while this process makes the entry at `path`: the others wait (module docstring)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            with contextlib.suppress(OSError):  # no flock on this file system: unlocked
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def load(index_dir: str | None, path: Path, key: str) -> FileIndex | None:
     """The stored index of `path` (scanned with `key`: its kind and text field), if the file is unchanged."""
     if not index_dir:
         return None
+    stored = entry(index_dir, path, key)
     try:
         stat = path.stat()
-        with open(_entry(Path(index_dir), path, key), "rb") as f:
+        with open(stored, "rb") as f:
             header = json.loads(f.readline())
             if (header["version"], header["size"], header["mtime_ns"]) != (VERSION, stat.st_size, stat.st_mtime_ns):
                 return None
-            n = header["documents"]
-            offsets, lengths = array("q"), array("q")
-            offsets.fromfile(f, n)
-            lengths.fromfile(f, n)
-    except (OSError, ValueError, KeyError, EOFError):
+            n, start = header["documents"], f.tell()
+            if os.fstat(f.fileno()).st_size != start + 16 * n:  # cut short (a full disk)
+                return None
+    except (OSError, ValueError, KeyError):
         return None
-    return FileIndex(stat.st_size, stat.st_mtime_ns, header["digest"], offsets, lengths, header["notes"])
+    spans = Spans(n, stored=(stored, start))
+    return FileIndex(stat.st_size, stat.st_mtime_ns, header["digest"], spans, header["notes"])
 
 
 def store(index_dir: str | None, path: Path, key: str, index: FileIndex) -> None:
     """Keep `index` for the next process (best effort: an unwritable or full folder only costs a scan)."""
     if not index_dir:
         return
-    entry = _entry(Path(index_dir), path, key)
-    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    stored = entry(index_dir, path, key)
+    tmp = stored.with_name(f"{stored.name}.{os.getpid()}.tmp")
     header = {
         "version": VERSION,
         "path": str(path),
         "size": index.size,
         "mtime_ns": index.mtime_ns,
         "digest": index.digest,
-        "documents": len(index.offsets),
+        "documents": len(index.spans),
         "notes": index.notes,
     }
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+        stored.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(json.dumps(header).encode() + b"\n")
-            index.offsets.tofile(f)
-            index.lengths.tofile(f)
-        os.replace(tmp, entry)
+            index.spans.table().tofile(f)
+        os.replace(tmp, stored)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def indexed(index_dir: str | None, path: Path, key: str, scan: Callable[[], FileIndex]) -> FileIndex:
+    """`path`'s index: the stored one while the file is unchanged, else `scan()`'s, stored by the one process
+    that scans while the others wait (module docstring), and then read back mapped."""
+    found = load(index_dir, path, key)
+    if found is not None or not index_dir:
+        return found or scan()
+    with building(entry(index_dir, path, key)):
+        found = load(index_dir, path, key)  # stored while this process waited
+        if found is None:
+            scanned = scan()
+            store(index_dir, path, key, scanned)
+            found = load(index_dir, path, key) or scanned
+    return found

@@ -58,6 +58,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
+import numpy as np
+
 from titanlite.data import index
 from titanlite.data.data_source import DataSource, HFDataset
 from titanlite.data.open_files import OpenFiles
@@ -286,10 +288,15 @@ def _close_map(data: mmap.mmap | bytes | list[str | None]) -> None:
         data.close()
 
 
+def _drop(table: np.ndarray) -> None:
+    """A file's spans (`index.Spans.table`) are unmapped when the last reference to them goes."""
+
+
 class LocalSource:
     """Local files, indexed once (`index.py`): document d -> (file, byte offset, byte length).
 
-    `index_dir` keeps the files' indexes for the other processes of a launch and for later launches;
+    `index_dir` keeps the files' indexes for the other processes of a launch and for later launches, and
+    their documents' offsets are read mapped from it (shared, never pickled into a worker: `index.Spans`);
     `report` prints what the scans found (skipped records, unreadable tails) as warnings: the launcher's
     preflight reports, the ranks it starts do not repeat it."""
 
@@ -301,8 +308,8 @@ class LocalSource:
         self.text_field = text_field
         self.formats = [file_format(f) or ("txt", "") for f in files]  # resolve_files kept supported ones
         self._starts = array("q")  # index of each file's first document
-        self._offsets = array("q")  # byte offset in the (decompressed) file; parquet: row number
-        self._lengths = array("q")
+        self._spans: list[index.Spans] = []  # each file's documents: byte offset and length; parquet: row
+        self._tables: OpenFiles[np.ndarray] = OpenFiles(_drop)  # the last few files' spans, mapped
         self.digests: list[str] = []
         """Each file's content digest (`index.FileIndex.digest`), in file order."""
         self._cache: OpenFiles[mmap.mmap | bytes | list[str | None]] = OpenFiles(_close_map)
@@ -310,20 +317,18 @@ class LocalSource:
             _require_pyarrow()
         if any(compression == "zst" for _, compression in self.formats):
             _require_zstandard()
+        documents = 0
         for i, path in enumerate(files):
             key = f"{self.formats[i][0]}:{self.formats[i][1]}:{text_field}"
-            found = index.load(index_dir, path, key)
-            if found is None:
-                found = self._index(i, path)
-                index.store(index_dir, path, key, found)
+            found = index.indexed(index_dir, path, key, lambda i=i, path=path: self._index(i, path))
             if report:
                 for note in found.notes:
                     logger.warning(note)
-            self._starts.append(len(self._offsets))
-            self._offsets.extend(found.offsets)
-            self._lengths.extend(found.lengths)
+            self._starts.append(documents)
+            self._spans.append(found.spans)
             self.digests.append(found.digest)
-        self.num_documents: int = len(self._offsets)
+            documents += len(found.spans)
+        self.num_documents: int = documents
         self._first = 0  # global index of this source's document 0 (`part`)
 
     def part(self, begin: int, end: int) -> LocalSource:
@@ -369,8 +374,7 @@ class LocalSource:
         except _read_errors() as e:  # unreadable, corrupt or truncated gzip/zstd/parquet
             error = e
         found.digest = digest.hexdigest()
-        found.offsets.extend(off for off, _ in spans)
-        found.lengths.extend(n for _, n in spans)
+        found.spans = index.Spans.of(spans)
         issues = +issues  # drop zero counts
         if error is not None:
             what = f"kept the {counted(len(spans), 'document')} before the damage" if spans else "nothing readable"
@@ -402,12 +406,18 @@ class LocalSource:
         with open(path, "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
+    def _span(self, i: int, j: int) -> tuple[int, int]:
+        """(offset, length) of document j of file i, from the file's spans, kept mapped while among the last
+        files read (`open_files.py`)."""
+        table = self._tables.get(i, lambda k: self._spans[k].table())
+        return int(table[0, j]), int(table[1, j])
+
     def document(self, d: int, readers: dict[int, ForwardReader] | None = None) -> str:
         """Document `d`. A compressed file is read through `readers[file]` (kept by the caller, so that
         reading forward resumes where it stopped), or decompressed from its start without one."""
         i = bisect.bisect_right(self._starts, d) - 1  # empty files share their successor's start
         kind, compression = self.formats[i]
-        offset, length = self._offsets[d], self._lengths[d]
+        offset, length = self._span(i, d - self._starts[i])
         if kind == "parquet":
             return self._load(i)[offset]  # type: ignore[index,return-value]
         if compression:
