@@ -1,6 +1,7 @@
-"""The data index folder a run's processes share (`data/index.py`): what is missing there (a text file's
-document index) is built by one of the processes that need it while the others wait and then read it, and a
-text source's document offsets are mapped from it, not pickled into each loader worker."""
+"""The data index folder a run's processes share (`data/index.py`, `data/verified_shards.py`): what is missing
+there (a text file's document index, the record of a token folder's verified shards) is built by one of the
+processes that need it while the others wait and then read it, and a text source's document offsets are
+mapped from it, not pickled into each loader worker."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import pickle
 import time
 from pathlib import Path
 
-from titanlite.data import sources
+import pytest
+
+from titanlite.data import sources, verified_shards
 from titanlite.data.loader import build_dataloader
 from titanlite.data.sources import open_source
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.tools.tokenize import tokenize_source
 
 SLOW_READ_S = 0.5
 """How long each read the race watches takes: the other process asks for the entry meanwhile."""
@@ -25,13 +29,18 @@ def _open_after(barrier, path: str, index_dir: str, results) -> None:
     results.put((source.num_documents, source.digests))
 
 
-def test_a_cold_entry_is_built_by_one_of_two_racing_processes_while_the_other_waits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["text", "tokens"])
+def test_a_cold_entry_is_built_by_one_of_two_racing_processes_while_the_other_waits(tmp_path, monkeypatch, kind):
     """Two processes open the same data with a cold data index at once (the preflights of two nodes): the text
-    file is scanned by one of them only, and both get the same source."""
+    file is scanned, or the shards read for their digests, by one of them only, and both get the same source."""
     text = tmp_path / "docs.txt"
     text.write_text("".join(f"document {i} of the race\n\n" for i in range(40)))
     path, reads = str(text), 1
     target, name = sources.LocalSource, "_index"
+    if kind == "tokens":
+        tokenize_source(str(text), "text", "", tmp_path / "tokens", workers=1, per_shard=20)
+        path, reads = str(tmp_path / "tokens"), 2
+        target, name = verified_shards, "_read"
     log = tmp_path / "reads.log"
     real = getattr(target, name)
 

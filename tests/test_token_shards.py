@@ -2,11 +2,15 @@
 makes, document by document and batch by batch; the dtype follows the vocabulary; another tokenizer, an
 unfinished or a truncated folder is refused in one line; an interrupted tokenization resumes to the same bytes;
 damaged document offsets are one line where a shard is first read; more shards than open files are allowed
-are read through. The slow tests drive the tool and `run_train.sh` end to end."""
+are read through; a shard whose bytes changed is refused by its digest, checked once per shard by the
+preflight while the ranks open no shard to start (`data/verified_shards.py`). The slow tests drive the tool
+and `run_train.sh` end to end."""
 
 from __future__ import annotations
 
+import builtins
 import gzip
+import io
 import itertools
 import json
 import os
@@ -14,12 +18,14 @@ import resource
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from harness import ROOT, SHALLOW, SMALL, child_env, train
+from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.data import sources
 from titanlite.data.loader import build_dataloader
 from titanlite.data.open_files import OPEN_FILES
@@ -30,6 +36,8 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import DataError, run_cli
 from titanlite.faults import TOKENIZE_KILL_AFTER
 from titanlite.launcher import preflight
+from titanlite.plan import RunPlan
+from titanlite.run_loader import build_loader, build_validation_loader, data_index_dir
 from titanlite.tools import tokenize
 from titanlite.tools.tokenize import tokenize_source
 
@@ -69,6 +77,33 @@ def damage_offsets(path: Path, damage) -> np.ndarray:
 def swap_11th_and_12th(offsets: np.ndarray) -> np.ndarray:
     offsets[[10, 11]] = offsets[[11, 10]]
     return offsets
+
+
+def change_a_token(path: Path) -> None:
+    """The middle token of the shard at `path` changed in place to another id of the bundled vocabulary (its
+    lowest bit flipped): same size and header, every id in range."""
+    tokens = json.loads((path.parent / INDEX).read_text())["shards"][int(path.stem.split("-")[1])]["tokens"]
+    at = path.stat().st_size - 2 * (tokens // 2)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        token = int.from_bytes(f.read(2), "little")
+        f.seek(at)
+        f.write((token ^ 1).to_bytes(2, "little"))
+
+
+def shard_accesses(monkeypatch, folder: Path) -> Counter:
+    """From now on, each open and stat of a shard file of `folder` by this process, counted by (call, file)."""
+    seen: Counter = Counter()
+    for module, name in ((builtins, "open"), (io, "open"), (os, "open"), (os, "stat")):
+        real = getattr(module, name)
+
+        def counted(path, *args, real=real, name=name, **kwargs):
+            if isinstance(path, (str, Path)) and Path(path).parent == folder and Path(path).name.startswith("shard-"):
+                seen[name, Path(path).name] += 1
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return seen
 
 
 def test_the_shards_hold_the_on_the_fly_tokens_document_by_document(folder):
@@ -336,10 +371,63 @@ def test_damaged_offsets_stop_a_run_in_one_line(folder, tmp_path):
     assert "Traceback" not in proc.log and not proc.losses
 
 
+def test_each_shard_is_verified_once_by_the_preflight_and_no_rank_opens_one_to_start(folder, tmp_path, monkeypatch):
+    """The preflight reads every shard for its digest once; the next launch's preflight stats them and reads
+    none; a shard rewritten with the same bytes (a new modification time) is the only one read again. A rank's
+    training and held-out loaders after it open and stat no shard to start."""
+    copy, dump = tmp_path / "copy", tmp_path / "dump"
+    shutil.copytree(folder, copy)
+    args = ["--job.dump_folder", str(dump), "--training.dataset_path", str(copy)]
+    args += ["--validation.enable", "--validation.holdout_documents", "32"]
+    seen = shard_accesses(monkeypatch, copy)
+    shards = sorted(p.name for p in copy.glob("shard-*.bin"))
+    assert run_cli(preflight.main, args) == 0
+    assert [seen[("open", s)] for s in shards] == [1] * 8  # its digest's read
+    seen.clear()
+    assert run_cli(preflight.main, args) == 0
+    assert sorted(seen) == [("stat", s) for s in shards] and set(seen.values()) == {1}
+    seen.clear()
+    plan = RunPlan.build(load_config(args, default_config=DEFAULT_CONFIG), 2)
+    loaders = [build_loader(plan, dp_rank=r, report=False) for r in range(2)]
+    loaders += [build_validation_loader(plan, dp_rank=r) for r in range(2)]
+    assert not seen, seen
+    next(iter(loaders[1]))  # reading opens the shards it reads (and only then)
+    assert seen and {call for call, _ in seen} == {"open"}
+    path = copy / shard_name(5)
+    path.write_bytes(path.read_bytes())
+    seen.clear()
+    assert run_cli(preflight.main, args) == 0
+    assert [s for (call, s) in seen if call == "open"] == [shard_name(5)]
+
+
+def test_a_token_id_changed_in_range_is_refused_by_its_shards_digest(folder, tmp_path, capsys):
+    """A token id changed to another valid id, in place (same size and header: only the digest can tell), after
+    the folder was verified: the next preflight reads that shard again and refuses it in one line naming it,
+    exit code 2; a process that finds no record verifies itself and refuses it too. The unchanged folder
+    passes (the control)."""
+    copy, dump = tmp_path / "copy", tmp_path / "dump"
+    shutil.copytree(folder, copy)
+    args = ["--job.dump_folder", str(dump), "--training.dataset_path", str(copy)]
+    assert run_cli(preflight.main, args) == 0
+    change_a_token(copy / shard_name(3))
+    assert run_cli(preflight.main, args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    line = (
+        f"training.dataset_path {copy}: shard {shard_name(3)} does not match its digest in {INDEX} (its bytes "
+        "changed since it was written: a damaged file): tokenize the data again"
+    )
+    assert err == [f"titanlite: error: {line}"], err
+    with pytest.raises(DataError, match=f"shard {shard_name(3)} does not match its digest"):
+        open_source(str(copy), "text", index_dir=str(tmp_path / "another_index"))
+    assert open_source(str(folder), "text", index_dir=str(tmp_path / "another_index")).num_documents == 3851
+    assert data_index_dir(load_config(args, default_config=DEFAULT_CONFIG)) == str(dump / "data_index")
+
+
 @pytest.mark.slow
 def test_tokenized_interrupted_and_resumed_then_trained_on_gives_the_on_the_fly_losses(tmp_path):
     """The tool killed after its third shard (2 worker processes), run again, then `run_train.sh` on the
-    folder and on the text: the same losses, bitwise."""
+    folder and on the text: the same losses, bitwise; then, a token id of the folder changed in range, in one
+    line and exit code 2 (the run before is the control)."""
     out = tmp_path / "tokens"
     cmd = [sys.executable, "-m", "titanlite.tools.tokenize", "--out", str(out), "--workers", "2"]
     cmd += ["--documents_per_shard", str(PER_SHARD)]
@@ -359,4 +447,14 @@ def test_tokenized_interrupted_and_resumed_then_trained_on_gives_the_on_the_fly_
     ahead = train(tmp_path / "ahead", 2, *run, "--training.dataset_path", str(out), launcher="run_train").ok()
     assert len(on_the_fly.losses) == 4 and ahead.losses == on_the_fly.losses
     assert f"data: 3,851 documents in 8 files from {out}" in ahead.stderr
+    # A token id changed to another valid one in place after that run verified the folder: refused in one line.
+    change_a_token(out / shard_name(6))
+    damaged = train(
+        tmp_path / "ahead", 2, "--training.dataset_path", str(out), "--training.steps", "2", launcher="run_train"
+    )
+    assert damaged.returncode == 2, damaged.log[-3000:]
+    assert damaged.log.strip().splitlines() == [
+        f"titanlite: error: training.dataset_path {out}: shard {shard_name(6)} does not match its digest in {INDEX} "
+        "(its bytes changed since it was written: a damaged file): tokenize the data again"
+    ]
     assert os.environ.get(TOKENIZE_KILL_AFTER) is None

@@ -1,10 +1,10 @@
 """A run's data loaders, built from its run plan: the training and the held-out (validation) loader of a
 data-parallel rank.
 
-The launcher's preflight builds them too (it indexes the local data files once for the ranks and reports
-bad data before any rank starts), so this module imports only the plan and the data package, nothing of
-the model build (`build.py`: the parallelisms, the compiler). A data error names the config key of the
-path it is about (`training.dataset_path`, `validation.dataset_path`).
+The launcher's preflight builds them too (it indexes the local data files and verifies pre-tokenized shards
+once for the ranks, and reports bad data before any rank starts), so this module imports only the plan and
+the data package, nothing of the model build (`build.py`: the parallelisms, the compiler). A data error names
+the config key of the path it is about (`training.dataset_path`, `validation.dataset_path`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,14 @@ def naming_key(section: str) -> Iterator[None]:
         raise
 
 
-def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True) -> Any:
+def build_loader(
+    plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True, verify: bool = False
+) -> Any:
     """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
     for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes);
-    `report`: print the data's warnings (the launcher's preflight does, its ranks need not repeat them).
+    `report`: print the data's warnings (the launcher's preflight does, its ranks need not repeat them);
+    `verify`: read the pre-tokenized shards not verified as they are now (the preflight does, its ranks
+    trust what it recorded: `data/verified_shards.py`).
 
     Built before the process group: a bad dataset path is reported before any rank starts work."""
     t = plan.cfg.training
@@ -77,16 +81,18 @@ def build_loader(plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: 
             holdout_documents=plan.cfg.validation.holdout_documents,
             index_dir=data_index_dir(plan.cfg),
             report=report,
+            verify=verify,
             mixture=t.datasets,
             seed=t.seed,
         )
 
 
-def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
+def build_validation_loader(plan: RunPlan, dp_rank: int, verify: bool = False) -> TokenLoader:
     """The held-out loader of data-parallel rank `dp_rank` (`validation.py`): `validation.dataset_path`, or
     the training data's last `validation.holdout_documents` documents. It logs no `data: epoch` lines:
     every evaluation starts it over (a held-out set smaller than one evaluation is reported once, by the
-    validator)."""
+    validator). `verify`: `build_loader`'s, for `validation.dataset_path` (the training data's shards are
+    verified by its training loader)."""
     t, v = plan.cfg.training, plan.cfg.validation
     with naming_key("validation" if v.dataset_path else "training"):
         return build_dataloader(
@@ -102,5 +108,6 @@ def build_validation_loader(plan: RunPlan, dp_rank: int) -> TokenLoader:
             heldout=not v.dataset_path,
             index_dir=data_index_dir(plan.cfg),
             report=bool(v.dataset_path),  # the training data's warnings are printed by its own loader
+            verify=verify and bool(v.dataset_path),
             log_epochs=False,
         )

@@ -131,10 +131,11 @@ def _checked_source(
     report: bool,
     holdout_documents: int,
     heldout: bool,
+    verify: bool,
 ) -> DocumentSource:
     """One dataset, opened and checked up front (it fills every virtual shard; pre-tokenized, it was made by
     `tokenizer`); its line logged."""
-    source = open_source(dataset_path, text_field, index_dir=index_dir, report=report)
+    source = open_source(dataset_path, text_field, index_dir=index_dir, report=report, verify=verify)
     if isinstance(source, TokenShards):
         source.check_tokenizer(tokenizer_digest(tokenizer.path), tokenizer.path)
     what = "held-out document" if heldout else "document"
@@ -185,6 +186,7 @@ def build_dataloader(
     heldout: bool = False,
     index_dir: str | None = None,
     report: bool = True,
+    verify: bool = False,
     log_epochs: bool = True,
     mixture: Sequence[DatasetSource] = (),
     seed: int = 0,
@@ -194,8 +196,10 @@ def build_dataloader(
     `pin_memory` (CUDA) yields batches in page-locked memory, so the step copies them to the GPU
     without blocking the host. `holdout_documents` > 0 sets the last N documents of local data apart:
     the loader reads the documents before them, or with `heldout` only them (validation). `index_dir`
-    keeps the local files' indexes (`index.py`); `report` prints the data's warnings (one process of a
-    launch does); `log_epochs` logs each new pass over the data (`data: epoch E begins at step N`).
+    keeps the local files' indexes (`index.py`) and the record of the pre-tokenized shards verified
+    (`verified_shards.py`); `report` prints the data's warnings (one process of a launch does); `verify`
+    reads every pre-tokenized shard not recorded as verified as it is now (the preflight does; the ranks
+    trust its record); `log_epochs` logs each new pass over the data (`data: epoch E begins at step N`).
     `mixture` (named, weighted sources; `dataset_path` and the held-out documents then unused) reads a
     weighted mixture interleaved from `seed` (`mixture.py`)."""
     layout = ShardLayout.create(
@@ -210,7 +214,9 @@ def build_dataloader(
         opened = []
         for entry in mixture:
             try:
-                opened.append(_checked_source(entry.path, tokenizer, text_field, layout, index_dir, report, 0, False))
+                opened.append(
+                    _checked_source(entry.path, tokenizer, text_field, layout, index_dir, report, 0, False, verify)
+                )
             except DataError as e:  # "dataset_path X: why" -> "datasets source NAME: X: why"
                 raise DataError(f"datasets source {entry.name!r}:{str(e).removeprefix('dataset_path')}") from None
         names, weights = [entry.name for entry in mixture], [entry.weight for entry in mixture]
@@ -218,7 +224,7 @@ def build_dataloader(
         logger.info(f"data: mixture {source.name}")
     else:
         source = _checked_source(
-            dataset_path, tokenizer, text_field, layout, index_dir, report, holdout_documents, heldout
+            dataset_path, tokenizer, text_field, layout, index_dir, report, holdout_documents, heldout, verify
         )
     dataset = PackedShards(source, tokenizer, seq_len, layout, log_epochs=log_epochs)
     with warnings.catch_warnings():  # torchdata 0.11 calls a torch API deprecated in torch 2.13

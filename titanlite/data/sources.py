@@ -602,16 +602,16 @@ class HFShardDocuments:
 
 
 def open_source(
-    dataset_path: str, text_field: str, index_dir: str | None = None, report: bool = True
+    dataset_path: str, text_field: str, index_dir: str | None = None, report: bool = True, verify: bool = False
 ) -> DocumentSource:
     """The source for a dataset path (`DataSource.parse`): "" is the bundled corpus, `hf://...` a Hugging Face
     dataset, a folder the tokenize tool wrote its tokens (`token_shards.py`). `index_dir` and `report`:
-    `LocalSource`'s."""
+    `LocalSource`'s; `index_dir` and `verify`: `TokenShards`'."""
     source = DataSource.parse(dataset_path)
     if isinstance(source, HFDataset):
         return HFSource(source, text_field)
     if is_token_folder(dataset_path):
-        return TokenShards(dataset_path)
+        return TokenShards(dataset_path, index_dir, verify)
     path = dataset_path or str(BUNDLED_CORPUS)
     files = resolve_files(path)
     if dataset_path and report:  # the bundled corpus's README is expected

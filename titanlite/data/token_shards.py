@@ -21,8 +21,14 @@ an interrupted tokenization resumes by writing only the missing ones, and produc
 The folder records the digest of the tokenizer that made it (`tokenizer.tokenizer_digest`, the one a
 checkpoint records); the loader refuses a run whose tokenizer differs, and a folder without
 `tokens.json` or with a shard of the wrong size (unfinished, truncated), one whose `tokens.json` lacks what
-the tool writes, and a shard file that does not begin with `MAGIC`, each in one line. What a shard holds
-at its size is checked as it is read (`TokenShards`): its offsets once per process, each document's ids.
+the tool writes, a shard file that does not begin with `MAGIC`, and a shard whose bytes do not have the
+digest `tokens.json` lists for it (a changed token id, a flipped bit), each in one line. A shard's digest
+takes reading all of it, so it is checked once per shard and folder state, by the launcher's preflight
+(once per node) or, where none did, by one process of the run while the others wait, and recorded in the
+run's data index folder; the ranks trust the record and open no shard before reading it
+(`verified_shards.py`).
+What a shard holds at its size is checked as it is read too (`TokenShards`): its offsets once per process,
+each document's ids.
 
 Reading: each virtual shard stream strides over every shard file (documents v, v + V, ...: 16,384 / V of
 them a file), and over a pass the streams of a process drift apart, their documents differing in length
@@ -50,7 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
+from titanlite.data import index, verified_shards
 from titanlite.data.open_files import OpenFiles
+from titanlite.data.verified_shards import VerifiedShards
 from titanlite.errors import DataError
 
 FORMAT = "titanlite-tokens"
@@ -131,10 +139,10 @@ class TokenShards:
 
     `files` and `digests` are its shard files and their content digests (the dataset fingerprint's)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, index_dir: str | None = None, verify: bool = False) -> None:
         self.name = path
         try:
-            self._open(Path(path))
+            self._open(Path(path), index_dir, verify)
         except (KeyError, TypeError, ValueError) as e:  # valid JSON, not what the tool writes
             what = f"has no {e.args[0]!r}" if isinstance(e, KeyError) else f"is malformed ({e})"
             raise DataError(f"dataset_path {path}: {INDEX} {what}: tokenize the data again") from None
@@ -142,8 +150,8 @@ class TokenShards:
         self._files: OpenFiles[int] = OpenFiles(os.close)  # shard number -> file descriptor
         self._checked: set[int] = set()  # the shards whose offsets this process checked
 
-    def _open(self, folder: Path) -> None:
-        """Read and check the index and the shards' sizes and headers."""
+    def _open(self, folder: Path, index_dir: str | None, verify: bool) -> None:
+        """Read and check the index, then the shards (`_check_shards`)."""
         path = self.name
         if not (folder / INDEX).exists():
             plan = read_json(folder / PLAN, f"dataset_path {path}")
@@ -164,17 +172,73 @@ class TokenShards:
         self.vocab_size = int(self.meta["vocab_size"])
         self.files = [folder / s["file"] for s in self.meta["shards"]]
         self.digests = [s["digest"] for s in self.meta["shards"]]
-        for file, entry in zip(self.files, self.meta["shards"]):
-            size = file.stat().st_size if file.exists() else None
-            if size != entry["bytes"]:
-                found = "missing" if size is None else f"{size:,} bytes, not {entry['bytes']:,}"
-                raise DataError(f"dataset_path {path}: shard {file.name} is {found}: tokenize the data again")
-            with open(file, "rb") as f:
-                check_magic(f.read(len(MAGIC)), file, f"dataset_path {path}", "tokenize the data again")
+        self._check_shards(folder, index_dir, verify)
         self._starts = array("q", [0])  # each shard's first document
         for entry in self.meta["shards"][:-1]:
             self._starts.append(self._starts[-1] + entry["documents"])
         self.num_documents: int = self.meta["documents"]
+
+    def _check_shards(self, folder: Path, index_dir: str | None, verify: bool) -> None:
+        """Each shard's size, header and digest against `tokens.json`, read once per folder state and recorded
+        in `index_dir` (`verified_shards.py`): `verify` (the preflight) checks every size and reads the shards
+        not recorded as they are; otherwise a record covering this folder is trusted as it is, and only where
+        there is none this process verifies, while the others wait. Without an `index_dir` (tools, tests),
+        sizes and headers only, unless `verify`."""
+        if not index_dir:
+            self._verify(None, 0, read=verify)
+            return
+        index_digest = hashlib.blake2b(json.dumps(self.meta, sort_keys=True).encode(), digest_size=16).hexdigest()
+        folder_mtime_ns = folder.stat().st_mtime_ns  # before the shards': a change while verifying is seen next time
+        digests = {file.name: digest for file, digest in zip(self.files, self.digests)}
+        record = VerifiedShards.load(index_dir, folder, index_digest)
+        if not verify and record.covers(folder_mtime_ns, digests):
+            return
+        with index.building(record.path):
+            record = VerifiedShards.load(index_dir, folder, index_digest)  # made while this process waited
+            if verify or not record.covers(folder_mtime_ns, digests):
+                self._verify(record, folder_mtime_ns, read=True)
+
+    def _verify(self, record: VerifiedShards | None, folder_mtime_ns: int, read: bool) -> None:
+        """Check every shard's size, then read those `record` lacks as they are now (all without one) for their
+        header and digest, `verified_shards.READERS` at once, and record what was verified (also before a
+        refusal: the folder once fixed is not read again in full). Not `read`: sizes and headers only."""
+        where, remedy = f"dataset_path {self.name}", "tokenize the data again"
+        shards: dict[str, list] = {}
+        todo = []
+        for file, entry in zip(self.files, self.meta["shards"]):
+            try:
+                stat = os.stat(file)
+            except (FileNotFoundError, NotADirectoryError):
+                raise DataError(f"{where}: shard {file.name} is missing: {remedy}") from None
+            if stat.st_size != entry["bytes"]:
+                found = f"{stat.st_size:,} bytes, not {entry['bytes']:,}"
+                raise DataError(f"{where}: shard {file.name} is {found}: {remedy}")
+            now = [stat.st_size, stat.st_mtime_ns, entry["digest"]]
+            if record is not None and record.verified(file.name, *now):
+                shards[file.name] = now
+            else:
+                todo.append((file, now))
+        if not read:
+            for file, _ in todo:
+                with open(file, "rb") as f:
+                    check_magic(f.read(len(MAGIC)), file, where, remedy)
+            return
+        try:
+            with verified_shards.digests([file for file, _ in todo], len(MAGIC)) as results:
+                for (file, now), result in zip(todo, results):
+                    if isinstance(result, OSError):
+                        raise DataError(f"{where}: cannot read shard {file.name} ({result.strerror}): {remedy}")
+                    head, digest = result
+                    check_magic(head, file, where, remedy)
+                    if digest != now[2]:
+                        raise DataError(
+                            f"{where}: shard {file.name} does not match its digest in {INDEX} (its bytes changed "
+                            f"since it was written: a damaged file): {remedy}"
+                        )
+                    shards[file.name] = now
+        finally:
+            if record is not None:
+                record.store(Path(self.name), folder_mtime_ns, shards)
 
     @property
     def tokenizer(self) -> dict:

@@ -122,6 +122,17 @@ def cpu_step_warning(plan: RunPlan) -> str | None:
     )
 
 
+def check_data(plan: RunPlan) -> None:
+    """The training and validation data, once per node for its ranks: local files indexed (`data/index.py`),
+    pre-tokenized shards verified against their digests and recorded (`data/verified_shards.py`), bad data
+    reported; hf:// streams are the ranks'."""
+    cfg = plan.cfg
+    if plan.data.local:
+        build_loader(plan, dp_rank=0, verify=True)
+    if cfg.validation.enable and DataSource.parse(cfg.validation.dataset_path or cfg.training.dataset_path).local:
+        build_validation_loader(plan, dp_rank=0, verify=True)
+
+
 def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     """Every check of the module docstring on a loaded config; returns the run plan they built."""
     plan = RunPlan.build(cfg, world_size)
@@ -137,10 +148,7 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     ckpt = cfg.checkpoint
     for key, folder in lock.run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():
         lock.check_free(folder, key)
-    if plan.data.local:  # indexes the data once for the ranks (data/index.py); hf:// streams are the ranks'
-        build_loader(plan, dp_rank=0)
-    if cfg.validation.enable and DataSource.parse(cfg.validation.dataset_path or cfg.training.dataset_path).local:
-        build_validation_loader(plan, dp_rank=0)
+    check_data(plan)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder)
     check_initial_hf(plan)
     if warning := cpu_step_warning(plan):
