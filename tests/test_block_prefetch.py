@@ -9,6 +9,7 @@ Numerics: the parity cases (`test_compile.py`, `test_parallel_parity.py`) train 
 from __future__ import annotations
 
 import pytest
+import torch
 from builders import config
 
 from harness import tiny_args
@@ -149,3 +150,50 @@ def test_auto_is_prefetch_only_where_the_prefetcher_applies(tmp_path, over, pp, 
     cfg = prefetched(tmp_path, compile__scope="auto", **over)
     assert resolve_scope(cfg, dp_enabled=True, ep=1, pp=pp, dp=2) == scope
     assert resolve_scope(cfg, dp_enabled=True, ep=2, pp=pp, dp=2) == "block"
+
+
+@pytest.mark.slow
+def test_float8_weights_are_prefetched_as_float8_bits(tmp_path, monkeypatch):
+    """With `float8.all_gather` (tensorwise) the prefetcher's flat gathers carry bytes: a float8 layer's
+    weight as its float8 bits (1 byte per element, handed to the layer as torchao's float8 tensor), the
+    norms as their fp32 bytes; a block's buffer is then 49,152 + 512 bytes, where fp32 gathers 4 x 49,152
+    + 512 (negative control: the same run without float8.all_gather). The compile report counts the same
+    bytes (the dry run's count, `test_dry_run`), forward and for the freed blocks' re-gathers."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    from titanlite.models.llama3 import Transformer
+
+    float8 = dict(float8__enable=True, float8__emulate=True, float8__filter_fqns=["output"])
+    with torch.device("meta"):
+        model = Transformer(tiny_args(n_layers=N), seq_len=16)
+    block = {n.removeprefix("layers.0."): p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")}
+    float8_numel = sum(n for name, n in block.items() if "norm" not in name)
+    norms = sum(n for name, n in block.items() if "norm" in name)
+    assert (float8_numel, norms) == (49_152, 128)
+    start_gather, finish_gather = block_prefetch._start_gather, block_prefetch._finish_gather
+    for all_gather, block_bytes in ((True, float8_numel + 4 * norms), (False, 4 * (float8_numel + norms))):
+        buffers: dict[str, list[tuple[torch.dtype, int]]] = {}
+        kept: set[type] = set()
+
+        def gather_recorded(pairs, buffers=buffers):
+            g = start_gather(pairs)
+            name = "block" if tuple(pairs[0][1].shape) == (64, 64) else "root"  # a block's first: wq
+            buffers.setdefault(name, []).append((g.out.dtype, g.out.numel() * g.out.element_size()))
+            return g
+
+        def finish_recorded(g, kept=kept):
+            finish_gather(g)
+            kept.update(type(gather.kept) for (gather, _), *_ in g.members)
+
+        monkeypatch.setattr(block_prefetch, "_start_gather", gather_recorded)
+        monkeypatch.setattr(block_prefetch, "_finish_gather", finish_recorded)
+        cfg = prefetched(tmp_path / str(all_gather), **float8, float8__all_gather=all_gather)
+        report = compile_report(cfg, 2, tiny_args(n_layers=N))
+        # 3 blocks gathered in forward, blocks 0 and 1 again in backward; one flat buffer each.
+        assert buffers["block"] == [(torch.uint8 if all_gather else torch.float32, block_bytes)] * (N + N - 1)
+        assert all(dtype == (torch.uint8 if all_gather else torch.float32) for dtype, _ in buffers["root"])
+        assert (Float8TrainingTensor in kept) == all_gather
+        sizes = report["bucket_sizes_mb"]
+        vocab_bytes = 4 * (257 * 64 * 2 + 64)  # embedding, output, final norm: fp32 either way
+        assert sizes["all_gather"]["total"] == pytest.approx((N * block_bytes + vocab_bytes) / 2**20, abs=1e-4)
+        assert sizes["backward_all_gather"]["total"] == pytest.approx((N - 1) * block_bytes / 2**20, abs=1e-4)

@@ -107,6 +107,9 @@ CASES_2 = [
     {**COMPILED_FULL_AC, "float8": "tensorwise", "f8_gather": True},
     {"shard": 2, "accum": 2, "float8": "tensorwise", "f8_gather": True},
     {"shard": 2, "float8": "tensorwise", "f8_gather": True, "dp_impl": "fsdp2"},
+    # The eager prefetcher (per-block graphs) gathering the float8 bits in its flat buffers, and without.
+    {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "tensorwise"},
+    {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "tensorwise", "f8_gather": True},
 ]
 _COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
 _PREFETCH_ACCUMULATED = {**_COMPILED_ACCUM, "scope": "prefetch"}
@@ -409,12 +412,14 @@ def test_float8_runs_in_float8_and_tensorwise_differs_only_by_its_per_rank_scale
 def test_float8_all_gather_moves_the_bits_the_layers_would_cast(records):
     """float8.all_gather casts each shard with the weight's global scale before the gather, so the gathered
     bits are the ones each layer casts from the gathered weight without it: the losses, gradients and
-    parameters are those of the same case without it, eager and in one compiled graph under full AC (the
-    case itself is float8: off the float32 reference). Compiled, the bucketed graph has the same buckets,
-    prefetched gathers and overlapped reductions, and gathers the converted weights at 1 byte per element
-    instead of 4 (float32 here)."""
+    parameters are those of the same case without it, eager, in one compiled graph under full AC and in
+    per-block graphs with the eager prefetcher (the case itself is float8: off the float32 reference).
+    Compiled, the bucketed graph has the same buckets, prefetched gathers and overlapped reductions, and
+    gathers the converted weights at 1 byte per element instead of 4 (float32 here); so do the
+    prefetcher's flat gathers."""
     recs = records(2, CASES_2)
-    for plain in ({"shard": 2, "float8": "tensorwise"}, {**COMPILED_FULL_AC, "float8": "tensorwise"}):
+    prefetched = {**_PREFETCH_ACCUMULATED, "float8": "tensorwise"}
+    for plain in ({"shard": 2, "float8": "tensorwise"}, {**COMPILED_FULL_AC, "float8": "tensorwise"}, prefetched):
         got, want = recs[case_id({**plain, "f8_gather": True})], recs[case_id(plain)]
         assert got["losses"] == want["losses"], plain
         assert (got["grad_abs"], got["param_abs"]) == (want["grad_abs"], want["param_abs"]), plain
@@ -431,6 +436,14 @@ def test_float8_all_gather_moves_the_bits_the_layers_would_cast(records):
     float8_elements = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and "norm" not in n)
     saved = plain_bytes["total"] - gathered["total"]
     assert saved == pytest.approx(3 * float8_elements / 2**20, abs=1e-3), (gathered, plain_bytes)
+    got, want = (recs[case_id(c)]["compile_report"] for c in ({**prefetched, "f8_gather": True}, prefetched))
+    assert got["scope"] == want["scope"] == "prefetch"
+    assert {k: got[k] for k in counts} == {k: want[k] for k in counts}
+    for name in ("all_gather", "backward_all_gather"):
+        gathered, plain_bytes = got["bucket_sizes_mb"][name], want["bucket_sizes_mb"][name]
+        blocks = 3 if name == "all_gather" else 2  # the re-gathers: every block but the last
+        saved = plain_bytes["total"] - gathered["total"]
+        assert saved == pytest.approx(3 * float8_elements * blocks / TINY.n_layers / 2**20, abs=1e-3), name
 
 
 @pytest.mark.slow

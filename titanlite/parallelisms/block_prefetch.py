@@ -9,8 +9,11 @@ this module issues them one unit ahead:
 
     units       [embedding], each block, [norm, output]: the model's `Units` in forward order
     forward     unit i's pre-hook waits its own gather (one flat all-gather per unit, in the param
-                dtype) and starts unit i+1's; a block resharded after forward drops its gathered
-                weights after its forward (its eager checkpoint saved nothing of them)
+                dtype, or as bytes where the weights travel in a wire format: with float8.all_gather
+                a float8 layer's weight is its float8 bits, 1 byte per element, handed to the layer as
+                torchao's float8 tensor, `float8_gather`) and starts unit i+1's; a block resharded
+                after forward drops its gathered weights after its forward (its eager checkpoint saved
+                nothing of them)
     backward    a hook on unit i's output fires before unit i's backward (for a fully checkpointed
                 block: before its recompute): it waits unit i's re-gather, starts unit i-1's and drops
                 unit i+1's weights, whose backward is done
@@ -65,7 +68,7 @@ class _Gather:
     """One unit's flat all-gather in flight (or done: `work` None)."""
 
     members: list[tuple[Pair, int, int, int]]
-    """((gather, param), first row width offset, rows per rank, width per rank)."""
+    """((gather, param), first row width offset, rows per rank, width per rank), in buffer elements."""
     ranks: int
     out: torch.Tensor
     work: Any = None
@@ -83,35 +86,39 @@ class _Unit:
     pending: list[_Gather] = field(default_factory=list)
 
 
+def _buffer_dtype(gather: ReplicateComputation, param: DTensor) -> torch.dtype:
+    """The dtype of the flat buffer `param` travels in: bytes where it has a wire format, else the param dtype."""
+    return torch.uint8 if gather.wire is not None else gather.mp.param_dtype or param.dtype
+
+
 def _flat_gathers(pairs: list[Pair]) -> list[list[Pair]]:
-    """`pairs` split by what one collective can carry: the same dp mesh, mode and gathered dtype."""
+    """`pairs` split by what one collective can carry: the same dp mesh, mode and buffer dtype."""
     groups: dict[tuple, list[Pair]] = {}
     for gather, param in pairs:
-        groups.setdefault((gather.dp_mesh, gather.mode, gather.mp.param_dtype or param.dtype), []).append(
-            (gather, param)
-        )
+        groups.setdefault((gather.dp_mesh, gather.mode, _buffer_dtype(gather, param)), []).append((gather, param))
     return list(groups.values())
 
 
 def _start_gather(pairs: list[Pair]) -> _Gather:
-    """Pack the local shards (cast to the param dtype, each padded to its rows per rank) into one buffer
-    and all-gather it asynchronously over the shard dim of the dp mesh (nothing for replicate)."""
+    """Pack the local shards (cast to the param dtype, or their wire format's bytes; each padded to its rows
+    per rank) into one buffer and all-gather it asynchronously over the shard dim of the dp mesh (nothing
+    for replicate)."""
     gather0, param0 = pairs[0]
-    dtype = gather0.mp.param_dtype or param0.dtype
+    dtype = _buffer_dtype(gather0, param0)
     mesh = gather0.dp_mesh
     ranks = 1 if gather0.mode == "replicate" else mesh.size(mesh.ndim - 1)
     members, offset = [], 0
     for gather, param in pairs:
         shape = gather.tp_local_shape or param.shape
         rows = -(-shape[0] // ranks)
-        width = rows * math.prod(shape[1:])
+        width = rows * math.prod(shape[1:]) * (gather.wire.itemsize if gather.wire is not None else 1)
         members.append(((gather, param), offset, rows, width))
         offset += width
     device = param0.to_local().device
     with torch.no_grad():
         inp = torch.zeros(offset, dtype=dtype, device=device)
-        for (_, param), start, _, _ in members:
-            local = param.to_local().reshape(-1)
+        for (gather, param), start, _, _ in members:
+            local = (param.to_local() if gather.wire is None else gather.wire.shard_bytes(param)).reshape(-1)
             inp[start : start + local.numel()].copy_(local)
         if ranks == 1:
             return _Gather(members, 1, inp)
@@ -121,7 +128,8 @@ def _start_gather(pairs: list[Pair]) -> _Gather:
 
 
 def _finish_gather(g: _Gather) -> None:
-    """Wait `g` and hand each gathered (tp-local) weight to its gather as `kept`."""
+    """Wait `g` and hand each gathered (tp-local) weight to its gather as `kept` (from its wire format's
+    bytes where it has one)."""
     if g.work is not None:
         g.work.wait()
         g.work, g.inp = None, None
@@ -130,8 +138,8 @@ def _finish_gather(g: _Gather) -> None:
     with torch.no_grad():
         for (gather, param), start, rows, width in g.members:
             shape = gather.tp_local_shape or param.shape
-            piece = rows_of_rank[:, start : start + width].reshape(g.ranks * rows, *shape[1:])
-            gather.kept = piece[: shape[0]].contiguous()
+            piece = rows_of_rank[:, start : start + width].reshape(g.ranks * rows, -1)[: shape[0]].contiguous()
+            gather.kept = piece.reshape(shape) if gather.wire is None else gather.wire.from_bytes(piece, shape)
 
 
 class BlockPrefetch:
@@ -318,8 +326,11 @@ def _describe(group: list[Pair], kind: str) -> Collective:
     dim = mesh.ndim - 1
     nbytes = 0
     for gather, param in group:
-        dtype = (gather.mp.param_dtype if kind == "all_gather" else gather.mp.reduce_dtype) or param.dtype
-        nbytes += math.prod(gather.tp_local_shape or param.shape) * dtype.itemsize
+        if kind == "all_gather":
+            itemsize = gather.gathered_itemsize(param)
+        else:
+            itemsize = (gather.mp.reduce_dtype or param.dtype).itemsize
+        nbytes += math.prod(gather.tp_local_shape or param.shape) * itemsize
     if gather0.mode == "replicate":
         kind = "all_reduce"
     return Collective(kind, mesh.get_group(dim).group_name, mesh.size(dim), nbytes)

@@ -24,8 +24,10 @@ whole to the step's unreduced sink.
 
 Under torch.compile the buffers are graph inputs: the all-gather's only input is the `bits` buffer, so
 torch's and titanlite's passes see an ordinary parameter gather (bucketed, prefetched, recomputed in
-backward), one byte per element in the compile report. The buffers are not part of the state dict:
-checkpoints keep the high-precision master weights only.
+backward), one byte per element in the compile report. The eager prefetcher of compile scope `prefetch`
+(`block_prefetch`) packs the same bytes into its flat gathers (`shard_bytes`) and hands the float8 tensor
+back (`from_bytes`) as the layer's kept weight. The buffers are not part of the state dict: checkpoints
+keep the high-precision master weights only.
 
 FSDP2 (`parallelism.dp_impl fsdp2`) gathers float8 with torchao's own weight wrapper
 (`Float8LinearConfig.enable_fsdp_float8_all_gather`); its scales are refreshed at the same point with
@@ -58,6 +60,9 @@ class Float8Wire(nn.Module):
     """The float8 form of one sharded weight (`ReplicateComputation.wire`): its shard's bits and the
     weight's scale, rewritten once per step by `Float8Gathers.refresh`."""
 
+    itemsize = 1
+    """Bytes per element on the wire."""
+
     def __init__(self, shard: DTensor, layer: nn.Module, compute_dtype: torch.dtype) -> None:
         super().__init__()
         local = shard.to_local()
@@ -71,11 +76,21 @@ class Float8Wire(nn.Module):
     def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
         """The whole weight as torchao's float8 tensor: the shards' bits all-gathered (as bytes: not every
         backend carries float8 dtypes), with the weight's scale."""
+        return self._float8(gather.gather_bytes(self.bits, x.shape, x.stride()))
+
+    def shard_bytes(self, x: DTensor) -> torch.Tensor:
+        """This rank's shard as it travels: its float8 bits."""
+        return self.bits
+
+    def from_bytes(self, data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The gathered weight of `shape` from its gathered bytes (`data`, contiguous, one row per row)."""
+        return self._float8(data.view(self.float8_dtype).reshape(shape))
+
+    def _float8(self, data: torch.Tensor) -> torch.Tensor:
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        full = gather.gather_bytes(self.bits, x.shape, x.stride())
         return Float8TrainingTensor(
-            full.view(self.float8_dtype), self.scale, self.compute_dtype, self.linear_mm_config, GemmInputRole.WEIGHT
+            data.view(self.float8_dtype), self.scale, self.compute_dtype, self.linear_mm_config, GemmInputRole.WEIGHT
         )
 
 
@@ -87,14 +102,22 @@ class BytesWire(nn.Module):
     def __init__(self, compute_dtype: torch.dtype) -> None:
         super().__init__()
         self.compute_dtype = compute_dtype
+        self.itemsize = compute_dtype.itemsize
+        """Bytes per element on the wire."""
 
     def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
         # A trailing dim of the element's bytes: the shards along dim 0 are the parameter's own.
-        local = x.to_local().to(self.compute_dtype).unsqueeze(-1).view(torch.uint8)
-        size = self.compute_dtype.itemsize
-        shape = (*x.shape, size)
-        stride = tuple(s * size for s in x.stride()) + (1,)
-        return gather.gather_bytes(local, shape, stride).view(self.compute_dtype).squeeze(-1)
+        shape = (*x.shape, self.itemsize)
+        stride = tuple(s * self.itemsize for s in x.stride()) + (1,)
+        return gather.gather_bytes(self.shard_bytes(x), shape, stride).view(self.compute_dtype).squeeze(-1)
+
+    def shard_bytes(self, x: DTensor) -> torch.Tensor:
+        """This rank's shard as it travels: its bytes in the compute dtype, one trailing dim of them."""
+        return x.to_local().to(self.compute_dtype).unsqueeze(-1).view(torch.uint8)
+
+    def from_bytes(self, data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The gathered weight of `shape` from its gathered bytes (`data`, contiguous, one row per row)."""
+        return data.view(self.compute_dtype).reshape(shape)
 
 
 @dataclass

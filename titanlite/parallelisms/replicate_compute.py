@@ -85,9 +85,21 @@ class SimpleFSDPState:
 class WireFormat(Protocol):
     """Gathers a parameter in another format than the training dtype (float8 bits or raw bytes:
     `float8_gather.py`), without autograd (`gather_bytes`): the caller attaches the gradient's way back
-    (`ReduceToShard`, the unreduced sink, or the float8 layer's own function)."""
+    (`ReduceToShard`, the unreduced sink, or the float8 layer's own function). A flat gather of several
+    parameters (`block_prefetch`) packs each one's `shard_bytes` and unpacks it with `from_bytes`."""
+
+    itemsize: int
+    """Bytes per element on the wire."""
 
     def gather(self, gather: ReplicateComputation, x: DTensor) -> torch.Tensor: ...
+
+    def shard_bytes(self, x: DTensor) -> torch.Tensor:
+        """This rank's shard of `x` as uint8, `itemsize` bytes per element."""
+        ...
+
+    def from_bytes(self, data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The gathered weight of `shape` from its gathered bytes, one row of `data` per row of it."""
+        ...
 
 
 class ReplicateComputation(nn.Module):
@@ -156,6 +168,10 @@ class ReplicateComputation(nn.Module):
         `shape` and `stride`, sharded as the parameter is."""
         dt = DTensor.from_local(local, self.dp_mesh, self.dp_placements, run_check=False, shape=shape, stride=stride)
         return dt.redistribute(placements=self.replicated).to_local()
+
+    def gathered_itemsize(self, x: DTensor) -> int:
+        """Bytes each element of `x` takes gathered: its wire format's, else the param dtype's."""
+        return self.wire.itemsize if self.wire is not None else (self.mp.param_dtype or x.dtype).itemsize
 
     def gathered(self, x: DTensor) -> torch.Tensor:
         """The gathered weight without autograd, in its wire format when it has one."""
