@@ -560,6 +560,30 @@ def test_float8_gathers_hold_the_float8_layers_weights_at_one_byte():
     assert kept.memory.gather_held == 2 * kept.plan.model_args.num_params() - blocks * block_float8
 
 
+SEVENTY_B = ["--config", str(ROOT / "train_configs/llama3_70b.toml")]
+
+
+def test_70b_float8_gathers_are_counted_as_the_prefetcher_gathers_them(capsys):
+    """llama3_70b.toml with float8.all_gather: its tp 8 is refused in one line (SimpleFSDP gathers tp-sharded
+    weights in bf16); at tp 1 (dp_shard 64) compile scope auto is the eager prefetcher (full AC,
+    transformer_block bucketing), which gathers each float8 layer's weight as its float8 bits. The dry run
+    says so: per forward every block's seven float8 weights at 1 byte and its two norms in bf16, and the
+    embedding, final norm and output in bf16; again before backward, every block but the last (reshard
+    auto). The prefetcher's own buffers hold these bytes (`test_block_prefetch`)."""
+    assert main([*SEVENTY_B, *FLOAT8_GATHER]) == 2
+    assert "float8.all_gather with tensor parallelism" in capsys.readouterr().err
+    assert main([*SEVENTY_B, *FLOAT8_GATHER, "--parallelism.tensor_parallel_degree", "1"]) == 1  # does not fit
+    out = capsys.readouterr().out
+    dim, hidden, kv, vocab, blocks = 8192, 28672, 1024, 128256, 80
+    block = (2 * dim * dim + 2 * dim * kv + 3 * dim * hidden) * 1 + 2 * dim * 2
+    forward, again = blocks * block + (2 * vocab * dim + dim) * 2, (blocks - 1) * block
+    assert "  AC full; compile inductor, scope prefetch (wrapped, nothing compiled);" in out, out
+    assert (
+        f"  all-gathered: {forward / 2**30:.2f} GiB per forward, {again / 2**30:.2f} GiB again before backward "
+        "(the prefetcher's re-gathers); float8 layers' weights as float8 (1 byte per element), the rest bfloat16\n"
+    ) in out, out
+
+
 def test_fsdp2_float8_gathers_keep_no_float8_shards():
     """FSDP2 (torchao's float8 all-gather, which casts each shard as it gathers it): the held last block
     and the two blocks in flight take 1 byte per float8 weight element, and nothing is kept for the run.

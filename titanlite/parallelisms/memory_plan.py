@@ -293,31 +293,54 @@ def under(fqn: str, prefixes: Collection[str]) -> bool:
     return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
 
 
+@dataclass(frozen=True)
+class UnitGathers:
+    """A parallelized model's gathered elements per gather unit (`gather_unit`), in forward order."""
+
+    numel: dict[str, int]
+    float8_numel: dict[str, int]
+    """Of those, the elements of float8 layers' weights (`float8.converted_weights`; with `float8.all_gather`)."""
+    largest: int
+    """The largest parameter's gathered elements."""
+    float8_local: int
+    """Local (sharded) elements of the float8 layers' weights."""
+    float8_weights: int
+
+    @classmethod
+    def of(cls, model: nn.Module, units: Units, layout: Layout) -> UnitGathers:
+        float8: frozenset[str] = frozenset()
+        if layout.float8_gather:
+            from titanlite.parallelisms.float8 import converted_weights  # torchao: float8 runs only
+
+            float8 = converted_weights(model)
+        numel: dict[str, int] = {}
+        float8_numel: dict[str, int] = {}
+        largest = shard = 0
+        for fqn, p in model.named_parameters():
+            unit = gather_unit(fqn, units, layout.dp_impl)
+            n = gathered_numel(p)
+            numel[unit] = numel.get(unit, 0) + n
+            largest = max(largest, n)
+            if fqn in float8:
+                float8_numel[unit] = float8_numel.get(unit, 0) + n
+                shard += local_tensor(p).numel()
+        return cls(numel, float8_numel, largest, shard, len(float8))
+
+    def gathered(self, layout: Layout) -> dict[str, int]:
+        """Bytes each unit's gathers move (`gathered_bytes`): the unsharded side, as the compile report counts."""
+        return {u: gathered_bytes(layout, n, self.float8_numel.get(u, 0)) for u, n in self.numel.items()}
+
+
 def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple[Buffers, int]:
     """`gather_buffers` of a parallelized model, and SimpleFSDP's float8 shards (`float8_shard_bytes`)."""
     if layout.dp_mode is None:
         return Buffers(), 0
     if layout.dp_mode == "replicate" and layout.compute_dtype == next(model.parameters()).dtype:
         return Buffers(), 0  # no gather and no cast
-    float8: frozenset[str] = frozenset()
-    if layout.float8_gather:
-        from titanlite.parallelisms.float8 import converted_weights  # torchao: float8 runs only
-
-        float8 = converted_weights(model)
-    numel: dict[str, int] = {}
-    float8_numel: dict[str, int] = {}
-    largest = shard = 0
-    for fqn, p in model.named_parameters():
-        unit = gather_unit(fqn, units, layout.dp_impl)
-        n = gathered_numel(p)
-        numel[unit] = numel.get(unit, 0) + n
-        largest = max(largest, n)
-        if fqn in float8:
-            float8_numel[unit] = float8_numel.get(unit, 0) + n
-            shard += local_tensor(p).numel()
+    g = UnitGathers.of(model, units, layout)
     blocks = layout.blocks if layout.blocks is not None else range(len(units.blocks))
-    buffers = gather_buffers(numel, float8_numel, largest, units, layout, blocks)
-    return buffers, float8_shard_bytes(layout, shard, len(float8))
+    buffers = gather_buffers(g.numel, g.float8_numel, g.largest, units, layout, blocks)
+    return buffers, float8_shard_bytes(layout, g.float8_local, g.float8_weights)
 
 
 def activation_peak(

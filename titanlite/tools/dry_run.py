@@ -64,9 +64,11 @@ from titanlite.parallelisms.memory_plan import (
     Layout,
     MemoryEstimate,
     StepChoice,
+    UnitGathers,
     held_copies,
 )
 from titanlite.parallelisms.pipeline import StageUnion
+from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 from titanlite.plan import RunPlan, model_args
 from titanlite.step import cross_entropy_loss
@@ -89,6 +91,8 @@ class DryRun:
     """The step policy, chosen as the trainer chooses it (`build.choose_step_policy`)."""
     units: tuple[Units, ...] = ()
     """The units of each part this rank runs (its model, or its pipeline stages in order)."""
+    parts: tuple[nn.Module, ...] = ()
+    """The parts themselves: its model, or its pipeline stages in order."""
 
     @property
     def capacity(self) -> int:
@@ -164,7 +168,9 @@ def dry_run(cfg: JobConfig) -> DryRun:
     pipeline_ranks = list(estimates.values()) if plan.pipeline is not None else []
     units = tuple(plan.spec.units(part) for part in parts)
     memory = estimates[pp_rank]
-    return DryRun(cfg, plan, world_size, rank, model, layout, memory, notes, pipeline_ranks, step_choice, units)
+    return DryRun(
+        cfg, plan, world_size, rank, model, layout, memory, notes, pipeline_ranks, step_choice, units, tuple(parts)
+    )
 
 
 def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn.Module]:
@@ -247,7 +253,10 @@ def header_lines(r: DryRun) -> list[str]:
     dims = plan.dims
     degrees = dims.describe_degrees()
     dp = f"{cfg.parallelism.dp_impl} {lay.dp_mode}, reshard_after_forward {lay.reshard}" if lay.dp_mode else "no dp"
-    compile_ = f"compile {cfg.compile.backend} (wrapped, nothing compiled)" if cfg.compile.enable else "eager"
+    compile_ = "eager"
+    if cfg.compile.enable:
+        scope = f", scope {scope_of(r)}" if "model" in cfg.compile.components else ""
+        compile_ = f"compile {cfg.compile.backend}{scope} (wrapped, nothing compiled)"
     per_gpu = t.local_batch_size * dims.rank_tokens(t.seq_len) * plan.grad_accum
     lines = [
         f"dry run: {cfg.model.name} {cfg.model.flavor}, {_count(plan.model_args.num_params())} parameters, "
@@ -258,6 +267,7 @@ def header_lines(r: DryRun) -> list[str]:
         f"  AC {ac_text(lay)}; {compile_}; compute {_dtype(lay.compute_dtype)}, reduce {_dtype(lay.reduce_dtype)}"
         + ("; loss parallel" if lay.loss_parallel else "")
         + float8_text(cfg),
+        *gathers_lines(r),
         f"  batch: local {t.local_batch_size} x {dims.describe_sequence(t.seq_len)}"
         + f" x accum {plan.grad_accum} = {per_gpu:,} tokens/GPU/step; "
         f"global batch {plan.global_batch} = {plan.global_batch * t.seq_len:,} tokens/step",
@@ -272,6 +282,35 @@ def header_lines(r: DryRun) -> list[str]:
             f"{sp.in_flight(pp_rank)} in flight per stage on pipeline rank {pp_rank}"
         )
     return lines
+
+
+def scope_of(r: DryRun) -> str:
+    """The compile scope the model runs under (`compile_scope.resolve_scope`, `auto` resolved)."""
+    from titanlite.parallelisms.compile_scope import resolve_scope
+
+    dims = r.plan.dims
+    return resolve_scope(r.cfg, dims.dp_enabled, dims.ep, dims.pp, dims.dp)
+
+
+def gathers_lines(r: DryRun) -> list[str]:
+    """What the data-parallel all-gathers move (the unsharded side, as the compile report counts it), per
+    forward, and under the eager prefetcher (compile scope `prefetch`) again before backward: the blocks
+    resharded after forward, which it gathers again (`block_prefetch`); none without sharded weights."""
+    lay, cfg = r.layout, r.cfg
+    if lay.dp_mode in (None, "replicate"):
+        return []
+    sizes = [UnitGathers.of(part, units, lay).gathered(lay) for part, units in zip(r.parts, r.units)]
+    forward = sum(sum(s.values()) for s in sizes)
+    when = "per step (kept for the step)" if lay.keep_gathers else "per forward"
+    again = ""
+    if cfg.compile.enable and "model" in cfg.compile.components and scope_of(r) == "prefetch":
+        plan = ReshardPlan.of(lay.reshard, sum(len(u.blocks) for u in r.units))
+        freed = [b for units in r.units for b in units.blocks]
+        regathered = sum(s.get(b, 0) for s in sizes for b, f in zip(freed, plan.blocks) if f)
+        again = f", {regathered / GiB:.2f} GiB again before backward (the prefetcher's re-gathers)"
+    dtype = _dtype(lay.compute_dtype)
+    what = f"float8 layers' weights as float8 (1 byte per element), the rest {dtype}" if lay.float8_gather else dtype
+    return [f"  all-gathered: {forward / GiB:.2f} GiB {when}{again}; {what}"]
 
 
 def float8_text(cfg: JobConfig) -> str:
