@@ -6,11 +6,14 @@ test_bad_input.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import subprocess
 import sys
 
 import pytest
+from builders import config
 
 from harness import (
     ROOT,
@@ -19,6 +22,7 @@ from harness import (
     child_env,
     copy_checkpoint,
     step_metric,
+    tiny_args,
     train,
     train_in_one_launch,
 )
@@ -99,3 +103,58 @@ def test_qwen3_moe_trains_its_dense_layers_in_float8_with_expert_parallelism(tmp
     assert "float8 rowwise (emulated): 19 of 23 linear layers" in runs[converted].stderr
     want, got = step_metric(plain), step_metric(converted)
     assert set(got) == {1, 2, 3} and all(0 < abs(got[s] - want[s]) / want[s] < 1e-2 for s in got), (got, want)
+
+
+def _built(cfg, world: int, args):
+    """The model of `cfg` on `world` ranks as the trainer builds it (tiny `args`), this process rank 0 of
+    torch's fake process group (collectives do nothing), initialised on the CPU."""
+    import torch
+
+    from titanlite.build import build_model
+    from titanlite.plan import RunPlan
+    from titanlite.tools.dry_run import fake_process_group
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fake_process_group(0, world))
+    plan = RunPlan.build(cfg, world, args=args)
+    return stack, build_model(plan, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_the_float8_refresh_casts_as_each_weight_alone_would(tmp_path, param_dtype):
+    """`Float8Gathers.refresh` (one amax over every shard, one scale computation, casts in chunks of
+    same-sized shards) writes the bits and scales the per-weight computation writes, bit for bit: the
+    shard in the compute dtype, its amax, torchao's scale, `to_fp8_saturated(shard as fp32 * scale)`.
+    With fp32 master weights computed in fp32 or bf16 (rounded before the amax and the cast), and a chunk
+    bound that splits the shards of one size into several chunks and leaves the largest alone. Weights are
+    spread over decades so that rounding and saturation matter."""
+    import torch
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    from titanlite.parallelisms.float8_gather import float8_gathers_of
+
+    cfg = config(
+        tmp_path, float8__enable=True, float8__emulate=True, float8__all_gather=True, float8__filter_fqns=["output"]
+    )
+    cfg.training.mixed_precision_param = param_dtype
+    stack, model = _built(cfg, 2, tiny_args(n_layers=5))
+    with stack:
+        gathers = float8_gathers_of(model).__self__
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, layer in gathers.wires:
+                local = layer._parameters["weight"].to_local()
+                local.copy_(
+                    torch.randn(local.shape, generator=gen) * 10 ** torch.randint(-6, 4, local.shape, generator=gen)
+                )
+        largest = max(layer._parameters["weight"].to_local().numel() for _, layer in gathers.wires)
+        gathers.chunk_bytes = 6 * largest * 2  # two of the largest shards per chunk at most: several chunks
+        assert len(gathers._chunks([layer._parameters["weight"].to_local() for _, layer in gathers.wires])) > 3
+        gathers.refresh()
+        for wire, layer in gathers.wires:
+            shard = layer._parameters["weight"].to_local().to(wire.compute_dtype)
+            amax = torch._foreach_norm([shard], ord=math.inf)[0].float()
+            scale = amax_to_scale(amax, wire.float8_dtype, wire.round_scales)
+            bits = to_fp8_saturated(shard.to(torch.float32) * scale, wire.float8_dtype).view(torch.uint8)
+            assert torch.equal(wire.scale, scale) and torch.equal(wire.bits, bits)
+        assert len(gathers.wires) == 5 * 7

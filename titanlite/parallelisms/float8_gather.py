@@ -4,12 +4,16 @@ layers' weights move float8 bits, one byte per element instead of the training d
 A tensorwise layer casts its whole weight with one scale, `float8 max / amax(weight)`. Each rank can cast
 its own shard with that scale once the amax is global, and the gathered bits are then exactly what the
 layer would have cast from the gathered weight. So, once per step, before the first forward
-(`Float8Gathers.refresh`, called by the step runner):
+(`Float8Gathers.refresh`, called by the step runner), for every float8 weight at once:
 
-    amax      the max |w| of every shard at once (`torch._foreach_norm`, ord inf, of the shards in the
-              compute dtype: the values the layer would see), then ONE all-reduce (max) for all of them
-    scale     torchao's `amax_to_scale` of each, into the parameter's `scale` buffer
-    bits      each shard cast with its scale (torchao's saturating cast) into its `bits` buffer
+    amax      the max |w| of every shard (one `torch._foreach_norm`, ord inf, over the master shards,
+              rounded to the compute dtype: the values the layer would see, since rounding keeps the
+              order), then ONE all-reduce (max) for all of them
+    scale     torchao's `amax_to_scale` of all of them as one tensor, copied into the `scale` buffers
+              with one `_foreach_copy_`
+    bits      the shards cast with their scales (torchao's saturating cast), in chunks of shards of one
+              size of at most `CAST_CHUNK_BYTES` of temporaries: a handful of kernels per chunk rather
+              than ten per weight, and never every shard's compute-dtype copy alive at once
 
 and every gather of the step (forward, reshard-after-forward's regather in backward, the kept gathers of
 an accumulation step) all-gathers the `bits` buffer and wraps it as torchao's float8 tensor with the
@@ -54,6 +58,11 @@ logger = logging.getLogger("titanlite")
 
 _GATHERS = "_float8_gathers"
 """The attribute of a model holding its `Float8Gathers`; read through `float8_gathers_of` only."""
+
+
+CAST_CHUNK_BYTES = 64 * 2**20
+"""The temporaries `Float8Gathers.refresh` allocates to cast the shards, at most (or one shard's, if larger):
+a chunk of shards in fp32 and, where the compute dtype is narrower, in the compute dtype."""
 
 
 class Float8Wire(nn.Module):
@@ -126,15 +135,25 @@ class Float8Gathers:
     a step's (or an evaluation's) first forward."""
 
     wires: list[tuple[Float8Wire, nn.Module]]
-    """(its wire, the float8 layer whose sharded master weight it casts), in module order."""
+    """(its wire, the float8 layer whose sharded master weight it casts), by the size of the shard (the
+    order a chunk of `refresh` takes them in)."""
     group: dist.ProcessGroup | None
     """The sharded data-parallel dim's group (a replicated dim holds the same shards)."""
     fsdp2_root: nn.Module | None = None
     """FSDP2: the model torchao's precompute walks instead."""
+    chunk_bytes: int = CAST_CHUNK_BYTES
+    """The bound on the cast's temporaries (`CAST_CHUNK_BYTES`)."""
+
+    def __post_init__(self) -> None:
+        # One float8 config per run (`float8.apply_float8`): one dtype and one rounding for every scale.
+        assert len({(w.float8_dtype, w.round_scales, w.compute_dtype) for w, _ in self.wires}) <= 1
+        # Shards of one size side by side, so a chunk of them is one 2-D tensor with a scale per row.
+        self.wires = sorted(self.wires, key=lambda pair: pair[1]._parameters["weight"].to_local().numel())
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """New scales and bits from the current master weights: one all-reduce for all of them."""
+        """New scales and bits from the current master weights: one all-reduce for all of them (module
+        docstring)."""
         if self.fsdp2_root is not None:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -142,16 +161,50 @@ class Float8Gathers:
             return
         if not self.wires:
             return
-        from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+        from torchao.float8.float8_utils import amax_to_scale
 
-        shards = [layer._parameters["weight"].to_local().to(wire.compute_dtype) for wire, layer in self.wires]
-        amax = torch.stack(torch._foreach_norm(shards, ord=math.inf)).float()
+        wire0 = self.wires[0][0]
+        shards = [layer._parameters["weight"].to_local() for _, layer in self.wires]
+        # max |round(w)| = round(max |w|): the compute dtype's amax without a copy of any shard in it.
+        amax = torch.stack(torch._foreach_norm(shards, ord=math.inf)).to(wire0.compute_dtype).float()
         if self.group is not None:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        for (wire, _), shard, value in zip(self.wires, shards, amax):
-            scale = amax_to_scale(value, wire.float8_dtype, wire.round_scales)
-            wire.scale.copy_(scale)
-            wire.bits.copy_(to_fp8_saturated(shard.to(torch.float32) * scale, wire.float8_dtype).view(torch.uint8))
+        scales = amax_to_scale(amax, wire0.float8_dtype, wire0.round_scales)
+        torch._foreach_copy_([wire.scale for wire, _ in self.wires], list(scales.unbind()))
+        for start, stop in self._chunks(shards):
+            self._cast(shards[start:stop], scales[start:stop], [wire for wire, _ in self.wires[start:stop]])
+
+    def _chunks(self, shards: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """[start, stop) of each run of same-sized shards whose cast's temporaries (fp32, and the compute
+        dtype where the shards are wider) stay within `chunk_bytes`; a larger shard is a chunk alone."""
+        compute = self.wires[0][0].compute_dtype
+        per_element = 4 + (compute.itemsize if shards[0].dtype != compute else 0)
+        out: list[tuple[int, int]] = []
+        start = 0
+        for i in range(1, len(shards) + 1):
+            size = shards[start].numel()
+            if i == len(shards) or shards[i].numel() != size or (i + 1 - start) * size * per_element > self.chunk_bytes:
+                out.append((start, i))
+                start = i
+        return out
+
+    def _cast(self, shards: list[torch.Tensor], scales: torch.Tensor, wires: list[Float8Wire]) -> None:
+        """Cast same-sized `shards` with their `scales` into their wires' bits: as torchao's
+        `to_fp8_saturated(shard in the compute dtype, as fp32, * scale)`, a few kernels for all of them."""
+        wire0 = wires[0]
+        work = torch.empty((len(shards), shards[0].numel()), dtype=torch.float32, device=shards[0].device)
+        flat = [s.reshape(-1) for s in shards]
+        if shards[0].dtype != wire0.compute_dtype:  # the values the layer sees: rounded to the compute dtype
+            rounded = torch.empty(work.shape, dtype=wire0.compute_dtype, device=work.device)
+            torch._foreach_copy_(list(rounded.unbind()), flat)
+            work.copy_(rounded)
+            del rounded
+        else:
+            torch._foreach_copy_(list(work.unbind()), flat)
+        work.mul_(scales.unsqueeze(1))
+        top = torch.finfo(wire0.float8_dtype).max
+        work.clamp_(min=-top, max=top)
+        torch._foreach_copy_([w.bits.view(w.float8_dtype).reshape(-1) for w in wires], list(work.unbind()))
 
 
 class _Saved:
