@@ -158,3 +158,38 @@ def test_the_float8_refresh_casts_as_each_weight_alone_would(tmp_path, param_dty
             bits = to_fp8_saturated(shard.to(torch.float32) * scale, wire.float8_dtype).view(torch.uint8)
             assert torch.equal(wire.scale, scale) and torch.equal(wire.bits, bits)
         assert len(gathers.wires) == 5 * 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,world", [("rowwise", 2), ("rowwise", 1), ("tensorwise", 2)])
+def test_rowwise_compiles_with_emulated_precision_casts_in_its_own_compiles_only(tmp_path, monkeypatch, recipe, world):
+    """A compiled rowwise float8 run hands inductor `emulate_precision_casts` (what torchao and TorchTitan
+    set for the recipe) with its own units' compiles: SimpleFSDP's per-unit backends (2 ranks) and the plain
+    `torch.compile` of a run without data parallelism (1 rank); tensorwise does not. Inductor's global
+    config is never changed, so a later run in the process compiles with its defaults. (inductor's
+    `compile_fx` is replaced by a recorder that runs the graph as it is: no code is generated here.)"""
+    import torch
+    import torch._inductor.compile_fx as compile_fx
+
+    seen: list[dict] = []
+
+    def recorded(gm, example_inputs, **kwargs):
+        seen.append(dict(kwargs.get("config_patches") or {}))
+        return gm
+
+    monkeypatch.setattr(compile_fx, "compile_fx", recorded)
+    cfg = config(
+        tmp_path,
+        compile__enable=True,
+        compile__backend="inductor",
+        float8__enable=True,
+        float8__emulate=True,
+        float8__recipe=recipe,
+        float8__filter_fqns=["output"],
+    )
+    stack, model = _built(cfg, world, tiny_args(n_layers=2))
+    with stack:
+        tokens = torch.randint(0, 257, (1, 16))
+        model(tokens).sum().backward()
+    assert seen and all(p.get("emulate_precision_casts") is (True if recipe == "rowwise" else None) for p in seen)
+    assert torch._inductor.config.emulate_precision_casts is False

@@ -51,6 +51,7 @@ from titanlite.parallelisms.collectives import graph_collectives
 from titanlite.parallelisms.compile_report import REPORT_NAME, CompileReport, Unit
 from titanlite.parallelisms.compile_scope import resolve_scope, with_passes
 from titanlite.parallelisms.expert_parallel import dispatches
+from titanlite.parallelisms.float8 import inductor_config
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.partitioner import Partitioner
 from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
@@ -126,8 +127,10 @@ def apply_compile(
     full_ac = tuple(name for name, a in ac.items() if a.mode == "full")
     with_passes = check_compile(cfg, dims, bool(full_ac))
     scope = compile_scope(cfg, dims)
+    # This run's own inductor settings (float8's), on its compiled units only: nothing global is set.
+    patches = inductor_config(cfg) if c.backend == "inductor" else {}
     if not with_passes:
-        _compile_units(model, units, ac, scope, lambda name, i: c.backend)
+        _compile_units(model, units, ac, scope, lambda name, i: c.backend, patches)
         return None
 
     cost = _cost_model(c, dims) if c.bucketing != "none" else None
@@ -181,7 +184,7 @@ def apply_compile(
             shared[key].unit.copies += 1
             return shared[key]
         unit = report.add_unit(name, recompute_forward)
-        shared[key] = _Backend(c.backend, RecomputeTagPass(saved, checkpointed), bucketing, report, unit)
+        shared[key] = _Backend(c.backend, RecomputeTagPass(saved, checkpointed), bucketing, report, unit, patches)
         return shared[key]
 
     _compile_units(model, units, ac, scope, backend)
@@ -211,10 +214,18 @@ def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
 
 
 def _compile_units(
-    model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], scope: str, backend: Callable[[str, int], Any]
+    model: nn.Module,
+    units: Units,
+    ac: dict[str, CheckpointedBlock],
+    scope: str,
+    backend: Callable[[str, int], Any],
+    options: dict[str, Any] | None = None,
 ) -> None:
+    """Compile the model or each block with the backend `backend(name, index)` gives; `options`: inductor
+    settings for a backend named "inductor" (a `_Backend` carries its own)."""
+    extra: dict[str, Any] = {"options": options} if options else {}
     if scope == "model":
-        model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True)
+        model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True, **extra)
         return
     # Identical blocks share one Dynamo cache entry of the shared `forward` code (SimpleFSDP's parametrized
     # class is shared, `backend` hands them one backend object), so a model compiles each distinct block
@@ -225,7 +236,7 @@ def _compile_units(
         fn = checkpointed.body if full else block.forward
         # A block that dispatches tokens to other ranks' experts compiles around the eager dispatch.
         fullgraph = not dispatches(block)
-        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=fullgraph, **_recompile_limit(fn))
+        compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=fullgraph, **_recompile_limit(fn), **extra)
         if full:
             checkpointed.body = compiled
         else:
@@ -320,13 +331,21 @@ class _Backend:
     partitioner as `custom_partitioner_fn` (cache-friendly, each with a stable `uuid()`). The
     AOTAutograd cache is off for this unit because a hit would skip the compilers that see the graphs;
     the FX graph cache (inductor's codegen, the expensive part) stays on, and on an FX cache hit the
-    bucketing pass is replayed on a copy of the graph to count its collectives.
+    bucketing pass is replayed on a copy of the graph to count its collectives. `config_patches`: the
+    run's own inductor settings (`float8.inductor_config`), patched for this unit's compiles only.
     """
 
     def __init__(
-        self, kind: str, tagging: RecomputeTagPass, bucketing: BucketingPass | None, report: CompileReport, unit: Unit
+        self,
+        kind: str,
+        tagging: RecomputeTagPass,
+        bucketing: BucketingPass | None,
+        report: CompileReport,
+        unit: Unit,
+        config_patches: dict[str, Any] | None = None,
     ):
         self.kind, self.tagging, self.bucketing, self.report, self.unit = kind, tagging, bucketing, report, unit
+        self.config_patches = dict(config_patches or {})
         self._depth = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -349,6 +368,7 @@ class _Backend:
             if self.bucketing is not None:
                 patches["post_grad_custom_post_pass"] = self.bucketing
                 patches.update(BUCKETING_INDUCTOR_CONFIG)
+            patches.update(self.config_patches)
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_fx(gm, example_inputs, inner_compile=self._inductor_compile, config_patches=patches)
 

@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,6 +98,21 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
             "float8.all_gather gathers sharded weights, and this layout shards none (data_parallel_shard_degree "
             "1): set --no-float8.all_gather"
         )
+
+
+ROWWISE_INDUCTOR_CONFIG: dict[str, Any] = {"emulate_precision_casts": True}
+"""Inductor settings of a compiled rowwise run, as torchao and TorchTitan set them for the recipe: fused
+into one kernel, an RMSNorm and the rowwise cast after it otherwise skip eager's rounding of each
+intermediate to its dtype, and compiled rowwise training has produced NaN where eager does not."""
+
+
+def inductor_config(cfg: JobConfig) -> dict[str, Any]:
+    """The inductor settings this run's float8 needs (`ROWWISE_INDUCTOR_CONFIG` for the rowwise recipe,
+    none otherwise). `compile.apply_compile` patches them into its own units' compiles
+    (`config_patches` / `torch.compile(options=...)`), never into inductor's global config, so another
+    run in the same process compiles with inductor's defaults."""
+    f8 = cfg.float8
+    return dict(ROWWISE_INDUCTOR_CONFIG) if f8.enable and f8.recipe == "rowwise" else {}
 
 
 def check_device(cfg: JobConfig, device: torch.device) -> None:
