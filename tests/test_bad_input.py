@@ -20,6 +20,7 @@ BASE = str(ROOT / "train_configs/debug_model.toml")
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 REPLICATE2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 F8 = ["--float8.enable", "--float8.emulate"]
+AUTO = "auto_filter_small_kn"
 # A rule between compile and data-parallel keys: refused by the run plan, so by the preflight.
 BUCKETED_FSDP2 = ["--compile.enable", "--compile.bucketing", "transformer_block", "--parallelism.dp_impl", "fsdp2"]
 
@@ -209,6 +210,13 @@ CASES = [
     ),
     (None, [*F8, "--float8.all_gather", *PP2], 2, ["float8.all_gather with pipeline parallelism"]),
     (None, [*F8, "--float8.recipe", "blockwise"], 2, ["float8.recipe", "tensorwise"]),
+    # A tied output projection in float8 would cast the embedding's weight: it must stay in high precision.
+    (
+        None,
+        ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied", *F8, "--float8.filter_fqns", AUTO],
+        2,
+        ["float8 with tied embeddings", "'output' shares the embedding's weight", "add output to float8.filter_fqns"],
+    ),
     (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),
     (None, ["--job.dump_folder", "{tmp}/a_file"], 2, ["job.dump_folder", "a_file' is a file, not a folder"]),
     (

@@ -244,7 +244,7 @@ class RunPlan:
             raise ConfigError(f"model {cfg.model.name}: {why}")
         for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
             unit.rules(cfg, dims, spec, args)
-        float8.rules(cfg, dims)
+        float8.rules(cfg, dims, spec.shape.output if spec.shape.tied_embeddings(args) else None)
         t = cfg.training
         per_step = dims.sequences(t.local_batch_size)  # one local batch on every data-parallel rank
         global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step

@@ -68,7 +68,9 @@ class ShapeRules:
     refused."""
     tied_embeddings: Callable[[Any], bool] = field(default=lambda args: False)
     """Whether the embedding and the output projection share one weight (a pipeline's first and last
-    stage cannot both hold it)."""
+    stage cannot both hold it; float8 must leave the projection, `output`, in high precision)."""
+    output: str = "output"
+    """The output projection's module name."""
     high_precision: tuple[str, ...] = ()
     """Linear layers float8 training never converts, by name fragment (an MoE router's gate: float8's
     rounding would change which experts its scores pick)."""

@@ -10,8 +10,9 @@ output projection by default: its vocab-wide matmul feeds the loss) and, with `a
 those too small to gain (the casts' memory traffic outweighs the faster matmul, `layer_filter`).
 
 Rules, before any rank starts (`rules`): the `float8` extra is installed in a version known to work with
-this torch, a recipe and settings that combine. Where the ranks run (`check_device`): a GPU with float8
-(sm89 or newer) or `float8.emulate`, which a CPU always needs.
+this torch, a recipe and settings that combine, and an output projection tied to the embedding left in
+high precision. Where the ranks run (`check_device`): a GPU with float8 (sm89 or newer) or
+`float8.emulate`, which a CPU always needs.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def torchao_version() -> str | None:
     return importlib.metadata.version("torchao")
 
 
-def rules(cfg: JobConfig, dims: ParallelDims) -> None:
+def rules(cfg: JobConfig, dims: ParallelDims, tied_output: str | None = None) -> None:
     """Why float8 cannot run with these settings, as one `ConfigError` line; nothing when it can (or when
-    it is off and none of its switches is set)."""
+    it is off and none of its switches is set). `tied_output`: the name of the output projection when it
+    shares the embedding's weight (`ShapeRules.output`), else None."""
     f8 = cfg.float8
     if not f8.enable:
         defaults = type(f8)()  # a switch or a choice away from its default says float8 was meant
@@ -79,6 +81,13 @@ def rules(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     if f8.recipe == "mxfp8":
         raise ConfigError("float8.recipe mxfp8 is not supported yet: use tensorwise or rowwise")
+    if tied_output is not None and not any(f in tied_output for f in f8.filter_fqns if f != AUTO_FILTER):
+        raise ConfigError(
+            f"float8 with tied embeddings: the output projection {tied_output!r} shares the embedding's weight, "
+            "which must stay in high precision (a float8 layer's weight is cast, and with float8.all_gather "
+            f"gathered as float8 for the embedding too); float8.filter_fqns {','.join(f8.filter_fqns)} does not "
+            f"name it: add {tied_output} to float8.filter_fqns"
+        )
     if f8.all_gather and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.all_gather needs float8.recipe tensorwise: a {f8.recipe} weight has a scale per row, "
