@@ -193,3 +193,31 @@ def test_rowwise_compiles_with_emulated_precision_casts_in_its_own_compiles_only
         model(tokens).sum().backward()
     assert seen and all(p.get("emulate_precision_casts") is (True if recipe == "rowwise" else None) for p in seen)
     assert torch._inductor.config.emulate_precision_casts is False
+
+
+def test_float8_that_converts_nothing_or_names_no_layer_says_so(tmp_path, caplog):
+    """The debug model's layers are all below `auto_filter_small_kn`'s sizes: float8 with the default filters
+    converts none, and the run is not float8: one WARNING says so (not the usual INFO count). A
+    `float8.filter_fqns` entry that no linear layer's name contains (a typo) leaves nothing in high
+    precision: one WARNING names it. Negative control: `output` matches, and 42 of 43 convert silently.
+    The dry run builds the model as every rank does (`apply_float8`)."""
+    from titanlite.config import load_config
+    from titanlite.tools.dry_run import dry_run
+
+    debug = ["--config", str(ROOT / "train_configs/debug_model.toml"), "--float8.enable", "--float8.emulate"]
+    for filters, want in (
+        ([], "float8.enable converts 0 of 43 linear layers (float8.filter_fqns output,auto_filter_small_kn): "
+             "this run trains without float8; auto_filter_small_kn leaves out every layer below"),
+        (["--float8.filter_fqns", "outptu"], "float8.filter_fqns entry 'outptu' matches no linear layer of this "
+                                              "model (their names: layers.N.attention.wq, "),
+        (["--float8.filter_fqns", "output"], None),
+    ):  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("INFO", logger="titanlite"):
+            dry_run(load_config([*debug, *filters]))
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        counts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("float8 tensorwise")]
+        assert warnings == [] if want is None else len(warnings) == 1 and warnings[0].startswith(want), warnings
+        assert counts == ([] if filters == [] else [counts[0]])
+        if filters:  # the output (vocab 2,056: no multiple of 16) stays in high precision either way
+            assert counts[0].startswith("float8 tensorwise (emulated): 42 of 43 linear layers")

@@ -11,7 +11,8 @@ those too small to gain (the casts' memory traffic outweighs the faster matmul, 
 
 Rules, before any rank starts (`rules`): the `float8` extra is installed in a version known to work with
 this torch, a recipe and settings that combine, and an output projection tied to the embedding left in
-high precision. Where the ranks run (`check_device`): a GPU with float8 (sm89 or newer) or
+high precision. Filters that convert no layer, or an entry that names none, are a warning
+(`apply_float8`). Where the ranks run (`check_device`): a GPU with float8 (sm89 or newer) or
 `float8.emulate`, which a CPU always needs.
 """
 
@@ -179,6 +180,13 @@ def apply_float8(model: nn.Module, cfg: JobConfig, high_precision: tuple[str, ..
         for q, level in zip(quiet, levels):
             q.setLevel(level)
     f8 = cfg.float8
+    linear_names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for entry in f8.filter_fqns:
+        if entry != AUTO_FILTER and not any(entry in name for name in linear_names):
+            logger.warning(
+                f"float8.filter_fqns entry {entry!r} matches no linear layer of this model (their names: "
+                f"{_names_text(linear_names)}): it leaves nothing in high precision"
+            )
     # FSDP2 gathers float8 through torchao's weight wrapper; SimpleFSDP through its own (`float8_gather`).
     fsdp2_gathers = f8.all_gather and cfg.parallelism.dp_impl == "fsdp2"
     config = dataclasses.replace(
@@ -188,8 +196,27 @@ def apply_float8(model: nn.Module, cfg: JobConfig, high_precision: tuple[str, ..
         model, config=config, module_filter_fn=layer_filter([*f8.filter_fqns, *high_precision], f8.recipe)
     )
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
-    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    linears = len(linear_names)
+    if converted == 0:
+        why = (
+            f"{AUTO_FILTER} leaves out every layer below torchao's H100 sizes for {f8.recipe}; name the layers "
+            "to keep in high precision instead, e.g. --float8.filter_fqns output"
+            if AUTO_FILTER in f8.filter_fqns
+            else "every layer is filtered out by name or has a size that is not a multiple of 16"
+        )
+        logger.warning(
+            f"float8.enable converts 0 of {linears} linear layers (float8.filter_fqns {','.join(f8.filter_fqns)}): "
+            f"this run trains without float8; {why}"
+        )
+        return
     logger.info(
         f"float8 {f8.recipe}{' (emulated)' if f8.emulate else ''}: {converted} of {linears} linear layers; the "
         "others, the weights' master copies and the optimizer state in high precision"
     )
+
+
+def _names_text(names: list[str], shown: int = 4) -> str:
+    """`names` in a line: the first few distinct ones with the block index written as N, and how many."""
+    distinct = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in names))
+    more = f", ... ({len(distinct)} in all)" if len(distinct) > shown else ""
+    return ", ".join(distinct[:shown]) + more
