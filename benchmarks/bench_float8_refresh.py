@@ -2,6 +2,7 @@
 
     python benchmarks/bench_float8_refresh.py [--layers 8,32,128,512] [--world 2]
                                               [--plan train_configs/llama3_70b.toml] [--plan-world 64]
+                                              [--device cpu|cuda]
 
 Builds the debug model with `--layers` blocks as rank 0 of a `--world`-rank run (torch's fake process
 group: the one all-reduce does nothing), SimpleFSDP, fp32 master weights computed in bf16, every linear
@@ -13,7 +14,9 @@ excluded; a `_foreach_` op counts once: on CUDA its tensors share a few launches
 temporaries they allocate (`torch.profiler`'s allocation and free events, replayed in order); both
 write the same bits and scales (checked). A last row plans `--plan` at `--plan-world` ranks (tp 1) on
 the meta device, as the dry run does: its float8 weights and the refresh's chunks, the ops priced per
-weight and per chunk by the measured rows.
+weight and per chunk by the measured rows. `--device cuda` builds and refreshes on the GPU and counts
+the CUDA kernels the profiler records and the allocator's peak instead (with `float8.emulate` as on the
+CPU: the refresh casts whatever the matmuls do).
 """
 
 from __future__ import annotations
@@ -65,8 +68,20 @@ def per_weight(gathers: Float8Gathers) -> None:
         wire.bits.copy_(to_fp8_saturated(shard.to(torch.float32) * scale, wire.float8_dtype).view(torch.uint8))
 
 
-def measure(fn: Any) -> tuple[int, int]:
-    """(aten operations that compute, peak bytes of the temporaries) of one call of `fn`."""
+def measure(fn: Any, device: torch.device) -> tuple[int, int]:
+    """(operations, peak bytes of the temporaries) of one call of `fn`. CPU: the aten operations that
+    compute and the profiler's allocations; CUDA: the kernels the profiler records and the allocator's peak
+    above what was allocated before."""
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return kernels, torch.cuda.max_memory_allocated(device) - base
     with OpCount() as count:
         fn()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -92,7 +107,7 @@ class Row:
     """The same of `Float8Gathers.refresh`."""
 
 
-def measured(layers: int, world: int) -> Row:
+def measured(layers: int, world: int, device: torch.device) -> Row:
     """Both refreshes of the debug model with `layers` blocks, measured, their outputs compared."""
     cfg = JobConfig()
     cfg.training.mixed_precision_param = "bfloat16"
@@ -100,13 +115,13 @@ def measured(layers: int, world: int) -> Row:
     f8.enable, f8.emulate, f8.all_gather, f8.filter_fqns = True, True, True, ["output"]
     args = dataclasses.replace(llama3_configs["debugmodel"], n_layers=layers, vocab_size=2048)
     with fake_process_group(0, world):
-        model = build_model(RunPlan.build(cfg, world, args=args), torch.device("cpu"))
+        model = build_model(RunPlan.build(cfg, world, args=args), device)
         refresh = float8_gathers_of(model)
         assert refresh is not None
         gathers: Float8Gathers = refresh.__self__
-        before = measure(lambda: per_weight(gathers))
+        before = measure(lambda: per_weight(gathers), device)
         old = [(w.bits.clone(), w.scale.clone()) for w, _ in gathers.wires]
-        after = measure(refresh)
+        after = measure(refresh, device)
         assert all(torch.equal(b, w.bits) and torch.equal(s, w.scale) for (b, s), (w, _) in zip(old, gathers.wires))
         return Row(layers, *_plan(gathers), before, after)
 
@@ -135,23 +150,26 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--plan", default="train_configs/llama3_70b.toml", help="a config to plan; '' for none")
     parser.add_argument("--plan-world", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: CUDA kernels and the allocator's peak")
     opts = parser.parse_args()
-    head = ["blocks", "float8 weights", "shards, fp32 MiB", "ops, per weight", "ops, refresh"]
+    device = torch.device(opts.device)
+    ops = "kernels" if device.type == "cuda" else "ops"
+    head = ["blocks", "float8 weights", "shards, fp32 MiB", f"{ops}, per weight", f"{ops}, refresh"]
     head += ["temporaries MiB, per weight", "temporaries MiB, refresh"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     mib = 2**20
     rows = []
     for layers in (int(n) for n in opts.layers.split(",")):
-        r = measured(layers, opts.world)
+        r = measured(layers, opts.world, device)
         rows.append(r)
         cells = [r.blocks, r.weights, f"{4 * r.local / mib:.1f}", r.before[0], f"{r.after[0]} ({r.chunks} chunks)"]
         cells += [f"{r.before[1] / mib:.1f}", f"{r.after[1] / mib:.1f}"]
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
-    if opts.plan and len(rows) >= 2:
-        # Ops grow by a fixed count per weight (the loop) and per chunk (the refresh): the two rows that
-        # differ most give both, which the planned config's weights and chunks then price.
-        a, b = rows[0], rows[-1]
+    a, b = rows[0], rows[-1]
+    if opts.plan and a.chunks != b.chunks:
+        # Ops grow by a fixed count per weight (the loop) and per chunk (the refresh): the first and last
+        # rows give both, which the planned config's weights and chunks then price.
         per_weight = (b.before[0] - a.before[0]) / (b.weights - a.weights)
         per_chunk = (b.after[0] - a.after[0]) / (b.chunks - a.chunks)
         p = planned(opts.plan, opts.plan_world)
