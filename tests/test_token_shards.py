@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import gzip
+import hashlib
 import io
 import itertools
 import json
@@ -299,22 +300,24 @@ def test_a_token_id_beyond_the_vocabulary_is_a_damaged_shard_in_one_line(folder,
 
 
 def test_a_corpus_of_more_shards_than_open_files_allowed_trains_past_all_of_them(tmp_path):
-    """Every virtual shard stream strides over all the shard files: with 128 of them and a descriptor limit
-    24 above what this process holds, the loader reads a whole pass of every stream (so every file) and on,
-    keeping at most `OPEN_FILES` shards open."""
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 5)}) + "\n" for i in range(512)))
-    out = tmp_path / "tokens"
-    tokenize_source(str(data), "text", "", out, workers=1, per_shard=4)
-    assert len(list(out.glob("shard-*.bin"))) == 128
-    run = loader(str(out))
-    batches = iter(run)
+    """Every virtual shard stream strides over all the shard files: with more of them than a descriptor limit
+    24 above what this process holds (a test process holds 20 to 150), the loader reads a whole pass of every
+    stream (so every file) and on, keeping at most `OPEN_FILES` shards open."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = len(os.listdir("/proc/self/fd")) + 24  # 24 free, whatever the held ones' numbers
-    assert limit < 128 <= soft
+    shards = max(128, limit + 1)
+    data = tmp_path / "docs.jsonl"
+    lines = (json.dumps({"text": f"document {i}: " + "word " * (i % 5)}) + "\n" for i in range(4 * shards))
+    data.write_text("".join(lines))
+    out = tmp_path / "tokens"
+    tokenize_source(str(data), "text", "", out, workers=1, per_shard=4)
+    assert len(list(out.glob("shard-*.bin"))) == shards
+    run = loader(str(out))
+    batches = iter(run)
+    assert limit < shards <= soft
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
-        for _ in range(400):
+        for _ in range(4 * shards):
             next(batches)
             if all(cursor["epoch"] >= 1 for cursor in run.state_dict()["shards"].values()):
                 break
@@ -355,12 +358,17 @@ def test_damaged_offsets_are_a_damaged_shard_in_one_line(folder, tmp_path):
 
 @pytest.mark.slow
 def test_damaged_offsets_stop_a_run_in_one_line(folder, tmp_path):
-    """Every shard's offsets moved by 1e9, so that every document would read empty: `run_train.sh` stops at
-    the first document with one line, exit code 2, instead of starting epoch after epoch without a step."""
+    """Every shard's offsets moved by 1e9, so that every document would read empty, as written (tokens.json
+    lists the damaged shards' digests: what a faulty writer makes, which the preflight's digest check passes):
+    `run_train.sh` stops at the first document with one line, exit code 2, instead of starting epoch after
+    epoch without a step."""
     copy = tmp_path / "damaged"
     shutil.copytree(folder, copy)
+    meta = json.loads((copy / INDEX).read_text())
     for k in range(8):
         damage_offsets(copy / shard_name(k), lambda offsets: offsets + 10**9)
+        meta["shards"][k]["digest"] = hashlib.blake2b((copy / shard_name(k)).read_bytes(), digest_size=16).hexdigest()
+    (copy / INDEX).write_text(json.dumps(meta))
     run = [*SMALL, *SHALLOW, "--training.steps", "2", "--training.dataset_path", str(copy)]
     proc = train(tmp_path / "dump", 1, *run, launcher="run_train", timeout=90)
     assert proc.returncode == 2, proc.log[-3000:]

@@ -285,11 +285,10 @@ def header_lines(r: DryRun) -> list[str]:
 
 
 def scope_of(r: DryRun) -> str:
-    """The compile scope the model runs under (`compile_scope.resolve_scope`, `auto` resolved)."""
-    from titanlite.parallelisms.compile_scope import resolve_scope
+    """The compile scope the model runs under (`compile.compile_scope`, `auto` resolved)."""
+    from titanlite.parallelisms.compile import compile_scope
 
-    dims = r.plan.dims
-    return resolve_scope(r.cfg, dims.dp_enabled, dims.ep, dims.pp, dims.dp)
+    return compile_scope(r.cfg, r.plan.dims)
 
 
 def gathers_lines(r: DryRun) -> list[str]:
