@@ -94,6 +94,22 @@ def torchrun(
     return subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def start_launch(
+    args: list[str], env: dict[str, str], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+) -> subprocess.Popen:
+    """`run_train.sh args` from the repository root, in a session of its own (its process group is the
+    launch's, as a job's is); text output to `stdout` and `stderr` (pipes unless given)."""
+    return subprocess.Popen(
+        [str(ROOT / "run_train.sh"), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def launch_workers(
     script: str, args: list[str], nproc: int, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:

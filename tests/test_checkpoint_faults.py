@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, SHALLOW, SMALL, RunResult, assert_resumed, child_env, train
+from harness import ROOT, SHALLOW, SMALL, RunResult, assert_resumed, child_env, start_launch, train
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.optim import lr_factor
@@ -241,14 +241,8 @@ def test_a_stop_signal_exits_without_waiting_for_a_slow_deletion_and_the_next_ru
     dump, root = tmp_path / "run", tmp_path / "run" / "checkpoint"
     overrides = [*BASE, *SHALLOW, "--checkpoint.keep_latest_k", "1", "--comm.stop_grace_seconds", "20"]
     config = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump)]
-    proc = subprocess.Popen(
-        [str(ROOT / "run_train.sh"), *config, *overrides, "--training.steps", "1000"],
-        env=child_env(NGPU="1", TITANLITE_FAULT_SLOW_PURGE="600"),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a job has
+    proc = start_launch(
+        [*config, *overrides, "--training.steps", "1000"], child_env(NGPU="1", TITANLITE_FAULT_SLOW_PURGE="600")
     )
     try:
         while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:

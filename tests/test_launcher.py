@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness import ROOT, SHALLOW, SMALL, child_env
+from harness import ROOT, SHALLOW, SMALL, child_env, start_launch
 from titanlite.launcher.agent import root_cause
 from titanlite.launcher.rank_exit import write_failure
 
@@ -198,14 +198,8 @@ class Outcome:
 def launch(case: Case, dump: Path) -> Outcome:
     tmp = dump.parent / f"{dump.name}.tmp"  # the system temp folder of this launch (TMPDIR)
     tmp.mkdir()
-    proc = subprocess.Popen(
-        [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *RUN, *case.args],
-        env=child_env(NGPU=str(case.nproc), TMPDIR=str(tmp), **case.env),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a job has
+    proc = start_launch(
+        ["--job.dump_folder", str(dump), *RUN, *case.args], child_env(NGPU=str(case.nproc), TMPDIR=str(tmp), **case.env)
     )
     try:
         if case.signals:

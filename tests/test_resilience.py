@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, SHALLOW, SMALL, RunResult, child_env, threads, train
+from harness import SHALLOW, SMALL, RunResult, child_env, start_launch, threads, train
 
 
 def run(dump: Path, *overrides: str, nproc: int = 2, launcher: str = "torchrun", **env: str) -> RunResult:
@@ -63,7 +62,7 @@ def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1, e
     env = child_env(NGPU="2", OMP_NUM_THREADS=str(threads(2)))
     out_file, err_file = dump.with_name(f"{dump.name}.out"), dump.with_name(f"{dump.name}.err")
     with open(out_file, "w") as out, open(err_file, "w") as err:  # files: a full pipe would block the run
-        proc = subprocess.Popen([str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, stdout=out, stderr=err)
+        proc = start_launch(args, env, stdout=out, stderr=err)
     metrics, deadline, pid = dump / "metrics.jsonl", time.monotonic() + 300, None
     while not (pid and metrics.exists() and len(metrics.read_text().splitlines()) >= step):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the step"
