@@ -16,6 +16,7 @@ import dataclasses
 import getpass
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import pytest
 import torch.distributed as dist
 
 from titanlite.errors import exit_now
+from titanlite.metrics.goodput import BADPUT
 from titanlite.models.llama3 import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +189,20 @@ def train(
             [str(ROOT / "run_train.sh"), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
         )
     return RunResult(proc.returncode, proc.stdout, proc.stderr, dump)
+
+
+GOODPUT_LINE = re.compile(
+    r"goodput (?P<pct>\d+\.\d)% of (?P<wall>\d+) s: "
+    + ", ".join(rf"{c.name} (?P<{c.name}>\d+\.\d) s" for c in BADPUT)
+    + r" \(ledger (?P<ledger>\S+)(?P<unwritten> not written: .*)?\)"
+)
+"""The line the launcher ends a launch with (titanlite/metrics/goodput.py, `Totals.line`)."""
+
+
+def launcher_lines(stderr: str) -> list[str]:
+    """What the launcher itself printed (not the ranks' `[rankN]:` lines), less the goodput line it ends a
+    launch with (`GOODPUT_LINE`; the tests of goodput read it)."""
+    return [line for line in stderr.splitlines() if not line.startswith("[rank") and not GOODPUT_LINE.fullmatch(line)]
 
 
 def train_in_one_launch(

@@ -29,7 +29,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, SHALLOW, SMALL, RunResult, assert_resumed, child_env, start_launch, train
+from harness import (
+    GOODPUT_LINE,
+    ROOT,
+    SHALLOW,
+    SMALL,
+    RunResult,
+    assert_resumed,
+    child_env,
+    launcher_lines,
+    start_launch,
+    train,
+)
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.lock import DumpFolderLock
 from titanlite.optim import lr_factor
@@ -127,15 +138,18 @@ def test_a_full_disk_warns_once_per_output_and_a_failed_final_save_exits_4(full_
     # TensorBoard's events are written on the training thread: no traceback of a writer thread.
     assert not [line for line in lines if "Traceback" in line or "Exception in thread" in line], proc.stderr
     warned = [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
-    # The run's entry in runs.jsonl and TensorBoard's events at its start, metrics.jsonl's at step 1.
-    assert [w.split(" (")[0] for w in warned[:3]] == [
+    # The run's entry in runs.jsonl, TensorBoard's events and the goodput ledger's row at its start,
+    # metrics.jsonl's at step 1.
+    assert [w.split(" (")[0] for w in warned[:4]] == [
         "metrics: cannot write runs.jsonl",
         "metrics: cannot write TensorBoard events",
+        "metrics: cannot write goodput.jsonl",
         "metrics: cannot write metrics.jsonl",
     ], warned
-    assert len(warned) == 4 and warned[3].startswith(f"checkpoint step 1 could not be saved to {dump}/checkpoint")
-    assert cause in warned[3] and all("training continues" in w for w in warned), warned
-    (line,) = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    assert len(warned) == 5 and warned[4].startswith(f"checkpoint step 1 could not be saved to {dump}/checkpoint")
+    assert cause in warned[4] and all("training continues" in w for w in warned), warned
+    (line,) = launcher_lines(proc.stderr)
+    assert GOODPUT_LINE.fullmatch(proc.stderr.splitlines()[-1]), proc.stderr[-3000:]  # after the error
     assert line.startswith("titanlite: error: training finished at step 2, but checkpoint step 2 could not be saved")
     assert line.endswith("; no checkpoint was saved") and cause in line, line
     assert (dump / "metrics.jsonl").read_text() == ""  # no torn row
@@ -181,7 +195,7 @@ def test_a_stop_signal_whose_save_fails_exits_4_naming_the_file_size_limit(tmp_p
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert proc.returncode == 4, proc.log[-3000:]
-    own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    own = launcher_lines(proc.stderr)
     assert len(own) == 3 and own[0].startswith("titanlite: warning: data: skipped 1 .csv file in"), own
     assert own[1].startswith(f"titanlite: warning: data: {data}/array.json: skipped 2 lines with invalid JSON")
     assert "JSON Lines is expected" in own[1] and "data:" not in proc.stdout + " ".join(
@@ -255,7 +269,7 @@ def test_a_stop_signal_exits_without_waiting_for_a_slow_deletion_and_the_next_ru
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
-    assert [line for line in err.splitlines() if not line.startswith("[rank")] == [], err[-3000:]
+    assert launcher_lines(err) == [], err[-3000:]
     (step,), partial = folders.scan(root)
     retired = [p.name for p in folders.retired(root)]
     assert partial == [] and step >= 3 and retired == [f"step-{s}.deleting" for s in range(1, step)], retired
@@ -388,8 +402,9 @@ def test_a_resume_with_nothing_to_train_says_so_and_adds_no_run(resumes, two_che
     ), proc.stderr
     assert "nothing to train: resumed at step 2, training.steps is 2 (raise training.steps to train on)" in proc.stderr
     assert "training finished" not in proc.stderr and "metrics:" not in proc.stderr
-    # The warning, and 7 rank lines (one of them the changed peak_tflops since the checkpoint).
-    assert len(proc.stderr.splitlines()) == 8 and proc.stdout == "", proc.stderr
+    # The warning, 7 rank lines (one of them the changed peak_tflops since the checkpoint) and the goodput line.
+    assert len(proc.stderr.splitlines()) == 9 and proc.stdout == "", proc.stderr
+    assert GOODPUT_LINE.fullmatch(proc.stderr.splitlines()[-1]), proc.stderr
     assert [p.name for p in (dump / "tb").iterdir()] == ["run001-1proc"]
     for name in ("metrics.jsonl", "runs.jsonl"):
         assert (dump / name).read_text() == (two_checkpoints / name).read_text()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness import ROOT, SHALLOW, SMALL, child_env, start_launch
+from harness import GOODPUT_LINE, ROOT, SHALLOW, SMALL, child_env, launcher_lines, start_launch
 from titanlite.launcher.agent import root_cause
 from titanlite.launcher.rank_exit import write_failure
 
@@ -45,6 +45,7 @@ class Case:
     when: str = "first step"  # when the signals are sent: "first step" logged, "launcher" (its handler is
     # installed, no rank yet: it is importing torch) or "ranks" (the rank processes exist: they are importing)
     rank_line: str = ""  # a line rank 0 must log
+    goodput: bool = True  # the launch ends with the goodput line (ranks started; no bad input, no SIGKILL)
     args: list[str] = field(default_factory=lambda: CHECKPOINTING)
 
 
@@ -60,12 +61,13 @@ CASES = [
         lines=["titanlite: interrupted twice: ranks killed without a new checkpoint"],
         nproc=1,
     ),
-    Case("sigkill-of-launcher", [("launcher", signal.SIGKILL)], code=-signal.SIGKILL, nproc=1),
+    Case("sigkill-of-launcher", [("launcher", signal.SIGKILL)], code=-signal.SIGKILL, nproc=1, goodput=False),
     Case(
         "user-error-in-rank-1",
         env={"TITANLITE_FAULT_USER_ERROR_AT": "2", "TITANLITE_FAULT_RANK": "1"},
         code=2,
         lines=["titanlite: error: fault injection: rank 1 found bad input at step 2"],
+        goodput=False,
     ),
     Case(
         "non-finite-loss",
@@ -81,6 +83,7 @@ CASES = [
         lines=["titanlite: SIGINT before any rank started: nothing was trained"],
         nproc=1,
         when="launcher",
+        goodput=False,
     ),
     Case(
         "sigterm-while-the-ranks-start-with-restarts",
@@ -236,6 +239,11 @@ def test_launcher_signals_and_errors(outcomes, case):
     assert run.survivors == []  # no rank outlives its launcher, however it ended
 
     own = [line for line in err.splitlines() if not line.startswith("[rank")]
+    # A launch whose ranks started ends with the goodput line, a failed one too (not one that ends in bad
+    # input, whose report is one line, nor a launcher killed by SIGKILL).
+    ended = [line for line in own if GOODPUT_LINE.fullmatch(line)]
+    assert ended == (own[-1:] if case.goodput else []), own
+    own = launcher_lines(err)
     if case.traceback:
         [kept] = run.temp_left  # the ranks' logs, named in the report
         assert kept.startswith("torchelastic_") and own[0] == f"{case.lines[0]}{run.dump}.tmp/{kept}):", own[0]

@@ -23,6 +23,7 @@ from titanlite.config import Metrics
 from titanlite.errors import run_cli
 from titanlite.launcher import preflight
 from titanlite.metrics import METRICS, MetricsLogger, StepStats, ValidationResult, mfu, peak_tflops
+from titanlite.metrics.goodput import BADPUT
 from titanlite.metrics.runs import layout_label
 from titanlite.tools.dashboard import describe, read_dashboard
 
@@ -64,7 +65,14 @@ def test_unknown_gpu_logs_no_mfu(monkeypatch, tmp_path, caplog):
 def rows() -> list[StepStats]:
     return [
         StepStats(
-            step=s, loss=3.0 / s, grad_norm=0.5 * s, lr=1e-3 * s, tokens=512 * s, elapsed=0.25, data_time=0.01 * s
+            step=s,
+            loss=3.0 / s,
+            grad_norm=0.5 * s,
+            lr=1e-3 * s,
+            tokens=512 * s,
+            elapsed=0.25,
+            data_time=0.01 * s,
+            goodput={"goodput": 0.5 + s / 100, **{f"badput/{c.name}": 0.1 * s for c in BADPUT}},
         )
         for s in (1, 10, 20)
     ]
@@ -115,10 +123,11 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
     val_records = [r for r in rows if "val_loss" in r]
     assert set(board.scalars) == set(logged)
     assert sorted(t for charts in board.layout.values() for tags in charts.values() for t in tags) == sorted(logged)
-    assert list(board.layout) == ["loss", "throughput", "memory", "time", "validation"]
+    assert list(board.layout) == ["loss", "throughput", "memory", "time", "goodput", "badput", "validation"]
     for tag, m in logged.items():
         assert board.scalars[tag].display_name == m.display_name and board.scalars[tag].description
-        assert tag == f"{m.group}/{m.name}" and board.layout[m.group][m.display_name] == [tag]
+        # `<group>/<name>`, or the name where it begins with its group (`badput/startup`)
+        assert tag in (f"{m.group}/{m.name}", m.name) and board.layout[m.group][m.display_name] == [tag]
         got = [v for _, v in board.scalars[tag].values]
         expected = [r[m.name] for r in (val_records if m.validation else records)]
         assert len(got) == 3 and got == pytest.approx(expected, rel=1e-6), tag
@@ -369,4 +378,4 @@ def test_dashboard_takes_the_tensorboard_folder_and_refuses_a_missing_one_in_one
     lines = tb.stdout.splitlines()
     assert lines[0] == f"run002-1proc (the newest run in {tmp_path / 'tb'}):"
     one = dashboard(tmp_path / "tb" / "run001-1proc")
-    assert one.returncode == 0 and one.stdout.splitlines() == lines[1:] and len(lines) == 14, one.stdout
+    assert one.returncode == 0 and one.stdout.splitlines() == lines[1:] and len(lines) == 25, one.stdout

@@ -3,6 +3,8 @@ outside, or stuck in Python) caught by the launcher's watchdog, non-finite losse
 
 Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/faults.py).
 Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step, so each is a few seconds.
+The goodput ledger of these launches (the line, metrics and parts against each launch's wall time) is
+checked here too; the ledger's own logic with the clock given is tests/test_goodput.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import SHALLOW, SMALL, RunResult, child_env, start_launch, threads, train
+from harness import GOODPUT_LINE, SHALLOW, SMALL, RunResult, child_env, launcher_lines, start_launch, threads, train
+from titanlite.metrics.goodput import BADPUT, Totals, ledger_path, read_rows, totals
 
 
 def run(dump: Path, *overrides: str, nproc: int = 2, launcher: str = "torchrun", **env: str) -> RunResult:
@@ -83,12 +86,13 @@ def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1, e
 
 @dataclass
 class Launches:
-    """One dump folder's launches, one after another: each launch's result and the losses metrics.jsonl
-    held right after it."""
+    """One dump folder's launches, one after another: each launch's result, the losses metrics.jsonl
+    held right after it and its wall time by the test's own clock (around the launch's process)."""
 
     dump: Path
     procs: list[RunResult]
     losses: list[dict[int, float]]
+    walls: list[float]
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +103,12 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
 
     def launches(name: str, *steps: tuple[tuple[str, ...], dict]) -> Launches:
         """(overrides, `run`'s keywords) of each launch."""
-        out = Launches(root / name, [], [])
+        out = Launches(root / name, [], [], [])
         out.dump.mkdir()
         for overrides, kwargs in steps:
+            started = time.monotonic()
             out.procs.append(run(out.dump, *overrides, **kwargs))
+            out.walls.append(time.monotonic() - started)
             metrics = out.dump / "metrics.jsonl"
             out.losses.append(losses(out.dump) if metrics.exists() else {})
         return out
@@ -147,15 +153,17 @@ def runs(tmp_path_factory) -> dict[str, Launches]:
         """Rank 1 stopped from outside after step 1, with one restart."""
         dump = root / name
         dump.mkdir()
+        started = time.monotonic()
         result = run_stopping_a_rank(dump, 1, *RESTARTING, *WATCHED)
-        return Launches(dump, [result], [losses(dump)])
+        return Launches(dump, [result], [losses(dump)], [time.monotonic() - started])
 
     def slowed(name: str) -> Launches:
         """Rank 1 stopped for two thirds of every half second from its first logged step on."""
         dump = root / name
         dump.mkdir()
+        started = time.monotonic()
         result = run_stopping_a_rank(dump, 1, "--training.steps", "40", "--metrics.log_freq", "5", every=0.5)
-        return Launches(dump, [result], [losses(dump)])
+        return Launches(dump, [result], [losses(dump)], [time.monotonic() - started])
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(launches, name, *steps) for name, steps in plans.items()}
@@ -194,14 +202,76 @@ def test_crashed_rank_restarts_from_checkpoint(runs, uninterrupted):
     assert (dump / "fired").exists()
     got = losses(dump)  # the log holds steps 1-5 of the first attempt, then 5-8 after the restart
     assert got[8] == uninterrupted[8]
-    # The restart is announced once, with its cause; metrics.jsonl tells the two runs' rows apart.
-    own = [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    # The restart is announced once, with its cause, and the launch ends with the goodput line;
+    # metrics.jsonl tells the two runs' rows apart.
+    own = launcher_lines(proc.stderr)
     assert own == [
         "titanlite: restarting every rank (restart 1 of 1) after: rank 1 exited with code 17 (the ranks' "
         "logs are in " + own[0].split("logs are in ")[-1]
     ], own
+    assert GOODPUT_LINE.fullmatch(proc.stderr.splitlines()[-1]), proc.stderr[-2000:]
     runs_ = [(r["run"], r["step"]) for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())]
     assert runs_ == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (2, 7), (2, 8)], runs_
+
+
+def ledger_of(launches: Launches) -> Totals:
+    return totals(read_rows(ledger_path(launches.dump)))
+
+
+def assert_the_line_is_the_ledgers(proc: RunResult, dump: Path) -> Totals:
+    """The launch's last line is the goodput line, and says what the dump folder's ledger holds."""
+    line = proc.stderr.splitlines()[-1]
+    match = GOODPUT_LINE.fullmatch(line)
+    assert match and match["ledger"] == str(ledger_path(dump)) and not match["unwritten"], proc.stderr[-3000:]
+    ledger = totals(read_rows(ledger_path(dump)))
+    assert float(match["pct"]) == pytest.approx(100 * ledger.goodput, abs=0.051), line
+    assert int(match["wall"]) == pytest.approx(ledger.wall, abs=0.51), line
+    assert all(float(match[c.name]) == pytest.approx(ledger.seconds[c.name], abs=0.051) for c in BADPUT), line
+    return ledger
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["crash", "watched"])
+def test_the_goodput_parts_sum_to_the_launchs_wall_time(runs, case):
+    """The ledger's parts (productive steps and every badput category), summed, are the launch's wall time
+    by the test's own clock around run_train.sh, within 5%: after a failure and a restart (the crash)
+    and for a healthy 100-step run with saves (watched). The line at the launch's end says the same."""
+    launches = runs[case]
+    (proc,), (wall,) = launches.procs, launches.walls
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ledger = assert_the_line_is_the_ledgers(proc, launches.dump)
+    assert ledger.wall == pytest.approx(wall, rel=0.05), (ledger, wall)
+    assert ledger.seconds["productive"] > 0 and ledger.seconds["startup"] > 0 and ledger.seconds["checkpoint_save"] > 0
+
+
+@pytest.mark.slow
+def test_goodput_after_a_restart_counts_the_recomputed_steps_and_the_restart(runs):
+    """Rank 1 exits at step 6 and the restart resumes from step 4's checkpoint: step 5, trained again, is
+    recompute badput, the restart and the second load are counted, and metrics.jsonl's rows carry the
+    job's goodput and badput so far (run 2's rows with the recomputed step, run 1's without)."""
+    crash = runs["crash"]
+    ledger = ledger_of(crash)
+    assert ledger.seconds["recompute"] > 0 and ledger.seconds["restart"] > 0, ledger
+    assert ledger.seconds["checkpoint_load"] > 0, ledger
+    rows = [json.loads(line) for line in (crash.dump / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["goodput"] < 1 and all(f"badput/{c.name}" in r for c in BADPUT) for r in rows), rows
+    assert [(r["run"], r["badput/recompute"] > 0) for r in rows] == [(1, False)] * 5 + [(2, True)] * 4, rows
+    assert rows[-1]["badput/recompute"] == pytest.approx(ledger.seconds["recompute"], abs=1e-3)
+    assert all(rows[-1][f"badput/{c}"] <= ledger.seconds[c] + 1e-3 for c in ("startup", "restart", "data_wait"))
+
+
+@pytest.mark.slow
+def test_a_run_that_never_trains_a_step_twice_has_no_recompute_badput(runs):
+    """The negative control of the test above: the healthy 100-step run (run_train.sh), the uninterrupted
+    8 steps (torchrun: rank 0's ledger alone, no launcher rows) and a resume from the step a stop signal
+    saved (the second launch of the same dump folder) train no step twice."""
+    for case in ("watched", "uninterrupted", "sigterm"):
+        ledger = ledger_of(runs[case])
+        assert ledger.seconds["recompute"] == 0 and ledger.seconds["productive"] > 0, (case, ledger)
+        rows = [json.loads(line) for line in (runs[case].dump / "metrics.jsonl").read_text().splitlines()]
+        assert rows and all(r["badput/recompute"] == 0 for r in rows), (case, rows)
+    assert ledger_of(runs["watched"]).seconds["restart"] == 0
+    assert not GOODPUT_LINE.search(runs["uninterrupted"].procs[0].stderr)  # torchrun prints none
 
 
 HUNG = (
@@ -212,8 +282,8 @@ HUNG = (
 
 
 def own_lines(proc: RunResult) -> list[str]:
-    """What the launcher itself printed (not the ranks' log lines)."""
-    return [line for line in proc.stderr.splitlines() if not line.startswith("[rank")]
+    """What the launcher itself printed (not the ranks' log lines), less its goodput line."""
+    return launcher_lines(proc.stderr)
 
 
 @pytest.mark.slow
@@ -238,6 +308,10 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_run_restarted_exactly(r
     assert "torch/distributed/" in waiting or "torch/autograd/" in waiting, waiting
     assert losses(dump) == uninterrupted  # the restart's rows replace steps 5-8 of the first attempt
     assert [r["run"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())][-1] == 2
+    # The hang's window (5 s, less the logging after the step) is in the restart's badput, the launch's
+    # wall time in the ledger's parts.
+    ledger = assert_the_line_is_the_ledgers(proc, dump)
+    assert ledger.seconds["restart"] > 4 and ledger.wall == pytest.approx(runs[case].walls[0], rel=0.05), ledger
 
 
 @pytest.mark.slow
@@ -247,6 +321,8 @@ def test_a_hang_with_no_restart_left_exits_5_in_one_line(runs):
     (line,) = own_lines(proc)
     match = re.fullmatch("titanlite: error: " + HUNG.format(how=""), line)
     assert match and match[1] == "at step 2", line
+    # A failed launch ends with the goodput line too: the hang's window is the failure's badput.
+    assert assert_the_line_is_the_ledgers(proc, runs["hang_final"].dump).seconds["restart"] > 4
 
 
 @pytest.mark.slow

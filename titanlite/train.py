@@ -39,6 +39,7 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
     try:
         trainer.train()
     except BaseException as e:
+        trainer.goodput.mark("restart")  # the failing step or phase: time the failure cost
         note_failure(e)
         raise
     finally:

@@ -36,6 +36,7 @@ from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
 from titanlite.launcher.signals import Preemption
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
+from titanlite.metrics.goodput_clock import GoodputClock
 from titanlite.metrics.profiling import Profiler
 from titanlite.metrics.runs import layout_label
 from titanlite.metrics.straggler import StragglerMeter
@@ -109,6 +110,8 @@ class Trainer:
                 for held in self.folder_locks:
                     held.release()
                 raise
+        self.goodput = GoodputClock(cfg.job.dump_folder, enabled=self.rank == 0)
+        """Where this process's time goes (the goodput ledger, rank 0's part); from the attempt's start."""
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
         self.plan = plan or RunPlan.build(cfg, self.world_size)
@@ -246,11 +249,15 @@ class Trainer:
     def train(self) -> None:
         cfg = self.cfg.training
         if self.cfg.checkpoint.create_seed_checkpoint:
+            self.goodput.mark("startup")
             self.checkpointer.save(0, force=True, model_only=True)
             self.checkpointer.close()
+            self.goodput.mark("checkpoint_save")
             logger.info("seed checkpoint written; exiting")
             return
+        self.goodput.mark("startup")
         self.step = start = self.checkpointer.load()
+        self.goodput.mark("checkpoint_load")
         if stop_agreed(self.preemption, self.device):  # signalled while starting: nothing trained
             self.preempted = True
             since = f" since the checkpoint of step {start}" if start else ""
@@ -284,15 +291,18 @@ class Trainer:
         logger.info(f"training {cfg.steps} steps from step {self.step + 1}")
         self.metrics.begin(self.step, cfg.steps)
         self.stragglers.restart()
+        self.goodput.mark("startup")
+        self.goodput.flush()
         first_step = self.step + 1  # of this process: after a resume or a restart too
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1
                 faults.before_step(self.step, self.rank)
-                t0 = time.perf_counter()
+                t0 = self.goodput.mark("other")
                 batches = [next(data_iter) for _ in range(self.grad_accum)]
-                window_data += time.perf_counter() - t0
+                window_data += self.goodput.mark("data_wait") - t0
                 self.train_step(batches)
+                self.goodput.step_done(self.step)
                 self.progress.beat(self.step)
                 profiler.step()
                 window_steps += 1
@@ -314,9 +324,11 @@ class Trainer:
                             family=step_metrics(self.model) if step_metrics else {},
                             tokens_seen=self.dataloader.dataset.tokens_seen(self.step - start),
                             straggler=straggler.metrics() if straggler else {},
+                            goodput=self.goodput.metrics(),
                         ),
                         window_steps,
                     )
+                    self.goodput.flush()
                     window_start, window_data, window_steps = time.perf_counter(), 0.0, 0
                 if self.validator is not None and self.validator.due(self.step):
                     self.progress.beat(self.step, "validation")
@@ -329,12 +341,16 @@ class Trainer:
                 last_step = self.step == cfg.steps
                 if self.checkpointer.due(self.step, last_step):
                     self.progress.beat(self.step, "checkpoint")
+                self.goodput.mark("other")
                 self.checkpointer.save(self.step, last_step=last_step)
+                self.goodput.mark("checkpoint_save")
                 self.progress.beat(self.step)
                 if cfg.gc_freq and self.step % cfg.gc_freq == 0:
                     gc.collect(1)
         if self.cfg.checkpoint.enable:
+            self.goodput.mark("other")
             self.checkpointer.confirm(self.step, f"training finished at step {self.step}")
+            self.goodput.mark("checkpoint_save")
         logger.info("training finished")
 
     def _save_and_stop(self, start: int) -> None:
@@ -347,15 +363,23 @@ class Trainer:
                 "trained are lost (--checkpoint.enable saves them at a stop signal, and the next launch resumes)"
             )
         self.progress.beat(self.step, "checkpoint")
+        self.goodput.mark("other")
         self.checkpointer.save(self.step, force=True)
-        logger.info(f"{what}: checkpoint saved to {self.checkpointer.confirm(self.step, what)}; exiting")
+        saved = self.checkpointer.confirm(self.step, what)
+        self.goodput.mark("checkpoint_save")
+        logger.info(f"{what}: checkpoint saved to {saved}; exiting")
 
     def close(self) -> None:
+        """Ends the run's outputs; the goodput ledger's last row, last (before the dump folder is free)."""
         self.progress.close()
         self.stragglers.close()
-        self.checkpointer.close()
+        self.goodput.mark("other")
+        self.checkpointer.close()  # an async save in flight, deletions: the end waits for them
+        self.goodput.mark("checkpoint_save")
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        self.goodput.mark("other")
+        self.goodput.flush()
         for held in self.folder_locks:
             held.release()

@@ -11,6 +11,9 @@ stop signals, restart rule and error report. `titanlite.launcher.launch` checks 
 * Hangs (`hang_watchdog.py`): ranks that stop making progress are caught before the collective timeout,
   their stacks written and the one that stopped named; then restarted like a crash, or exit code 5.
 * One error report (`root_cause`), printed once.
+* Goodput (`launch_ledger.py`): before each attempt starts its ranks and at the launch's end, the launcher
+  that hosts rank 0 writes the time no rank records into the dump folder's goodput ledger, and prints the
+  job's goodput line last.
 * The ranks' log folder (torch elastic's, in the system temp folder) is removed when the launch ends,
   except after a crash, whose report names it.
 """
@@ -41,8 +44,9 @@ from torch.distributed.run import config_from_args, parse_args, parse_min_max_nn
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_NOT_SAVED, EXIT_USER_ERROR
 from titanlite.launcher.hang_watchdog import Hang, HangWatchdog, nccl_pipe_env
+from titanlite.launcher.launch_ledger import LaunchLedger
 from titanlite.launcher.preflight import check_run
-from titanlite.launcher.progress import PROGRESS_DIR_ENV
+from titanlite.launcher.progress import PROGRESS_DIR_ENV, read_progress
 from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
 from titanlite.launcher.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
@@ -128,6 +132,7 @@ class Agent(LocalElasticAgent):
 
     stopper: Stopper | None = None
     watchdog: HangWatchdog | None = None
+    ledger: LaunchLedger | None = None
     hang: Hang | None = None
     """The last hang caught (its report when no restart was left)."""
     _watched = 0.0
@@ -144,6 +149,9 @@ class Agent(LocalElasticAgent):
         # (another thread of this process may take it) is only recorded, and forwarded once the new
         # ranks' pids are known.
         self.spawning = True
+        if self.ledger is not None:
+            hosting = any(w.global_rank == 0 for w in worker_group.workers)
+            os.environ.update(self.ledger.attempt(hosting, self.rank0_step()))  # inherited by the ranks
         if self.watchdog is not None:
             self.watchdog.reset()
         try:
@@ -157,6 +165,13 @@ class Agent(LocalElasticAgent):
         if self.stopper is not None and self.stopper.received is not None:
             self.stopper.forward()
         return ids
+
+    def rank0_step(self) -> int | None:
+        """The step rank 0 of the last attempt last finished, by its progress file (None without the
+        watchdog, or where rank 0 runs on another node)."""
+        if self.watchdog is None or (progress := read_progress(self.watchdog.folder, 0)) is None:
+            return None
+        return progress[0]
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.running = False
@@ -258,6 +273,7 @@ class Launch:
     log_dir: str
     own_log_dir: bool
     watchdog: HangWatchdog | None
+    ledger: LaunchLedger
 
 
 def build_launch(argv: list[str]) -> Launch:
@@ -328,7 +344,8 @@ def build_launch(argv: list[str]) -> Launch:
         progress.mkdir(parents=True, exist_ok=True)
         relaxed = cfg.comm.init_timeout_seconds
         watchdog = HangWatchdog(progress, cfg.comm.hang_timeout_seconds, relaxed, cfg.job.dump_folder)
-    return Launch(agent, grace, log_dir, own_log_dir=bool(args.log_dir), watchdog=watchdog)
+    ledger = LaunchLedger(cfg.job.dump_folder)
+    return Launch(agent, grace, log_dir, own_log_dir=bool(args.log_dir), watchdog=watchdog, ledger=ledger)
 
 
 def launch(argv: list[str], early: Preemption) -> int:
@@ -337,6 +354,7 @@ def launch(argv: list[str], early: Preemption) -> int:
     spec = build_launch(argv)
     agent = spec.agent
     agent.log_dir = spec.log_dir
+    agent.ledger = spec.ledger
     stopper = agent.stopper = Stopper(spec.grace_seconds, agent, early.received)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks (rank_exit.follow_launcher)
     if spec.watchdog is not None:  # inherited by the ranks (progress.Progress)
@@ -373,6 +391,8 @@ def launch(argv: list[str], early: Preemption) -> int:
     except RendezvousError as e:
         print(f"titanlite: error: rendezvous failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     finally:
+        if (line := spec.ledger.end(code, agent.rank0_step())) is not None:
+            print(line, file=sys.stderr, flush=True)
         if code != 1 and not spec.own_log_dir:  # a crash's report names the folder: it stays
             shutil.rmtree(spec.log_dir, ignore_errors=True)
     return code

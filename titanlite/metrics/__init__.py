@@ -4,8 +4,10 @@
 records the trainer logs; `logger.py` turns a step or a held-out evaluation into the console line and
 one row; `sinks.py` fans a row out to metrics.jsonl, TensorBoard and W&B, each output dropped with one
 warning at its first failure; `runs.py` numbers and names the runs of a dump folder (runs.jsonl, the
-TensorBoard folders); `peak_memory.py` measures the window's peak memory. The names other modules use
-are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`) too, for the benchmarks.
+TensorBoard folders); `peak_memory.py` measures the window's peak memory; `goodput.py` is the job's
+goodput ledger (where its wall time went, over restarts and launches), `goodput_clock.py` rank 0's part
+of it. The names other modules use are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`)
+too, for the benchmarks.
 """
 
 from titanlite.metrics.logger import MetricsLogger, clock

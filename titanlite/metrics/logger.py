@@ -157,6 +157,7 @@ class MetricsLogger:
         record.update(s.family)
         record.update({f"tokens_seen/{name}": n for name, n in s.tokens_seen.items()})
         record.update(s.straggler)
+        record.update(s.goodput)
         if reserved is not None:
             record["mem_reserved_gib"] = reserved
             record["mem_pct"] = 100.0 * reserved * 2**30 / self.memory.capacity

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from titanlite.metrics.goodput import BADPUT
+
 
 @dataclass(frozen=True)
 class ValidationResult:
@@ -43,6 +45,8 @@ class StepStats:
     """A mixture's tokens per source since the run began (`tokens_seen_metric`), by source name."""
     straggler: dict[str, float] = field(default_factory=dict)
     """`straggler/slowest_rank` and `straggler/ratio` (`straggler.StragglerMeter`); none in a world of one."""
+    goodput: dict[str, float] = field(default_factory=dict)
+    """`goodput` and `badput/<category>` of the job so far (`goodput_clock.GoodputClock.metrics`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,14 @@ METRICS = (
         "The slowest rank's own time per step over the other ranks' median (1 when balanced).",
         straggler=True,
     ),
+    Metric(
+        "goodput",
+        "goodput",
+        "Goodput",
+        "fraction",
+        "Productive step time over the job's wall time, every launch and restart in the dump folder (goodput.jsonl).",
+    ),
+    *(Metric(f"badput/{c.name}", "badput", c.title, "s", f"{c.description} The job's total so far.") for c in BADPUT),
     Metric(
         "moe_aux_loss",
         "moe",
