@@ -72,6 +72,18 @@ CASES = [
     (None, ["--compile.components", "model,optimizer"], 2, ["compile.components", "optimizer"]),
     (None, ["--optimizer.lr"], 2, ["--optimizer.lr", "needs a value"]),
     (None, ["--checkpoint.keep_latest_k", "-1"], 2, ["keep_latest_k", "negative"]),
+    (
+        None,
+        ["--checkpoint.enable", "--checkpoint.local_interval", "1000"],
+        2,
+        ["checkpoint.local_interval 1000 is a multiple of checkpoint.interval 50:"],
+    ),
+    (
+        None,
+        ["--checkpoint.enable", "--checkpoint.local_interval", "5", "--checkpoint.local_folder", "{tmp}/a_file/x"],
+        2,
+        ["checkpoint.local_folder", "a_file/x' is not writable: Not a directory"],
+    ),
     (None, ["--lr_scheduler.warmup_steps", "-2"], 2, ["warmup_steps", "negative"]),
     (None, ["--parallelism.data_parallel_shard_degree", "0"], 2, ["data_parallel_shard_degree", "-1"]),
     (None, ["--model.name", "gpt2"], 2, ["model.name", "llama3"]),

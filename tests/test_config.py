@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import typing
@@ -194,20 +195,33 @@ def test_a_config_file_that_cannot_be_read_as_utf8_toml_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "overrides,message",
+    "overrides,message,needed",
     [
-        (["--checkpoint.load_step", "3"], "checkpoint.load_step 3 needs checkpoint.enable"),
-        (["--checkpoint.initial_load_in_hf"], "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path"),
+        (["--checkpoint.load_step", "3"], "checkpoint.load_step 3 needs checkpoint.enable", ["--checkpoint.enable"]),
+        (
+            ["--checkpoint.initial_load_in_hf"],
+            "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path",
+            ["--checkpoint.initial_load_path", "hf"],
+        ),
+        (
+            ["--checkpoint.local_interval", "5"],
+            "checkpoint.local_interval 5 needs checkpoint.enable",
+            ["--checkpoint.enable"],
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.local_folder", "/scratch/x"],
+            "checkpoint.local_folder '/scratch/x' is set but checkpoint.local_interval is 0",
+            ["--checkpoint.local_interval", "5"],
+        ),
     ],
 )
-def test_a_load_setting_that_would_be_ignored_is_refused(overrides, message):
-    """Keys that choose what a run loads take effect or stop the run before any rank: never ignored. With
-    what they need, the same keys plan."""
+def test_a_load_setting_that_would_be_ignored_is_refused(overrides, message, needed):
+    """Keys that choose what a run loads or saves take effect or stop the run before any rank: never
+    ignored. With what they need, the same keys plan."""
     from titanlite.plan import RunPlan
 
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         RunPlan.build(load_config(overrides), 1)
-    needed = ["--checkpoint.enable"] if "load_step" in message else ["--checkpoint.initial_load_path", "hf"]
     assert (
         RunPlan.build(load_config([*overrides, *needed]), 1).cfg.checkpoint
         == load_config([*overrides, *needed]).checkpoint

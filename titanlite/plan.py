@@ -197,6 +197,28 @@ def check_load_keys(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the folder it describes)")
 
 
+def check_local_checkpoints(cfg: JobConfig) -> None:
+    """Node-local saves (`checkpoint.local_interval`) are taken with `checkpoint.enable` only (a restart
+    compares them with the durable checkpoint), `local_folder` is read only with them, and an interval
+    whose every save is of a step the durable checkpoint saves too would never be resumed from."""
+    c = cfg.checkpoint
+    if c.local_interval and not c.enable:
+        raise ConfigError(
+            f"checkpoint.local_interval {c.local_interval} needs checkpoint.enable (node-local saves "
+            "complement the durable checkpoints)"
+        )
+    if c.local_folder and not c.local_interval:
+        raise ConfigError(
+            f"checkpoint.local_folder {c.local_folder!r} is set but checkpoint.local_interval is 0 (node-local "
+            "saves are off)"
+        )
+    if c.local_interval and c.local_interval % c.interval == 0:
+        raise ConfigError(
+            f"checkpoint.local_interval {c.local_interval} is a multiple of checkpoint.interval {c.interval}: "
+            "every node-local save would be of a step the durable checkpoint saves too (make it smaller)"
+        )
+
+
 @dataclass
 class RunPlan:
     """Everything derived from the config and the world size alone (module docstring)."""
@@ -233,6 +255,7 @@ class RunPlan:
         torch_support.check(cfg, torch.__version__)
         check_seed_world(cfg, world_size)
         check_load_keys(cfg)
+        check_local_checkpoints(cfg)
         data = training_data(cfg)
         check_combinations(cfg, data)
         spec = get_model_spec(cfg.model.name)

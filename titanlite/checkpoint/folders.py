@@ -250,6 +250,14 @@ def scan(root: Path) -> tuple[list[int], list[int]]:
     return sorted(done), sorted(partial)
 
 
+def retire_partials(root: Path, discard: Discard) -> None:
+    """Report, retire and discard the interrupted saves (`.partial`) in `root`."""
+    for step in scan(root)[1]:
+        path = partial_dir(root, step)
+        logger.warning(f"checkpoint {path} is incomplete (no completion marker: an interrupted save); removing it")
+        discard(retire(path))
+
+
 @dataclass
 class Choice:
     """The checkpoint a run resumes from (rank 0 decides; every rank receives the same Choice)."""
@@ -273,11 +281,8 @@ def choose(root: Path, load_step: int, discard: Discard, rejected: dict[int, str
     on every rank (`checksum_problem`).
     """
     rejected = rejected or {}
-    done, partial = scan(root)
-    for step in partial:
-        path = partial_dir(root, step)
-        logger.warning(f"checkpoint {path} is incomplete (no completion marker: an interrupted save); removing it")
-        discard(retire(path))
+    retire_partials(root, discard)
+    done = scan(root)[0]
     if load_step >= 0:
         path = step_dir(root, load_step)
         if load_step not in done:

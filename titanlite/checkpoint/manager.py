@@ -31,6 +31,10 @@ that no setting changed that cannot change (`resume_policy.py`: which keys stop 
 resharded, which take the new value); changed settings are listed in one log line. A resume from an older
 step starts a new line of training: the newer checkpoints are moved aside first (`lineage.py`).
 
+With `checkpoint.local_interval`, every rank also saves its own state to node-local storage in the
+background, and a resume takes the newest step every rank holds there when it is newer than the durable
+checkpoint (`node_local.py`); a missing or damaged copy on any rank loads the durable one instead.
+
 Tests kill a save between and inside saves with `faults.checkpoint_kill` (`TITANLITE_FAULT_KILL_AT`).
 """
 
@@ -52,12 +56,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite import faults
-from titanlite.checkpoint import folders, lineage, rank_state
+from titanlite.checkpoint import folders, lineage, node_local, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
 from titanlite.checkpoint.lr_schedule import config_groups, restore_schedule
 from titanlite.checkpoint.purge import Purger, Stopping, never
-from titanlite.checkpoint.resume_policy import RunRecord, model_change
+from titanlite.checkpoint.resume_policy import ResumeCheck, RunRecord, model_change
 from titanlite.checkpoint.save_failure import save_failure
 from titanlite.checkpoint.shared_folder import check_shared
 from titanlite.checkpoint.weights import (
@@ -118,6 +122,8 @@ class CheckpointManager:
             check_shared(self.root, rank, self.world_size)
         async_save = self.cfg.enable and self.cfg.async_mode != "disabled"
         self._writer = AsyncWriter(self.cfg.async_mode, cfg.comm, device, rank) if async_save else None
+        local = self.cfg.enable and self.cfg.local_interval > 0
+        self._local = node_local.NodeLocal(node_local.folder_of(self.cfg, cfg.job.dump_folder), rank) if local else None
 
     # --- state ------------------------------------------------------------------------------------------
 
@@ -137,6 +143,24 @@ class CheckpointManager:
             "train_state": {"step": step},
         }
         return state, model_sd, optim_sd
+
+    def _rank_state(self) -> dict:
+        return rank_state.capture(
+            self.dataloader, rank=self.rank, dp_rank=self.dp_rank, dp_degree=self.dp_degree, device=self.device
+        )
+
+    def _set_state(self, state: dict, model_sd: dict, optim_sd: dict, fresh: list[dict]) -> None:
+        """Hand a loaded `_full_state` to the model, optimizer and schedule (`fresh`: `config_groups`, read
+        before anything was loaded)."""
+        sharded(
+            set_state_dict,
+            self.model,
+            self.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=_OPTIONS,
+        )
+        restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
 
     # --- collectives on the training process group (main thread only) -------------------------------
 
@@ -169,6 +193,8 @@ class CheckpointManager:
                 model_only, dtype = True, DTYPES[self.cfg.export_dtype]
             self._wait_pending()
             self._save(step, model_only, dtype)
+        if self._local is not None and step % self.cfg.local_interval == 0 and not (force or last_step):
+            self._local.save(step, self._full_state(step)[0], self._rank_state())
         faults.checkpoint_kill(step, "after_save")
 
     def due(self, step: int, last_step: bool = False) -> bool:
@@ -191,17 +217,7 @@ class CheckpointManager:
             state = self._model_state(dtype) if model_only else self._full_state(step)[0]
             if not model_only:
                 try:
-                    rank_state.write(
-                        path,
-                        self.rank,
-                        rank_state.capture(
-                            self.dataloader,
-                            rank=self.rank,
-                            dp_rank=self.dp_rank,
-                            dp_degree=self.dp_degree,
-                            device=self.device,
-                        ),
-                    )
+                    rank_state.write(path, self.rank, self._rank_state())
                 except OSError as e:
                     error = e
         if not self._all_ok(error is None):
@@ -280,6 +296,8 @@ class CheckpointManager:
         self.close()
         if step in self._failures:
             raise RunNotSaved(f"{what}, but {self._failures[step]}; {self._last_good()}")
+        if self._local is not None:  # the run ends cleanly: its node-local copies are of no further use
+            self._local.remove_all()
         return str(folders.step_dir(self.root, step))
 
     def _poll(self) -> None:
@@ -309,7 +327,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for an async save in flight and finalise it, then (rank 0) for the deletions it started,
-        unless a stop signal ends the run (`purge.Purger.finish`)."""
+        unless a stop signal ends the run (`purge.Purger.finish`); wait for a node-local write in flight."""
+        if self._local is not None:
+            self._local.close()
         self._wait_pending()
         if self._writer is not None:
             self._writer.close()
@@ -325,6 +345,9 @@ class CheckpointManager:
             if self.rank == 0:  # retired folders a crash left: deleted in the background
                 for path in folders.retired(self.root):
                     self._purger.submit(path)
+            if self._local is not None and (step := self._resume_local()) is not None:
+                self._set_aside(step)
+                return step
             choice = self._choose()
         if choice.error:
             raise CheckpointError(choice.error)
@@ -360,6 +383,97 @@ class CheckpointManager:
         if not self._all_ok(error is None):
             raise CheckpointError(error or f"checkpoint: rank 0 cannot move the checkpoints after step {step} aside")
 
+    def _gather(self, obj) -> list:
+        if not dist.is_initialized():
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _resume_local(self) -> int | None:
+        """Collective: load the newest node-local step every rank holds when it is newer than the durable
+        checkpoint the run would load, and return it; None when the durable one is to be loaded
+        (`node_local.py`). Rank 0 names the rank and the reason when copies newer than it are not used."""
+        local, start = self._local, time.perf_counter()
+        assert local is not None
+        known = None
+        if self.rank == 0:
+            asked = lineage.load_step(self.root, self.cfg.load_step)
+            done = folders.scan(self.root)[0]
+            try:
+                known = (node_local.line_of(self.root), asked, (done[-1] if done else 0) if asked < 0 else asked)
+            except OSError as e:
+                known = (None, f"checkpoint: cannot record the line of training in {self.root}: {e}", 0)
+        line, asked, durable = self._broadcast(known)
+        if line is None:
+            raise CheckpointError(asked)
+        layout = self._record.layout()
+        local.record = {"line": line, "launch": lineage.launch_id(), **layout}
+        if self.rank == 0:
+            local.record.update(self._record.inputs())
+
+        def fits(record: dict) -> bool:
+            """Of this line and layout; after `load_step`, only a restarted attempt's own launch's copies."""
+            ours = record.get("line") == line and all(record.get(k) == v for k, v in layout.items())
+            return ours and (asked < 0 or (lineage.restarted() and record.get("launch") == lineage.launch_id()))
+
+        newest, durable = node_local.agree(local.newest(fits), durable, self.device)
+        step, best = min(newest), max(newest)
+        if best <= durable:
+            local.keep_only(None)  # none newer than the durable checkpoint
+            return None
+        if step <= durable:
+            held = f"its newest is step {step}" if step >= 0 else "it holds none"
+            return self._fall_back(f"of step {best} is missing on rank {newest.index(step)} ({held})", durable)
+        found, problem = local.read(step)
+        fresh_optimizer = not self.optimizer.state
+        state, model_sd, optim_sd = self._full_state(0)
+        if found is not None:
+            problem = node_local.misfit(state, found.payload["state"])
+        problems = self._gather(problem)
+        if found is None or any(problems):
+            if fresh_optimizer:  # torch filled it to list its entries (a step with zero gradients and lr 0)
+                self.optimizer.state.clear()  # a run that starts over starts without it, as with no checkpoint
+            rank = next(r for r, p in enumerate(problems) if p)
+            return self._fall_back(f"of step {step} is unusable on rank {rank}: {problems[rank]}", durable)
+        resume = self._broadcast(self._record.compare(str(found.path), found.record) if self.rank == 0 else None)
+        self._settings(str(found.path), resume)
+        fresh = config_groups(self.optimizer)
+        node_local.restore(state, found.payload["state"])
+        if resume.dataset_changed:
+            if self.rank == 0:
+                logger.warning(resume.dataset_changed)
+        elif self.dataloader is not None:
+            self.dataloader.load_state_dict(found.payload["rank_state"]["dataloader"])
+        self._set_state(state, model_sd, optim_sd, fresh)
+        rank_state.restore_rng(found.payload["rank_state"], self.device)
+        local.keep_only(step)
+        if self.rank == 0:
+            folders.retire_partials(self.root, self._purger.submit)
+        self._log(
+            f"checkpoint: resuming from the node-local checkpoint of step {step} (newer than the durable step "
+            f"{durable}), read from {local.folder.parent} in {time.perf_counter() - start:.2f}s"
+        )
+        return step
+
+    def _fall_back(self, why: str, durable: int) -> None:
+        """The node-local copies are not used: say `why` (rank 0), delete them, load the durable checkpoint."""
+        self._log(f"checkpoint: the node-local checkpoint {why}; falling back to the durable step {durable}")
+        assert self._local is not None
+        self._local.keep_only(None)
+
+    def _settings(self, path: str, resume: ResumeCheck) -> None:
+        """Stop on a setting that cannot change since checkpoint `path`; log those that changed (rank 0)."""
+        if resume.error:
+            raise CheckpointError(resume.error)
+        if resume.changed:
+            self._log(f"checkpoint: settings changed since {path}: {', '.join(resume.changed)} (the new values apply)")
+        if resume.not_applied and self.rank == 0:
+            logger.warning(
+                f"checkpoint: {', '.join(resume.not_applied)}: not read, the run resumes from {path} (initial "
+                "weights are read by a run without checkpoints of its own)"
+            )
+
     def _choose(self) -> folders.Choice:
         """Rank 0 picks a folder by the cheap checks (`folders.choose`), then every rank verifies its share
         of the checksums; a mismatch is reported in one line and the previous folder is tried (an explicit
@@ -390,15 +504,7 @@ class CheckpointManager:
         any tensor is loaded, so an incompatible checkpoint fails with the model untouched."""
         start = time.perf_counter()
         resume = self._broadcast(self._record.compare(path, marker) if self.rank == 0 else None)
-        if resume.error:
-            raise CheckpointError(resume.error)
-        if resume.changed:
-            self._log(f"checkpoint: settings changed since {path}: {', '.join(resume.changed)} (the new values apply)")
-        if resume.not_applied and self.rank == 0:
-            logger.warning(
-                f"checkpoint: {', '.join(resume.not_applied)}: not read, the run resumes from {path} (initial "
-                "weights are read by a run without checkpoints of its own)"
-            )
+        self._settings(path, resume)
         state, model_sd, optim_sd = self._full_state(0)
         check_compatible(path, state)
         fresh = config_groups(self.optimizer)
@@ -419,15 +525,7 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path} holds no data loader state")
             self.dataloader.load_state_dict(loader_state)
         dcp.load(state, checkpoint_id=path)
-        sharded(
-            set_state_dict,
-            self.model,
-            self.optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-            options=_OPTIONS,
-        )
-        restore_schedule(self.lr_scheduler, self.optimizer, state["lr_scheduler"], fresh)
+        self._set_state(state, model_sd, optim_sd, fresh)
         rank_state.restore_rng(read_rank(self.rank % old.world_size), self.device)
         step = int(state["train_state"]["step"])
         self._log(

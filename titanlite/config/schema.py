@@ -318,6 +318,13 @@ class Checkpoint:
     """Write the initialised model as step 0 and exit."""
     stop_on_save_error: bool = False
     """If a save fails (disk full, permissions), stop instead of warning and training on."""
+    local_interval: int = field(default=0, metadata=NON_NEGATIVE)
+    """Also save each rank's own state to node-local storage every this many steps, in the background
+    (0 = off): a restart or relaunch resumes from the newest step every rank holds there, when newer than
+    the durable checkpoint (docs/checkpoints.md#node-local-checkpoints)."""
+    local_folder: str = ""
+    """Node-local folder of those saves, relative to `job.dump_folder` (an absolute path on each node's own
+    storage); empty = `/dev/shm/titanlite/<digest of the checkpoint folder's absolute path>`."""
 
 
 @dataclass

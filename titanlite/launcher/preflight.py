@@ -3,9 +3,8 @@
 Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
 WORLD_SIZE, the model's shape, the network interfaces named for NCCL and gloo (`socket_interfaces.py`),
 optional packages it needs (wandb), the tokenizer file, the training and validation data, the checkpoint
-to load, and that the dump and checkpoint folders are writable, in one process, so bad input is one line
-and exit code 2
-instead of one traceback per rank. On success prints the torchrun
+to load, and that the dump, checkpoint and node-local checkpoint folders are writable, in one process, so
+bad input is one line and exit code 2 instead of one traceback per rank. On success prints the torchrun
 restart budget (`comm.max_restarts`) for run_train.sh.
 
 One warning, not a refusal: a run on a machine without CUDA whose step costs more than
@@ -20,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from titanlite.checkpoint import folders, lock
+from titanlite.checkpoint import folders, lock, node_local
 from titanlite.checkpoint.hf import check_hf_config, configured_model, hf_without_flag, is_hf_folder
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.data.data_source import DataSource
@@ -72,6 +71,8 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str) -> None:
             raise CheckpointError(hf_without_flag(cfg.initial_load_path))
     if cfg.enable:  # every run that checkpoints saves at its end
         check_writable("checkpoint.folder", root)
+    if cfg.enable and cfg.local_interval:  # on this node: each node's launcher runs the preflight
+        check_writable("checkpoint.local_folder", node_local.folder_of(cfg, dump_folder))
 
 
 def check_initial_hf(plan: RunPlan) -> None:
