@@ -153,9 +153,10 @@ class Crash(Exception):
     """A rank's crash inside a step."""
 
 
-def trainer(dump: Path, steps: int) -> Trainer:
+def trainer(dump: Path, steps: int, **keys) -> Trainer:
     cfg = config(
         dump,
+        keys,
         training__seq_len=8,
         training__local_batch_size=2,
         training__steps=steps,
@@ -168,9 +169,10 @@ def trainer(dump: Path, steps: int) -> Trainer:
     return Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)))
 
 
-def train_in_process(dump: Path, steps: int, crash_at: int | None = None) -> tuple[dict[int, float], int]:
-    """Train `dump`'s run to `steps` (crashing before step `crash_at`); (its losses, the step it started from)."""
-    run, got = trainer(dump, steps), {}
+def train_in_process(dump: Path, steps: int, crash_at: int | None = None, **keys) -> tuple[dict[int, float], int]:
+    """Train `dump`'s run to `steps` (crashing before step `crash_at`; `keys`: config keys as `config` takes
+    them); (its losses, the step it started from)."""
+    run, got = trainer(dump, steps, **keys), {}
     step = run.train_step
     started: list[int] = []
 
@@ -199,11 +201,12 @@ def reference(tmp_path_factory) -> dict[int, float]:
         return train_in_process(tmp_path_factory.mktemp("reference"), 6)[0]
 
 
-@pytest.mark.parametrize("case", ["intact", "corrupted", "started_over"])
+@pytest.mark.parametrize("case", ["intact", "corrupted", "started_over", "other_layout"])
 def test_only_an_intact_copy_of_this_line_is_resumed(tmp_path, process_group, caplog, reference, case):
     """A crash before step 5 leaves the copies of steps 2 and 4; the next run resumes step 4 and trains
-    5-6 as an uninterrupted run does, bitwise. A flipped byte in the copy, or the checkpoint folder deleted
-    to start over, starts from step 0 instead (the first said in one line), and no copy is left."""
+    5-6 as an uninterrupted run does, bitwise. A flipped byte in the copy, the checkpoint folder deleted to
+    start over, or another parallelism setting (a copy is never resharded) starts from step 0 instead, each
+    said in one line, and no copy is left."""
     dump = tmp_path / "run"
     first, _ = train_in_process(dump, 6, crash_at=5)
     copies = node_local.NodeLocal(dump / "local", 0)
@@ -216,7 +219,8 @@ def test_only_an_intact_copy_of_this_line_is_resumed(tmp_path, process_group, ca
     if case == "started_over":
         shutil.rmtree(dump / "checkpoint")
     caplog.clear()
-    second, start = train_in_process(dump, 6)
+    relayout = {"parallelism__fsdp_reshard_after_forward": "always"} if case == "other_layout" else {}
+    second, start = train_in_process(dump, 6, **relayout)
     assert second == {s: reference[s] for s in range(start + 1, 7)}
     lines = [r.getMessage() for r in caplog.records if "node-local" in r.getMessage()]
     if case == "intact":
@@ -229,7 +233,13 @@ def test_only_an_intact_copy_of_this_line_is_resumed(tmp_path, process_group, ca
             lines[0],
         ), lines
     else:
-        assert start == 0 and lines == []
+        why = {
+            "started_over": r"its line of training is not that of .*/checkpoint \(deleted or replaced since it was "
+            r"written\)",
+            "other_layout": "it was written with parallelism.fsdp_reshard_after_forward auto, this run has always",
+        }[case]
+        assert start == 0 and len(lines) == 1, lines
+        assert re.fullmatch(f"checkpoint: the node-local copy .*/local/rank-00000/step-4 is not used: {why}", lines[0])
     assert not (dump / "local").exists()
 
 
@@ -248,10 +258,14 @@ def test_a_rank_keeps_its_two_newest_copies_each_checked_on_load(tmp_path):
     state = copies.step_dir(5) / node_local.STATE
     state.write_bytes(state.read_bytes()[:-1] + bytes([state.read_bytes()[-1] ^ 0xFF]))
     assert "(corrupted)" in str(copies.read(5)[1])
-    assert copies.newest(lambda record: record["line"] == "x") == 5
+
+    def unfit(line: str):
+        return lambda record: None if record["line"] == line else "another line"
+
+    assert copies.newest(unfit("x")) == (5, None)
     state.write_bytes(state.read_bytes() + b"\0")
-    assert copies.newest(lambda record: record["line"] == "x") == 4
-    assert copies.newest(lambda record: record["line"] == "y") == -1
+    damaged = (5, "its record.json does not read or its state.pt is not of its size")
+    assert copies.newest(unfit("x")) == (4, damaged) and copies.newest(unfit("y")) == (-1, damaged)
 
 
 def test_the_default_folder_is_in_shared_memory_and_one_per_checkpoint_folder(tmp_path):

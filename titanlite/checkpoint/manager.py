@@ -407,17 +407,27 @@ class CheckpointManager:
         line, asked, durable = self._broadcast(known)
         if line is None:
             raise CheckpointError(asked)
-        layout = self._record.layout()
+        parallelism = self.plan.cfg.to_dict()["parallelism"]  # what places each shard: a copy is not resharded
+        layout = {**self._record.layout(), **{f"parallelism.{k}": v for k, v in parallelism.items()}}
         local.record = {"line": line, "launch": lineage.launch_id(), **layout}
         if self.rank == 0:
             local.record.update(self._record.inputs())
 
-        def fits(record: dict) -> bool:
-            """Of this line and layout; after `load_step`, only a restarted attempt's own launch's copies."""
-            ours = record.get("line") == line and all(record.get(k) == v for k, v in layout.items())
-            return ours and (asked < 0 or (lineage.restarted() and record.get("launch") == lineage.launch_id()))
+        def unfit(record: dict) -> str | None:
+            """Why a copy is not this run's to resume: another line or layout; after `load_step`, any but a
+            restarted attempt's own launch's."""
+            if record.get("line") != line:
+                return f"its line of training is not that of {self.root} (deleted or replaced since it was written)"
+            if changed := next((k for k, v in layout.items() if record.get(k) != v), None):
+                return f"it was written with {changed} {record.get(changed)}, this run has {layout[changed]}"
+            if asked >= 0 and not (lineage.restarted() and record.get("launch") == lineage.launch_id()):
+                return f"checkpoint.load_step {asked} is loaded instead"
+            return None
 
-        newest, durable = node_local.agree(local.newest(fits), durable, self.device)
+        mine, passed = local.newest(unfit)
+        newest, durable = node_local.agree(mine, durable, self.device)
+        if passed and passed[0] > durable:  # rank 0's: the others' copies were written alike
+            self._log(f"checkpoint: the node-local copy {local.step_dir(passed[0])} is not used: {passed[1]}")
         step, best = min(newest), max(newest)
         if best <= durable:
             local.keep_only(None)  # none newer than the durable checkpoint

@@ -14,21 +14,22 @@ On each node, under `<checkpoint.local_folder>` (default `/dev/shm/titanlite/<di
                                      marker has)
     rank-<r>/step-<N>.partial/       a write in progress, or one a crash cut short: never loaded
 
-Saving (`NodeLocal.save`, no collective): at the step boundary the rank's tensors are copied to host
-memory (a clone on CPU; on CUDA into page-locked buffers reused from save to save, without blocking: the
-writer waits for the copies), then one background thread writes `step-N.partial`, summing the CRC-32 as
+Saving (`NodeLocal.save`, no collective): at the step boundary the rank's tensors are copied into host
+buffers kept from save to save (one host copy of the rank's state; on CUDA page-locked, copied without
+blocking: the writer waits for the copies), then one background thread writes `step-N.partial`, summing the CRC-32 as
 it writes, renames it `step-N` and deletes all but the newest `KEEP` copies. A write that fails (a full
 /dev/shm) is one warning; training and the durable checkpoints go on. Nothing is fsynced: a copy outlives
 its process (a crash, kill -9), not its node, as node-local storage (/dev/shm above all) does anyway.
 
-Resuming (`CheckpointManager.load`, every rank): each rank finds its newest complete copy whose record
-fits this run (`fits`); one all-gather of (that step, rank 0's durable step) gives the newest step every
-rank holds, their minimum (`agree`). Only when that is newer than the durable checkpoint the run would
-load does every rank read its copy of it (size and CRC-32 checked) and check that it fits its model and
-optimizer (`misfit`); only when every rank's does is anything loaded (`restore`). Otherwise rank 0 names
-the rank and the reason in one line and the run loads the durable checkpoint, never a mix. Either way
-each rank then deletes every copy but the one it resumed from (`keep_only`): none of another line of
-training survives a resume.
+Resuming (`CheckpointManager.load`, every rank): each rank finds its newest complete copy of this line of
+training and layout (`newest`; rank 0 names in one line a newer copy it passes over, and why); one
+all-gather of (that step, rank 0's durable step) gives the newest step every rank holds, their minimum
+(`agree`). Only when that is newer than the durable checkpoint the run would load does every rank read
+its copy of it (size and CRC-32 checked) and check that it fits its model and optimizer (`misfit`);
+only when every rank's does is anything loaded (`restore`). Otherwise rank 0 names the rank and the
+reason in one line and the run loads the durable checkpoint, never a mix. Either way each rank then
+deletes every copy but the one it resumed from (`keep_only`): none of another line of training
+survives a resume.
 
 The line: rank 0 keeps a random id in `<checkpoint folder>/.node-local-line` (`line_of`, created when
 missing) and every copy records it, so the copies a run left on a node are not resumed once its
@@ -183,7 +184,8 @@ class NodeLocal:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlite-local-save")
         self._writing: Future | None = None
         self._writing_step = -1
-        self._buffers: dict[str, torch.Tensor] = {}  # page-locked staging buffers of device tensors, by entry
+        self._buffers: dict[str, torch.Tensor] = {}  # host copies of the tensors by entry (page-locked on CUDA)
+        self._pinned = False  # the buffers are page-locked: copied without blocking, waited for by the writer
         self._failing = False
         self._slow_warned = False
 
@@ -198,7 +200,7 @@ class NodeLocal:
         self._wait_for_write(step)
         staged = self._stage(state, "")
         ready = None
-        if self._buffers:
+        if self._pinned:
             ready = torch.cuda.Event()
             ready.record()  # after the copies on the current stream: the writer waits for it
         payload = {"state": staged, "rank_state": copy.deepcopy(rank_state)}
@@ -206,14 +208,15 @@ class NodeLocal:
         self._writing = self._pool.submit(self._write, step, payload, ready)
 
     def _stage(self, value, key: str):
+        """`value` with every tensor copied into this rank's host buffer of its entry `key` (allocated at the
+        first save: a fresh copy each time would fault its pages in again), other values deep-copied."""
         if isinstance(value, torch.Tensor):
             value = _local(value).detach()
-            if value.device.type == "cpu":
-                return value.clone()
             buffer = self._buffers.get(key)
             if buffer is None or (buffer.shape, buffer.dtype) != (value.shape, value.dtype):
-                buffer = self._buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            buffer.copy_(value, non_blocking=True)
+                self._pinned = value.device.type == "cuda"
+                buffer = self._buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pinned)
+            buffer.copy_(value, non_blocking=self._pinned)
             return buffer
         if isinstance(value, dict):
             return {k: self._stage(v, f"{key}/{k}") for k, v in value.items()}
@@ -282,14 +285,18 @@ class NodeLocal:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def newest(self, fits: Callable[[dict], bool]) -> int:
-        """The step of the newest complete copy whose record `fits` this run (cheap checks: the record reads,
-        the state file has its size); -1 if none."""
+    def newest(self, unfit: Callable[[dict], str | None]) -> tuple[int, tuple[int, str] | None]:
+        """The step of the newest complete copy that this run may resume (cheap checks: its record reads, its
+        state file has the recorded size, and `unfit(record)`, why another run's copy is not this one's, is
+        None), or -1; and (step, why) of the newest copy passed over, if any."""
+        passed: tuple[int, str] | None = None
         for step in reversed(self.steps()):
             record = self._record(step)
-            if record is not None and fits(record):
-                return step
-        return -1
+            why = f"its {RECORD} does not read or its {STATE} is not of its size" if record is None else unfit(record)
+            if why is None:
+                return step, passed
+            passed = passed or (step, why)
+        return -1, passed
 
     def read(self, step: int) -> tuple[LocalCopy | None, str | None]:
         """The copy of `step`, its CRC-32 checked; or None and why it cannot be read."""
