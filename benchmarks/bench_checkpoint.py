@@ -1,7 +1,8 @@
-"""How long a checkpoint save stalls the training loop: synchronous vs async DCP saves, in one launch.
+"""How long a checkpoint save stalls the training loop: synchronous vs async DCP saves, and what node-local
+saves (`checkpoint.local_interval`) cost the step, in one launch.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_checkpoint.py \
-        [--steps-before 5] [--steps-after 6] [--out DIR]
+        [--steps-before 5] [--steps-after 6] [--local-interval 5] [--local-steps 40] [--out DIR]
 
 For each model (the debug flavor, and a 1024-dim x 8-layer Llama) and each save mode, the trainer itself
 (`Trainer(cfg, plan)`: `titanlite.build` with that model, SimpleFSDP) trains on fixed random tokens with
@@ -18,11 +19,20 @@ Reported per row (rank 0, a markdown table):
   every parameter once to resolve names).
 
 `async_with_pinned_mem` is measured on CUDA only (on CPU it is the same as `async`).
+
+Node-local saves (a second table): two trainers of the model train `--local-steps` steps each, one
+without and one with a node-local save every `--local-interval` steps (into a folder under /dev/shm, the
+default's file system), in alternating blocks; each step is timed with its `save()` call. Reported: the
+mean step time of both (the first block not counted), the median blocking call of a local save (state
+dict, host copy, rank state), one copy's size (every rank's) and the background write's time (rank 0's,
+from its record).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -33,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from titanlite.build import init_device, init_distributed, world_from_env
+from titanlite.checkpoint.node_local import RECORD, STATE, NodeLocal
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.llama3 import ModelArgs, llama3_configs
@@ -48,6 +59,20 @@ MODELS = {
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench_config(dump: Path, device: torch.device) -> JobConfig:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump)
+    cfg.training.mixed_precision_param = "float32" if device.type == "cpu" else "bfloat16"
+    cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = SEQ, LOCAL_BATCH, 1000
+    cfg.metrics.enable_tensorboard = False
+    return cfg
+
+
+def fixed_batch(rank: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(rank)
+    return [Batch.of_windows(torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g))]
 
 
 def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device: torch.device) -> dict:
@@ -99,12 +124,59 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     }
 
 
+def measure_local(name: str, out: Path, opts, rank: int, world: int, device: torch.device) -> dict:
+    """Mean step time (train_step + save) without and with node-local saves, and what one save costs. The
+    two runs alternate in blocks of `2 x --local-interval` steps, so a change in the machine's load falls
+    on both alike."""
+    k = opts.local_interval
+    row: dict = {"model": name, "params": MODELS[name].num_params(), "interval": k}
+    trainers, times, blocking = {}, {False: [], True: []}, []
+    for local in (False, True):
+        cfg = bench_config(out / f"{name}-local-{local}", device)
+        cfg.checkpoint.enable, cfg.checkpoint.interval = True, 10**9
+        if local:
+            cfg.checkpoint.local_interval, cfg.checkpoint.local_folder = k, str(out / f"{name}-shm")
+        trainers[local] = Trainer(cfg, RunPlan.build(cfg, world, args=MODELS[name]))
+        trainers[local].checkpointer.load()  # as the trainer's loop starts (it records the line of the copies)
+    batch = fixed_batch(rank)
+    for first in range(1, opts.local_steps + 1, 2 * k):
+        for local, trainer in trainers.items():
+            for step in range(first, first + 2 * k):
+                start = time.perf_counter()
+                trainer.step = step
+                trainer.train_step(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                trained = time.perf_counter()
+                trainer.checkpointer.save(step)
+                if first > 1:  # the first block warms up
+                    times[local].append(time.perf_counter() - start)
+                    if local and step % k == 0:
+                        blocking.append(time.perf_counter() - trained)
+    for local, trainer in trainers.items():
+        trainer.checkpointer.close()
+        row["with" if local else "without"] = statistics.mean(times[local])
+    if world > 1:
+        dist.barrier()  # every rank's copy written
+    if rank == 0:
+        row["blocking"] = statistics.median(blocking)
+        copies = [NodeLocal(out / f"{name}-shm", r) for r in range(world)]
+        newest = [c.step_dir(c.steps()[-1]) for c in copies]
+        row["size"] = sum((p / STATE).stat().st_size for p in newest)
+        row["write"] = json.loads((newest[0] / RECORD).read_text())["seconds"]
+    for trainer in trainers.values():
+        trainer.close()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps-before", type=int, default=5)
     parser.add_argument("--steps-after", type=int, default=6)
     parser.add_argument("--out", default="")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--local-interval", type=int, default=5)
+    parser.add_argument("--local-steps", type=int, default=40)
     opts = parser.parse_args()
     rank, world = world_from_env()
     device = init_device()  # the trainer's device and process group (one rank too), shared by the rows
@@ -123,6 +195,14 @@ def main() -> None:
         ]
         if world > 1:
             dist.barrier()
+        shm = [tempfile.mkdtemp(dir="/dev/shm") if rank == 0 else None]  # one node: every rank writes there
+        if world > 1:
+            dist.broadcast_object_list(shm, src=0)
+        local_rows = [measure_local(name, Path(shm[0]), opts, rank, world, device) for name in opts.models.split(",")]
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shm[0])
     if rank == 0:
         print(
             f"\n{world} rank(s), {device.type}, SimpleFSDP, seq {SEQ}, local batch {LOCAL_BATCH}; "
@@ -136,6 +216,18 @@ def main() -> None:
             print(
                 f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['size'] / 2**20:.0f} MiB | {r['mode']} | "
                 f"{r['step']:.2f}s | {r['blocking']:.2f}s | {r['slowdown']:.2f}s | {r['gsd']:.2f}s |"
+            )
+        print(
+            f"\nnode-local saves every {opts.local_interval} steps, {opts.local_steps} steps in blocks of "
+            f"{2 * opts.local_interval} alternating with a run without them (the first block not timed), into "
+            "/dev/shm\n"
+        )
+        print("| model | params | step time without | step time with | blocking call | copy (all ranks) | write |")
+        print("|---|---|---|---|---|---|---|")
+        for r in local_rows:
+            print(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['without']:.3f}s | {r['with']:.3f}s | "
+                f"{r['blocking']:.3f}s | {r['size'] / 2**20:.0f} MiB | {r['write']:.3f}s |"
             )
     dist.destroy_process_group()
 
