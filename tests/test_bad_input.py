@@ -74,7 +74,7 @@ CASES = [
     (None, ["--checkpoint.keep_latest_k", "-1"], 2, ["keep_latest_k", "negative"]),
     (
         None,
-        ["--checkpoint.enable", "--checkpoint.local_interval", "1000"],
+        ["--checkpoint.enable", "--checkpoint.local_interval", "1000", "--checkpoint.local_folder", "{tmp}/local"],
         2,
         ["checkpoint.local_interval 1000 is a multiple of checkpoint.interval 50:"],
     ),
