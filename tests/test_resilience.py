@@ -341,7 +341,8 @@ def test_a_rank_slowed_from_outside_is_named_the_straggler(runs):
     dump, (proc,) = runs["slowed"].dump, runs["slowed"].procs
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     named = re.findall(r"straggler at step (\d+): rank (\d+) is ([\d.]+)x slower", proc.stderr)
-    assert len(named) == 1 and int(named[0][0]) <= 30 and named[0][1] == "1", proc.stderr[-4000:]
+    # Named once a streak (a streak broken by a window the stops missed starts a new one): rank 1 only.
+    assert named and int(named[0][0]) <= 30 and {rank for _, rank, _ in named} == {"1"}, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     slowest = [r["straggler/slowest_rank"] for r in rows if r["step"] >= 10]
     assert slowest.count(1) >= len(slowest) - 1, rows

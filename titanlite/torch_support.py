@@ -89,3 +89,11 @@ def check(cfg: Any, version: str) -> None:
     for f in FEATURES:
         if have < f.minimum and f.used(cfg):
             raise ConfigError(f"{f.setting} needs torch {name(f.minimum)} or newer ({f.why}); this is torch {version}")
+
+
+def flat_all_gather() -> Callable:
+    """`torch.distributed`'s flat all-gather: `all_gather_single` where torch has it (2.13 deprecates the
+    older name, which 2.11 and 2.12 alone have), with the same signature. torch is imported when called."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

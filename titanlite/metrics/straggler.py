@@ -27,6 +27,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from titanlite import torch_support
+
 logger = logging.getLogger("titanlite")
 
 SAMPLE_SECONDS = 0.01
@@ -129,7 +131,7 @@ class StragglerMeter:
             return None
         mine = torch.tensor([self.own.take() / max(steps, 1)], dtype=torch.float32, device=self.device)
         every = torch.empty(dist.get_world_size(), dtype=torch.float32, device=self.device)
-        dist.all_gather_into_tensor(every, mine)
+        torch_support.flat_all_gather()(every, mine)
         seconds = every.tolist()
         if self._first:  # the first step's window (compilation, first batches) judges no one
             self._first = False

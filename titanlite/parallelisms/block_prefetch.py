@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite import torch_support
 from titanlite.parallelisms.collectives import Collective
 from titanlite.parallelisms.kept_gathers import hand_out
 from titanlite.parallelisms.replicate_compute import ReplicateComputation
@@ -58,9 +58,7 @@ from titanlite.parallelisms.units import Units
 
 Pair = tuple[ReplicateComputation, DTensor]
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""The flat all-gather: `all_gather_single` where torch has it (2.13 deprecates the older name, which
-torch 2.11 and 2.12 alone have), the same signature."""
+_ALL_GATHER = torch_support.flat_all_gather()
 
 
 @dataclass
