@@ -75,6 +75,15 @@ def fixed_batch(rank: int) -> list[Batch]:
     return [Batch.of_windows(torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g))]
 
 
+def step_once(trainer, step: int, batch: list[Batch], device: torch.device) -> float:
+    """The trainer's own step `step`, finished on the device; the time it finished."""
+    trainer.step = step
+    trainer.train_step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device: torch.device) -> dict:
     cfg = JobConfig()
     cfg.job.dump_folder = str(out / f"{name}-{mode}")
@@ -85,18 +94,12 @@ def measure(name: str, mode: str, out: Path, opts, rank: int, world: int, device
     args = MODELS[name]
     trainer = Trainer(cfg, RunPlan.build(cfg, world, args=args))  # the run as the trainer builds it
     model, optimizer, ckpt = trainer.model, trainer.optimizer, trainer.checkpointer
-    g = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g)
-    batch = [Batch.of_windows(tokens)]
+    batch = fixed_batch(rank)
     save_step = opts.steps_before + 1
     step_times, blocking, after_start = [], 0.0, 0.0
     for step in range(1, save_step + opts.steps_after + 1):
         start = time.perf_counter()
-        trainer.step = step
-        trainer.train_step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        trained = time.perf_counter()
+        trained = step_once(trainer, step, batch, device)
         if step == save_step:
             after_start = trained
         ckpt.save(step, force=step == save_step)
@@ -143,11 +146,7 @@ def measure_local(name: str, out: Path, opts, rank: int, world: int, device: tor
         for local, trainer in trainers.items():
             for step in range(first, first + 2 * k):
                 start = time.perf_counter()
-                trainer.step = step
-                trainer.train_step(batch)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                trained = time.perf_counter()
+                trained = step_once(trainer, step, batch, device)
                 trainer.checkpointer.save(step)
                 if first > 1:  # the first block warms up
                     times[local].append(time.perf_counter() - start)
