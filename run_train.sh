@@ -95,7 +95,7 @@ _titanlite_run "$PYTHON" -m titanlite.tools.visible_gpus ${GIVEN_NGPU:+--ngpu "$
 NGPU=$_TITANLITE_STDOUT
 [ "${TITANLITE_DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
 # The launcher and the tools start with the stop signals blocked (coreutils' env, 8.31 and later): one that
-# comes before their handlers exist (titanlite/launcher/signals.py, titanlite/errors.py) waits for them
+# comes before their handlers exist (titanlite/run/signals.py, titanlite/errors.py) waits for them
 # instead of killing the process.
 BLOCKED=()
 env --block-signal=INT true 2>/dev/null && BLOCKED=(env --block-signal=INT,TERM,USR1)

@@ -5,7 +5,7 @@ saves (`checkpoint.local_interval`) cost the step, in one launch.
         [--steps-before 5] [--steps-after 6] [--local-interval 5] [--local-steps 40] [--out DIR]
 
 For each model (the debug flavor, and a 1024-dim x 8-layer Llama) and each save mode, the trainer itself
-(`Trainer(cfg, plan)`: `titanlite.build` with that model, SimpleFSDP) trains on fixed random tokens with
+(`Trainer(cfg, plan)`: `titanlite.run.build` with that model, SimpleFSDP) trains on fixed random tokens with
 the shipped `Trainer.train_step`; its `CheckpointManager.save` runs after every step as in the training
 loop and saves once (the step after `--steps-before`). Without torchrun it is a world of one.
 Reported per row (rank 0, a markdown table):
@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from titanlite.build import init_device, init_distributed, world_from_env
 from titanlite.checkpoint.node_local import RECORD, STATE, NodeLocal
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.llama3 import ModelArgs, llama3_configs
-from titanlite.plan import RunPlan
-from titanlite.trainer import Trainer
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import init_device, init_distributed, world_from_env
+from titanlite.run.trainer import Trainer
 
 VOCAB, SEQ, LOCAL_BATCH = 2056, 64, 2
 MODELS = {

@@ -3,7 +3,7 @@
     MALLOC_MMAP_THRESHOLD_=1048576 OMP_NUM_THREADS=1 PYTHONPATH=. \
         python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/bench_compile.py [--steps 6]
 
-Every variant is the trainer itself (`Trainer(cfg, plan)`: `titanlite.build` with this benchmark's model;
+Every variant is the trainer itself (`Trainer(cfg, plan)`: `titanlite.run.build` with this benchmark's model;
 compiled variants also compile the loss), stepped by the shipped `Trainer.train_step`, and warmed up
 first. Its first step compiles: the compile time shown is that step minus a warm one, from an inductor
 cache that starts empty (variants built later reuse C++ kernels that earlier ones compiled, so theirs is
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from titanlite.build import init_device, init_distributed
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.llama3 import ModelArgs
-from titanlite.plan import RunPlan
-from titanlite.trainer import Trainer
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import init_device, init_distributed
+from titanlite.run.trainer import Trainer
 
 # 8 blocks of dim 256 and a 2k vocabulary: 7.0M parameters in 75 tensors. Unbucketed, a step issues 214
 # collectives (all-gathers, re-gathers, reduce-scatters) of ~100-250 us fixed cost each on gloo loopback
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the names")
     args = parser.parse_args()
 
-    device = init_device()  # the trainer's device and process group (`titanlite.build`), shared by the variants
+    device = init_device()  # the trainer's device and process group (`titanlite.run.build`), shared by the variants
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     group_cfg = JobConfig()
     group_cfg.comm.init_timeout_seconds = 1800  # all steps run under it: first steps compile for minutes

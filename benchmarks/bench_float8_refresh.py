@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanlite.build import build_model
 from titanlite.config import JobConfig
 from titanlite.models.llama3 import llama3_configs
-from titanlite.parallelisms.float8_gather import CAST_CHUNK_BYTES, Float8Gathers, float8_gathers_of
-from titanlite.plan import RunPlan
+from titanlite.parallelisms.float8.gather import CAST_CHUNK_BYTES, Float8Gathers, float8_gathers_of
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
 from titanlite.tools.dry_run import fake_process_group
 
 _ALLOCATIONS = (torch.ops.aten.empty, torch.ops.aten.empty_strided)

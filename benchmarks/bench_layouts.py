@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from titanlite.run.build import init_device, init_distributed  # noqa: E402
 
 NPROC = 4
 P = "--parallelism."
@@ -114,7 +114,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     t = base_cfg.training
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * NPROC
     probe = load_config([*base, P + "data_parallel_shard_degree", str(NPROC)])
-    from titanlite.plan import RunPlan
+    from titanlite.planning.run_plan import RunPlan
 
     args_ = RunPlan.build(probe, NPROC).model_args
     machine = measure_machine(args_.dim, args_.ffn_hidden_dim, args_.n_heads, t.local_batch_size * t.seq_len, t.seq_len)

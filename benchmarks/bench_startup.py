@@ -5,7 +5,7 @@
 Each row is one data set made in a temporary folder: a pre-tokenized folder of that many tiny shards (2
 documents each, written by the tokenize tool), or one `.txt` file of that many tiny documents. Columns,
 each timed once, as the shipped functions run them (`titanlite/launcher/preflight.py`'s `check_data`,
-`titanlite/run_loader.py`'s `build_loader`), with the debug model's config and a world of 2:
+`titanlite/run/loader.py`'s `build_loader`), with the debug model's config and a world of 2:
 
 - preflight cold: the node's first check (indexes the text; reads and verifies every shard);
 - preflight warm: the next launch's check of the unchanged data;
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.launcher.preflight import check_data  # noqa: E402
-from titanlite.plan import RunPlan  # noqa: E402
-from titanlite.run_loader import build_loader  # noqa: E402
+from titanlite.planning.run_plan import RunPlan  # noqa: E402
+from titanlite.run.loader import build_loader  # noqa: E402
 from titanlite.tools.tokenize import tokenize_source  # noqa: E402
 
 WORLD_SIZE = 2

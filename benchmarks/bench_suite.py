@@ -4,7 +4,7 @@
         [--only FRAGMENT,...|=NAME] [--out outputs/bench/suite.json] [--config FILE] [--section.key value ...]
 
 Starts itself under torchrun (2 ranks: gloo on CPU, NCCL on GPUs) and builds every variant in that one
-launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.build`, the model's parallelize
+launch, each built by the trainer itself (`Trainer(cfg)`: `titanlite.run.build`, the model's parallelize
 plan) and stepped with the shipped `Trainer.train_step` on fixed random tokens:
 
     SimpleFSDP eager / compiled / compiled + per-block bucketing (one graph, `compile.scope` auto, and
@@ -81,12 +81,12 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titanlite.build import init_device, init_distributed  # noqa: E402
 from titanlite.config import CHOICES, DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.metrics import mfu_pct, peak_tflops  # noqa: E402
-from titanlite.parallelisms.memory_plan import local_tensor  # noqa: E402
-from titanlite.trainer import Trainer  # noqa: E402
+from titanlite.planning.memory import local_tensor  # noqa: E402
+from titanlite.run.build import init_device, init_distributed  # noqa: E402
+from titanlite.run.trainer import Trainer  # noqa: E402
 
 COMPILE = ["--compile.enable", "--compile.backend", "inductor"]
 BUCKETED = [*COMPILE, "--compile.bucketing", "transformer_block"]
@@ -355,7 +355,7 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     base = ["--config", args.config, "--job.dump_folder", dump, "--no-metrics.enable_tensorboard"]
     base += ["--comm.init_timeout_seconds", "600", *overrides]
     base_cfg = load_config(base)
-    device = init_device()  # the trainer's device and process group (`titanlite.build`), shared by the variants
+    device = init_device()  # the trainer's device and process group (`titanlite.run.build`), shared by the variants
     init_distributed(base_cfg, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     # Several models in one process: each block of each compiled variant is its own Dynamo cache entry.

@@ -37,8 +37,8 @@ from titanlite.config import load_config
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError, run_cli
 from titanlite.metrics import MemoryMonitor, mfu_pct, peak_tflops
-from titanlite.parallelisms.memory_plan import GiB, estimate
-from titanlite.trainer import Trainer
+from titanlite.planning.memory import GiB, estimate
+from titanlite.run.trainer import Trainer
 
 CONFIG = "train_configs/llama3_1b_gpu.toml"
 CPU_FALLBACK = [

@@ -65,11 +65,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from titanlite.compile.report import REPORT_NAME
 from titanlite.config import load_config
 from titanlite.errors import ConfigError, run_cli
 from titanlite.metrics import peak_tflops
-from titanlite.parallelisms.compile_report import REPORT_NAME
-from titanlite.parallelisms.memory_plan import GiB
+from titanlite.planning.memory import GiB
 from titanlite.tools.dry_run import dry_run, format_report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -301,7 +301,7 @@ def check_parity(records: list[dict]) -> None:
 
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[None]:
-    """The one-rank gloo process group a single-process run has (titanlite.build.init_distributed)."""
+    """The one-rank gloo process group a single-process run has (titanlite.run.build.init_distributed)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         yield

@@ -23,12 +23,12 @@ from titanlite.models.common import dense_activations as activations
 from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.context_parallel import SEAM, SequenceShard
-from titanlite.parallelisms.memory_plan import Layout
+from titanlite.parallelisms.context_parallel.unit import SEAM, SequenceShard
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.step_context import StepContext
-from titanlite.plan import RunPlan
-from titanlite.step import LocalRunner, cross_entropy_loss, model_forward
+from titanlite.planning.memory import Layout
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.step import LocalRunner, cross_entropy_loss, model_forward
 
 TOK = build_tokenizer(None)
 SEQ = 48

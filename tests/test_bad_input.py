@@ -12,7 +12,7 @@ from builders import config
 from harness import ROOT, child_env
 from titanlite.errors import ConfigError, run_cli
 from titanlite.launcher import preflight
-from titanlite.parallelisms import float8
+from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
 BASE = str(ROOT / "train_configs/debug_model.toml")

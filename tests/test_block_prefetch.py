@@ -13,10 +13,11 @@ import torch
 from builders import config
 
 from harness import tiny_args
+from titanlite.compile import prefetch as block_prefetch
+from titanlite.compile.scope import resolve_scope
 from titanlite.errors import ConfigError
-from titanlite.parallelisms import activation_checkpoint, block_prefetch
-from titanlite.parallelisms.compile_scope import resolve_scope
-from titanlite.parallelisms.step_reduction import StepReduction
+from titanlite.parallelisms import activation_checkpoint
+from titanlite.parallelisms.data_parallel.step_reduction import StepReduction
 from titanlite.tools.dry_run import compile_report
 
 N = 3

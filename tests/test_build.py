@@ -8,10 +8,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from harness import tiny_args
-from titanlite.build import apply_train_timeout, build_model, init_distributed, nccl_env_defaults
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import apply_train_timeout, build_model, init_distributed, nccl_env_defaults
 
 
 def test_one_process_without_torchrun_gets_a_one_rank_group_and_the_full_plan(monkeypatch, tmp_path):
@@ -106,7 +106,7 @@ def test_dtensors_sequential_redistribution_advice_is_not_in_a_ranks_output(capl
 
     from torch.distributed.tensor import _redistribute
 
-    from titanlite.trainer import REDISTRIBUTE_LOGGER, init_logging
+    from titanlite.run.trainer import REDISTRIBUTE_LOGGER, init_logging
 
     assert '"While redistributing from %s to %s' in inspect.getsource(_redistribute)
     assert _redistribute.logger.name == REDISTRIBUTE_LOGGER

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness import ROOT
-from titanlite.parallelisms.memory_plan import GiB
+from titanlite.planning.memory import GiB
 from titanlite.tools import calibration, reconciliation
 
 pytestmark = pytest.mark.slow  # a second of arithmetic over 8B, 70B and 405B shapes

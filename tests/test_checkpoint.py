@@ -36,10 +36,10 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse, run_cli
 from titanlite.launcher import preflight
 from titanlite.models.llama3 import SPEC, ModelArgs
-from titanlite.optim import lr_factor
 from titanlite.parallelisms.parallel_dims import WorldLayout
-from titanlite.plan import RunPlan
-from titanlite.trainer import Trainer
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.optimizer import lr_factor
+from titanlite.run.trainer import Trainer
 
 TOK = build_tokenizer(None)
 SEQ, LBS = 8, 2

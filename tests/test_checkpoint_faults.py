@@ -43,7 +43,7 @@ from harness import (
 )
 from titanlite.checkpoint import folders
 from titanlite.checkpoint.lock import DumpFolderLock
-from titanlite.optim import lr_factor
+from titanlite.run.optimizer import lr_factor
 
 pytestmark = pytest.mark.slow
 

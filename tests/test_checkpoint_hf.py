@@ -163,7 +163,7 @@ def test_cli_export(tmp_path, capsys):
     """`python -m titanlite.tools.hf export` on a checkpoint of the debug model gives its weights."""
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.config import load_config
-    from titanlite.plan import RunPlan
+    from titanlite.planning.run_plan import RunPlan
     from titanlite.tools import hf as hf_tool
 
     overrides = [

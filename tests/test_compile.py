@@ -21,16 +21,16 @@ from torch.utils._ordered_set import OrderedSet
 
 from harness import LOSS_REL, SMALL, check_parity, parity, tiny_args, train
 from titanlite import torch_support
+from titanlite.compile.collectives import graph_collectives
+from titanlite.compile.compiler import apply_compile
+from titanlite.compile.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass, module_fqn
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.collectives import graph_collectives
-from titanlite.parallelisms.compile import apply_compile
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass, module_fqn
-from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.tools.dry_run import compile_report
 
 N = 3
@@ -95,7 +95,7 @@ def test_next_blocks_gather_overlaps_this_blocks_compute(tmp_path, monkeypatch, 
     recomputes every block in backward: besides each projection's two gradient matmuls, each block's
     matmuls run again (all but w2's, whose output only the residual add reads). Per-block
     graphs (the control) overlap nothing."""
-    from titanlite.parallelisms import partitioner
+    from titanlite.compile import partitioner
 
     backward_mm = []
     original = partitioner.min_cut_rematerialization_partition
@@ -165,8 +165,8 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
-    from titanlite.parallelisms.compile import BUCKETING_INDUCTOR_CONFIG, _Backend
-    from titanlite.parallelisms.compile_report import CompileReport
+    from titanlite.compile.compiler import BUCKETING_INDUCTOR_CONFIG, _Backend
+    from titanlite.compile.report import CompileReport
 
     seen = []
     monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, **kw: seen.append(kw["config_patches"]))

@@ -218,7 +218,7 @@ def test_a_config_file_that_cannot_be_read_as_utf8_toml_is_one_line(tmp_path):
 def test_a_load_setting_that_would_be_ignored_is_refused(overrides, message, needed):
     """Keys that choose what a run loads or saves take effect or stop the run before any rank: never
     ignored. With what they need, the same keys plan."""
-    from titanlite.plan import RunPlan
+    from titanlite.planning.run_plan import RunPlan
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         RunPlan.build(load_config(overrides), 1)

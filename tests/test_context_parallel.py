@@ -39,14 +39,14 @@ from harness import max_rel as rel
 from harness import step_metric as losses
 from harness import train as run_trainer
 from titanlite.config import load_config
-from titanlite.parallelisms.context_parallel import (
+from titanlite.parallelisms.context_parallel.unit import (
     head_tail_order,
     sequence_positions,
     shard_sequence,
     unshard_sequence,
 )
-from titanlite.parallelisms.replica_batches import replica_ranks
-from titanlite.plan import RunPlan
+from titanlite.parallelisms.data_parallel.replica_batches import replica_ranks
+from titanlite.planning.run_plan import RunPlan
 
 STEPS, SAVE_AT = 4, 2
 CP2 = ["--parallelism.context_parallel_degree", "2"]

@@ -20,21 +20,21 @@ import torch.distributed.checkpoint as dcp
 from builders import config
 from host_syncs import SyncCounter
 
-import titanlite.trainer as trainer_module
+import titanlite.run.trainer as trainer_module
 from harness import ROOT, child_env, one_rank_group, tiny_args
-from titanlite.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorder
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import preflight
 from titanlite.models.common.init import InitSpec, init_parameter_, init_parameters_
+from titanlite.parallelisms.data_parallel.replica_batches import replica_batches
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.replica_batches import replica_batches
-from titanlite.plan import RunPlan
-from titanlite.run_loader import build_loader, loader_workers
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorder
+from titanlite.run.loader import build_loader, loader_workers
+from titanlite.run.trainer import Trainer
 from titanlite.tools.dry_run import fake_process_group
 from titanlite.tools.visible_gpus import visible_gpus
-from titanlite.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

@@ -26,19 +26,19 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor.parallel import loss_parallel
 
 from harness import ROOT, assert_ok, child_env, end_worker, launch_workers
-from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.errors import run_cli
 from titanlite.models.common.dense_activations import activation_bytes
 from titanlite.models.llama3 import Transformer, llama3_configs
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.context_parallel import SequenceShard
-from titanlite.parallelisms.memory_plan import Layout, stage_runtime
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline import StagePlan
-from titanlite.plan import RunPlan
-from titanlite.step import cross_entropy_loss
+from titanlite.parallelisms.pipeline.unit import StagePlan
+from titanlite.planning.memory import Layout, stage_runtime
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
+from titanlite.run.step import cross_entropy_loss
 from titanlite.tools import dry_run as dry_run_tool
 from titanlite.tools.dry_run import dry_run, format_report
 
@@ -331,7 +331,7 @@ def test_gradients_reduced_once_per_step_are_held_unsharded_in_fp32():
     """4 accumulated microbatches reduced once per step hold every gradient unsharded in fp32 (whatever the
     reduce dtype) until the reduction, which packs one bucket (here: all of the debug model's gradients) and
     its shard at a time; reduced per microbatch, or in a step of one backward, only one unit's."""
-    from titanlite.parallelisms.memory_plan import gathered_numel
+    from titanlite.planning.memory import gathered_numel
 
     world = ["--comm.fake_world_size", "2", "--training.mixed_precision_reduce", "bfloat16"]
     accum = [*world, "--training.global_batch_size", "64"]  # local 8 x dp 2 x accum 4
@@ -349,7 +349,7 @@ def test_gradients_reduced_once_per_step_are_held_unsharded_in_fp32():
 def test_weights_kept_for_the_step_are_counted_whole():
     """Kept for a step of 4 backwards (auto, it fits): every gathered weight, the embedding's too, and no
     gather in flight; regathered (reshard `default`), the last block and the norm and output only."""
-    from titanlite.parallelisms.memory_plan import gathered_numel
+    from titanlite.planning.memory import gathered_numel
 
     accum = ["--comm.fake_world_size", "2", "--training.global_batch_size", "64"]
     kept = dry_run(cfg_of(*accum))
@@ -479,7 +479,7 @@ def test_pipeline_gathers_are_held_per_microbatch_in_flight_unless_kept():
     """pp 2, 1F1B, 8 microbatches: regathered, pipeline rank 0 (blocks 0-2) holds a copy of its last block's
     gathered weights for each of the 2 microbatches in flight; kept for the step, one copy of everything;
     FSDP2 under torch's pipeline stage holds every unit's unsharded weights whatever the policy."""
-    from titanlite.parallelisms.memory_plan import gathered_numel
+    from titanlite.planning.memory import gathered_numel
 
     again = dry_run(cfg_of(*PP2, "--parallelism.fsdp_reshard_after_forward", "default"))
     kept = dry_run(cfg_of(*PP2))
@@ -535,7 +535,7 @@ def test_float8_gathers_hold_the_float8_layers_weights_at_one_byte():
     every float8 weight's shard as float8 bits (1 byte per local element) and an fp32 scale for the run.
     Weights kept for the step: every block's float8 weights at 1 byte. Negative control: float8 without the
     float8 gathers holds what bf16 holds."""
-    from titanlite.parallelisms.float8 import converted_weights
+    from titanlite.parallelisms.float8.unit import converted_weights
 
     dim, hidden, blocks, world = 4096, 14336, 32, 8
     block_float8 = 2 * dim * dim + 3 * dim * hidden

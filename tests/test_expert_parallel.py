@@ -41,9 +41,9 @@ from titanlite.config import ActivationCheckpoint, load_config
 from titanlite.errors import ConfigError
 from titanlite.models.qwen3_moe.moe import MoE
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.expert_parallel import apply_expert_parallel
+from titanlite.parallelisms.expert_parallel.unit import apply_expert_parallel
 from titanlite.parallelisms.host_replay import HostReplay
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 CONFIG = "train_configs/qwen3_moe_debug.toml"
 STEPS, SAVE_AT = 4, 2

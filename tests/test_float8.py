@@ -110,8 +110,8 @@ def _built(cfg, world: int, args):
     torch's fake process group (collectives do nothing), initialised on the CPU."""
     import torch
 
-    from titanlite.build import build_model
-    from titanlite.plan import RunPlan
+    from titanlite.planning.run_plan import RunPlan
+    from titanlite.run.build import build_model
     from titanlite.tools.dry_run import fake_process_group
 
     stack = contextlib.ExitStack()
@@ -131,7 +131,7 @@ def test_the_float8_refresh_casts_as_each_weight_alone_would(tmp_path, param_dty
     import torch
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
-    from titanlite.parallelisms.float8_gather import float8_gathers_of
+    from titanlite.parallelisms.float8.gather import float8_gathers_of
 
     cfg = config(
         tmp_path, float8__enable=True, float8__emulate=True, float8__all_gather=True, float8__filter_fqns=["output"]

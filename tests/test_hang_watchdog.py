@@ -1,5 +1,5 @@
 """The hang watchdog's window (titanlite/launcher/hang_watchdog.py) over the progress files ranks write
-(titanlite/launcher/progress.py), with the clock given: when it is armed, how it stretches with slow
+(titanlite/run/progress.py), with the clock given: when it is armed, how it stretches with slow
 steps and during saves, and the line it prints. The launches that hang are in tests/test_resilience.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titanlite.launcher.hang_watchdog import Hang, HangWatchdog
-from titanlite.launcher.progress import PROGRESS_DIR_ENV, Progress
+from titanlite.run.progress import PROGRESS_DIR_ENV, Progress
 
 
 def beat(folder: Path, monkeypatch, rank: int, step: int, phase: str = "train") -> None:

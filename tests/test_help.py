@@ -11,10 +11,11 @@ import typing
 import pytest
 
 from harness import ROOT, child_env
-from titanlite import train, trainer
+from titanlite import train
 from titanlite.config import JobConfig, field_docs, first_sentence, help_text
 from titanlite.launcher import agent, launch
-from titanlite.launcher.signals import Preemption
+from titanlite.run import trainer
+from titanlite.run.signals import Preemption
 
 
 def schema_keys() -> list[tuple[str, dataclasses.Field]]:

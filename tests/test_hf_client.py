@@ -30,7 +30,7 @@ from titanlite.errors import CheckpointError, run_cli
 from titanlite.models import qwen3
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
 from titanlite.models.llama3.model import rope_tables
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 from titanlite.tools.generate import generate
 from titanlite.tools.generate import main as generate_main
 from titanlite.tools.sampling import next_token

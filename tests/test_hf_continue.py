@@ -11,7 +11,7 @@ from builders import config
 
 from harness import SMALL, step_metric, train_in_one_launch
 from titanlite.checkpoint.hf import export_hf
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe")
 PADDED = 2112

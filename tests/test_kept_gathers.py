@@ -19,15 +19,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import tiny_args
-from titanlite.build import build_training
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
-from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
-from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB, first_fitting
+from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.step_context import StepContext
-from titanlite.plan import RunPlan
-from titanlite.step import LocalRunner, cross_entropy_loss
-from titanlite.trainer import Trainer
+from titanlite.planning.memory import COMFORT_FRACTION, GiB, first_fitting
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_training
+from titanlite.run.step import LocalRunner, cross_entropy_loss
+from titanlite.run.trainer import Trainer
 
 ARGS = tiny_args()
 MICROBATCHES = 4
@@ -113,7 +113,7 @@ def test_compiled_blocks_read_the_kept_weights_gathered_once_per_step(fake_world
     graph)."""
     from torch._dynamo.utils import counters
 
-    from titanlite.parallelisms.replicate_compute import ReplicateComputation
+    from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation
 
     made: Counter[str] = Counter()
     gather_local = ReplicateComputation._gather_local

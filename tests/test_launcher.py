@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness import GOODPUT_LINE, ROOT, SHALLOW, SMALL, child_env, launcher_lines, start_launch
 from titanlite.launcher.agent import root_cause
-from titanlite.launcher.rank_exit import write_failure
+from titanlite.run.rank_exit import write_failure
 
 # Long enough to be running when signalled; checkpoints only when stopped.
 RUN = [*SMALL, *SHALLOW, "--training.steps", "1000"]

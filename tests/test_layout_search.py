@@ -27,10 +27,10 @@ import pytest
 from harness import ROOT, child_env
 from titanlite.config import GpuName, load_config
 from titanlite.errors import run_cli
-from titanlite.parallelisms.memory_plan import GiB
 from titanlite.planning.gpus import GPU_KINDS, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemoryModel, ShapeTable
 from titanlite.planning.layout_space import Degrees, context_degrees
+from titanlite.planning.memory import GiB
 from titanlite.planning.step_time import Link
 from titanlite.tools import layout_search, search_progress
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group

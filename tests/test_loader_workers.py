@@ -25,8 +25,8 @@ from test_data import HF, _hf_files, make_docs, write_jsonl
 
 from harness import ROOT, child_env, tiny_args
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.plan import RunPlan
-from titanlite.trainer import Trainer
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.trainer import Trainer
 
 LINUX = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 

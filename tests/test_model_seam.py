@@ -16,14 +16,14 @@ from torch.distributed.fsdp import FSDPModule
 from workers.mlp_lm import SPEC
 
 from harness import SMALL, assert_ok, launch_workers
-from titanlite.build import build_model
 from titanlite.checkpoint import folders
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.models.registry import TrainingHooks, register_model
 from titanlite.parallelisms.step_context import StepContext
-from titanlite.plan import RunPlan
-from titanlite.step import LocalRunner, cross_entropy_loss
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
+from titanlite.run.step import LocalRunner, cross_entropy_loss
 
 MLP = {
     "model__name": "mlp_lm",

@@ -13,7 +13,7 @@ from titanlite.errors import ConfigError, run_cli
 from titanlite.launcher import preflight
 from titanlite.models.llama3.hf_adapter import hf_config
 from titanlite.models.registry import get_model_spec
-from titanlite.plan import RunPlan, describe_shape
+from titanlite.planning.run_plan import RunPlan, describe_shape
 
 CONFIG = "train_configs/debug_model.toml"
 OVERRIDES = [

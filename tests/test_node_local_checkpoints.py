@@ -28,8 +28,8 @@ from test_resilience import rank_pid
 from harness import ROOT, SHALLOW, SMALL, RunResult, child_env, one_rank_group, threads, tiny_args, train
 from titanlite.checkpoint import node_local
 from titanlite.config import Checkpoint
-from titanlite.plan import RunPlan
-from titanlite.trainer import Trainer
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.trainer import Trainer
 
 STEPS = ("--training.steps", "40")
 LOCAL = ("--checkpoint.enable", "--checkpoint.local_interval", "5", "--comm.max_restarts", "1")

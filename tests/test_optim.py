@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titanlite.optim import clip_grad_norm_, lr_factor
+from titanlite.run.optimizer import clip_grad_norm_, lr_factor
 
 
 def curve(**kw):

@@ -236,7 +236,7 @@ def test_pipeline_gathers_each_weight_once_per_step_when_kept(records, dp_impl):
     from titanlite.config import Parallelism
     from titanlite.models.llama3 import Transformer
     from titanlite.models.llama3.parallelize import llama_units
-    from titanlite.parallelisms.pipeline import StagePlan, keep_stage
+    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
 
     impl = {} if dp_impl == "simple_fsdp" else {"dp_impl": "fsdp2"}
     kept = records(4, CASES_4)[case_id({"pp": 2, "shard": 2, **impl})]

@@ -19,14 +19,14 @@ import torch
 from builders import config
 from torch import nn
 
-from titanlite import build
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import check_run
 from titanlite.parallelisms import parallelize
-from titanlite.parallelisms.gradient_reduction import StepPolicy
-from titanlite.parallelisms.memory_plan import StepChoice
+from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
 from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
-from titanlite.plan import RunPlan
+from titanlite.planning.memory import StepChoice
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run import build
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
 
@@ -99,15 +99,15 @@ def _importers(module: str) -> set[str]:
 FOOTPRINT = {
     "tensor": {"parallelisms/parallelize.py"},
     # The forward hands the model its positions (`SequenceShard`, the hook's type), in both step runners.
-    "context": {"parallelisms/parallelize.py", "parallelisms/step_context.py", "step.py"},
+    "context": {"parallelisms/parallelize.py", "parallelisms/step_context.py", "run/step.py"},
     # The compiled blocks' graph break around the token dispatch.
-    "expert": {"parallelisms/parallelize.py", "parallelisms/compile.py"},
+    "expert": {"parallelisms/parallelize.py", "compile/compiler.py"},
 }
 
 
 def test_the_real_parallelisms_are_named_by_the_order_only():
     """Each unit of the order, and who imports its module beyond the model families' seams."""
-    modules = {unit.name: unit.rules.__module__.rsplit(".", 1)[1] for unit in parallelize.PARALLELISMS}
+    modules = {unit.name: unit.rules.__module__.split(".")[2] for unit in parallelize.PARALLELISMS}
     assert modules == {"tensor": "tensor_parallel", "context": "context_parallel", "expert": "expert_parallel"}
     for name, module in modules.items():
         assert _importers(module) == FOOTPRINT[name], name

@@ -14,7 +14,7 @@ from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline import StagePlan, StageUnion, balanced_starts, keep_stage
+from titanlite.parallelisms.pipeline.unit import StagePlan, StageUnion, balanced_starts, keep_stage
 from titanlite.tools.dry_run import fake_process_group
 
 
@@ -109,7 +109,7 @@ def test_tensor_parallel_stages_need_a_sequence_the_tp_ranks_split_evenly():
     refuses a sequence tp does not divide, before any rank; a sequence it divides plans."""
     from builders import config
 
-    from titanlite.plan import RunPlan
+    from titanlite.planning.run_plan import RunPlan
 
     layout = dict(parallelism__pipeline_parallel_degree=2, parallelism__tensor_parallel_degree=2)
     keys = dict(model__n_layers=4, training__local_batch_size=2, parallelism__pipeline_parallel_microbatch_size=1)

@@ -18,7 +18,7 @@ from titanlite.errors import CheckpointError, ConfigError
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
 from titanlite.models.qwen3_moe import moe as moe_module
 from titanlite.models.qwen3_moe.moe import Experts, MoE, grouped_gemm_dtype
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 from titanlite.tools.generate import generate
 
 ARGS = dataclasses.replace(
@@ -200,7 +200,7 @@ def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage(
     stage's extra loss equals the whole model's, with the same gradient in the first stage's router; the
     last stage handed nothing (the control) misses layer 1's routing."""
     from titanlite.config import Parallelism
-    from titanlite.parallelisms.pipeline import StagePlan, keep_stage
+    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
 
     whole, x = model(), tokens()
     plan = StagePlan.of(Parallelism(pipeline_parallel_degree=2), ARGS.n_layers, local_batch=2)
@@ -229,9 +229,9 @@ def test_fsdp2_hands_a_stage_its_carried_routing_sums_unrounded(process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlite.config import Parallelism
-    from titanlite.parallelisms.fsdp2 import apply_fsdp2
-    from titanlite.parallelisms.pipeline import StagePlan, keep_stage
-    from titanlite.parallelisms.reshard import ReshardPlan
+    from titanlite.parallelisms.data_parallel.fsdp2 import apply_fsdp2
+    from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
 
     stage = model()
     keep_stage(stage, SPEC.units(stage), StagePlan.of(Parallelism(pipeline_parallel_degree=2), 3, local_batch=2), 1)

@@ -396,8 +396,8 @@ def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, 
     from builders import config
 
     from harness import tiny_args
-    from titanlite.plan import RunPlan
-    from titanlite.trainer import Trainer
+    from titanlite.planning.run_plan import RunPlan
+    from titanlite.run.trainer import Trainer
 
     cfg = config(
         tmp_path, training__seq_len=8, training__local_batch_size=2, training__steps=4, checkpoint__enable=True

@@ -26,7 +26,7 @@ except ImportError:  # Python 3.10
 from titanlite import torch_support
 from titanlite.config import load_config
 from titanlite.errors import ConfigError
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 OFFLINE = {
     "PIP_NO_INDEX": "1",

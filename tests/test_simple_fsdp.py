@@ -18,11 +18,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import tiny_args
-from titanlite.build import build_model
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.llama3 import Transformer
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
 
 ARGS = tiny_args()
 PARAMS_PER_BLOCK = 9  # wq wk wv wo w1 w2 w3 + two norms
@@ -104,7 +104,7 @@ def test_state_dict_apis_do_not_gather_under_sharded_view(fake_world):
     """torch's get_state_dict names parameters by attribute access; the sharded view keeps it collective-free."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from titanlite.parallelisms.simple_fsdp import sharded_view
+    from titanlite.parallelisms.data_parallel.simple_fsdp import sharded_view
 
     model = build("default")
     with CountCollectives() as plain:
@@ -118,7 +118,7 @@ def test_state_dict_apis_do_not_gather_under_sharded_view(fake_world):
 
 def test_sharded_view_is_scoped_to_the_model_it_wraps(fake_world):
     """Each wrapped model owns its SimpleFSDP state: viewing one model's shards leaves another gathering."""
-    from titanlite.parallelisms.simple_fsdp import sharded_view, simple_fsdp_states
+    from titanlite.parallelisms.data_parallel.simple_fsdp import sharded_view, simple_fsdp_states
 
     a, b = build("default"), build("default")
     assert len(simple_fsdp_states([a, b])) == 2
@@ -143,7 +143,7 @@ class CountAllCollectives(CountCollectives):
 def accumulated_step(model: torch.nn.Module, per_step: bool, microbatches: int = 4) -> Counter:
     """Collectives of the trainer's step runner over `microbatches` accumulated microbatches."""
     from titanlite.parallelisms.step_context import StepContext
-    from titanlite.step import LocalRunner, cross_entropy_loss
+    from titanlite.run.step import LocalRunner, cross_entropy_loss
 
     batches = [Batch.of_windows(t) for t in torch.randint(0, ARGS.vocab_size, (microbatches, 1, 9))]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -165,7 +165,7 @@ def test_accumulation_reduces_once_per_step(fake_world, monkeypatch, rep, shard,
     """4 microbatches: per_microbatch reduces every gradient in every backward (4 per parameter); per_step
     reduces once, in buckets (the tiny model's gradients fill one; with 1-byte buckets, one per
     parameter); the forward's gathers are the same."""
-    from titanlite.parallelisms import step_reduction
+    from titanlite.parallelisms.data_parallel import step_reduction
 
     if bucket_bytes is not None:
         monkeypatch.setattr(step_reduction, "REDUCE_BUCKET_BYTES", bucket_bytes)
@@ -220,7 +220,7 @@ def test_step_reduction_starts_buckets_in_the_last_backward(fake_world, monkeypa
     backward starts every bucket's reduce-scatter itself, asynchronously, while it runs; otherwise they
     all start on leaving. The sinks sum in fp32 while the wire carries the bf16 reduce dtype, and each
     parameter gets its sharded gradient in the parameter's dtype."""
-    from titanlite.parallelisms import step_reduction
+    from titanlite.parallelisms.data_parallel import step_reduction
 
     monkeypatch.setattr(step_reduction, "REDUCE_BUCKET_BYTES", 1)
     model = build("never", reduce_dtype="bfloat16")

@@ -7,7 +7,7 @@ import pytest
 
 from harness import SMALL, train
 from titanlite.errors import ConfigError
-from titanlite.launcher.socket_interfaces import check, problem
+from titanlite.run.socket_interfaces import check, problem
 
 NODE = ["lo", "eth0", "ib0", "ib1", "docker0"]
 

@@ -37,8 +37,8 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import DataError, run_cli
 from titanlite.faults import TOKENIZE_KILL_AFTER
 from titanlite.launcher import preflight
-from titanlite.plan import RunPlan
-from titanlite.run_loader import build_loader, build_validation_loader, data_index_dir
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.loader import build_loader, build_validation_loader, data_index_dir
 from titanlite.tools import tokenize
 from titanlite.tools.tokenize import tokenize_source
 

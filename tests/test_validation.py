@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from harness import SMALL, tiny_args, train
-from titanlite.build import build_model
 from titanlite.config import load_config
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.step_context import StepContext
-from titanlite.plan import RunPlan
-from titanlite.run_loader import build_validation_loader
-from titanlite.step import LocalRunner, cross_entropy_loss
-from titanlite.validation import Validator
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
+from titanlite.run.loader import build_validation_loader
+from titanlite.run.step import LocalRunner, cross_entropy_loss
+from titanlite.run.validation import Validator
 
 TOK = build_tokenizer(None)
 DOCS = [f"Document {i}: " + " ".join(["held", "out", "text", str(i)] * (i % 7 + 1)) for i in range(40)]

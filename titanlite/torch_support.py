@@ -97,3 +97,11 @@ def flat_all_gather() -> Callable:
     import torch.distributed as dist
 
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def dtype(name: str) -> Any:
+    """The torch dtype a config's dtype name (`config.DtypeName`: `float32`, `bfloat16`, `float16`) names.
+    torch is imported when this is called, by a rank or a tool, never when this module is."""
+    import torch
+
+    return getattr(torch, name)

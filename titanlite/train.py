@@ -6,8 +6,8 @@ process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, 
 `train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
 exit code 3, work that could not be saved exit code 4; Ctrl-C saves and stops, twice stops at once with
 exit code 130 (`rank_exit.run_rank`). Under `titanlite.launcher.launch` a failing rank's message goes to the
-launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.trainer`, tools
-build runs through `titanlite.build`.
+launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.run.trainer`, tools
+build runs through `titanlite.run.build`.
 
 The stop-signal recorder is the first thing a rank does, before the seconds of `import torch` that the
 trainer needs: a signal that arrives while the rank starts is honoured, never lost (`signals.py`).
@@ -16,16 +16,16 @@ trainer needs: a signal that arrives while the rank starts is honoured, never lo
 from __future__ import annotations
 
 from titanlite.errors import exit_now
-from titanlite.launcher.signals import Preemption
+from titanlite.run.signals import Preemption
 
 
 def main(argv: list[str], preemption: Preemption | None = None) -> int:
     """Train; `preemption` is the recorder installed at start-up (one is installed now without it)."""
     preemption = preemption or Preemption(interrupt=True)
-    from titanlite.build import world_from_env
     from titanlite.config import DEFAULT_CONFIG, help_requested, help_text, load_config
-    from titanlite.launcher.rank_exit import note_failure
-    from titanlite.trainer import Trainer
+    from titanlite.run.build import world_from_env
+    from titanlite.run.rank_exit import note_failure
+    from titanlite.run.trainer import Trainer
 
     if help_requested(argv):
         print(help_text())
@@ -49,6 +49,6 @@ def main(argv: list[str], preemption: Preemption | None = None) -> int:
 
 if __name__ == "__main__":
     stop = Preemption(interrupt=True)
-    from titanlite.launcher.rank_exit import run_rank  # after the recorder
+    from titanlite.run.rank_exit import run_rank  # after the recorder
 
     exit_now(run_rank(lambda argv: main(argv, stop)))

@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from builders import config  # noqa: E402
 
 from harness import end_worker, tiny_args  # noqa: E402
-from titanlite.build import build_model  # noqa: E402
 from titanlite.checkpoint.hf import INDEX, export_hf, import_hf  # noqa: E402
 from titanlite.models.llama3 import SPEC, Transformer  # noqa: E402
-from titanlite.plan import RunPlan  # noqa: E402
+from titanlite.planning.run_plan import RunPlan  # noqa: E402
+from titanlite.run.build import build_model  # noqa: E402
 
 # Uneven shards on purpose: vocab 257 does not divide by 4.
 ARGS = tiny_args(n_layers=2)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import end_worker, tiny_args  # noqa: E402
 from titanlite.models.common.attention import causal_mask  # noqa: E402
 from titanlite.models.llama3.model import Attention, rope_tables  # noqa: E402
-from titanlite.parallelisms.context_parallel import apply_context_parallel  # noqa: E402
+from titanlite.parallelisms.context_parallel.unit import apply_context_parallel  # noqa: E402
 
 SEQ, BATCH = 24, 2
 C10D = torch.ops._c10d_functional

@@ -31,15 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from builders import config  # noqa: E402
 
 from harness import TINY, end_worker, tiny_args  # noqa: E402
-from titanlite.build import apply_train_timeout  # noqa: E402
 from titanlite.config import JobConfig  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.models.qwen3 import ModelArgs as Qwen3Args  # noqa: E402
 from titanlite.models.qwen3 import Transformer as Qwen3Transformer  # noqa: E402
-from titanlite.parallelisms.context_parallel import PendingGather, SequenceShard, unshard_sequence  # noqa: E402
-from titanlite.plan import RunPlan  # noqa: E402
-from titanlite.trainer import Trainer  # noqa: E402
+from titanlite.parallelisms.context_parallel.unit import PendingGather, SequenceShard, unshard_sequence  # noqa: E402
+from titanlite.planning.run_plan import RunPlan  # noqa: E402
+from titanlite.run.build import apply_train_timeout  # noqa: E402
+from titanlite.run.trainer import Trainer  # noqa: E402
 
 SEQ, GLOBAL_BATCH, STEPS, SEED = 16, 8, 4, 1234
 QWEN3 = Qwen3Args(

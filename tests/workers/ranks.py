@@ -68,7 +68,7 @@ def main() -> None:
     import torch._dynamo  # noqa: F401  (what every rank imports: the optimizer's constructor imports Dynamo)
     import torch.distributed as dist
 
-    import titanlite.trainer  # noqa: F401
+    import titanlite.run.trainer  # noqa: F401
 
     run_id = uuid.uuid4().hex
     children: set[int] = set()

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from titanlite import faults
+from titanlite import faults, torch_support
 from titanlite.checkpoint import folders, lineage, node_local, rank_state
 from titanlite.checkpoint.async_save import AsyncWriter, Pending
 from titanlite.checkpoint.checksumming_writer import ChecksummingWriter
@@ -72,10 +72,9 @@ from titanlite.checkpoint.weights import (
     sharded,
     verify_checksums,
 )
-from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, RunNotSaved
 from titanlite.parallelisms.parallel_dims import WorldLayout
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 logger = logging.getLogger("titanlite")
 
@@ -190,7 +189,7 @@ class CheckpointManager:
         if (force or due) and step != self._last_saved:
             dtype = None
             if last_step and self.cfg.last_save_model_only:
-                model_only, dtype = True, DTYPES[self.cfg.export_dtype]
+                model_only, dtype = True, torch_support.dtype(self.cfg.export_dtype)
             self._wait_pending()
             self._save(step, model_only, dtype)
         if self._local is not None and step % self.cfg.local_interval == 0 and not (force or last_step):

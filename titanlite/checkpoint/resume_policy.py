@@ -37,7 +37,7 @@ from titanlite.checkpoint.fingerprint import (
 )
 from titanlite.data.mixture import MixedSources
 from titanlite.models.registry import ModelSpec, get_model_spec
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 # Config keys that name where or how this launch runs rather than what it trains: not reported as changes.
 _NOT_SETTINGS = {"job.dump_folder", "job.config_file", "job.print_config", "checkpoint.load_step"}

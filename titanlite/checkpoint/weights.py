@@ -34,8 +34,8 @@ from titanlite.checkpoint.hf import configured_model, hf_without_flag, import_hf
 from titanlite.checkpoint.resume_policy import model_change
 from titanlite.config import JobConfig
 from titanlite.errors import CheckpointError
-from titanlite.parallelisms.simple_fsdp import sharded_view
-from titanlite.plan import RunPlan
+from titanlite.parallelisms.data_parallel.simple_fsdp import sharded_view
+from titanlite.planning.run_plan import RunPlan
 
 logger = logging.getLogger("titanlite")
 

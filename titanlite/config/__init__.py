@@ -3,7 +3,7 @@ key checked alone (`loading.py`), and the help generated from the schema (`help.
 
 Torch-free on purpose: the launcher's shell, `--help` and the set-up scripts read the config before (or
 without) a torch process. Rules between keys, and everything derived from the config with the world size
-and the model, are the run plan's (`titanlite/plan.py`).
+and the model, are the run plan's (`titanlite/planning/run_plan.py`).
 """
 
 from titanlite.config.help import USAGE, describe_type, field_docs, first_sentence, help_requested, help_text

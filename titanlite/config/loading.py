@@ -213,7 +213,7 @@ def _numeric_values(cfg: JobConfig) -> Iterator[tuple[str, float, Range | None]]
 
 def validate(cfg: JobConfig) -> None:
     """Check each key alone where its type cannot: choices, every numeric key's `Range`, finite floats,
-    the forms of string and list keys. Rules between keys are the run plan's (`titanlite/plan.py`), which
+    the forms of string and list keys. Rules between keys are the run plan's (`titanlite/planning/run_plan.py`), which
     also sees the world size and the model."""
     for key, allowed in CHOICES.items():
         section, name = key.split(".")

@@ -3,7 +3,7 @@ for numbers, given its domain (`Range`) where it is declared.
 
 This package imports no torch: the launcher, `--help` and the set-up scripts read the schema before a
 torch process exists. What the values mean together (batch arithmetic, parallel layouts, which settings
-combine) is the run plan's (`titanlite/plan.py`); loading checks each key alone (`loading.py`).
+combine) is the run plan's (`titanlite/planning/run_plan.py`); loading checks each key alone (`loading.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SHAPE = {**NON_NEGATIVE, "shape": True}
 """Metadata of a `model.*` key overriding the flavor's shape (`shape_fields`)."""
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
-"""The dtypes a config can name; `titanlite.dtypes.DTYPES` maps them to torch's."""
+"""The dtypes a config can name; `torch_support.dtype` maps them to torch's."""
 
 GpuName = Literal["h100", "h100-96gb-500w", "h200", "a100", "b200"]
 """The GPU kinds the layout search can plan for; `titanlite.planning.gpus.GPU_KINDS` holds their figures."""
@@ -217,7 +217,7 @@ class Training:
 
 @dataclass
 class Validation:
-    """Held-out loss and perplexity during training (see titanlite/validation.py)."""
+    """Held-out loss and perplexity during training (see titanlite/run/validation.py)."""
 
     enable: bool = False
     """Evaluate the held-out loss every `freq` steps (off: training only)."""
@@ -262,7 +262,7 @@ class Parallelism:
     """Free gathered weights after forward and gather them again in backward: `default` (all blocks but the
     last), `always` or `never`. `auto` = `default`, but with several backwards per step the weights gathered
     by its first forward are kept for the whole step (one all-gather per parameter per step) when the memory
-    plan fits comfortably (see titanlite/parallelisms/gradient_reduction.py); `never` keeps them too."""
+    plan fits comfortably (see titanlite/parallelisms/data_parallel/gradient_reduction.py); `never` keeps them too."""
     gradient_reduction: Literal["auto", "per_step", "per_microbatch"] = "auto"
     """With several backwards per step (gradient accumulation, pipeline microbatches): reduce each gradient
     once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only).

@@ -46,9 +46,9 @@ from titanlite.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_NOT_SAVED, EXIT_USER
 from titanlite.launcher.hang_watchdog import Hang, HangWatchdog, nccl_pipe_env
 from titanlite.launcher.launch_ledger import LaunchLedger
 from titanlite.launcher.preflight import check_run
-from titanlite.launcher.progress import PROGRESS_DIR_ENV, read_progress
-from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
-from titanlite.launcher.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
+from titanlite.run.progress import PROGRESS_DIR_ENV, read_progress
+from titanlite.run.rank_exit import LAUNCHER_PID_ENV
+from titanlite.run.signals import STOP_SIGNALS, Preemption, before_any_rank, blocked, handled
 
 IMMEDIATE_SIGNALS = (signal.SIGHUP, signal.SIGQUIT)  # left to torch: it sends them on to the ranks and shuts down
 EXIT_INTERRUPTED = 128 + signal.SIGINT

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.launcher.progress import STACK_SIGNAL, read_progress, stack_file
+from titanlite.run.progress import STACK_SIGNAL, read_progress, stack_file
 
 NCCL_PIPE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 RELAXED_PHASES = ("checkpoint", "validation")

@@ -36,7 +36,7 @@ import signal
 import sys
 
 from titanlite.errors import ConfigError, exit_now, run_cli
-from titanlite.launcher.signals import Preemption, before_any_rank
+from titanlite.run.signals import Preemption, before_any_rank
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 

@@ -1,6 +1,6 @@
 """Check a run before torchrun starts any rank: `python -m titanlite.launcher.preflight --config FILE [overrides]`.
 
-Validates the config with every rule between its keys (the run plan, `titanlite/plan.py`), the mesh for
+Validates the config with every rule between its keys (the run plan, `titanlite/planning/run_plan.py`), the mesh for
 WORLD_SIZE, the model's shape, the network interfaces named for NCCL and gloo (`socket_interfaces.py`),
 optional packages it needs (wandb), the tokenizer file, the training and validation data, the checkpoint
 to load, and that the dump, checkpoint and node-local checkpoint folders are writable, in one process, so
@@ -24,10 +24,10 @@ from titanlite.checkpoint.hf import check_hf_config, configured_model, hf_withou
 from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.data.data_source import DataSource
 from titanlite.errors import CheckpointError, ConfigError, run_cli
-from titanlite.launcher.socket_interfaces import check as check_socket_interfaces
 from titanlite.metrics import check_wandb
-from titanlite.plan import RunPlan
-from titanlite.run_loader import build_loader, build_validation_loader
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.loader import build_loader, build_validation_loader
+from titanlite.run.socket_interfaces import check as check_socket_interfaces
 
 logger = logging.getLogger("titanlite")
 
@@ -142,7 +142,7 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     if cfg.float8.enable and not cfg.checkpoint.create_seed_checkpoint:
         import torch
 
-        from titanlite.parallelisms.float8 import check_device
+        from titanlite.parallelisms.float8.unit import check_device
 
         check_device(cfg, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     check_writable("job.dump_folder", cfg.job.dump_folder)

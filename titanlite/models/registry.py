@@ -3,7 +3,7 @@
 A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes.
 A family supplies data and its model; the framework applies every parallelism in its own order
 (`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_plan`, and runs the step
-(`titanlite/step.py`), adding the family's `hooks.extra_loss` when it has one.
+(`titanlite/run/step.py`), adding the family's `hooks.extra_loss` when it has one.
 
 The model it builds follows a small protocol:
 
@@ -20,7 +20,7 @@ The model it builds follows a small protocol:
     args.shape_value(key)               optional: a shape key's value as built, where a field left unset
                                         (None) derives it; None hides the key from the start-up line
 
-Pipeline stages (`titanlite/parallelisms/pipeline.py`) delete the blocks a stage does not hold and set
+Pipeline stages (`titanlite/parallelisms/pipeline/unit.py`) delete the blocks a stage does not hold and set
 the root modules it does not hold to None: the model's forward then takes (and returns) hidden states.
 
 Built-in families are imported on first use (`BUILTIN`); tests and users add theirs with `register_model`.
@@ -41,7 +41,7 @@ from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:  # types only: the launcher's preflight reads the specs without DTensor
     from titanlite.parallelisms.step_context import ExtraLoss
-    from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlanFn
 
 BUILTIN = {
     "llama3": "titanlite.models.llama3",
@@ -95,7 +95,7 @@ class ParallelSeams:
 
 @dataclass(frozen=True)
 class TrainingHooks:
-    """What the family adds to the framework's step (`titanlite/step.py`, the trainer)."""
+    """What the family adds to the framework's step (`titanlite/run/step.py`, the trainer)."""
 
     extra_loss: ExtraLoss | None = None
     """A term added to each training microbatch's loss after the model's forward (e.g. a mixture of

@@ -33,8 +33,8 @@ from titanlite.config import JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:  # the run plan reads the units' rules in the launcher, which imports no DTensor
+    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.host_replay import HostReplay
-    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.units import Units
 
 

@@ -48,20 +48,22 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from titanlite import torch_support
 from titanlite.config import JobConfig
-from titanlite.dtypes import DTYPES
-from titanlite.parallelisms import context_parallel, expert_parallel, tensor_parallel
 from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.parallelisms.context_parallel import unit as context_parallel
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.expert_parallel import unit as expert_parallel
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
-from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.tensor_parallel import unit as tensor_parallel
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
-    from titanlite.parallelisms.tensor_parallel import TensorParallelPlanFn
+    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlanFn
 
 PARALLELISMS: tuple[ParallelismUnit, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
 """The parallelism units in the order they are applied (module docstring)."""
@@ -96,7 +98,7 @@ def parallelize(
     replay = HostReplay()
     tied = TiedParameters.of(model)
     if cfg.float8.enable:  # first: the layers every parallelism then wraps keep their parameters
-        from titanlite.parallelisms.float8 import apply_float8
+        from titanlite.parallelisms.float8.unit import apply_float8
 
         apply_float8(model, cfg, high_precision)
     applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay)
@@ -115,13 +117,13 @@ def parallelize(
     )
     if cfg.compile.enable and "model" in cfg.compile.components:
         # Imported here: the compiler (torch._dynamo, seconds of import) is loaded by compiled runs only.
-        from titanlite.parallelisms.compile import apply_compile
+        from titanlite.compile.compiler import apply_compile
 
         report = apply_compile(model, units, ac, cfg, dims, reshard)
     if dims.dp_enabled:
         _data_parallel(model, units, dims, cfg, reshard, own)
     if report is not None:
-        from titanlite.parallelisms.compile import apply_prefetch
+        from titanlite.compile.compiler import apply_prefetch
 
         apply_prefetch(model, units, reshard, report)
     return model
@@ -139,17 +141,17 @@ def _data_parallel(
     `own`: the modules a parallelism placed on a mesh of their own (expert parallelism's experts)."""
     # Imported here, where ranks build their model: the run plan imports this module for the order of
     # the units in the launcher, before any rank, which imports neither DTensor nor FSDP2.
-    from titanlite.parallelisms.eager_reshard import apply_reshard
-    from titanlite.parallelisms.fsdp2 import apply_fsdp2
-    from titanlite.parallelisms.simple_fsdp import MixedPrecisionPolicy, data_parallel
+    from titanlite.parallelisms.data_parallel.eager_reshard import apply_reshard
+    from titanlite.parallelisms.data_parallel.fsdp2 import apply_fsdp2
+    from titanlite.parallelisms.data_parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 
-    param_dtype = DTYPES[cfg.training.mixed_precision_param]
-    reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
+    param_dtype = torch_support.dtype(cfg.training.mixed_precision_param)
+    reduce_dtype = torch_support.dtype(cfg.training.mixed_precision_reduce)
     float8_gathers = cfg.float8.enable and cfg.float8.all_gather
     if cfg.parallelism.dp_impl == "fsdp2":
         apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
         if float8_gathers:
-            from titanlite.parallelisms.float8_gather import gather_in_float8_fsdp2
+            from titanlite.parallelisms.float8.gather import gather_in_float8_fsdp2
 
             gather_in_float8_fsdp2(model)
         return
@@ -162,7 +164,7 @@ def _data_parallel(
         own_meshes=own,
     )
     if float8_gathers:
-        from titanlite.parallelisms.float8_gather import gather_in_float8
+        from titanlite.parallelisms.float8.gather import gather_in_float8
 
         gather_in_float8(model, param_dtype)
     apply_reshard(model, units, reshard)

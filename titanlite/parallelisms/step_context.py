@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.parallelisms.context_parallel import SequenceShard
-from titanlite.parallelisms.gradient_reduction import reduce_once
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
+from titanlite.parallelisms.data_parallel.gradient_reduction import reduce_once
 from titanlite.parallelisms.parallelism import StepHook
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

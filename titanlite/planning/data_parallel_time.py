@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.parallelisms.compile import compile_scope
-from titanlite.parallelisms.memory_plan import Layout, gathered_bytes
-from titanlite.plan import RunPlan
+from titanlite.compile.compiler import compile_scope
 from titanlite.planning.gpus import GpuKind
 from titanlite.planning.layout_memory import StageUnits
 from titanlite.planning.link import Link
+from titanlite.planning.memory import Layout, gathered_bytes
+from titanlite.planning.run_plan import RunPlan
 
 
 def prefetches(plan: RunPlan) -> bool:

@@ -1,7 +1,7 @@
 """The dry run's memory estimate for many layouts at once, from parameter shapes instead of a model build.
 
 The dry run builds the parallelized model on the meta device and reads its shard shapes
-(`titanlite/parallelisms/memory_plan.py`). A layout search asks the same question for thousands of layouts, so the
+(`titanlite/planning/memory.py`). A layout search asks the same question for thousands of layouts, so the
 shapes are read once per tensor-parallel degree (`ShapeTable`: the model built on the meta device with
 TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
 SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`ParallelDims.shard_degree`;
@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from titanlite.build import build_model
 from titanlite.config import JobConfig
-from titanlite.parallelisms.float8 import converted_weights
-from titanlite.parallelisms.memory_plan import (
+from titanlite.parallelisms.float8.unit import converted_weights
+from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
+from titanlite.parallelisms.units import Units
+from titanlite.planning.memory import (
     Buffers,
     Layout,
     MemoryEstimate,
@@ -43,9 +44,8 @@ from titanlite.parallelisms.memory_plan import (
     stage_runtime,
     under,
 )
-from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
-from titanlite.parallelisms.units import Units
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model
 
 
 @dataclass(frozen=True)

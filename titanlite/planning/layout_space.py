@@ -33,8 +33,8 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.parallel_dims import DEGREE_KEYS
-from titanlite.parallelisms.pipeline import MULTI_STAGE, SINGLE_STAGE
-from titanlite.plan import RunPlan
+from titanlite.parallelisms.pipeline.unit import MULTI_STAGE, SINGLE_STAGE
+from titanlite.planning.run_plan import RunPlan
 
 AC_CHOICES: tuple[tuple[str, str], ...] = (
     ("none", "op"),

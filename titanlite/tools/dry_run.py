@@ -8,7 +8,7 @@ The process joins torch's fake process group as rank `comm.fake_rank` of a world
 model as the trainer does (`build.build_model`) on the meta device, with the model's real parallelize
 plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
 reports per GPU what
-`titanlite.parallelisms.memory_plan` estimates from the sharded parameters: model state, collective buffers,
+`titanlite.planning.memory` estimates from the sharded parameters: model state, collective buffers,
 activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. With several
 backwards per step it chooses the step's policy as the trainer does (`build.choose_step_policy`: gradients
 reduced per step or per microbatch, gathered weights kept for the step or not), reports it with the
@@ -51,14 +51,16 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite.build import build_model, choose_step_policy, rank_estimate
+from titanlite.compile.report import REPORT_NAME
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
-from titanlite.parallelisms.compile_report import REPORT_NAME
-from titanlite.parallelisms.memory_plan import (
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.pipeline.unit import StageUnion
+from titanlite.parallelisms.units import Units
+from titanlite.planning.memory import (
     COMFORT_FRACTION,
     GiB,
     Layout,
@@ -67,11 +69,9 @@ from titanlite.parallelisms.memory_plan import (
     UnitGathers,
     held_copies,
 )
-from titanlite.parallelisms.pipeline import StageUnion
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.units import Units
-from titanlite.plan import RunPlan, model_args
-from titanlite.step import cross_entropy_loss
+from titanlite.planning.run_plan import RunPlan, model_args
+from titanlite.run.build import build_model, choose_step_policy, rank_estimate
+from titanlite.run.step import cross_entropy_loss
 
 
 @dataclass
@@ -286,7 +286,7 @@ def header_lines(r: DryRun) -> list[str]:
 
 def scope_of(r: DryRun) -> str:
     """The compile scope the model runs under (`compile.compile_scope`, `auto` resolved)."""
-    from titanlite.parallelisms.compile import compile_scope
+    from titanlite.compile.compiler import compile_scope
 
     return compile_scope(r.cfg, r.plan.dims)
 

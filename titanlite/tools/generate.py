@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.build import init_device, init_distributed
 from titanlite.checkpoint.hf import import_hf
 from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
 from titanlite.errors import ConfigError, exit_now, run_tool
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import init_device, init_distributed
 from titanlite.tools.options import number, split_options
 from titanlite.tools.sampling import next_token
 

@@ -21,7 +21,7 @@ through the project's Python, e.g.
 
     scripts/python.sh -m titanlite.tools.hf export --config train_configs/debug_model.toml --out hf_out
 
-The model is built as the trainer builds it (`titanlite.build`), in one process or under torchrun with
+The model is built as the trainer builds it (`titanlite.run.build`), in one process or under torchrun with
 the training layout; the checkpoint is verified (file sizes and checksums, each rank its share) and a
 damaged one is refused in one line (exit code 2), never replaced by an older one behind the user's back.
 """
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from titanlite.build import build_model, init_device, init_distributed, world_from_env
+from titanlite import torch_support
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.weights import load_tool_weights
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.dtypes import DTYPES
 from titanlite.errors import CheckpointError, ConfigError, UserError, exit_now, run_tool
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.build import build_model, init_device, init_distributed, world_from_env
 from titanlite.tools.options import number, split_options
 
 USAGE = (
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
             model,
             opts["--out"],
             adapter=adapter,
-            dtype=DTYPES[cfg.checkpoint.export_dtype],
+            dtype=torch_support.dtype(cfg.checkpoint.export_dtype),
             bos_id=plan.tokenizer.bos_id,
             eos_id=plan.tokenizer.eos_id,
             max_shard_bytes=shard_bytes,

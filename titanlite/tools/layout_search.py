@@ -33,13 +33,13 @@ from typing import Any
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.launcher.preflight import check_writable
-from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.parallelize import PARALLELISMS
-from titanlite.plan import RunPlan
 from titanlite.planning.gpus import GpuKind, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
 from titanlite.planning.layout_space import ParallelLayout, least_memory, structures, with_choices
+from titanlite.planning.memory import COMFORT_FRACTION, GiB
+from titanlite.planning.run_plan import RunPlan
 from titanlite.planning.step_time import Features, StepTime, StepTimeModel
 from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
 from titanlite.tools.search_progress import SearchProgress

@@ -34,7 +34,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-from titanlite.parallelisms.memory_plan import COMFORT_FRACTION, GiB
+from titanlite.planning.memory import COMFORT_FRACTION, GiB
 from titanlite.planning.step_time import Features
 from titanlite.tools.calibration import CONFIGS, FLOAT8, ROWS, Result, Row, estimate, evaluate
 from titanlite.tools.layout_search import Estimate

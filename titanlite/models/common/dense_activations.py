@@ -1,5 +1,5 @@
 """A dense decoder's activation memory per GPU (Llama 3, Qwen3), for the dry run's memory plan
-(`titanlite/parallelisms/memory_plan.py`).
+(`titanlite/planning/memory.py`).
 
 Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
 by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanlite.models.common.attention import mask_bytes
-from titanlite.parallelisms.memory_plan import Layout, activation_peak
+from titanlite.planning.memory import Layout, activation_peak
 
 
 def activation_bytes(args: Any, layout: Layout, qk_norm: bool = False) -> dict[str, int]:

@@ -14,7 +14,7 @@ from titanlite.models.common.attention import Mask
 from titanlite.models.common.kv_cache import LayerKV, attend_cached
 from titanlite.models.common.norm import RMSNorm
 from titanlite.models.common.rope_halves import apply_rope
-from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
 
 
 class QKNormAttention(nn.Module):

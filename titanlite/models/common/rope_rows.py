@@ -19,7 +19,7 @@ import torch
 
 from titanlite.models.common.attention import Mask, causal_mask
 from titanlite.models.common.kv_cache import KVCache
-from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

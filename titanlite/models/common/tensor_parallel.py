@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
 
 
 def dense_tp_plan(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelPlan:
@@ -25,7 +25,7 @@ def dense_tp_plan(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelP
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
 
     norms = (
         {

@@ -25,7 +25,7 @@ from titanlite.models.common.init import InitSpec, init_parameters_
 from titanlite.models.common.kv_cache import KVCache, LayerKV, attend_cached
 from titanlite.models.common.norm import RMSNorm
 from titanlite.models.common.rope_rows import rope_rows
-from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""

@@ -31,7 +31,7 @@ from titanlite.models.common.norm import RMSNorm
 from titanlite.models.common.qk_norm_attention import QKNormAttention
 from titanlite.models.common.rope_halves import rope_at, rope_tables
 from titanlite.models.common.rope_rows import rope_rows
-from titanlite.parallelisms.context_parallel import SequenceShard
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len")
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""

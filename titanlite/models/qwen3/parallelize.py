@@ -11,7 +11,7 @@ from titanlite.models.common.tensor_parallel import dense_tp_plan
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
 
 
 def qwen3_units(model: nn.Module) -> Units:

@@ -1,4 +1,4 @@
-"""Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/parallelisms/memory_plan.py`).
+"""Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/planning/memory.py`).
 
 Per token of one microbatch, with the eager kernels. Attention as Llama's (`models/common/dense_activations.py`) plus
 the q/k RMSNorms and the fp32 RoPE copies. Under tensor parallelism, as for Llama, sequence parallelism
@@ -21,7 +21,7 @@ rows, and its experts' saved activations grow with them (routing is dropless: no
 from __future__ import annotations
 
 from titanlite.models.qwen3_moe.model import ModelArgs
-from titanlite.parallelisms.memory_plan import Layout, activation_peak
+from titanlite.planning.memory import Layout, activation_peak
 
 
 def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:

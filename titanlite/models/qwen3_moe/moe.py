@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.expert_parallel import ExpertShard
+from titanlite.parallelisms.expert_parallel.unit import ExpertShard
 
 
 def local(weight: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.common.tensor_parallel import dense_tp_plan
-from titanlite.parallelisms.replicate_weights import ReplicateWeights
-from titanlite.parallelisms.tensor_parallel import TensorParallelPlan
+from titanlite.parallelisms.data_parallel.replicate_weights import ReplicateWeights
+from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titanlite.parallelisms.replicate_compute import (
+from titanlite.parallelisms.data_parallel.replicate_compute import (
     MixedPrecisionPolicy,
     ReplicateComputation,
     SimpleFSDPState,

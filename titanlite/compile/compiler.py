@@ -44,19 +44,19 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from titanlite.compile.collectives import graph_collectives
+from titanlite.compile.partitioner import Partitioner
+from titanlite.compile.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
+from titanlite.compile.report import REPORT_NAME, CompileReport, Unit
+from titanlite.compile.scope import resolve_scope, with_passes
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
-from titanlite.parallelisms.collectives import graph_collectives
-from titanlite.parallelisms.compile_report import REPORT_NAME, CompileReport, Unit
-from titanlite.parallelisms.compile_scope import resolve_scope, with_passes
-from titanlite.parallelisms.expert_parallel import dispatches
-from titanlite.parallelisms.float8 import inductor_config
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.simple_fsdp import simple_fsdp_states
+from titanlite.parallelisms.expert_parallel.unit import dispatches
+from titanlite.parallelisms.float8.unit import inductor_config
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.partitioner import Partitioner
-from titanlite.parallelisms.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.units import Units
 
 
@@ -196,7 +196,7 @@ def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report:
     its collectives to `report` as one more unit (`block_prefetch`); nothing under other scopes."""
     if report.settings["scope"] != "prefetch":
         return
-    from titanlite.parallelisms import block_prefetch
+    from titanlite.compile import prefetch as block_prefetch
 
     block_prefetch.install(model, units, reshard)
     unit = report.add_unit("prefetch (eager)", recompute_forward=False)

@@ -50,9 +50,9 @@ from torch import nn
 
 from titanlite.config import ActivationCheckpoint
 from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
-from titanlite.parallelisms.gradient_reduction import StepPolicy
+from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30
@@ -277,7 +277,9 @@ def gather_buffers(
             sink_bytes = layout.reduce_dtype.itemsize
             transient = max(numel.values()) * sink_bytes
         else:  # SimpleFSDP's sinks are fp32; one bucket (or one larger gradient) is packed at a time
-            from titanlite.parallelisms.step_reduction import REDUCE_BUCKET_BYTES  # SimpleFSDP's runtime: here
+            from titanlite.parallelisms.data_parallel.step_reduction import (
+                REDUCE_BUCKET_BYTES,  # SimpleFSDP's runtime: here
+            )
 
             sink_bytes = 4
             bucket = max(min(REDUCE_BUCKET_BYTES, total * sink_bytes), largest * sink_bytes)
@@ -310,7 +312,7 @@ class UnitGathers:
     def of(cls, model: nn.Module, units: Units, layout: Layout) -> UnitGathers:
         float8: frozenset[str] = frozenset()
         if layout.float8_gather:
-            from titanlite.parallelisms.float8 import converted_weights  # torchao: float8 runs only
+            from titanlite.parallelisms.float8.unit import converted_weights  # torchao: float8 runs only
 
             float8 = converted_weights(model)
         numel: dict[str, int] = {}

@@ -127,8 +127,8 @@ def reduce_once(
     # without FSDP2, DTensor or SimpleFSDP's runtime.
     from torch.distributed.fsdp import FSDPModule
 
-    from titanlite.parallelisms.kept_gathers import kept_gathers
-    from titanlite.parallelisms.step_reduction import unreduced
+    from titanlite.parallelisms.data_parallel.kept_gathers import kept_gathers
+    from titanlite.parallelisms.data_parallel.step_reduction import unreduced
 
     fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if fsdp2 and (pipelined or not (enabled or keep)):

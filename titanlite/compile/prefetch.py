@@ -48,12 +48,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite import torch_support
-from titanlite.parallelisms.collectives import Collective
-from titanlite.parallelisms.kept_gathers import hand_out
-from titanlite.parallelisms.replicate_compute import ReplicateComputation
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import parametrized, simple_fsdp_states
-from titanlite.parallelisms.step_reduction import StepReduction
+from titanlite.compile.collectives import Collective
+from titanlite.parallelisms.data_parallel.kept_gathers import hand_out
+from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.simple_fsdp import parametrized, simple_fsdp_states
+from titanlite.parallelisms.data_parallel.step_reduction import StepReduction
 from titanlite.parallelisms.units import Units
 
 Pair = tuple[ReplicateComputation, DTensor]

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from titanlite.parallelisms.collectives import Collective, graph_collectives
+from titanlite.compile.collectives import Collective, graph_collectives
 
 _C10D = torch.ops._c10d_functional
 # Far above any checkpoint region's id, so the partitioner's "save at the boundary of two AC regions"

@@ -17,7 +17,7 @@ from typing import Any
 from titanlite.config import JobConfig
 from titanlite.data.loader import TokenLoader, build_dataloader
 from titanlite.errors import DataError
-from titanlite.plan import RunPlan
+from titanlite.planning.run_plan import RunPlan
 
 AUTO_CUDA_WORKERS = 2
 """`training.dataloader_num_workers = -1` on CUDA: at most this many workers per rank."""

@@ -51,8 +51,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.replicate_compute import ReplicateComputation, ShardMeta
-from titanlite.parallelisms.simple_fsdp import gathers_of
+from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation, ShardMeta
+from titanlite.parallelisms.data_parallel.simple_fsdp import gathers_of
 
 logger = logging.getLogger("titanlite")
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.parallelisms.replicate_compute import ReplicateComputation, SimpleFSDPState
-from titanlite.parallelisms.reshard import ReshardPlan
-from titanlite.parallelisms.simple_fsdp import simple_fsdp_states
+from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation, SimpleFSDPState
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.units import Units
 
 

@@ -1,11 +1,11 @@
 """Putting a run together, the one way every tool does it (trainer, dry run, HF tool, benchmarks, tests):
 
     plan = RunPlan.build(cfg, world_size)     everything derived from config + world size, checked first
-                                              (titanlite/plan.py)
+                                              (titanlite/planning/run_plan.py)
     device = init_device()                    cuda:LOCAL_RANK, else cpu
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
-                                              (titanlite/run_loader.py)
+                                              (titanlite/run/loader.py)
     model = build_model(plan, device)         meta -> parallelize (the framework's order) -> materialise -> init
     training = build_training(plan, device)   the trainer's step runner over this rank's model or pipeline
                                               stages, with the step policy chosen from their memory plan
@@ -28,8 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.parallelisms.kept_gathers import keep_for_step
-from titanlite.parallelisms.memory_plan import (
+from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
+from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelize import parallelize, step_hooks
+from titanlite.parallelisms.pipeline.unit import PipelineRunner, keep_stage
+from titanlite.parallelisms.step_context import StepContext
+from titanlite.parallelisms.tied_parameters import TiedParameters
+from titanlite.planning.memory import (
     Layout,
     MemoryEstimate,
     StageMemory,
@@ -38,13 +43,8 @@ from titanlite.parallelisms.memory_plan import (
     first_fitting,
     pipeline_estimate,
 )
-from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import parallelize, step_hooks
-from titanlite.parallelisms.pipeline import PipelineRunner, keep_stage
-from titanlite.parallelisms.step_context import StepContext
-from titanlite.parallelisms.tied_parameters import TiedParameters
-from titanlite.plan import RunPlan
-from titanlite.step import LocalRunner, StepRunner, training_loss_fn
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.step import LocalRunner, StepRunner, training_loss_fn
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
 """The CUDA caching allocator's default setting for training: segments that grow in place instead of new

@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.eager_reshard import set_reshard_after_forward
-from titanlite.parallelisms.replicate_compute import ReduceToShard, ReplicateComputation, RouteGradient
-from titanlite.parallelisms.simple_fsdp import parametrized
+from titanlite.parallelisms.data_parallel.eager_reshard import set_reshard_after_forward
+from titanlite.parallelisms.data_parallel.replicate_compute import ReduceToShard, ReplicateComputation, RouteGradient
+from titanlite.parallelisms.data_parallel.simple_fsdp import parametrized
 
 
 def keep_for_step(model: nn.Module) -> None:

@@ -21,10 +21,10 @@ from torch import nn
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.common.attention import AttnMaskType, build_mask, causal_mask
-from titanlite.optim import clip_grad_norm_
-from titanlite.parallelisms.context_parallel import SequenceShard
-from titanlite.parallelisms.float8_gather import float8_gathers_of
+from titanlite.parallelisms.context_parallel.unit import SequenceShard
+from titanlite.parallelisms.float8.gather import float8_gathers_of
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
+from titanlite.run.optimizer import clip_grad_norm_
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

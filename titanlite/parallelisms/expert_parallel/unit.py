@@ -56,7 +56,7 @@ from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
 
 SEAM = "expert_parallel"
 """The attribute a module declares (None) to receive the rank's `ExpertShard`."""
@@ -228,7 +228,7 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, DataParallelMesh]:
     """After TP and CP, before AC (whose recompute replays the row splits, `a.replay`) and data parallelism,
     which shards each rank's experts further over efsdp on the experts' own mesh."""
     assert a.dims.ep_mesh is not None and a.dims.expert_param_mesh is not None
-    from titanlite.parallelisms.simple_fsdp import DataParallelMesh
+    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
 
     experts = apply_expert_parallel(a.model, a.dims.ep_mesh, a.replay)
     where = DataParallelMesh(a.dims.expert_param_mesh, a.dims.expert_dp_mode, a.dims.expert_param_ndim)

@@ -1,4 +1,4 @@
-"""The Trainer: builds a run from its config (through `titanlite.build`) and runs the step loop.
+"""The Trainer: builds a run from its config (through `titanlite.run.build`) and runs the step loop.
 
 `Trainer.train_step` is the one training step (gradients, agreement across ranks on stop signals and
 non-finite values, the optimizer and LR-schedule step); the loop in `Trainer.train` adds data, metrics,
@@ -18,7 +18,19 @@ import torch
 import torch.distributed as dist
 
 from titanlite import faults
-from titanlite.build import (
+from titanlite.checkpoint.lock import DumpFolderLock, run_folders
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.config import JobConfig
+from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
+from titanlite.metrics import METRICS, MetricsLogger, StepStats
+from titanlite.metrics.goodput_clock import GoodputClock
+from titanlite.metrics.profiling import Profiler
+from titanlite.metrics.runs import layout_label
+from titanlite.metrics.straggler import StragglerMeter
+from titanlite.parallelisms.data_parallel.replica_batches import replica_batches
+from titanlite.planning.run_plan import RunPlan, describe_shape
+from titanlite.run import socket_interfaces
+from titanlite.run.build import (
     apply_train_timeout,
     build_training,
     init_device,
@@ -26,25 +38,13 @@ from titanlite.build import (
     rank_compile_cache,
     world_from_env,
 )
-from titanlite.checkpoint.lock import DumpFolderLock, run_folders
-from titanlite.checkpoint.manager import CheckpointManager
-from titanlite.config import JobConfig
-from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
-from titanlite.launcher import socket_interfaces
-from titanlite.launcher.progress import Progress
-from titanlite.launcher.rank_exit import LAUNCHER_PID_ENV
-from titanlite.launcher.resilience import StepVerdict, agree, stop_agreed
-from titanlite.launcher.signals import Preemption
-from titanlite.metrics import METRICS, MetricsLogger, StepStats
-from titanlite.metrics.goodput_clock import GoodputClock
-from titanlite.metrics.profiling import Profiler
-from titanlite.metrics.runs import layout_label
-from titanlite.metrics.straggler import StragglerMeter
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallelisms.replica_batches import replica_batches
-from titanlite.plan import RunPlan, describe_shape
-from titanlite.run_loader import build_loader
-from titanlite.validation import Validator
+from titanlite.run.loader import build_loader
+from titanlite.run.optimizer import build_lr_scheduler, build_optimizer
+from titanlite.run.progress import Progress
+from titanlite.run.rank_exit import LAUNCHER_PID_ENV
+from titanlite.run.resilience import StepVerdict, agree, stop_agreed
+from titanlite.run.signals import Preemption
+from titanlite.run.validation import Validator
 
 logger = logging.getLogger("titanlite")
 FAMILY_METRICS = tuple(m.name for m in METRICS if m.family)

@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallelisms.replicate_compute import ReplicateComputation
-from titanlite.parallelisms.simple_fsdp import parametrized, simple_fsdp_states
+from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation
+from titanlite.parallelisms.data_parallel.simple_fsdp import parametrized, simple_fsdp_states
 
 REDUCE_BUCKET_BYTES = 64 * 2**20
 """Unreduced gradients are reduced in buckets of about this many bytes (in the reduce dtype): one

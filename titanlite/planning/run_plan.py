@@ -30,16 +30,15 @@ from titanlite.config.schema import shape_fields
 from titanlite.data.data_source import DataSource
 from titanlite.data.dataset import virtual_shard_count
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.dtypes import DTYPES
 from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
-from titanlite.parallelisms import float8
 from titanlite.parallelisms.activation_checkpoint import block_ac
-from titanlite.parallelisms.gradient_reduction import StepPolicy, step_candidates
-from titanlite.parallelisms.memory_plan import Layout, StepChoice
+from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import enabled
-from titanlite.parallelisms.pipeline import StagePlan
+from titanlite.parallelisms.pipeline.unit import StagePlan
+from titanlite.planning.memory import Layout, StepChoice
 
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
@@ -290,7 +289,7 @@ class RunPlan:
         if cfg.compile.enable:
             # Imported here: the compiler (torch._dynamo) is loaded by compiled runs only, so the launcher's
             # preflight of an eager run stays light.
-            from titanlite.parallelisms.compile import check_compile
+            from titanlite.compile.compiler import check_compile
 
             full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
             compile_passes = check_compile(cfg, dims, full_ac)
@@ -326,12 +325,12 @@ class RunPlan:
     def param_dtype(self) -> torch.dtype:
         """Dtype of the gathered weights in forward and backward: mixed precision comes with the data-parallel
         plan (every run but pure tensor parallelism computes in it); without one, float32."""
-        return DTYPES[self.cfg.training.mixed_precision_param] if self.dims.dp_enabled else torch.float32
+        return torch_support.dtype(self.cfg.training.mixed_precision_param) if self.dims.dp_enabled else torch.float32
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         """Dtype of the gradient reduction across data-parallel ranks (float32 without data parallelism)."""
-        return DTYPES[self.cfg.training.mixed_precision_reduce] if self.dims.dp_enabled else torch.float32
+        return torch_support.dtype(self.cfg.training.mixed_precision_reduce) if self.dims.dp_enabled else torch.float32
 
     def effective(self, policy: StepPolicy) -> StepPolicy:
         """What `policy` does in this run: holding anything across backwards needs data parallelism and
@@ -369,7 +368,7 @@ class RunPlan:
         c, ac, t = self.cfg.compile, self.cfg.activation_checkpoint, self.cfg.training
         compiled = "eager"
         if c.enable:
-            from titanlite.parallelisms.compile import compile_scope  # the compiler: compiled runs only
+            from titanlite.compile.compiler import compile_scope  # the compiler: compiled runs only
 
             scope = compile_scope(self.cfg, self.dims)
             compiled = f"compile {c.backend} ({', '.join(c.components)}; scope {scope}, bucketing {c.bucketing})"

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titanlite.parallelisms.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.units import Units
 
 

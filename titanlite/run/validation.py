@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from titanlite.data.loader import TokenLoader
 from titanlite.metrics import ValidationResult
-from titanlite.plan import RunPlan
-from titanlite.run_loader import build_validation_loader
-from titanlite.step import StepRunner
+from titanlite.planning.run_plan import RunPlan
+from titanlite.run.loader import build_validation_loader
+from titanlite.run.step import StepRunner
 
 logger = logging.getLogger("titanlite")
 

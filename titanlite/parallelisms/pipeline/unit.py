@@ -305,8 +305,8 @@ class PipelineRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
         replica's mean loss, on every rank; the global grad norm), like the local runner."""
-        from titanlite.optim import clip_grad_norm_
         from titanlite.parallelisms.step_context import replicated
+        from titanlite.run.optimizer import clip_grad_norm_
 
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)

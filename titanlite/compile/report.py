@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titanlite.parallelisms.collectives import Collective
+from titanlite.compile.collectives import Collective
 
 logger = logging.getLogger("titanlite")
 

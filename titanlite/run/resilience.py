@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.launcher.signals import Preemption
+from titanlite.run.signals import Preemption
 
 
 @dataclass
