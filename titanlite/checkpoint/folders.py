@@ -1,40 +1,13 @@
 """Checkpoint folders on disk: names, the completion marker, checksums, validation, choice and pruning.
 
-Layout under `<job.dump_folder>/<checkpoint.folder>/`:
-
-    step-<N>/                       a complete checkpoint
-        .metadata                   DCP metadata (written by DCP's coordinator after every rank's data)
-        __<r>_0.distcp              DCP tensor data, one file per rank
-        rank_state/rank-<r>.pt      per-rank state: data loader position, RNG states (see rank_state.py)
-        complete.json               the completion marker
-    step-<N>.partial/               a save in progress, or one a crash interrupted: never loaded
-    step-<N>[.partial].deleting/    a retired folder being deleted (or left by a crash): never loaded
-
-Why this protocol: a crash (kill -9, node loss, full disk) can happen at any point of a save. Every
-file is written into `step-N.partial`. Only once DCP's `.metadata` exists, so that every rank's data is
-on disk, does rank 0 write `complete.json` (listing every file with its size and CRC-32, fsynced) and
-rename the folder to `step-N` with a single `os.rename`. A folder named `step-N` was therefore complete
-when it appeared; the sizes in its marker catch files truncated or deleted later, the checksums catch
-files whose bytes changed (a bit flip on disk or in transfer).
-
-Every rank writes into the one folder that rank 0 completes, so the folder must be shared by all ranks
-(`shared_folder.py` checks it at start-up); rank 0 also completes a folder only when it holds every file
-the DCP metadata refers to and every rank's rank-state file, and a folder missing one is unusable.
-
-Checksums cost one read of the data: each rank checksums the files it wrote, from the page cache, in
-the DCP writer (`checksumming_writer.py`, so an async save does it in the background) and leaves the list in
-`checksums/`, which rank 0 merges into the marker. On load every rank verifies its share of the files
-(`checksum_problem`), so verifying a checkpoint takes as long as reading 1/world of it.
-
-Deleting a folder is two steps, so that it is atomic from a reader's point of view and never stalls a
-step. `retire` renames it with one `os.rename` to `<name>.deleting` (`<name>.deleting-<k>` if that name is
-taken), a name that `scan`, `choose`, `newest` and every lister ignore, so no resume can pick a folder
-that is half deleted; the caller's `discard` then deletes it, in the trainer on a background thread of
-rank 0 (`purge.py`: bounded, joined at the end of the run). A retired name is never reused, so a save of
-step N (into `step-N.partial`, then `step-N`) never meets the deletion of an earlier `step-N` or of a
-neighbour. Folders left retired by a crash are found by `retired` and deleted by the next run. Older
-checkpoints are pruned only after the rename that publishes a new one, so a complete checkpoint is on
-disk at every moment.
+A crash can come at any point of a save, so a save writes into `step-N.partial`, and only once DCP's
+`.metadata` (every rank's data) and every rank's state file are there does rank 0 write `complete.json`
+(each file's size and CRC-32, fsynced) and rename the folder to `step-N` in one `os.rename`: a `step-N`
+folder was complete when it appeared, and its marker catches files truncated or changed later. Every
+rank writes into the one folder rank 0 completes, so it must be shared (`shared_folder.py`). Deleting
+is two steps, `retire` (one rename to `<name>.deleting`, a name no lister sees) and the caller's
+`discard`, so no resume picks a half-deleted folder. The layout and the protocol in full:
+docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """CheckpointManager: DCP save/load of the whole training state, atomic folders, async saves, resharding.
 
-What a checkpoint holds (one DCP state dict, so every tensor reshards to any layout on load):
-
-    <model FQN>...        the model's parameters, at the top level (as TorchTitan stores them, so a
-                          model-only load reads a seed checkpoint and a full one alike)
-    optimizer             AdamW state, flattened by FQN (`get_state_dict`), so it reshards with the model
-    lr_scheduler          the scheduler's state_dict
-    train_state           {"step": N}
-
-plus per-rank files for the data loader and RNG states (`rank_state.py`, with the resharding rule),
-inside a folder that appears only when complete (`folders.py`, with the atomicity protocol). A resume
-takes the LR schedule's position with this run's hyperparameters (`lr_schedule.py`); model-only loads
-(tools, `initial_load_path`, model-only checkpoints) are `weights.py`'s.
-
-Async saves (`async_mode = async`) write in the background (`async_save.py`); one is finalised when
-the next `save()` or `close()` finds it finished. Old checkpoints (`keep_latest_k`), replaced and
-interrupted saves are deleted on rank 0's purge thread (`purge.py`), which `close()` waits for, except
-once a stop signal ends the run (`stopping`): the next run deletes what is left.
-
-A save that fails (full disk, permissions, a file size limit, an I/O error on any rank, sync or async)
-removes its `.partial` folder and logs one warning; training goes on with the previous checkpoint as the
-newest, or stops with `checkpoint.stop_on_save_error` (`RunNotSaved`, exit code 4). The last save of a
-run (its last step, or a stop signal's) is confirmed (`confirm`): if it failed, the run ends with
-`RunNotSaved` naming the last good checkpoint, never as a success. DCP reports a rank's failure to every
-rank as a `CheckpointException`, which is a `BaseException`: it is caught by name.
-
-Resuming checks, before anything is loaded, that the checkpoint's files match their checksums (each
-rank verifies its share; a mismatch is reported in one line and the previous checkpoint is tried) and
-that no setting changed that cannot change (`resume_policy.py`: which keys stop a resume, which are
-resharded, which take the new value); changed settings are listed in one log line. A resume from an older
-step starts a new line of training: the newer checkpoints are moved aside first (`lineage.py`).
-
-With `checkpoint.local_interval`, every rank also saves its own state to node-local storage in the
-background, and a resume takes the newest step every rank holds there when it is newer than the durable
-checkpoint (`node_local.py`); a missing or damaged copy on any rank loads the durable one instead.
-
-Tests kill a save between and inside saves with `faults.checkpoint_kill` (`TITANLITE_FAULT_KILL_AT`).
+One DCP state dict holds the model's parameters at the top level (as TorchTitan stores them, so a
+model-only load reads a seed checkpoint and a full one alike), the AdamW state flattened by FQN, the LR
+schedule and the step, so every tensor reshards to any layout on load; per-rank files hold the data
+loader and RNG states (`rank_state.py`), inside a folder that appears only when complete (`folders.py`).
+A failed save removes its `.partial` folder and warns; the run's last save is confirmed, so a run whose
+last save failed never ends as a success (`RunNotSaved`). A resume verifies checksums and the settings
+that cannot change (`resume_policy.py`) before loading anything, and prefers a newer node-local copy
+(`node_local.py`). What each case logs and exits with: docs/checkpoints.md, docs/failure_handling.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Node-local checkpoints (`checkpoint.local_interval`): each rank's own state on its node's storage, so
 that a crash costs the steps since the last local save, not those since the last durable checkpoint.
 
-What a local copy holds: what a durable checkpoint restores on that rank, for the same layout: the
-rank's shards of the model and optimizer state (the local tensors of the manager's DCP state dict), the
-LR schedule, the step, and the rank state (data loader position, RNG states; `rank_state.capture`). It
-is never resharded: a run on another layout resumes from the durable checkpoint.
-
-On each node, under `<checkpoint.local_folder>` (default `/dev/shm/titanlite/<digest>`, `folder_of`):
-
-    rank-<r>/step-<N>/state.pt       torch.save of rank r's state after step N
-    rank-<r>/step-<N>/record.json    its size, CRC-32 and write time, the step, the layout, the line and
-                                     launch that wrote it (rank 0's also the run's settings, as a durable
-                                     marker has)
-    rank-<r>/step-<N>.partial/       a write in progress, or one a crash cut short: never loaded
-
-Saving (`NodeLocal.save`, no collective): at the step boundary the rank's tensors are copied into host
-buffers kept from save to save (one host copy of the rank's state; on CUDA page-locked, copied without
-blocking: the writer waits for the copies), then one background thread writes `step-N.partial`, summing the CRC-32 as
-it writes, renames it `step-N` and deletes all but the newest `KEEP` copies. A write that fails (a full
-/dev/shm) is one warning; training and the durable checkpoints go on. Nothing is fsynced: a copy outlives
-its process (a crash, kill -9), not its node, as node-local storage (/dev/shm above all) does anyway.
-
-Resuming (`CheckpointManager.load`, every rank): each rank finds its newest complete copy of this line of
-training and layout (`newest`; rank 0 names in one line a newer copy it passes over, and why); one
-all-gather of (that step, rank 0's durable step) gives the newest step every rank holds, their minimum
-(`agree`). Only when that is newer than the durable checkpoint the run would load does every rank read
-its copy of it (size and CRC-32 checked) and check that it fits its model and optimizer (`misfit`);
-only when every rank's does is anything loaded (`restore`). Otherwise rank 0 names the rank and the
-reason in one line and the run loads the durable checkpoint, never a mix. Either way each rank then
-deletes every copy but the one it resumed from (`keep_only`): none of another line of training
-survives a resume.
-
-The line: rank 0 keeps a random id in `<checkpoint folder>/.node-local-line` (`line_of`, created when
-missing) and every copy records it, so the copies a run left on a node are not resumed once its
-checkpoint folder was deleted to start over.
-
-Copies are deleted when the run ends cleanly (`remove_all`): training finished, or a stop signal's
-durable save confirmed.
+A copy holds what a durable checkpoint restores on that rank, for the same layout (never resharded),
+under `<checkpoint.local_folder>/rank-<r>/step-<N>/` (`state.pt` and `record.json`: size, CRC-32, step,
+layout, line of training). Saving is no collective: host buffers kept from save to save, then one
+background thread per rank; nothing is fsynced, as a copy need outlive its process, not its node. A
+resume loads the newest step every rank holds (`agree`) only when it is newer than the durable
+checkpoint and every rank's copy reads and fits (`misfit`), else the durable one: never a mix. The
+line id in `<checkpoint folder>/.node-local-line` keeps copies of a deleted folder from being resumed.
+What a user sees and what it costs: docs/checkpoints.md#node-local-checkpoints.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """Packed token samples from virtual shards: the same global batches for any data-parallel layout.
 
-Documents are numbered in one global order (see `sources.py`); document d belongs to virtual shard
-`d % V` (V = `virtual_shards`, default the global batch size). Each shard is an independent stream:
-it tokenizes its own documents (BOS + text + EOS), concatenates them and cuts windows of
-`seq_len + 1` tokens (inputs = window[:-1], labels = window[1:], with the inputs' positions in their
-documents: `batch.py`); a document longer than a window
-spans several, a remainder carries over to the next window, and when the shard runs out of
-documents it starts over (epoch + 1). Nothing about a shard stream depends on the layout.
-
-The layout only decides who reads which shard: data-parallel rank r owns the shards v with
-`v % dp_degree == r`. Each optimizer step takes `k = global_batch_size // V` samples from every
-shard, so a rank's sample stream is, per step, "k samples from each owned shard, ascending" (its
-`global_batch_size // dp_degree` samples, cut into microbatches of `local_batch_size`). The union
-over ranks of step s is therefore the same set of samples for every dp degree, and a shard's
-position (`ShardCursor`) is all the state needed to continue it on any rank.
-
-With dataloader workers, whole microbatches go round-robin to workers (that is how the DataLoader
-schedules them), so each worker owns the shards of the microbatches it serves and produces exactly
-the samples the single-process stream would put there.
-
-A mixture of sources (`training.datasets`, `mixture.py`) keeps this layout: its shard v is one such
-stream per source, over that source's own documents `v, v + V, ...`, and each sample comes from the
-source the mixture names for the shard's sample number.
-
-Epochs. Shards start over independently (their token counts differ); the first time one of a
-process's shards starts a new pass, it logs `data: epoch E begins at step N` (the optimizer step the
-sample belongs to; the state counts completed steps). With workers only worker 0 logs, so the line
-comes once per rank and epoch, from worker 0's shards. A whole pass over a shard's documents that gives
-no tokens (all of them empty) stops with a `DataError`: every pass after it would be as empty, and no sample
-would ever come.
+Document d belongs to virtual shard `d % V`; each shard is an independent stream that tokenizes its own
+documents (BOS + text + EOS), concatenates them and cuts windows of `seq_len + 1` tokens, starting over
+(epoch + 1) when it runs out. The layout only decides who reads which shard: data-parallel rank r owns
+the shards v with `v % dp_degree == r`, and every optimizer step takes `global_batch_size // V` samples
+from every shard, so the union over ranks of a step is the same for every dp degree and a shard's
+position (`ShardCursor`) is all the state needed to continue it on any rank. Loader workers get whole
+microbatches round-robin and produce exactly the samples one process would. A mixture's shard is one
+such stream per source (`mixture.py`). The layout in full: docs/parallelism.md#data-and-the-data-parallel-degree.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """The document index of a local data file, scanned once and kept next to the run.
 
-`LocalSource` scans every file at start-up into document byte offsets (row numbers for parquet), counting
-bad records (`sources.py`). That scan reads every byte, which is the slow part of starting on a large
-dataset, and every process of a launch needs the same index: the launcher's preflight, every rank, the
-validation loader. So the first process to scan a file stores its `FileIndex` in `index_dir`
-(`<job.dump_folder>/data_index/`); the others, and later launches, load it while the file's size and
-modification time are unchanged. Without an `index_dir` (tools, tests) nothing is stored.
-
-One process builds each entry: a process that finds none takes an exclusive `fcntl.flock` on the lock file
-beside it (`<entry>.lock`), looks again, and scans only if it is still missing; the others of the run (the
-preflights of several nodes sharing the dump folder, ranks started without the launcher) wait on the lock
-and then load what it stored. Entries are written under a temporary name and renamed, so a reader sees
-none or a whole one. Where the folder takes no lock file or its file system no `flock` (a Lustre mount
-without the `flock` option), each process scans for itself, as without the lock.
-
-A loaded index holds no documents in memory: its offsets and lengths (`Spans`) are memory-mapped from the
-stored file when read, so the ranks and loader workers of a node share the page cache's one copy, and a
-worker receives only where they are (16 bytes a document would otherwise be held, and pickled into each
-worker, by every process).
-
-The scan hashes every byte it reads (BLAKE2b; the decompressed bytes of a compressed file, the raw bytes
-of a parquet file), so each index carries a digest of its file's whole content at no extra read. The
-dataset fingerprint a resume compares (`checkpoint/fingerprint.py`) is made of these digests: a change
-anywhere in a file is seen, unless the file keeps both its size and its modification time (`touch -r`
-after editing), which is not re-read.
-
-Stored format, one file per data file (named by a hash of its absolute path, text field and kind): a
-JSON header line, then the offsets and the lengths as native int64 arrays.
+Scanning a file into document byte offsets (`sources.py`) reads every byte, the slow part of starting on
+a large dataset, and every process of a launch needs the same index. So the first process to scan a
+file stores its `FileIndex` in `index_dir` (`<job.dump_folder>/data_index/`), holding an `fcntl.flock`
+beside the entry while the others wait, and later processes load it while the file's size and
+modification time are unchanged. A loaded index memory-maps its offsets and lengths (`Spans`), so a
+node's processes share one copy. The scan hashes every byte it reads, giving each file the content
+digest the dataset fingerprint is made of. Stored format, one file per data file: a JSON header line,
+then the offsets and lengths as native int64 arrays. Why and when: docs/configuration.md#data.
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The training data loader: `build_dataloader` and its portable, reshardable state.
 
-`build_dataloader(...)` returns a `TokenLoader`, a torchdata `StatefulDataLoader` over
-`PackedShards` (see `dataset.py` for the virtual-shard layout). It yields `Batch(inputs, labels,
-positions)` (`batch.py`), LongTensors of shape `[local_batch_size, seq_len]`.
-
-State. `loader.state_dict()` returns the dataset's portable state directly (not StatefulDataLoader's
-wrapper, which is specific to one worker count):
-
-    {"version": 1, "V": virtual shards, "dp_rank": r, "dp_degree": n,
-     "global_batch_size": ..., "local_batch_size": ...,
-     "round_pos": samples this rank already produced in the current optimizer step,
-     "step": optimizer steps completed (None when resumed from a state saved without it),
-     "shards": {"<v>": {"epoch": e, "doc": document ordinal within shard v, "offset": next token,
-                        "source": for hf:// streams only, `datasets`' stream position before that document}}}
-
-    A mixture's shard (`training.datasets`, `mixture.py`) is {"n": samples the shard has produced,
-    "sources": {"<name>": such a cursor, one per source}}.
-
-Only plain ints, strings and dicts of them: it can be pickled or JSON-encoded. Loading it into a loader with the
-same configuration continues with exactly the next batch (any batch boundary).
-
-Resharding rule. A shard's cursor means the same thing on any rank, so a checkpoint taken at a step
-boundary (`round_pos == 0` on every rank) can resume on a different dp degree: merge all old ranks'
-states with `merge_loader_states` and load the result into every new rank; each new rank picks the
-shards it owns. Nothing is repeated or skipped, and the global batches continue exactly as an
-uninterrupted run would have produced them. Mid-step states cannot be merged (a partial step would
-be split between layouts), and the number of virtual shards V can never change. Global and local
-batch sizes may change at a step boundary (each shard's stream simply continues).
-
-Workers. With `num_workers` > 0 the worker processes are started by multiprocessing's fork server, never
-forked from the process that iterates (on CUDA it holds a CUDA context and NCCL communicators by then):
-`workers.py`. A resume drops the iterator (`load_state_dict`) and the next iteration starts new workers the
-same way.
+`build_dataloader(...)` returns a `TokenLoader`, a torchdata `StatefulDataLoader` over `PackedShards`
+(`dataset.py`), yielding `Batch(inputs, labels, positions)` (`batch.py`) of `[local_batch_size, seq_len]`.
+`loader.state_dict()` is the dataset's portable state (virtual shards, dp rank and degree, batch sizes,
+the position within the step, each shard's cursor), not StatefulDataLoader's wrapper, which is specific
+to one worker count: plain ints, strings and dicts, so it pickles and JSON-encodes. Loaded with the same
+configuration it continues with exactly the next batch; states taken at a step boundary merge
+(`merge_loader_states`) to resume on another dp degree. Workers start from multiprocessing's fork server,
+never forked from the rank (`workers.py`). The state and the resharding rule: docs/parallelism.md.
 """
 
 from __future__ import annotations

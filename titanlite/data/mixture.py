@@ -1,32 +1,13 @@
 """Weighted mixtures of sources (`training.datasets`): which source each sample of a virtual shard comes from.
 
-Each source is an ordinary source (`sources.py`) cut into the same V virtual shards as a single dataset
-(`dataset.py`): virtual shard v of the mixture holds one packed stream per source, each over that source's
-documents `v, v + V, ...`. A sample (one window of `seq_len + 1` tokens) is cut from one source's stream, so
-the tokens of a step are split between the sources exactly as its samples are.
-
-Which source sample n of shard v comes from is a function of (seed, v, n) alone, so the mixture is the
-same for every layout, worker count and resume point, and the samples each source gave a shard after n
-of them have a closed form (`Mixture.counts`). The rule is a balanced binary tree of even splits over the
-sources in their order (each node halves its sources by count): a node that n of shard v's samples reach
-sends `floor(n * q + phase)` of them to its left half (q: the left half's weight over the node's) and the
-rest to its right half. Each node is within a sample of its share in every shard at every step, so a
-source is within `ceil(log2 K)` samples of its weight per shard (K sources).
-
-The phases make all the shards together follow the weights too. At the root every shard has the same
-count and the phases are `frac(u + v / V)` (u drawn from the seed): by Hermite's identity the root's split
-of all the samples is within one of its share. What reaches a child differs by one between the shards of
-one arc of v, so a child's phases are `frac(u + (a * v mod V) / V)` with `a / V` close to the child's q
-(a coprime to V): shifting an arc's phases by q then moves them by one lattice step, and the split of all
-the samples stays within a sample or two. Deeper nodes use `a / V` close to golden-ratio multiples (a
-lattice whose points spread over every arc), which keeps them within a few samples without a proof.
-Measured over the first 120 steps, V from 1 to 1,024, seeds and random weights: up to 4 sources within
-3 samples of their weights at every step (a proof would bound the root's children; the rest is
-measured), 5 to 8 sources within 16. Shares and
-phases are fixed-point integers (32 fractional bits): the order is the same on every machine.
-
-A source that runs out starts over (its epoch), alone: the weights hold for the whole run, however long
-or short each source is, and `data: <name>: epoch E begins at step N` says when.
+Each source is cut into the same V virtual shards as a single dataset (`dataset.py`): shard v of the
+mixture holds one packed stream per source, and each sample is cut from one of them. Which source sample
+n of shard v comes from is a function of (seed, v, n) alone, so the mixture is the same for every
+layout, worker count and resume point, and the samples each source gave a shard have a closed form
+(`Mixture.counts`). The rule is a balanced binary tree of even splits with per-shard phases, so each
+shard is within `ceil(log2 K)` samples of the weights and all shards together within a few; shares and
+phases are fixed-point integers, the same on every machine. A source that runs out starts over alone.
+The rule, its bounds and their measurement: docs/configuration.md#mixtures.
 """
 
 from __future__ import annotations

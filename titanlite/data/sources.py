@@ -1,43 +1,13 @@
 """Document sources: where text comes from, in one deterministic global order.
 
-A source enumerates documents (non-empty strings) in a fixed global order, so that document `d`
-always lands in the same virtual shard (`d % V`, see `dataset.py`) whatever the data-parallel
-layout. It serves one shard's documents (`shard`, `shard + V`, ...) from a given ordinal, which is
-all a shard stream needs to start, resume or begin a new epoch.
-
-Local data (`LocalSource`): files sorted by path, documents in file order. Suffixes, in any case:
-
-- `.txt`: documents are separated by one or more blank lines.
-- `.jsonl` and `.json` (JSON lines, as C4 ships it): one JSON object per line, the text in `text_field`.
-- either, compressed: `.gz` (gzip), `.zst` (Zstandard; needs the `zstandard` package, the `data` extra).
-- `.parquet` (needs pyarrow): column `text_field`.
-
-Other files in a directory or glob are skipped with one warning per suffix (and its file count); a
-UTF-8 byte-order mark at the start of a file is not part of its text.
-
-All files are scanned once, at start-up, into an index of document byte offsets (row numbers for
-parquet): that validates the data up front (bad records are skipped with one counted warning per
-file, never a crash), gives the document count, and lets a shard seek straight to its documents
-at any epoch or resume point instead of re-reading everything before them. Only the shard streams
-tokenize, and only their own documents. Files are read as streams, never whole: plain files are
-memory-mapped; compressed ones are decompressed line by line to index them, and each shard stream
-decompresses forward through them to its own documents (their offsets only grow within a pass), so
-memory stays flat whatever the file size, at the cost of one decompression per owned shard and pass.
-
-Hugging Face (`HFSource`, `hf://name[:config][@split]`): streamed with `datasets` (imported lazily).
-Virtual shard v is `split_dataset_by_node(stream, rank=v, world_size=V)`: records, not usable
-documents, are split, and a shard's documents are its usable records in stream order. The split does
-not involve the data-parallel layout, so batches stay independent of it, as for local data (the
-document-to-shard map differs from a local copy of the same records only where records are unusable).
-What a rank reads depends on the dataset's data files (`n_shards`):
-- a multiple of V (C4's 1024 train files with V = 256, say): shard v gets whole files (every V-th),
-  so a data-parallel rank reads only its share of the files, 1/dp of the data;
-- otherwise `datasets` keeps every V-th record of the whole stream, so each of a rank's shard streams
-  reads all of it (logged once; choose V to divide the file count).
-A shard's position is its stream's `state_dict()` before its current document (`ShardCursor.source`);
-a resume loads it, so `datasets` continues in the file it was in (skipping that file's records read
-before, not the files before it). Without it (a state saved before this was recorded), the stream
-restarts and skips the documents before the cursor.
+A source enumerates documents (non-empty strings) in a fixed global order, so document `d` always lands
+in virtual shard `d % V` (`dataset.py`) whatever the data-parallel layout, and serves one shard's
+documents (`shard`, `shard + V`, ...) from any ordinal: all a shard stream needs to start, resume or
+begin an epoch. `LocalSource` reads files sorted by path (`.txt`, `.jsonl`/`.json`, each plain, `.gz`
+or `.zst`, and `.parquet`), scanned once into an index (`index.py`) that validates them, counts bad
+records and lets a shard seek straight to its documents; files are streamed, never read whole.
+`HFSource` (`hf://name[:config][@split]`) streams with `datasets`, virtual shard v being
+`split_dataset_by_node(stream, rank=v, world_size=V)`. The formats and the splits: docs/configuration.md#data.
 """
 
 from __future__ import annotations

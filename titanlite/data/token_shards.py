@@ -1,44 +1,13 @@
 """Pre-tokenized data: a folder of binary token shards that the loader reads document by document.
 
-`python -m titanlite.tools.tokenize` writes it from a local dataset, tokenizing every document once
-(BOS + text + EOS, exactly as a shard stream does on the fly: `dataset.py`); a run whose
-`training.dataset_path` (or a mixture source's path) is such a folder reads the same tokens in the same
-order, so its batches, block-causal masks and resume points are those of the text it came from.
-
-Layout of the folder:
-
-    tokens-plan.json    what is being made: format version, tokenizer (name, digest), dtype, source
-                        (name, content digest, text field), documents, documents per shard; written first
-    shard-00000.bin     documents [0, C) of the source, C = documents per shard, then [C, 2C), ...
-    tokens.json         the plan plus each shard's documents, tokens, bytes and digest; written last, so
-                        its presence means the folder is complete
-
-A shard file is `MAGIC`, its document count n (uint64), the n + 1 token offsets of its documents
-(int64, from 0), then the tokens: uint16 where every id fits (vocabularies of at most 65,536), else
-uint32. Each shard is written under a temporary name and renamed, so a shard file that exists is whole:
-an interrupted tokenization resumes by writing only the missing ones, and produces the same bytes.
-
-The folder records the digest of the tokenizer that made it (`tokenizer.tokenizer_digest`, the one a
-checkpoint records); the loader refuses a run whose tokenizer differs, and a folder without
-`tokens.json` or with a shard of the wrong size (unfinished, truncated), one whose `tokens.json` lacks what
-the tool writes, a shard file that does not begin with `MAGIC`, and a shard whose bytes do not have the
-digest `tokens.json` lists for it (a changed token id, a flipped bit), each in one line. A shard's digest
-takes reading all of it, so it is checked once per shard and folder state, by the launcher's preflight
-(once per node) or, where none did, by one process of the run while the others wait, and recorded in the
-run's data index folder; the ranks trust the record and open no shard before reading it
-(`verified_shards.py`).
-What a shard holds at its size is checked as it is read too (`TokenShards`): its offsets once per process,
-each document's ids.
-
-Reading: each virtual shard stream strides over every shard file (documents v, v + V, ...: 16,384 / V of
-them a file), and over a pass the streams of a process drift apart, their documents differing in length
-(simulated, V = 256, lengths of coefficient of variation 1.5: 32 or 256 streams span 11 to 13 shard files
-after 10,000 documents each, 27 to 45 after 100,000). No small set of open files holds them all, and a
-1T-token corpus is ~90,000 shards, far past `ulimit -n`: a document is read with two `os.pread` calls (its
-two offsets, then its tokens) from one of the last `open_files.OPEN_FILES` shards opened, the others
-closed. Measured per document (the bundled corpus's, ~157 tokens; CPU time): streams 8 shard files apart,
-so that every read opens a shard, 11 us so against 22 us mapping and unmapping each shard; streams in one
-shard 7 us against 4.6 us for a kept map.
+`python -m titanlite.tools.tokenize` writes it from a local dataset, every document once as BOS + text +
+EOS, as a shard stream does on the fly (`dataset.py`), so a run reading the folder gets the same
+batches, masks and resume points as from the text. `tokens-plan.json` is written first, the shards
+`shard-<k>.bin` (`MAGIC`, the document count, the n + 1 token offsets, then uint16 or uint32 tokens)
+each under a temporary name and renamed, and `tokens.json` last, so its presence means the folder is
+complete. The loader refuses a folder of another tokenizer or with a damaged shard, each in one line
+(digests: `verified_shards.py`). A document is read with two `os.pread` calls from one of the last
+`open_files.OPEN_FILES` shards opened. The format and the reasons for this read path: docs/configuration.md.
 """
 
 from __future__ import annotations
