@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_suite import rounds_parser  # noqa: E402
+
 from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.run.build import init_device, init_distributed  # noqa: E402
 
@@ -239,10 +241,7 @@ def report(record: dict) -> str:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout and round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
+    parser = rounds_parser(__doc__, "layout", steps=3, warmup=2)
     parser.add_argument("--out", default="outputs/bench/layouts.json")
     parser.add_argument("--config", default=str(ROOT / DEFAULT_CONFIG))
     parser.add_argument("--report-only", action="store_true", help="estimate and print from an existing --out")

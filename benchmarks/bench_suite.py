@@ -515,11 +515,17 @@ def format_table(rows: list[dict], world: int, device: torch.device, peak_source
     return "\n".join(lines)
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def rounds_parser(doc: str, what: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The options every interleaved benchmark takes: rounds, and timed and untimed steps per `what`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per {what} and round")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps per {what}")
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = rounds_parser(__doc__, "variant (the first ones compile)", steps=4, warmup=3)
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the launch (the variants assume 2)")
     parser.add_argument(
         "--accum", type=int, default=1, help="gradient accumulation: microbatches of the local batch per step"

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_smoke import CPU_FORM as CPU_FALLBACK  # noqa: E402  the same small shape on a CPU (benchmarks/ is sys.path[0])
 
 from titanlite.config import load_config
 from titanlite.data.batch import Batch
@@ -41,16 +42,6 @@ from titanlite.planning.memory import GiB, estimate
 from titanlite.run.trainer import Trainer
 
 CONFIG = "train_configs/llama3_1b_gpu.toml"
-CPU_FALLBACK = [
-    "--model.flavor",
-    "debugmodel",
-    "--training.local_batch_size",
-    "2",
-    "--training.seq_len",
-    "64",
-    "--compile.backend",
-    "aot_eager",
-]
 FLOAT8 = ["--float8.enable"]
 CASES: dict[str, tuple[str, list[str]]] = {
     "bf16": ("bf16", []),
