@@ -21,26 +21,9 @@ import time
 
 import torch
 
-logger = logging.getLogger("titanlite")
+from titanlite.planning.gpus import GPU_PEAK_TFLOPS
 
-# Dense bf16 peak TFLOP/s (no sparsity) per GPU name fragment, most specific first: the first fragment
-# found in the device name wins, so "GB200" must precede "B200" and the H100 variants the plain "H100"
-# (SXM). Vendor data sheets.
-GPU_PEAK_TFLOPS = {
-    "GB200": 2500.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "MI325X": 1307.0,
-    "MI300X": 1307.0,
-}
+logger = logging.getLogger("titanlite")
 
 CPU_PEAK_CACHE = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "titanlite", "cpu_peak_tflops.json"

@@ -1,6 +1,6 @@
 """GPU kinds for the layout search: memory, matmul and attention throughput, memory and link bandwidth.
 
-Every figure is a published one (the source is named on its field or row); none was measured here. The
+Every figure is a published one (`GPU_KINDS` names the source of each); none was measured here. The
 step-time model (`titanlite/planning/step_time.py`) reads them as:
 
     matmul time      FLOPs / (matmul_tflops x training_efficiency)
@@ -8,28 +8,7 @@ step-time model (`titanlite/planning/step_time.py`) reads them as:
     elementwise      bytes / (hbm_gbps x HBM_EFFICIENCY)
     collectives      ring bytes / (nvlink_gbps or network_gbps x COLLECTIVE_EFFICIENCY) + latency
 
-Sources:
-  [peak]  NVIDIA data sheets, dense bf16 (`mfu.GPU_PEAK_TFLOPS`, the trainer's MFU denominator); fp32
-          without tensor cores: A100 19.5, H100/H200 SXM 67, B200 80 TFLOP/s.
-  [mamf]  Maximum achievable matmul FLOPS, bf16 and fp8, best shape, mean of 100 runs: S. Bekman,
-          "Machine Learning Engineering", compute/accelerator/README.md (github.com/stas00/ml-engineering):
-          A100 SXM 271.2, H100 SXM 794.5 ("H200 is the same"), B200 1745.0; fp8 H100 1402.6, H200 1453.4,
-          B200 3432.5 TFLOP/s.
-  [fa]    FlashAttention-2 (torch's flash SDPA kernel) at head dim 128, seq 8k: about 370 TFLOP/s forward
-          without the causal mask on H100 SXM (FlashAttention-3 paper, Shah et al. 2024, fig. "Attention
-          forward speed, head dim 128"), lower causal and backward: 330 is used for forward + backward;
-          about 190 on A100 (FlashAttention-2 paper, Dao 2023). B200: H100's scaled by the MAMF ratio.
-  [hbm]   NVIDIA data sheets: A100 80GB 2,039 GB/s, H100 SXM 3,350, H200 4,800, B200 8,000; TorchTitan's
-          benchmark H100s (96 GB HBM2e) 2,400 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
-  [link]  NVLink per GPU and direction: A100 (NVLink 3) 300 GB/s, H100/H200 (NVLink 4) 450, B200 (NVLink 5)
-          900 (NVIDIA data sheets, half the bidirectional figure). Network per GPU: DGX A100 one 200 Gb/s
-          HDR NIC per GPU (25 GB/s); DGX H100/H200/B200 one 400 Gb/s NIC per GPU (50 GB/s); TorchTitan's
-          benchmark hosts 400 Gb/s RDMA per GPU.
-  [mem]   Total memory as torch reports it (`total_memory`), rounded: 80 GB parts 79.1 GiB, H200 141 GB
-          139.8 GiB, B200 180 GB 178.4 GiB, TorchTitan's 96 GB H100 95.0 GiB (approximate).
-  [cal]   `training_efficiency`: the share of the matmul/attention rates a whole training step reaches
-          (shapes, launch gaps, clocks under sustained load), fitted to published TorchTitan runs by
-          `titanlite/calibration.py` (docs/layout_search.md); kinds without such runs take H100's.
+`GPU_PEAK_TFLOPS`, the dense bf16 peak by device name, is also the trainer's MFU denominator (`metrics/mfu.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +17,25 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.errors import ConfigError
-from titanlite.metrics.mfu import GPU_PEAK_TFLOPS
+
+GPU_PEAK_TFLOPS = {
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "MI325X": 1307.0,
+    "MI300X": 1307.0,
+}
+"""Dense bf16 peak TFLOP/s (no sparsity) per GPU name fragment, most specific first: the first fragment found
+in the device name wins, so "GB200" must precede "B200" and the H100 variants the plain "H100" (SXM). Vendor
+data sheets."""
 
 COLLECTIVE_EFFICIENCY = 0.8
 """Ring bus bandwidth NCCL reaches over the link rate at large messages: nccl-tests on 8 x A100 NVLink
@@ -162,8 +159,30 @@ GPU_KINDS: dict[str, GpuKind] = {
         float8_matmul_tflops=3432.5,
     ),
 }
-"""One kind per `config.GpuName` (the `layout_search.gpu` choices): [peak], [mamf], [fa], [hbm], [link], [mem], [cal] in
-the module docstring."""
+"""One kind per `config.GpuName` (the `layout_search.gpu` choices). Sources of the fields:
+
+  [peak]  NVIDIA data sheets, dense bf16 (`GPU_PEAK_TFLOPS`, the trainer's MFU denominator); fp32
+          without tensor cores: A100 19.5, H100/H200 SXM 67, B200 80 TFLOP/s.
+  [mamf]  Maximum achievable matmul FLOPS, bf16 and fp8, best shape, mean of 100 runs: S. Bekman,
+          "Machine Learning Engineering", compute/accelerator/README.md (github.com/stas00/ml-engineering):
+          A100 SXM 271.2, H100 SXM 794.5 ("H200 is the same"), B200 1745.0; fp8 H100 1402.6, H200 1453.4,
+          B200 3432.5 TFLOP/s.
+  [fa]    FlashAttention-2 (torch's flash SDPA kernel) at head dim 128, seq 8k: about 370 TFLOP/s forward
+          without the causal mask on H100 SXM (FlashAttention-3 paper, Shah et al. 2024, fig. "Attention
+          forward speed, head dim 128"), lower causal and backward: 330 is used for forward + backward;
+          about 190 on A100 (FlashAttention-2 paper, Dao 2023). B200: H100's scaled by the MAMF ratio.
+  [hbm]   NVIDIA data sheets: A100 80GB 2,039 GB/s, H100 SXM 3,350, H200 4,800, B200 8,000; TorchTitan's
+          benchmark H100s (96 GB HBM2e) 2,400 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
+  [link]  NVLink per GPU and direction: A100 (NVLink 3) 300 GB/s, H100/H200 (NVLink 4) 450, B200 (NVLink 5)
+          900 (NVIDIA data sheets, half the bidirectional figure). Network per GPU: DGX A100 one 200 Gb/s
+          HDR NIC per GPU (25 GB/s); DGX H100/H200/B200 one 400 Gb/s NIC per GPU (50 GB/s); TorchTitan's
+          benchmark hosts 400 Gb/s RDMA per GPU.
+  [mem]   Total memory as torch reports it (`total_memory`), rounded: 80 GB parts 79.1 GiB, H200 141 GB
+          139.8 GiB, B200 180 GB 178.4 GiB, TorchTitan's 96 GB H100 95.0 GiB (approximate).
+  [cal]   `training_efficiency`: the share of the matmul/attention rates a whole training step reaches
+          (shapes, launch gaps, clocks under sustained load), fitted to published TorchTitan runs by
+          `titanlite/tools/calibration.py` (docs/layout_search.md); kinds without such runs take H100's.
+"""
 
 
 def gpu_kind(name: str) -> GpuKind:
