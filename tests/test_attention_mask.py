@@ -24,9 +24,9 @@ from titanlite.models.common.attention import block_mask, build_mask, dense_mask
 from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel.unit import SEAM, SequenceShard
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.step_context import StepContext
-from titanlite.planning.memory import Layout
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.step import LocalRunner, cross_entropy_loss, model_forward
 

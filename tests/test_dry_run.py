@@ -33,9 +33,10 @@ from titanlite.models.llama3 import Transformer, llama3_configs
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel.unit import SequenceShard
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.pipeline.unit import StagePlan
-from titanlite.planning.memory import Layout, stage_runtime
+from titanlite.planning.memory import stage_runtime
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.build import build_model
 from titanlite.run.step import cross_entropy_loss

@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.compile.compiler import compile_scope
+from titanlite.parallelisms.layout import Layout
 from titanlite.planning.gpus import GpuKind
 from titanlite.planning.layout_memory import StageUnits
 from titanlite.planning.link import Link
-from titanlite.planning.memory import Layout, gathered_bytes
+from titanlite.planning.memory import gathered_bytes
 from titanlite.planning.run_plan import RunPlan
 
 

@@ -1,46 +1,18 @@
-"""Per-GPU memory estimate of a parallelized Llama 3: model state from real shard shapes, the rest modelled.
+"""Per-GPU memory estimate of a parallelized model: model state from real shard shapes, the rest modelled.
 
 Parameters, gradients and AdamW state are counted from the local shapes of the parameters after the
-parallelize plan ran (on the meta device in a dry run), so uneven shards and TP-replicated norms are
-exact. Gradients have the parameter's dtype (fp32 master weights); AdamW keeps exp_avg and exp_avg_sq.
-
-Collective buffers (compute dtype, TP-local full shapes): the weights gathered for forward that stay
-alive until backward (`reshard_after_forward`: `never` = all, except SimpleFSDP's embedding weight,
-whose backward needs only the token ids, and SimpleFSDP's fully checkpointed blocks, whose backward
-gathers again in its recompute; `default`/`auto` = the last block and the root's norm and output, or
-FSDP2's whole root group; `always` = none; weights kept for a step of several backwards,
-`StepPolicy.keep_gathers` = all, the embedding's too) plus one gather unit in flight (a transformer block,
-or a root weight if larger; FSDP2 prefetches the next unit, so two; none when all are kept), plus one
-unit's unsharded gradients in the reduce dtype before the reduce-scatter. With `float8.all_gather` the
-weights of the float8 layers (`float8.converted_weights`) are gathered, held and kept as float8, 1 byte
-per element; SimpleFSDP also keeps each one's local shard as float8 bits and a scale for the whole run
-(the all-gather's input, `float8_shards`), where FSDP2 casts each shard as it gathers. Gradients reduced once per
-step over several backwards (`StepPolicy.reduce_once`) are all held unsharded until then (SimpleFSDP's
-sinks in fp32, FSDP2's in the reduce dtype), and their reduction packs them into flat buffers: one
-bucket (or the largest gradient) and its reduced shard at a time, the packing transient. Eager
-per-parameter gathers hold less than a block; bucketed and compiled ones hold one.
-
-Under pipeline parallelism (`pipeline_estimate`) each stage is estimated for one microbatch, and the
-rank's activations scale what a microbatch saves by the microbatches its schedule keeps in flight.
-Gathered weights follow the same rule unless they are kept for the step: each SimpleFSDP forward
-gathers its own copy, so every microbatch in flight holds the copies its backward needs. FSDP2 under
-torch's pipeline stage holds every unit's unsharded weights from their first backward to the step's
-last (resharding after backward is off until then), whatever the reshard policy. torch's pipeline
-runtime adds its own (`stage_runtime`): every forward's output is kept until that microbatch's backward,
-and each stage receives activations and gradients into buffers it allocates per microbatch of the
-schedule, all of them, for the run (at 405B, tp 8, microbatches of 4 x 8192 tokens: 128 MiB each).
-
-Activations are the model family's own estimate (`ModelSpec.planning.activation_bytes`; Llama 3's is in
-`models/common/dense_activations.py`). The total adds every part as if all peaked together, which is conservative.
-
-`first_fitting` picks the step policy from these estimates: the first of `step_candidates` (most
-collectives saved first) whose total fits comfortably (`COMFORT_FRACTION` of the GPU); the trainer and
-the dry run both reach it through `build.choose_step_policy`.
+parallelize plan ran (on the meta device in a dry run), so uneven shards and TP-replicated norms are exact.
+Data parallelism's buffers (`gather_buffers`) follow the reshard and step policies: gathered weights held
+to backward or kept for the step, the gathers in flight, the gradients before their reduction and its
+packing, SimpleFSDP's float8 shards. Activations are the model family's own estimate
+(`ModelSpec.planning.activation_bytes`); under pipeline parallelism `pipeline_estimate` scales a stage's by
+the microbatches its schedule keeps in flight and adds torch's stage buffers (`stage_runtime`). The total
+adds every part as if all peaked together, which is conservative; `first_fitting` picks the step policy
+from it. docs/dry_run.md and docs/parallelism.md give each rule and its measurements.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -48,95 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from titanlite.config import ActivationCheckpoint
-from titanlite.parallelisms.activation_checkpoint import BlockAC, block_ac
 from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
-from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30
 
 COMFORT_FRACTION = 0.9
-"""A plan fits comfortably when its total is at most this share of the GPU's memory: the rest is for the
-CUDA context, NCCL's buffers and allocator fragmentation. Above it the dry run calls a plan tight, and
+"""An estimate fits comfortably when its total is at most this share of the GPU's memory: the rest is for the
+CUDA context, NCCL's buffers and allocator fragmentation. Above it the dry run calls a layout tight, and
 `first_fitting` takes a policy that holds less."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the estimate needs to know about a run beyond the parameters' shapes."""
-
-    dims: ParallelDims
-    """The mesh's degrees: the family's activation model and the reduction's buckets read them here
-    (`tp`, `cp`, `ep`, `shard_ranks`, `rank_seq_len`, `vocab_shards`)."""
-    dp_mode: str | None
-    """SimpleFSDP mode (`fully_shard`, `replicate`, `hybrid_shard`), or None without data parallelism."""
-    dp_impl: str
-    compute_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    reshard: str
-    loss_parallel: bool
-    ac_mode: str
-    ac_option: str
-    local_batch: int
-    """Samples per microbatch: the local batch, or the pipeline microbatch size under PP."""
-    seq_len: int
-    blocks: tuple[int, ...] | None = None
-    """The blocks a pipeline stage holds (None: every block)."""
-    output: bool = True
-    """Whether the stage computes the output and the loss (the last pipeline stage, or no PP)."""
-    unreduced_grads: bool = False
-    """Gradients accumulate unsharded over the step's backwards, reduced once at its end
-    (`StepPolicy.reduce_once` with gradient accumulation or pipeline microbatches)."""
-    keep_gathers: bool = False
-    """Gathered weights are kept from the step's first forward to its last backward (`StepPolicy.keep_gathers`)."""
-    attn_mask: str = "causal"
-    """`model.attn_mask_type`: block_causal holds one mask per microbatch (`models/common/attention.py`)."""
-    device_type: str = "cuda"
-    """Where the step runs: the mask is a flex BlockMask on CUDA, a dense boolean matrix elsewhere."""
-    float8_gather: bool = False
-    """The float8 layers' weights are gathered in float8 (`float8.all_gather`): `gathered_bytes`."""
-
-    @property
-    def tp(self) -> int:
-        """Tensor-parallel ranks: the blocks' activations are split over them (sequence parallel)."""
-        return self.dims.tp
-
-    @property
-    def cp(self) -> int:
-        """Context-parallel ranks: each holds seq_len / cp tokens of every sequence and gathers all keys and
-        values in attention."""
-        return self.dims.cp
-
-    @property
-    def ep(self) -> int:
-        """Expert-parallel ranks: a MoE layer's routed rows go to their experts' ranks and back through
-        all-to-all buffers (the family's activation model counts them)."""
-        return self.dims.ep
-
-    @property
-    def shard_ranks(self) -> int:
-        """Ranks of the data-parallel shard dim: the per-step reduction's output is a bucket over them."""
-        return self.dims.shard_degree
-
-    @property
-    def rank_seq_len(self) -> int:
-        """Tokens of each sequence a rank holds (its part under context parallelism)."""
-        return self.dims.rank_tokens(self.seq_len)
-
-    @property
-    def vocab_shards(self) -> int:
-        """Ranks the logits' vocabulary is split over: the tensor-parallel ones under loss parallelism."""
-        return self.dims.tp if self.loss_parallel else 1
-
-    def stage(self, blocks: range, output: bool, microbatch: int) -> Layout:
-        """The layout of one pipeline stage, one microbatch at a time."""
-        return dataclasses.replace(self, blocks=tuple(blocks), output=output, local_batch=microbatch)
-
-    def block_ac(self, layer: int) -> BlockAC:
-        """`none`, `full` or `op` for one block, as activation_checkpoint.apply_ac wraps it."""
-        return block_ac(ActivationCheckpoint(self.ac_mode, self.ac_option), layer)
 
 
 @dataclass
@@ -345,28 +239,6 @@ def _collective_buffers(model: nn.Module, units: Units, layout: Layout) -> tuple
     return buffers, float8_shard_bytes(layout, g.float8_local, g.float8_weights)
 
 
-def activation_peak(
-    saved: Sequence[float], last_block: float, final_norm: float, logits: float, loss: float, output: bool
-) -> tuple[dict[str, float], float]:
-    """The activation peak of one step, per token, shared by the families' activation models: at the start
-    of backward (every block's saved tensors, and on the stage that has the output the final norm, the
-    logits and the loss) or in the last block's backward (its recomputed forward and gradients, `last_block`,
-    beside the other blocks' saved tensors and the logits), whichever is higher; with its parts by name."""
-    start_of_backward = sum(saved) + final_norm + logits + loss
-    last_block_backward = sum(saved[:-1]) + last_block + logits
-    parts: dict[str, float] = {f"saved by {len(saved)} blocks": sum(saved)}
-    if output:
-        parts |= {"final norm + output input": final_norm, "logits + fp32 loss": logits + loss}
-    if last_block_backward > start_of_backward:
-        parts = {
-            f"saved by {len(saved) - 1} blocks": sum(saved[:-1]),
-            "last block in backward (recomputed + grads)": last_block,
-        }
-        if output:
-            parts["logits"] = logits
-    return parts, max(start_of_backward, last_block_backward)
-
-
 def estimate(model: nn.Module, units: Units, activations: dict[str, int], layout: Layout) -> MemoryEstimate:
     """Memory per GPU of `model` (already parallelized, on any device including meta) under `layout`;
     `units` are its blocks and roots, `activations` the family's estimate (parts and "peak", in bytes)."""
@@ -492,7 +364,7 @@ class StepChoice:
     capacity: int
     """Bytes of one GPU (or of one rank's share of the host's memory on CPU)."""
     fixed: tuple[str, ...] = ()
-    """Why some choices were not the memory plan's (`step_candidates`)."""
+    """Why some choices were not the memory estimate's (`step_candidates`)."""
 
     def describe(self) -> str:
         """The policy and why, for the trainer's `plan:` line and the dry run."""

@@ -35,10 +35,11 @@ from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.float8 import unit as float8
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import enabled
 from titanlite.parallelisms.pipeline.unit import StagePlan
-from titanlite.planning.memory import Layout, StepChoice
+from titanlite.planning.memory import StepChoice
 
 
 def model_args(cfg: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:

@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 from titanlite.config import ActivationCheckpoint
 from titanlite.models.cost import ModelCost
 from titanlite.parallelisms.activation_checkpoint import block_ac
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallelism import StageWork
 from titanlite.parallelisms.parallelize import enabled
 from titanlite.planning.data_parallel_time import DataParallelSeconds, DataParallelTime
 from titanlite.planning.gpus import HBM_EFFICIENCY, GpuKind
 from titanlite.planning.layout_memory import LayoutMemory, RankMemory, StageUnits
 from titanlite.planning.link import Link
-from titanlite.planning.memory import Layout
 from titanlite.planning.run_plan import RunPlan
 
 ZERO_BUBBLE_SHARE = 1 / 3

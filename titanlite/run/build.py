@@ -29,13 +29,13 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import parallelize, step_hooks
 from titanlite.parallelisms.pipeline.unit import PipelineRunner, keep_stage
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.planning.memory import (
-    Layout,
     MemoryEstimate,
     StageMemory,
     StepChoice,

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from titanlite.models.common.activation_peak import activation_peak
 from titanlite.models.common.attention import mask_bytes
-from titanlite.planning.memory import Layout, activation_peak
+from titanlite.parallelisms.layout import Layout
 
 
 def activation_bytes(args: Any, layout: Layout, qk_norm: bool = False) -> dict[str, int]:

@@ -20,8 +20,9 @@ rows, and its experts' saved activations grow with them (routing is dropless: no
 
 from __future__ import annotations
 
+from titanlite.models.common.activation_peak import activation_peak
 from titanlite.models.qwen3_moe.model import ModelArgs
-from titanlite.planning.memory import Layout, activation_peak
+from titanlite.parallelisms.layout import Layout
 
 
 def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
