@@ -204,7 +204,8 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def report(record: dict) -> str:
-    from titanlite.tools.layout_search import Estimate, LayoutSearch
+    from titanlite.planning.layout_search import Estimate, LayoutSearch
+    from titanlite.tools.dry_run import meta_model
 
     kind = cpu_kind(record["machine"])
     rows = []
@@ -212,7 +213,7 @@ def report(record: dict) -> str:
         cfg = load_config(
             [*record["base"], *lay["overrides"], "--training.global_batch_size", str(record["global_batch"])]
         )
-        est = LayoutSearch(cfg, record["world"], kind).given()
+        est = LayoutSearch(cfg, record["world"], kind, meta_model).given()
         assert isinstance(est, Estimate), est
         rows.append((name, statistics.median(lay["step_times_s"]), est.time))
     measured, estimated = [r[1] for r in rows], [r[2].step for r in rows]

@@ -27,14 +27,16 @@ import pytest
 from harness import ROOT, child_env
 from titanlite.config import GpuName, load_config
 from titanlite.errors import run_cli
+from titanlite.planning.assumed_vocabulary import build_run_plan
 from titanlite.planning.gpus import GPU_KINDS, gpu_kind
 from titanlite.planning.layout_memory import LayoutMemoryModel, ShapeTable
+from titanlite.planning.layout_search import LayoutSearch, planned_config, structure_of
 from titanlite.planning.layout_space import Degrees, context_degrees
 from titanlite.planning.memory import GiB
 from titanlite.planning.step_time import Link
 from titanlite.tools import layout_search, search_progress
-from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group
-from titanlite.tools.layout_search import LayoutSearch, planned_config, toml_text
+from titanlite.tools.dry_run import dry_run, meta_model
+from titanlite.tools.layout_search import toml_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -115,7 +117,7 @@ CASES = [
 
 def analytic(cfg, world):
     plan, _ = build_run_plan(cfg, world)
-    model = LayoutMemoryModel(ShapeTable(cfg, plan, fake_process_group))
+    model = LayoutMemoryModel(ShapeTable(cfg, plan, meta_model))
     return model, plan, model.estimate(plan, int(cfg.comm.fake_gpu_memory_gib * GiB))
 
 
@@ -142,8 +144,8 @@ def test_searches_share_a_shape_table_only_with_the_same_float8_layers():
     fsdp2 = ["--config", "train_configs/llama3_8b.toml", P + "dp_impl", "fsdp2", "--compile.bucketing", "none"]
     float8 = ["--float8.enable", "--float8.all_gather", "--float8.filter_fqns", "output"]
     shapes: dict = {}
-    bf16 = LayoutSearch(load_config(fsdp2), 8, gpu_kind("h100"), shapes=shapes).given()
-    f8 = LayoutSearch(load_config([*fsdp2, *float8]), 8, gpu_kind("h100"), shapes=shapes).given()
+    bf16 = LayoutSearch(load_config(fsdp2), 8, gpu_kind("h100"), meta_model, shapes=shapes).given()
+    f8 = LayoutSearch(load_config([*fsdp2, *float8]), 8, gpu_kind("h100"), meta_model, shapes=shapes).given()
     assert not isinstance(bf16, str) and not isinstance(f8, str) and len(shapes) == 2
     assert bf16.memory.peak_total - f8.memory.peak_total == 3 * 218_103_808
 
@@ -170,7 +172,7 @@ def test_float8_all_gather_gathers_the_float8_weights_at_one_byte(impl):
         ("float8", ["--float8.enable"]),
         ("gathers", ["--float8.enable", "--float8.all_gather"]),
     ):
-        e = LayoutSearch(load_config([*cfg, *f8]), 8, kind, shapes=shapes).given()
+        e = LayoutSearch(load_config([*cfg, *f8]), 8, kind, meta_model, shapes=shapes).given()
         assert not isinstance(e, str), e
         assert e.layout.degrees.dp_shard == 8 and e.layout.degrees.tp == 1 and not e.memory.layout.keep_gathers
         est[name] = e
@@ -188,7 +190,7 @@ def test_float8_all_gather_gathers_the_float8_weights_at_one_byte(impl):
 def debug_search():
     """Every layout of the debug model on 4 H200s: (the search, the layouts that fit, layouts tried)."""
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "4"])
-    search = LayoutSearch(cfg, 4, gpu_kind("h200"))
+    search = LayoutSearch(cfg, 4, gpu_kind("h200"), meta_model)
     every = list(search.estimates())
     return search, [e for e in every if search.fits(e)], len(every)
 
@@ -209,8 +211,8 @@ def test_the_ranking_keeps_the_fastest_of_each_structure_and_nothing_else(debug_
     fastest of each structure, in the order that ranking every layout gives, and the counts of all."""
     search, fits, tried = debug_search
     ordered = sorted(fits, key=lambda e: (e.time.step, e.memory.peak_total))  # stable: enumeration order
-    structures = list(dict.fromkeys(map(layout_search.structure_of, ordered)))
-    fastest = [next(e for e in ordered if layout_search.structure_of(e) == s) for s in structures]
+    structures = list(dict.fromkeys(map(structure_of, ordered)))
+    fastest = [next(e for e in ordered if structure_of(e) == s) for s in structures]
     result = search.run(keep=3)
     assert (result.tried, result.fit, result.closest) == (tried, len(fits), None)
     assert [e.layout for e in result.ranked] == [e.layout for e in fastest[:3]]
@@ -244,7 +246,7 @@ def test_the_search_offers_only_layouts_the_run_plan_accepts():
     schedule cannot run compiled blocks: the search leaves out what the launch would refuse."""
     compiled = ["--compile.enable", "--compile.scope", "model", "--compile.backend", "aot_eager"]
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2", *compiled])
-    search = LayoutSearch(cfg, 2, gpu_kind("h200"))
+    search = LayoutSearch(cfg, 2, gpu_kind("h200"), meta_model)
     fits = [e for e in search.estimates() if search.fits(e)]
     full = {e.layout.degrees for e in fits if e.layout.ac in ("full", "every 2")}  # blocks under full AC
     assert Degrees(dp_shard=2) in full and all(d.dp > 1 for d in full)
@@ -260,7 +262,7 @@ def test_the_search_plans_context_parallelism_where_the_model_allows():
     cp keeps 4096 tokens a rank (cp <= 32), never shares a factor with the microbatch (a data-parallel
     layout would do the same without the K/V gathers), and a family without the seam gets none."""
     cfg = load_config(["--config", "train_configs/llama3_8b_128k.toml"])
-    search = LayoutSearch(cfg, 64, gpu_kind("h100"))
+    search = LayoutSearch(cfg, 64, gpu_kind("h100"), meta_model)
     fits = [e for e in search.estimates() if search.fits(e)]
     assert {e.layout.degrees.cp for e in fits} == {2, 4, 8, 16, 32}
     assert all(math.gcd(e.layout.degrees.cp, e.layout.microbatch) == 1 for e in fits)
@@ -271,7 +273,7 @@ def test_the_search_plans_context_parallelism_where_the_model_allows():
 
 def step_of(config: str, world: int, *overrides: str, kind: str = "h100"):
     cfg = load_config(["--config", f"train_configs/{config}", *overrides])
-    est = LayoutSearch(cfg, world, gpu_kind(kind)).given()
+    est = LayoutSearch(cfg, world, gpu_kind(kind), meta_model).given()
     assert not isinstance(est, str), est
     return est.time
 

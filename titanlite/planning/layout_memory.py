@@ -1,39 +1,32 @@
 """The dry run's memory estimate for many layouts at once, from parameter shapes instead of a model build.
 
-The dry run builds the parallelized model on the meta device and reads its shard shapes
-(`titanlite/planning/memory.py`). A layout search asks the same question for thousands of layouts, so the
-shapes are read once per tensor-parallel degree (`ShapeTable`: the model built on the meta device with
-TP only, as `build.build_model` builds it) and data-parallel sharding is applied arithmetically:
-SimpleFSDP and FSDP2 shard dim 0 of the TP-local shape over dp_shard x cp (`ParallelDims.shard_degree`;
-rank 0 holds the ceiling; pure replication shards nothing); context parallelism changes no other shape,
-and its activations are the family's estimate for the layout's cp. Everything else follows the memory
-plan's rules, through its own objects where they take numbers (`Layout`, `gather_buffers`,
-`pipeline_estimate`, `step_candidates` and `first_fitting`, the family's activation model): gathered
-weights held from forward to backward or kept for the step (those of the float8 layers, which the
-shape table marks, at 1 byte with `float8.all_gather`; SimpleFSDP's float8 shards), gathers in flight
-(one unit, two for FSDP2), the reduce-scatter input or the unreduced gradients and their packing,
-activations of the microbatches each pipeline rank keeps in flight, and the step policy the memory plan
-picks. Tests hold it equal to
-the dry run on the layouts they build.
+A layout search asks for thousands of layouts what the dry run asks of one parallelized model
+(`titanlite/planning/memory.py`), so the shapes are read once per tensor-parallel degree (`ShapeTable`:
+the model built on the meta device with TP only, by the builder its caller hands it) and data-parallel
+sharding is applied arithmetically: dim 0 of the TP-local shape over dp_shard x cp, rank 0 holding the
+ceiling. Everything else follows the memory estimate's rules through its own functions (`gather_buffers`,
+`pipeline_estimate`, `first_fitting`, the family's activation model). Tests hold it equal to the dry run
+on the layouts they build; docs/layout_search.md describes the search that reads it.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import torch
+from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.parallelisms.float8.unit import converted_weights
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.units import Units
 from titanlite.planning.memory import (
     Buffers,
-    Layout,
     MemoryEstimate,
     StageMemory,
     StepChoice,
@@ -45,7 +38,6 @@ from titanlite.planning.memory import (
     under,
 )
 from titanlite.planning.run_plan import RunPlan
-from titanlite.run.build import build_model
 
 
 @dataclass(frozen=True)
@@ -74,11 +66,16 @@ class ParamShape:
         return math.prod(self.shape)
 
 
+MetaBuild = Callable[[RunPlan], nn.Module]
+"""Builds the model of a run plan without pipeline parallelism on the meta device, as rank 0 of the plan's
+world builds it (the dry run's `meta_model`: the builder is the run's, a layer above planning)."""
+
+
 class ShapeTable:
     """The model's parameters per tensor-parallel degree, read from meta-device builds (one per degree)."""
 
-    def __init__(self, cfg: JobConfig, plan: RunPlan, fake_process_group: Any):
-        self.cfg, self.plan, self.fake_process_group = cfg, plan, fake_process_group
+    def __init__(self, cfg: JobConfig, plan: RunPlan, build: MetaBuild):
+        self.cfg, self.plan, self.build = cfg, plan, build
         self._tables: dict[int, list[ParamShape]] = {}
 
     @staticmethod
@@ -100,8 +97,7 @@ class ShapeTable:
         cfg.compile.enable, cfg.activation_checkpoint.mode = False, "none"
         cfg.training.global_batch_size = -1
         plan = RunPlan.build(cfg, tp, tokenizer=self.plan.tokenizer, args=self.plan.model_args)
-        with self.fake_process_group(0, tp):
-            model = build_model(plan, torch.device("meta"), mesh_device_type="cpu")
+        model = self.build(plan)
         units = plan.spec.units(model)
         index = {fqn: i for i, fqn in enumerate(units.blocks)}
         float8 = converted_weights(model) if cfg.float8.enable else frozenset()
@@ -148,7 +144,7 @@ class StageUnits:
     memory: MemoryEstimate
     held_activations: int
     boundary: int
-    """The family's `boundary` and `input_saved` (`memory_plan.STAGE_KEYS`)."""
+    """The family's `boundary` and `input_saved` (`memory.STAGE_KEYS`)."""
     input_saved: int
 
     @cached_property
@@ -183,7 +179,7 @@ class RankMemory:
 
     stages: list[StageUnits]
     layout: Layout
-    """The whole model's layout (`memory_plan.pipeline_estimate` reads its step policy)."""
+    """The whole model's layout (`memory.pipeline_estimate` reads its step policy)."""
     in_flight: tuple[int, ...] = (1,)
     """Per stage, the microbatches the schedule keeps in flight at most (`StagePlan.stage_in_flight`)."""
     microbatches: int = 1
@@ -191,7 +187,7 @@ class RankMemory:
 
     @cached_property
     def memory(self) -> MemoryEstimate:
-        """The estimate as the dry run reports it (`memory_plan.pipeline_estimate` under PP)."""
+        """The estimate as the dry run reports it (`memory.pipeline_estimate` under PP)."""
         if not self.pipelined:
             return self.stages[0].memory
         stages = [
@@ -232,7 +228,7 @@ class RankMemory:
 class LayoutMemory:
     ranks: list[RankMemory]
     step_choice: StepChoice | None = None
-    """The step policy the memory plan chose for this layout (`memory_plan.first_fitting`)."""
+    """The step policy the memory estimate chose for this layout (`memory.first_fitting`)."""
 
     @property
     def layout(self) -> Layout:
@@ -371,7 +367,7 @@ class LayoutMemoryModel:
 
     @staticmethod
     def _buffers(layout: Layout, params: _StageParams, blocks: range) -> Buffers:
-        """`memory_plan.gather_buffers` from the units' gathered sizes; without data parallelism, or replicated
+        """`memory.gather_buffers` from the units' gathered sizes; without data parallelism, or replicated
         in the weights' own dtype (fp32), none, and every unit counts as held (nothing is gathered again)."""
         units = params.units
         if layout.dp_mode is None or (layout.dp_mode == "replicate" and layout.compute_dtype == torch.float32):
@@ -380,7 +376,7 @@ class LayoutMemoryModel:
 
     def estimate(self, plan: RunPlan, capacity: int) -> LayoutMemory:
         """Every pipeline rank's memory (the one rank without PP) for the run `plan` describes, under the
-        step policy the memory plan chooses for a GPU of `capacity` bytes (`build.choose_step_policy`:
+        step policy the memory estimate chooses for a GPU of `capacity` bytes (`build.choose_step_policy`:
         the first of the config's candidates whose largest rank fits comfortably)."""
         candidates, fixed = plan.step_candidates, plan.step_fixed
         if len(candidates) == 1:

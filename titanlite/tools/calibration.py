@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from titanlite.config import load_config
 from titanlite.parallelisms.parallel_dims import layout_overrides
 from titanlite.planning.gpus import GPU_KINDS, GpuKind, gpu_kind
+from titanlite.planning.layout_search import Estimate, LayoutSearch
 from titanlite.planning.step_time import Features
-from titanlite.tools.layout_search import Estimate, LayoutSearch
+from titanlite.tools.dry_run import meta_model
 
 CONFIGS = {
     "8B": "train_configs/llama3_8b.toml",
@@ -259,7 +260,7 @@ def estimate(row: Row, efficiency: float | None = None, shapes: dict | None = No
     """The row as titanlite's estimates see it (the given layout of the layout search); `shapes` shares
     the parameter shapes read between rows of one model."""
     cfg = load_config(["--config", CONFIGS[row.flavor], *row.overrides])
-    est = LayoutSearch(cfg, row.world, kind_of(row, efficiency), row.features, shapes).given()
+    est = LayoutSearch(cfg, row.world, kind_of(row, efficiency), meta_model, row.features, shapes).given()
     if not isinstance(est, Estimate):
         raise ValueError(f"{row.name}: {est}")
     return est

@@ -3,33 +3,14 @@
     python -m titanlite.tools.dry_run --config FILE [--section.key value ...]
     ./run_train.sh --config FILE --dry-run          # or comm.mode = "fake_backend" in the config
 
-The process joins torch's fake process group as rank `comm.fake_rank` of a world of
-`comm.fake_world_size` ranks (0 = WORLD_SIZE, which run_train.sh sets to NGPU x NNODES), builds the
-model as the trainer does (`build.build_model`) on the meta device, with the model's real parallelize
-plan (TP, AC, compile wrapping, which compiles nothing until a forward runs, SimpleFSDP or FSDP2), and
-reports per GPU what
-`titanlite.planning.memory` estimates from the sharded parameters: model state, collective buffers,
-activations, their total against `comm.fake_gpu_memory_gib`, and the tokens per step. With several
-backwards per step it chooses the step's policy as the trainer does (`build.choose_step_policy`: gradients
-reduced per step or per microbatch, gathered weights kept for the step or not), reports it with the
-totals it was chosen from, and plans that policy's memory. Nothing of model size is ever allocated: 405B
-on 512 ranks plans in seconds.
-
-With pipeline parallelism every pipeline rank is planned (one rank of each, as its own fake rank): its
-stages' model state, collective buffers (all its unreduced gradients when they are reduced once per
-step), and activations of the microbatches the schedule keeps in flight on it; the report
-details the rank of `comm.fake_rank`, lists every pipeline rank, and fits only if all of them fit. It
-also prints the schedule's bubble fraction.
-
-The config is checked exactly as a launch checks it (RunPlan: flavor, mesh degrees, batch). Only the
-tokenizer file may be absent: planning needs just its vocabulary size, so the flavor's published
-vocabulary is assumed and the report says so.
+The process joins torch's fake process group as rank `comm.fake_rank` of `comm.fake_world_size` ranks,
+builds what each pipeline rank runs as the trainer does (`build.build_model`, on the meta device) and
+reports the memory per GPU that `titanlite.planning.memory` estimates from the sharded parameters, the
+step policy chosen from it (`build.choose_step_policy`) and the verdict. Nothing of model size is ever
+allocated: 405B on 512 ranks plans in seconds. docs/dry_run.md describes the report.
 
 Exit codes: 0 = fits, 1 = does not fit in the GPU's memory (one line with the numbers), 2 = bad config.
-
-`compile_report` is the same idea for torch.compile: one real forward and backward of a small model on
-the fake process group, returning the compile report (per-step collective counts before and after the
-bucketing passes) that a run of that layout would write.
+`compile_report` is the same idea for torch.compile: the compile report of one step on the fake group.
 """
 
 from __future__ import annotations
@@ -42,7 +23,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,23 +33,22 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanlite.compile.report import REPORT_NAME
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import ConfigError, exit_now, run_tool
-from titanlite.models.registry import get_model_spec
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.pipeline.unit import StageUnion
 from titanlite.parallelisms.units import Units
+from titanlite.planning.assumed_vocabulary import build_run_plan
 from titanlite.planning.memory import (
     COMFORT_FRACTION,
     GiB,
-    Layout,
     MemoryEstimate,
     StepChoice,
     UnitGathers,
     held_copies,
 )
-from titanlite.planning.run_plan import RunPlan, model_args
+from titanlite.planning.run_plan import RunPlan
 from titanlite.run.build import build_model, choose_step_policy, rank_estimate
 from titanlite.run.step import cross_entropy_loss
 
@@ -114,21 +93,6 @@ class DryRun:
 
 def world_size_of(cfg: JobConfig) -> int:
     return cfg.comm.fake_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def build_run_plan(cfg: JobConfig, world_size: int) -> tuple[RunPlan, list[str]]:
-    """RunPlan.build, except that a missing tokenizer file only costs the exact vocabulary size."""
-    path = cfg.model.tokenizer_path
-    if not path or Path(path).exists():
-        return RunPlan.build(cfg, world_size), []
-    spec = get_model_spec(cfg.model.name)
-    if cfg.model.vocab_size:
-        vocab, source = cfg.model.vocab_size, "model.vocab_size"
-    else:
-        vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else 0
-        source = f"the {cfg.model.flavor} flavor's vocabulary"
-    plan = RunPlan.build(cfg, world_size, tokenizer=build_tokenizer(None), args=model_args(cfg, spec, vocab))
-    return plan, [f"tokenizer {path} not found: planned with {source} of {vocab:,}"]
 
 
 @contextmanager
@@ -181,6 +145,12 @@ def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn
             return {None: build_model(plan, torch.device("meta"), mesh_device_type="cpu")}
         stages = plan.pipeline.stages_of(plan.dims.pp_rank_of(rank))
         return {s: build_model(plan, torch.device("meta"), mesh_device_type="cpu", stage=s) for s in stages}
+
+
+def meta_model(plan: RunPlan) -> nn.Module:
+    """The model of `plan` (no pipeline parallelism) as rank 0 of its world builds it on the meta device: the
+    layout search reads its parameter shapes (`layout_memory.ShapeTable`)."""
+    return build_rank(plan, 0, plan.dims.world_size)[None]
 
 
 def selective_op_note(plan: RunPlan, layout: Layout) -> str:
@@ -381,7 +351,7 @@ def collective_rows(r: DryRun) -> list[Row]:
 
 
 def held_text(r: DryRun) -> str:
-    """The gather units the memory plan holds (`MemoryEstimate.held_units`), in words: blocks, then root
+    """The gather units the memory estimate holds (`MemoryEstimate.held_units`), in words: blocks, then root
     modules by name (FSDP2's root group as one); under PP, the copies held per microbatch in flight."""
     lay, plan, held = r.layout, r.plan, r.memory.held_units
     blocks = [b for units in r.units for b in units.blocks]

@@ -4,15 +4,10 @@
                                         [--comm.fake_gpu_memory_gib GIB: instead of the kind's memory]
     python -m titanlite.tools.layout_search --config FILE [--section.key value ...]
 
-Every valid layout for the world (`titanlite/planning/layout_space.py`: mesh degrees, context parallelism where
-the model family has it, activation checkpointing, batch split, pipeline schedule, reshard policy) is
-estimated for peak memory per GPU (the dry run's model applied to parameter shapes:
-`titanlite/planning/layout_memory.py`) and step time (`titanlite/planning/step_time.py`, with the GPU
-kind's figures from `titanlite/planning/gpus.py`). Layouts within
-`COMFORT_FRACTION` of the GPU's memory are ranked by estimated tokens/s per GPU. The config's own layout is
-estimated first (the `given` row); the `layout_search.confirm` fastest and the given one are then planned by the
-dry run itself (the `exact` column), and the fastest that fits is written as a complete config to
-`<dump_folder>/plan.toml`, which `--dry-run` accepts as is.
+The search itself is `titanlite/planning/layout_search.py`. This command runs it with the dry run's model
+builder, plans the `layout_search.confirm` fastest layouts and the config's own (the `given` row) with the
+dry run itself (the `exact` column), prints the ranked table and writes the fastest that fits as a complete
+config to `<dump_folder>/plan.toml`, which `--dry-run` accepts as is (docs/layout_search.md).
 
 Exit codes: 0 = a layout fits and plan.toml is written; 1 = no layout fits (one line naming the closest
 and what it needs); 2 = bad input (config, GPU kind, a world size no layout divides).
@@ -20,200 +15,30 @@ and what it needs); 2 = bad input (config, GPU kind, a world size no layout divi
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config, load_toml, parse_overrides
 from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.launcher.preflight import check_writable
-from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.parallelisms.parallelize import PARALLELISMS
 from titanlite.planning.gpus import GpuKind, gpu_kind
-from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, ShapeTable
-from titanlite.planning.layout_space import ParallelLayout, least_memory, structures, with_choices
+from titanlite.planning.layout_search import Estimate, LayoutSearch, Ranking, planned_config
 from titanlite.planning.memory import COMFORT_FRACTION, GiB
-from titanlite.planning.run_plan import RunPlan
-from titanlite.planning.step_time import Features, StepTime, StepTimeModel
-from titanlite.tools.dry_run import build_run_plan, dry_run, fake_process_group, world_size_of
+from titanlite.tools.dry_run import dry_run, meta_model, world_size_of
 from titanlite.tools.search_progress import SearchProgress
 
 PLAN_NAME = "plan.toml"
-
-
-@dataclass
-class Estimate:
-    layout: ParallelLayout
-    plan: RunPlan
-    memory: LayoutMemory
-    time: StepTime
-    given: bool = False
-    exact_gib: float | None = None
-    """The dry run's peak for this layout, once confirmed."""
-
-    @property
-    def gib(self) -> float:
-        return self.memory.peak_total / GiB
-
-
-class LayoutSearch:
-    """Estimates of any layout of `cfg` on `world` GPUs of `kind`; `run()` ranks all of them."""
-
-    def __init__(
-        self,
-        cfg: JobConfig,
-        world: int,
-        kind: GpuKind,
-        features: Features | None = None,
-        shapes: dict[str, ShapeTable] | None = None,
-    ):
-        """`shapes`: parameter shapes already read, by `ShapeTable.key` (shared between searches of one model)."""
-        self.cfg, self.world, self.kind = cfg, world, kind
-        self.capacity = kind.memory_gib * GiB
-        plan, self.notes = _plan_for(cfg, world)
-        self.base_plan = plan
-        spec, terms = plan.spec, plan.spec.planning
-        named = (("step-time", terms.step_cost), ("activation", terms.activation_bytes))
-        missing = [what for what, f in named if not f]
-        if missing:
-            raise ConfigError(
-                f"model {spec.name!r} has no {' or '.join(missing)} model (ModelSpec): --plan cannot rank its "
-                "layouts" + ("; --dry-run plans the memory of the layout you give" if terms.activation_bytes else "")
-            )
-        shapes = {} if shapes is None else shapes
-        key = ShapeTable.key(cfg, plan)
-        if key not in shapes:
-            shapes[key] = ShapeTable(cfg, plan, fake_process_group)
-        self.memory_model = LayoutMemoryModel(shapes[key])
-        # A float8 run's block matmuls at the GPU's float8 rate (emulated ones at the training dtype's).
-        features = features or Features(float8=cfg.float8.enable and not cfg.float8.emulate)
-        self._time = {
-            e: StepTimeModel(terms.step_cost(plan.model_args, cfg.training.seq_len, e), kind, features) for e in (2, 4)
-        }
-        self._tokenizer, self._args = plan.tokenizer, plan.model_args
-
-    def build(self, cfg: JobConfig) -> RunPlan:
-        return RunPlan.build(cfg, self.world, tokenizer=self._tokenizer, args=self._args)
-
-    def estimate(self, plan: RunPlan, layout: ParallelLayout, given: bool = False) -> Estimate:
-        """`layout`, whose run plan is `plan` (`given`: the config's own), estimated under the step policy
-        the memory plan chooses for it."""
-        memory = self.memory_model.estimate(plan, int(self.capacity))
-        step = self._time[memory.layout.compute_dtype.itemsize].estimate(plan, memory.layout, memory)
-        return Estimate(layout, plan, memory, step, given)
-
-    def given(self) -> Estimate | str:
-        """The config's own layout, or why it cannot run on this world."""
-        try:
-            plan = self.build(self.cfg)
-        except ConfigError as e:
-            return str(e)
-        return self.estimate(plan, ParallelLayout.of_config(self.cfg, plan), given=True)
-
-    def global_batch(self) -> int:
-        t = self.cfg.training
-        if t.global_batch_size > 0:
-            return t.global_batch_size
-        return self.base_plan.dims.sequences(t.local_batch_size)
-
-    def fits(self, est: Estimate) -> bool:
-        return est.memory.peak_total <= self.capacity * COMFORT_FRACTION
-
-    def estimates(self) -> Iterator[Estimate]:
-        """Every layout estimated, structure by structure (degrees, batch split, schedule): each AC and
-        reshard choice of a structure, or only its least-memory choices when none of those fits."""
-        limit = self.capacity * COMFORT_FRACTION
-        mesh = None
-        for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
-            if structure.layout.degrees != mesh:
-                mesh = structure.layout.degrees
-                self.memory_model.forget_layouts()
-            smallest = [self.estimate(plan, layout) for layout, plan in least_memory(structure, self.build)]
-            if smallest and min(e.memory.peak_total for e in smallest) > limit:
-                yield from smallest
-            elif smallest:
-                yield from (self.estimate(plan, layout) for layout, plan in with_choices(structure, self.build))
-
-    def run(self, keep: int, progress: SearchProgress | None = None) -> Ranking:
-        """The fastest layout of each of the `keep` fastest structures, the closest layout when none fits,
-        and the counts. Only those are kept, not every layout that fits: a search of 100,000 GPUs
-        estimates millions, and memory stays the same whatever the world."""
-        ranked: list[tuple[float, float, int, Estimate]] = []
-        closest: Estimate | None = None
-        tried = fit = 0
-        best: tuple[float, float, int, Estimate] | None = None  # of the structure being estimated
-        for est in self.estimates():
-            tried += 1
-            if progress is not None:
-                progress.update(est.layout.degrees, tried, fit)
-            if not self.fits(est):
-                if closest is None or est.memory.peak_total < closest.memory.peak_total:
-                    closest = est
-                continue
-            fit += 1
-            entry = (est.time.step, est.memory.peak_total, tried, est)
-            if best is not None and structure_of(best[3]) != structure_of(est):
-                ranked = _keep_fastest([*ranked, best], keep)
-                best = None
-            if best is None or entry[:3] < best[:3]:
-                best = entry
-        if best is not None:
-            ranked = _keep_fastest([*ranked, best], keep)
-        return Ranking([e for *_, e in ranked], closest, tried, fit)
-
-
-def _keep_fastest(entries: list[tuple[float, float, int, Estimate]], keep: int) -> list:
-    """The `keep` fastest entries (less memory, then the earlier enumerated, first among equals)."""
-    return sorted(entries, key=lambda entry: entry[:3])[:keep]
-
-
-def structure_of(est: Estimate) -> ParallelLayout:
-    """The layout without its AC and reshard choices: its degrees, batch split and schedule."""
-    return dataclasses.replace(est.layout, ac_mode="", ac_option="", reshard="")
-
-
-@dataclass
-class Ranking:
-    ranked: list[Estimate]
-    """The fastest layout of each of the fastest structures, fastest first (AC and reshard variants of a
-    structure above would repeat one row with small differences)."""
-    closest: Estimate | None
-    """The layout nearest to fitting, when no layout fits."""
-    tried: int
-    """Layouts estimated."""
-    fit: int
-    """Layouts that fit."""
-
-
-def _plan_for(cfg: JobConfig, world: int) -> tuple[RunPlan, list[str]]:
-    """A plan of the config's model for `world` ranks: the config's own layout when it is valid there, else
-    the same model on plain data parallelism (the search only needs the model and its tokenizer)."""
-    try:
-        return build_run_plan(cfg, world)
-    except ConfigError:
-        trial = copy.deepcopy(cfg)
-        reset_to_data_parallel(trial.parallelism)
-        trial.training.global_batch_size = -1
-        return build_run_plan(trial, world)
 
 
 def confirm(est: Estimate, cfg: JobConfig, world: int, kind: GpuKind, global_batch: int) -> JobConfig:
     """Plan `est` with the dry run itself; sets `est.exact_gib` and returns the layout's config."""
     out = planned_config(est.layout, cfg, world, kind, global_batch)
     est.exact_gib = dry_run(out).peak_total / GiB
-    return out
-
-
-def planned_config(layout: ParallelLayout, cfg: JobConfig, world: int, kind: GpuKind, global_batch: int) -> JobConfig:
-    out = copy.deepcopy(layout.apply(cfg, global_batch))
-    out.comm.fake_world_size, out.comm.fake_gpu_memory_gib = world, kind.memory_gib
-    out.comm.mode = "default"
     return out
 
 
@@ -336,7 +161,7 @@ def main(argv: list[str]) -> int:
     world = world_size_of(cfg)
     kind = kind_of(argv, cfg)
     check_writable("job.dump_folder", cfg.job.dump_folder)  # where plan.toml goes: before the search, not after
-    search = LayoutSearch(cfg, world, kind)
+    search = LayoutSearch(cfg, world, kind, meta_model)
     given = search.given()
     global_batch = search.global_batch()
     result = search.run(max(cfg.layout_search.top, cfg.layout_search.confirm), SearchProgress(world))

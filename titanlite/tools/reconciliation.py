@@ -34,10 +34,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from titanlite.planning.layout_search import Estimate
 from titanlite.planning.memory import COMFORT_FRACTION, GiB
 from titanlite.planning.step_time import Features
 from titanlite.tools.calibration import CONFIGS, FLOAT8, ROWS, Result, Row, estimate, evaluate
-from titanlite.tools.layout_search import Estimate
 
 BOUND = 0.10
 """Within this relative difference a row needs no explanation."""
