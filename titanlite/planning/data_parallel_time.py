@@ -2,20 +2,12 @@
 reductions on one pipeline rank, per microbatch and per step.
 
 Per gather unit (a block, or a root parameter / FSDP2's root group): the forward all-gather, the backward
-re-gather of units resharded after forward, the gradient reduce-scatter (all-reduce when replicating; both
-under HSDP) in every backward, or once per step when gradients are reduced once per step. The shard group
-is dp_shard x cp (context-parallel ranks hold parameter shards too). One collective per unit where
-something buckets them (FSDP2's groups, the compile passes), else one per parameter (SimpleFSDP eager or
-compiled without bucketing), as the compile report counts. A gather moves its unit's bytes as the memory
-plan counts them (`memory_plan.gathered_bytes`): the compute dtype, and with `float8.all_gather` the
-float8 layers' weights at 1 byte (FSDP2 and SimpleFSDP alike); gradients are reduced in the reduce dtype.
-
-Overlap follows what the implementation schedules (`prefetches`): FSDP2, and SimpleFSDP compiled as one
-graph with bucketing and reordering, gather the next unit while the current one computes and reduce a
-unit's gradients while the next computes (exposed = the first gather, the last reduction, and what a
-unit's collectives take beyond its neighbour's compute); SimpleFSDP eager or compiled per block issues
-each unit's collectives next to its compute (buckets cannot cross compiled blocks): all exposed.
-Reductions once per step after the last backward (SimpleFSDP) have nothing left to overlap.
+re-gather of units resharded after forward, and the gradient reduction in every backward or once per step,
+over dp_shard x cp; one collective per unit where something buckets them, else one per parameter. A
+gather moves its unit's bytes as the memory estimate counts them (`memory.gathered_bytes`). Overlap
+follows what the implementation schedules (`prefetches`): FSDP2 and SimpleFSDP compiled as one graph
+with bucketing hide a unit's collectives behind its neighbour's compute; SimpleFSDP eager or compiled per
+block exposes them all.
 """
 
 from __future__ import annotations

@@ -6,17 +6,9 @@ reshard policy; which of them are valid; and how one becomes config keys.
     structures(cfg, world, ...)               every mesh, batch split and pipeline option the plan accepts
     with_choices(structure, build)            its AC and reshard choices the plan accepts, with their plans
 
-Validity has one source: a layout is valid when `RunPlan.build` accepts the config it produces (mesh
-degrees against the world and the model, batch divisibility, the pipeline's stages and microbatch rules,
-the rules between keys and the compile rules), as the launch's preflight checks it. Two placement rules
-are the search's own: tensor parallelism stays within a node
-(its collectives run in every block), and the global batch (sequences per optimizer step) stays the
-config's, so the training recipe is unchanged; only its split into data-parallel ranks, accumulation
-batches and pipeline microbatches varies.
-
-A new mesh dim searched is a field of `Degrees` (named as its dim in `parallel_dims.DEGREE_KEYS`, which
-gives its config key): the factorisation of the world runs over every field, and `RunPlan.build` says
-which degrees the model and the config allow.
+A layout is valid when `RunPlan.build` accepts the config it produces, as the launch's preflight checks
+it. The search's own rules: tensor parallelism stays within a node, and the global batch stays the
+config's. A new mesh dim searched is a field of `Degrees` (named as in `parallel_dims.DEGREE_KEYS`).
 """
 
 from __future__ import annotations

@@ -1,46 +1,15 @@
 """How long one optimizer step takes on a GPU kind, for a layout: compute, recomputation, exposed
-communication, the pipeline bubble and the optimizer, from the model's cost per token
-(`models/cost.py`), the layout's gather units (`layout_memory.py`) and the GPU's figures (`gpus.py`).
+communication, the pipeline bubble and the optimizer, from the model's cost per token (`models/cost.py`),
+the layout's gather units (`layout_memory.py`) and the GPU's figures (`gpus.py`).
 
-Compute, per microbatch and pipeline rank (tokens = microbatch x seq_len / cp, every term over tp):
-    forward    matmuls / matmul rate + attention / attention rate + elementwise bytes / HBM bandwidth
-    backward   2 x the matmuls, 2.5 x the attention (flash attention's backward), 2 x the elementwise
-    recompute  full AC: the block's forward again; `op`: the matmuls it does not save; `op_all_mm` and
-               every AC mode: the elementwise forward again
-The last stage adds the output projection and the loss. Rates are the GPU's achievable ones times its
-calibrated training efficiency; eager kernels move `elementwise_bytes`, compiled ones the fused bytes.
-Under context parallelism a rank holds seq_len / cp tokens of each sequence and its queries attend to
-the whole sequence's keys: the head-tail sharding gives every rank the same share of the causal
-attention work, so attention too is the whole sequence's over cp. Attention runs at the flash rate
-whatever the kernel (under cp, and under block_causal, CUDA runs flex attention with a block mask: its
-rate against flash attention's is assumed equal, not measured).
-
-Collectives, each part its own term: tensor and context parallelism's are their units' terms
-(`parallelism.ParallelismUnit.step_time`, summed by name into `StepTime.comm`), data parallelism's is
-`data_parallel_time.py`'s (with the overlap its implementation schedules), the pipeline's is here
-(`StepTimeModel.send_recv`). Ring: an all-gather or reduce-scatter moves (p-1)/p of the unsharded bytes
-per rank, an all-reduce twice that; plus a fixed latency (`link.Link`). A group spans nodes when its
-ranks do (the mesh is laid out pp, dp_replicate, dp_shard, cp, tp, innermost fastest); then it runs at
-the network's per-GPU bandwidth, else at NVLink's.
-    tensor parallel   `tp_collectives` hidden-state all-gathers/reduce-scatters per block and pass
-                      (forward, backward, and the forward again under full AC; selective AC repeats
-                      `tp_recomputed_selective`); exposed: they sit between the matmuls that need them
-    data parallel     per gather unit: the forward all-gather, the backward re-gather, the gradient
-                      reduction, per microbatch or once per step; hidden behind the neighbouring unit's
-                      compute where the implementation prefetches
-    context parallel  per block: the all-gather of the whole sequence's keys and values (TP-local, compute
-                      dtype) over the cp ranks before attention, its reduce-scatter of their gradients
-                      in backward, and the all-gather again when the block is recomputed (full or
-                      selective AC: the selective policy saves no all-gather); exposed: attention waits
-                      for the gather, and the keys' and values' projections' backward for the
-                      reduction, with nothing scheduled between them
-    pipeline          one hidden state per microbatch and stage boundary, forward and backward, exposed
-
-A schedule step of m microbatches on pipeline ranks whose slowest takes T per microbatch lasts
-m T / (1 - bubble) with the schedule's bubble (`StagePlan.bubble_fraction`; the zero-bubble schedule
-at `ZERO_BUBBLE_SHARE` of it). The step adds its accumulation batches, the once-per-step reductions
-and AdamW (reads parameter, gradient and both moments, writes three, reads the gradient for the norm:
-32 bytes per fp32 parameter, memory-bound).
+Compute per microbatch and pipeline rank: matmuls and attention at the GPU's achievable rates times its
+calibrated training efficiency, elementwise bytes over HBM; backward 2 x the matmuls and elementwise,
+2.5 x the attention; recomputation as the AC mode repeats the forward. Collectives are ring traffic plus a
+fixed latency (`link.Link`) over NVLink or the network: tensor and context parallelism's are their units'
+terms (`ParallelismUnit.step_time`), data parallelism's `data_parallel_time.py`'s, the pipeline's
+send/recv here. A schedule step lasts m T / (1 - bubble) (`StagePlan.bubble_fraction`), plus its
+accumulation batches, the once-per-step reductions and AdamW (32 bytes per fp32 parameter).
+docs/layout_search.md gives each term and its sources.
 """
 
 from __future__ import annotations

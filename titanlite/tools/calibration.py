@@ -2,27 +2,13 @@
 
     python -m titanlite.tools.calibration          the table of docs/layout_search.md
 
-Sources: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B / 70B / 405B,
-8 to 512 H100s of 96 GB HBM2e at 500 W, 8 per host on NVLink, 400 Gb/s RDMA per GPU between hosts,
-seq 8192 unless noted, FSDP2, tokens/s per GPU and peak memory in GiB) and docs/performance.md (64 A100
-80GB, FSDP2, local batch 1, seq 8192; no memory published). Each row is evaluated as titanlite would run
-it: the shipped config of its model with the row's degrees, batch, sequence, AC and compile, FSDP2 (the
-runs' implementation) with TorchTitan's reshard policy (every block but the last; nothing under PP) and
-fp32 gradient reduction.
-
-Rows with Float8 and neither TP nor PP run titanlite's float8 (`FLOAT8`: what those runs used, as
-`float8.*` keys): the dry run counts its weights gathered in float8, the step-time model those gathers at
-1 byte per float8 weight element and its block matmuls at the GPU's fp8 matmul rate, as `--plan` plans a
-float8 run. Float8 with TP or PP (whose runs gathered the weights in float8, which titanlite refuses
-there), and async TP, which it lacks, are modelled (`step_time.Features`: block matmuls at the fp8 rate;
-tensor-parallel collectives hidden). Both kinds are reported apart from the bf16 rows.
-Context-parallel rows are estimated as titanlite's context parallelism would run them (K/V all-gathered
-per block, head-tail sharding, `step_time.py`); TorchTitan's runs used torch's experimental context
-parallelism (ring attention over SDPA, also head-tail sharded), so these rows test the model's cp terms
-against another implementation of the same idea. Sequences over the flavors' 131,072 tokens raise
-`model.max_seq_len`.
-`fit()` solves for the training efficiency that makes a calibration row exact; `titanlite/planning/gpus.py` holds
-the fitted values.
+Each row of pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (8 to 512 H100s of 96 GB)
+and docs/performance.md (64 A100s) is evaluated as titanlite would run it: the shipped config of its
+model with the row's degrees, batch, sequence, AC and compile, FSDP2 with TorchTitan's reshard policy and
+fp32 gradient reduction; Float8 rows without TP or PP run titanlite's float8 (`FLOAT8`), the others and
+async TP are modelled (`step_time.Features`). `fit()` solves for the training efficiency that makes a
+row exact; `titanlite/planning/gpus.py` holds the fitted values. docs/layout_search.md's calibration
+section gives the rows, their sources and the errors.
 """
 
 from __future__ import annotations

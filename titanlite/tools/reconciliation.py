@@ -2,30 +2,12 @@
 
     python -m titanlite.tools.reconciliation        the table of docs/dry_run.md, and the commands
 
-Every H100 row of the calibration (`calibration.ROWS`: pytorch/torchtitan
-benchmarks/llama3_h100_202412_torchtitan.md) is estimated at its own layout, as `calibration` does. Where
-an estimate is more than `BOUND` off, the table gives what the run had that the estimate leaves out,
-computed here from the same model, never typed in:
-
-- tokens/s with Float8 or async TP: titanlite's estimate without them and with Float8 alone, beside the
-  estimate with both (every block matmul at the fp8 rate; async TP, which titanlite lacks, at its ideal:
-  TP's collectives hidden). The run's rate lies between the first and the last or it does not; the gain
-  the run got from async TP is the published 70B pair's.
-- memory, on the worst rank as run (the rank whose total with both changes is largest):
-  Float8 weights, on the rows whose Float8 is modelled (titanlite gathers no float8 weights with TP or PP; the
-  other Float8 rows are titanlite float8 runs, `calibration.FLOAT8`, whose estimate counts their float8
-  gathers): FSDP2's float8 all-gather gathers the blocks' weights at 1 byte, not 2 (all of a rank's
-  stages' weights under PP, which stay gathered for the step; the unit in flight otherwise);
-  the torch of those runs (December 2024) kept every microbatch's stage output until the step's end,
-  where titanlite's torch keeps one until its backward: per stage, (microbatches - those in flight)
-  outputs more, the last stage's being the logits (bf16, vocabulary sharded under loss parallel).
-  Beyond 10% the row of the nearest estimate (same model and GPUs) is named with its published memory:
-  the published figure is the reserved peak over all GPUs (allocations plus the caching allocator's
-  reserve), and rows the model holds to the same allocations that published different figures show a
-  part of the figure the layout does not set.
-- the planner's margin: a layout fits when its estimate is at most `COMFORT_FRACTION` of the GPU, so a
-  run's published peak is covered when it is at most the estimate / `COMFORT_FRACTION`; the last column
-  but one says by how much a row's peak exceeds that (what the planner would have let through).
+Every H100 row of the calibration (`calibration.ROWS`) is estimated at its own layout. Where an estimate
+is more than `BOUND` off, the table gives what the run had that the estimate leaves out, computed here from
+the same model, never typed in: tokens/s without and with Float8 and async TP; memory with the runs'
+float8 weight gathers and their torch's pipeline outputs kept to the step's end, and beyond 10% the
+nearest row's published figure; and the planner's margin (`COMFORT_FRACTION`): by how much a run's
+published peak exceeds what the planner would have let through. docs/dry_run.md explains each column.
 """
 
 from __future__ import annotations
