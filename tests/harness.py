@@ -4,7 +4,7 @@
   alone, under torchrun, or through `run_train.sh`) and returns its exit code, log and metrics rows.
 * `parity(cases, nproc, tmp)` runs many layouts in one launch of `workers/parity.py`, each
   trained by the shipped `Trainer.train_step` and compared with one shared one-process reference;
-  `check_parity` applies the tolerances below.
+  `check_parity` applies the tolerances below. A `Case` is the trainer's command-line overrides.
 * `tiny_args()` is the tiny Llama every in-process test builds; `one_rank_group()` gives a test the
   one-rank process group a single-process run has.
 """
@@ -17,6 +17,7 @@ import getpass
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,10 +26,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 import torch.distributed as dist
 
+from titanlite.config import JobConfig, parse_overrides
 from titanlite.errors import exit_now
 from titanlite.metrics.goodput import BADPUT
 from titanlite.models.llama3 import ModelArgs
@@ -274,14 +277,69 @@ def resume_from(src: Path, dst: Path, step: int, run: Callable[[Path], RunResult
     return result
 
 
-def parity(cases: list[dict], nproc: int, tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
-    """One launch of the parity worker over `cases`; one record per case (workers/parity.py)."""
+@dataclass(frozen=True)
+class Case:
+    """One layout of `parity`: the trainer's overrides as a user passes them to run_train.sh (`--section.key
+    value`, `--section.flag`), over the worker's base config (`workers/parity.py`). The other fields are the
+    test's alone: the tiny model's depth and Qwen3's tied embedding (the worker builds the model args), a
+    negative control's sabotage (`same_data`: every rank trains on the first rank's slice; `no_kv_grad`: the
+    K/V gather without its backward reduce-scatter), and `apart`: held by a test of its own rather than
+    by the harness's tolerances."""
+
+    overrides: str = ""
+    layers: int = TINY.n_layers
+    tied: bool = True
+    control: Literal["", "same_data", "no_kv_grad"] = ""
+    apart: bool = False
+
+    def settings(self) -> dict[str, Any]:
+        """The overrides as `{section.key: value}` (a flag True or False, the rest as written), by the config's
+        own command-line parser; a key given twice keeps its last value, as on the command line."""
+        return dict(parse_overrides(shlex.split(self.overrides)))
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """The overrides as `{section: {key: value}}`, the form `titanlite.config.apply_dict` applies."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, value in self.settings().items():
+            section, _, name = key.partition(".")
+            out.setdefault(section, {})[name] = value
+        return out
+
+
+def as_case(case: Case | str | dict) -> Case:
+    """A case from its overrides alone, or from its record's JSON form."""
+    return Case(case) if isinstance(case, str) else Case(**case) if isinstance(case, dict) else case
+
+
+def case_id(case: Case | str | dict) -> str:
+    """The case's test id: each override as `key=value` (a flag as `key`, `no-key` when off), its section
+    left out where no other section has a key of that name, then the run's own test fields that differ from
+    their defaults (`apart` says how a case is judged, not what runs)."""
+    case = as_case(case)
+    names = [name for body in JobConfig().to_dict().values() for name in body]
+    words = []
+    for key, value in case.settings().items():
+        name = key.partition(".")[2]
+        word = name if names.count(name) == 1 else key
+        words.append(word if value is True else f"no-{word}" if value is False else f"{word}={value}")
+    default = Case()
+    for field in ("layers", "tied", "control"):
+        value = getattr(case, field)
+        if value != getattr(default, field):
+            words.append(field if value is True else f"no-{field}" if value is False else f"{field}={value}")
+    return "-".join(words)
+
+
+def parity(cases: list[Case | str], nproc: int, tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
+    """One launch of the parity worker over `cases`; one record per case (workers/parity.py), its `case`
+    the `Case` and its `config` the run's resolved config (as `JobConfig.to_dict`)."""
     out = tmp_path / "parity.json"
-    assert_ok(
-        launch_workers("tests/workers/parity.py", [json.dumps(cases), str(out)], nproc, env=child_env(**(env or {})))
-    )
+    specs = json.dumps([dataclasses.asdict(as_case(c)) for c in cases])
+    assert_ok(launch_workers("tests/workers/parity.py", [specs, str(out)], nproc, env=child_env(**(env or {}))))
     records = json.loads(out.read_text())
     assert len(records) == len(cases)
+    for rec in records:
+        rec["case"] = as_case(rec["case"])
     return records
 
 

@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._ordered_set import OrderedSet
 
-from harness import LOSS_REL, SMALL, check_parity, parity, tiny_args, train
+from harness import LOSS_REL, SMALL, Case, as_case, check_parity, parity, tiny_args, train
 from titanlite import torch_support
 from titanlite.compile.collectives import graph_collectives
 from titanlite.compile.compiler import apply_compile
@@ -314,35 +314,34 @@ def test_invalid_combinations_are_config_errors():
 
 # --- numerical parity through the parity worker ----------------------------------------------------------
 
-COMPILED = {"compile": True, "backend": "aot_eager"}
+COMPILED = "--compile.enable"  # aot_eager: the parity worker's backend
+SHARD2 = "--parallelism.data_parallel_shard_degree 2"
 # Full activation checkpointing in one graph (scope model: recompute tags), and in per-block graphs with
 # the eager prefetcher (scope prefetch, what auto compiles under full AC; reshard default and always), 6 blocks
 # as the debug model: parity with one process and with eager full checkpointing (FULL_AC_EAGER, same
 # launch), and the compile report's overlap counts (at least 5 prefetched all-gathers and 5 overlapped
 # reduce-scatters).
-FULL_AC = {"shard": 2, "ac": "full", "layers": 6}
-FULL_AC_EAGER = FULL_AC
-FULL_AC_COMPILED = [{**COMPILED, **FULL_AC, "bucketing": "transformer_block", "scope": "model"}]
+FULL_AC = f"{SHARD2} --activation_checkpoint.mode full"
+FULL_AC_EAGER = Case(FULL_AC, layers=6)
+FULL_AC_COMPILED = [Case(f"{COMPILED} {FULL_AC} --compile.bucketing transformer_block --compile.scope model", layers=6)]
 FULL_AC_PREFETCH = [
-    {**COMPILED, **FULL_AC, "bucketing": "transformer_block"},
+    Case(f"{COMPILED} {FULL_AC} --compile.bucketing transformer_block", layers=6),
     # aot_eager: the prefetcher and its overlap are the same under either backend; inductor's code for
     # prefetched blocks under full AC runs in the bf16 case below, its fp32 numerics in CASES_2's block case.
-    {**COMPILED, **FULL_AC, "bucketing": "transformer_block", "reshard": "always"},
+    Case(
+        f"{COMPILED} {FULL_AC} --compile.bucketing transformer_block --parallelism.fsdp_reshard_after_forward always",
+        layers=6,
+    ),
 ]
 CASES_2 = [
-    {**COMPILED, "shard": 2, "bucketing": "transformer_block", "scope": "block"},
-    {**COMPILED, "shard": 2, "bucketing": "auto", "scope": "model"},
-    {**COMPILED, "shard": 2, "bucketing": "transformer_block", "scope": "model", "ac": "selective"},
-    {**COMPILED, "shard": 2, "bucketing": "auto", "ac": "full", "scope": "block"},
+    f"{COMPILED} {SHARD2} --compile.bucketing transformer_block --compile.scope block",
+    f"{COMPILED} {SHARD2} --compile.bucketing auto --compile.scope model",
+    f"{COMPILED} {SHARD2} --compile.bucketing transformer_block --compile.scope model"
+    " --activation_checkpoint.mode selective",
+    f"{COMPILED} {SHARD2} --compile.bucketing auto --activation_checkpoint.mode full --compile.scope block",
     # reshard "always" makes every block's graph identical: blocks 1 and 2 come from the FX graph cache.
-    {
-        **COMPILED,
-        "shard": 2,
-        "bucketing": "transformer_block",
-        "backend": "inductor",
-        "reshard": "always",
-        "scope": "block",
-    },
+    f"{COMPILED} {SHARD2} --compile.bucketing transformer_block --compile.backend inductor"
+    " --parallelism.fsdp_reshard_after_forward always --compile.scope block",
     FULL_AC_EAGER,
     *FULL_AC_COMPILED,
     *FULL_AC_PREFETCH,
@@ -350,25 +349,29 @@ CASES_2 = [
 # dp x tp with compiled blocks runs in the 4-rank launch of tests/test_parallel_parity.py.
 # bf16 parameters / fp32 reduction (the GPU recipe) under each bucketing mode, against eager SimpleFSDP in
 # the same precision (bf16 rounding makes the fp32 reference unreachable). Same launch as CASES_2.
-BF16 = {"shard": 2, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+BF16 = f"{SHARD2} --training.mixed_precision_param bfloat16 --training.mixed_precision_reduce float32"
 BF16_EAGER = [BF16]
 BF16_COMPILED = [
-    {**COMPILED, **BF16, "bucketing": "auto"},
-    {**COMPILED, **BF16, "bucketing": "transformer_block", "reshard": "always"},
-    {**COMPILED, **BF16, "bucketing": "transformer_block", "ac": "full", "backend": "inductor"},  # prefetch
+    f"{COMPILED} {BF16} --compile.bucketing auto",
+    f"{COMPILED} {BF16} --compile.bucketing transformer_block --parallelism.fsdp_reshard_after_forward always",
+    f"{COMPILED} {BF16} --compile.bucketing transformer_block --activation_checkpoint.mode full"
+    " --compile.backend inductor",  # prefetch
 ]
 BF16_LOSS_REL = 1e-3
 if not AUTO_BUCKETING:  # an older torch runs the other cases
-    CASES_2, BF16_COMPILED = ([c for c in cases if c.get("bucketing") != "auto"] for cases in (CASES_2, BF16_COMPILED))
+    CASES_2, BF16_COMPILED = (
+        [c for c in cases if as_case(c).settings().get("compile.bucketing") != "auto"]
+        for cases in (CASES_2, BF16_COMPILED)
+    )
 
 
 def _parity(cases, nproc, tmp_path):
     records = parity(cases, nproc, tmp_path, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
-    fp32 = [r for r in records if r["case"].get("param_dtype", "float32") == "float32"]
+    fp32 = [r for r in records if r["config"]["training"]["mixed_precision_param"] == "float32"]
     check_parity(fp32)
     for r in records:  # the bucketed graphs are the ones that ran
         dp = r.get("compile_report", {}).get("dp")
-        if r["case"].get("bucketing", "none") == "none":
+        if r["config"]["compile"]["bucketing"] == "none":
             assert dp is None or dp["all_gather"]["after"] == dp["all_gather"]["before"], r["case"]
             continue
         assert dp["all_gather"]["after"] < dp["all_gather"]["before"], r["case"]

@@ -1,7 +1,8 @@
 """Every data/tensor/pipeline-parallel layout trains like one process: losses, gradients and updated parameters.
 
-All cases of one world size run in one launch (`harness.parity`), each through the shipped
-`Trainer.train_step`, against one shared one-process reference; each case is then its own test id.
+Each case is the trainer's command-line overrides (`harness.Case`). All cases of one world size run in one
+launch (`harness.parity`), each through the shipped `Trainer.train_step`, against one shared one-process
+reference; each case is then its own test id, its overrides' words.
 Tolerances are the harness's (`LOSS_REL`, `GRAD_ABS`, `PARAM_ABS`). The tiny model has vocab 257 and
 FFN 192; the vocabulary shards unevenly.
 """
@@ -11,174 +12,175 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import GRAD_ABS, LOSS_REL, TINY, check_parity, parity
+from harness import GRAD_ABS, LOSS_REL, TINY, Case, as_case, case_id, check_parity, parity
 from titanlite.models.llama3 import Transformer
 
-COMPILED_CP = {"cp": 2, "compile": True, "bucketing": "transformer_block"}
+SHARD2 = "--parallelism.data_parallel_shard_degree 2"
+CP2 = "--parallelism.context_parallel_degree 2"
+TP2 = "--parallelism.tensor_parallel_degree 2"
+PP2 = "--parallelism.pipeline_parallel_degree 2"
+MB2 = "--parallelism.pipeline_parallel_microbatch_size 2"
+FSDP2 = "--parallelism.dp_impl fsdp2"
+BF16 = "--training.mixed_precision_param bfloat16"
+BLOCK_CAUSAL = "--model.attn_mask_type block_causal"
+QWEN3 = "--model.name qwen3"
+# Emulated float8 on every linear layer but the output (the tiny model's are below the auto filter's sizes).
+ROWWISE = "--float8.enable --float8.recipe rowwise --float8.emulate --float8.filter_fqns output"
+TENSORWISE = "--float8.enable --float8.recipe tensorwise --float8.emulate --float8.filter_fqns output"
+COMPILED = "--compile.enable --compile.bucketing transformer_block"
+# The global batch is 8: at dp 2, a local batch of 2 accumulates 2 microbatches per step.
+ACCUM2 = f"{SHARD2} --training.local_batch_size 2"
+
+COMPILED_CP = f"{CP2} {COMPILED}"
 # Full AC in one compiled graph, with and without float8 (their compile reports are compared).
-COMPILED_FULL_AC = {"shard": 2, "ac": "full", "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
-                    "scope": "model"}  # fmt: skip
-_COMPILED_ACCUM = {"shard": 2, "accum": 2, "ac": "full", "compile": True, "backend": "aot_eager",
-                   "bucketing": "transformer_block"}  # fmt: skip
+COMPILED_FULL_AC = f"{SHARD2} --activation_checkpoint.mode full {COMPILED} --compile.scope model"
+_COMPILED_ACCUM = f"{ACCUM2} --activation_checkpoint.mode full {COMPILED}"
+_COMPILED_KEPT = f"{_COMPILED_ACCUM} --compile.scope model"
+_PREFETCH_ACCUMULATED = f"{_COMPILED_ACCUM} --compile.scope prefetch"
 CASES_2 = [
-    {"shard": 2},
-    {"rep": 2},
-    {"tp": 2},
-    {"shard": 2, "ac": "full"},
-    {"shard": 2, "ac": "selective"},
-    {"shard": 2, "ac": "selective", "ac_option": "op_all_mm"},
-    {"shard": 2, "ac": "selective", "ac_option": "2"},
-    {"tp": 2, "ac": "full"},
-    {"tp": 2, "ac": "selective"},
-    {"shard": 2, "reshard": "never"},
-    {"shard": 2, "reshard": "always"},
+    SHARD2,
+    "--parallelism.data_parallel_replicate_degree 2",
+    TP2,
+    f"{SHARD2} --activation_checkpoint.mode full",
+    f"{SHARD2} --activation_checkpoint.mode selective",
+    f"{SHARD2} --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op_all_mm",
+    f"{SHARD2} --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2",
+    f"{TP2} --activation_checkpoint.mode full",
+    f"{TP2} --activation_checkpoint.mode selective",
+    f"{SHARD2} --parallelism.fsdp_reshard_after_forward never",
+    f"{SHARD2} --parallelism.fsdp_reshard_after_forward always",
     # Gradient accumulation: reduced once per step (the default), or in each microbatch's backward.
-    {"shard": 2, "accum": 2},
-    {"shard": 2, "accum": 2, "reduction": "per_microbatch"},
-    {"rep": 2, "accum": 2},
-    {"shard": 2, "accum": 2, "dp_impl": "fsdp2"},
-    {"shard": 2, "accum": 2, "reshard": "always"},
-    {"shard": 2, "accum": 2, "ac": "full"},
+    ACCUM2,
+    f"{ACCUM2} --parallelism.gradient_reduction per_microbatch",
+    "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2",
+    f"{ACCUM2} {FSDP2}",
+    f"{ACCUM2} --parallelism.fsdp_reshard_after_forward always",
+    f"{ACCUM2} --activation_checkpoint.mode full",
     # The same in one compiled, bucketed graph: the graph reads the weights kept for the step.
-    {**_COMPILED_ACCUM, "scope": "model"},
+    _COMPILED_KEPT,
     # Per-block graphs with the eager prefetcher (asked for: auto keeps one graph when a step accumulates):
     # reduced in every backward.
-    {**_COMPILED_ACCUM, "scope": "prefetch"},
-    {"shard": 2, "dp_impl": "fsdp2"},
-    {"shard": 2, "dp_impl": "fsdp2", "ac": "full"},
+    _PREFETCH_ACCUMULATED,
+    f"{SHARD2} {FSDP2}",
+    f"{SHARD2} {FSDP2} --activation_checkpoint.mode full",
     # bf16 params / fp32 reduce, compared with each other below (and with the fp32 reference loosely).
-    {"shard": 2, "param_dtype": "bfloat16"},
-    {"shard": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
-    {"shard": 2, "accum": 2, "param_dtype": "bfloat16"},
-    {"shard": 2, "accum": 2, "param_dtype": "bfloat16", "dp_impl": "fsdp2"},
+    Case(f"{SHARD2} {BF16}", apart=True),
+    Case(f"{SHARD2} {BF16} {FSDP2}", apart=True),
+    Case(f"{ACCUM2} {BF16}", apart=True),
+    Case(f"{ACCUM2} {BF16} {FSDP2}", apart=True),
     # Negative control: every rank trains on the same slice (different data from the reference).
-    {"shard": 2, "corrupt": True},
+    Case(SHARD2, control="same_data", apart=True),
     # Pipeline stages: 4 microbatches of 2; interleaved with 2 stages per rank on a 4-block model.
-    {"pp": 2, "mb": 2},
-    {"pp": 2, "mb": 2, "schedule": "GPipe"},
-    {"pp": 2, "mb": 2, "schedule": "Interleaved1F1B", "layers": 4},
-    {"pp": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
-    {"pp": 2, "mb": 2, "ac": "selective"},
+    f"{PP2} {MB2}",
+    f"{PP2} {MB2} --parallelism.pipeline_parallel_schedule GPipe",
+    Case(f"{PP2} {MB2} --parallelism.pipeline_parallel_schedule Interleaved1F1B", layers=4),
+    Case(f"{PP2} {MB2} --parallelism.pipeline_parallel_schedule InterleavedZeroBubble", layers=4),
+    f"{PP2} {MB2} --activation_checkpoint.mode selective",
     # Document masks (the reference runs each document alone): positions and the mask replicated under TP.
-    {"tp": 2, "mask": "block_causal"},
-    {"shard": 2, "accum": 2, "ac": "full", "mask": "block_causal"},
-    {"shard": 2, "dp_impl": "fsdp2", "mask": "block_causal"},
+    f"{TP2} {BLOCK_CAUSAL}",
+    f"{ACCUM2} --activation_checkpoint.mode full {BLOCK_CAUSAL}",
+    f"{SHARD2} {FSDP2} {BLOCK_CAUSAL}",
     # Context parallelism: each rank holds half of every sequence (head-tail), K/V all-gathered.
-    {"cp": 2},
-    {"cp": 2, "dp_impl": "fsdp2"},
-    {"cp": 2, "ac": "full"},
-    {"cp": 2, "ac": "selective"},
-    {"cp": 2, "accum": 2},
-    {"cp": 2, "mask": "block_causal"},
-    {"cp": 2, "ac": "full", "mask": "block_causal"},
+    CP2,
+    f"{CP2} {FSDP2}",
+    f"{CP2} --activation_checkpoint.mode full",
+    f"{CP2} --activation_checkpoint.mode selective",
+    f"{CP2} --training.local_batch_size 4",  # dp 1: 2 microbatches of 4
+    f"{CP2} {BLOCK_CAUSAL}",
+    f"{CP2} --activation_checkpoint.mode full {BLOCK_CAUSAL}",
     COMPILED_CP,
-    {"cp": 2, "param_dtype": "bfloat16"},
+    Case(f"{CP2} {BF16}", apart=True),
     # Qwen3 (QK-norm, tied embeddings: one parameter sharded once, both uses' gradients summed into it).
-    {"family": "qwen3", "shard": 2},
-    {"family": "qwen3", "shard": 2, "dp_impl": "fsdp2"},
-    {"family": "qwen3", "cp": 2},
+    f"{QWEN3} {SHARD2}",
+    f"{QWEN3} {SHARD2} {FSDP2}",
+    f"{QWEN3} {CP2}",
     # Untied (tied embeddings cannot span pipeline stages): stages, and one compiled graph under full AC.
-    {"family": "qwen3", "tied": False, "pp": 2, "mb": 2},
-    {**COMPILED_FULL_AC, "family": "qwen3", "tied": False},
-    {"family": "qwen3", "tied": False, "tp": 2},
+    Case(f"{QWEN3} {PP2} {MB2}", tied=False),
+    Case(f"{COMPILED_FULL_AC} {QWEN3}", tied=False),
+    Case(f"{QWEN3} {TP2}", tied=False),
     # Tied under tp, checked apart below: its parameters differ by more than the harness's tolerance.
-    {"family": "qwen3", "tp": 2},
+    Case(f"{QWEN3} {TP2}", apart=True),
     # Negative control: the K/V gather without its backward reduce-scatter (each rank keeps only the
     # gradient its own queries give its keys and values).
-    {"cp": 2, "no_kv_grad": True},
+    Case(CP2, control="no_kv_grad", apart=True),
     # Float8 training (emulated) against the reference converted with torchao itself: rowwise scales each
     # row alone, so a data-parallel rank's half batch gets the scales the whole batch gets.
-    {"shard": 2, "float8": "rowwise"},
-    {"shard": 2, "float8": "rowwise", "dp_impl": "fsdp2"},
-    {"pp": 2, "mb": 2, "float8": "rowwise"},
-    {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "rowwise"},
+    f"{SHARD2} {ROWWISE}",
+    f"{SHARD2} {ROWWISE} {FSDP2}",
+    f"{PP2} {MB2} {ROWWISE}",
+    f"{_PREFETCH_ACCUMULATED} {ROWWISE}",
     # Tensor parallelism: torchao's float8 layers take DTensor weights and inputs, whose amaxes reduce over
     # the tp ranks, so tensorwise scales are the one process's (held to the harness's tolerances); rowwise
     # scales a row sharded over tp per shard: checked apart, below.
-    {"tp": 2, "float8": "tensorwise"},
-    {"tp": 2, "float8": "rowwise"},
+    f"{TP2} {TENSORWISE}",
+    Case(f"{TP2} {ROWWISE}", apart=True),
     # Tensorwise scales the input of a layer by its amax over the rank's tokens: checked apart, below.
-    {"shard": 2, "float8": "tensorwise"},
-    {**COMPILED_FULL_AC, "float8": "tensorwise"},
+    Case(f"{SHARD2} {TENSORWISE}", apart=True),
+    Case(f"{COMPILED_FULL_AC} {TENSORWISE}", apart=True),
     COMPILED_FULL_AC,
     # The same with the weights gathered as float8 bits (float8.all_gather), and accumulated (kept gathers,
     # unreduced sinks), and FSDP2 with torchao's float8 all-gather.
-    {"shard": 2, "float8": "tensorwise", "f8_gather": True},
-    {**COMPILED_FULL_AC, "float8": "tensorwise", "f8_gather": True},
-    {"shard": 2, "accum": 2, "float8": "tensorwise", "f8_gather": True},
-    {"shard": 2, "float8": "tensorwise", "f8_gather": True, "dp_impl": "fsdp2"},
+    Case(f"{SHARD2} {TENSORWISE} --float8.all_gather", apart=True),
+    Case(f"{COMPILED_FULL_AC} {TENSORWISE} --float8.all_gather", apart=True),
+    Case(f"{ACCUM2} {TENSORWISE} --float8.all_gather", apart=True),
+    Case(f"{SHARD2} {TENSORWISE} --float8.all_gather {FSDP2}", apart=True),
     # The eager prefetcher (per-block graphs) gathering the float8 bits in its flat buffers, and without.
-    {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "tensorwise"},
-    {**_COMPILED_ACCUM, "scope": "prefetch", "float8": "tensorwise", "f8_gather": True},
+    Case(f"{_PREFETCH_ACCUMULATED} {TENSORWISE}", apart=True),
+    Case(f"{_PREFETCH_ACCUMULATED} {TENSORWISE} --float8.all_gather", apart=True),
 ]
-_COMPILED_KEPT = CASES_2[CASES_2.index({"shard": 2, "accum": 2, "ac": "full"}) + 1]
-_PREFETCH_ACCUMULATED = {**_COMPILED_ACCUM, "scope": "prefetch"}
+REP2 = "--parallelism.data_parallel_replicate_degree 2"
+DP2_X_TP2 = f"{SHARD2} {TP2}"
 # Compiled blocks (per-block bucketing) under dp x tp with full AC and document masks; checked for buckets below.
-COMPILED_DP_X_TP = {"shard": 2, "tp": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block",
-                    "ac": "full", "mask": "block_causal", "scope": "model"}  # fmt: skip
+_DP_X_TP_FULL_AC = f"{DP2_X_TP2} {COMPILED} --activation_checkpoint.mode full {BLOCK_CAUSAL}"
+COMPILED_DP_X_TP = f"{_DP_X_TP_FULL_AC} --compile.scope model"
 # The same with per-block graphs and the eager prefetcher (scope auto under full AC), and under HSDP.
-PREFETCH_DP_X_TP = {**COMPILED_DP_X_TP, "scope": "auto"}
+PREFETCH_DP_X_TP = f"{_DP_X_TP_FULL_AC} --compile.scope auto"
+PP2_X_DP2 = f"{PP2} {SHARD2}"
+_ZERO_BUBBLE = Case(f"{PP2_X_DP2} {MB2} --parallelism.pipeline_parallel_schedule InterleavedZeroBubble", layers=4)
 CASES_4 = [
-    {"shard": 4},
-    {"rep": 2, "shard": 2},
-    {"shard": 2, "tp": 2},
-    {"shard": 2, "tp": 2, "accum": 2},
-    {"rep": 2, "shard": 1, "tp": 2},
-    {"rep": 2, "shard": 2, "dp_impl": "fsdp2"},
-    {"shard": 2, "tp": 2, "dp_impl": "fsdp2"},
+    "--parallelism.data_parallel_shard_degree 4",
+    f"{REP2} {SHARD2}",
+    DP2_X_TP2,
+    f"{DP2_X_TP2} --training.local_batch_size 2",
+    f"{REP2} --parallelism.data_parallel_shard_degree 1 {TP2}",
+    f"{REP2} {SHARD2} {FSDP2}",
+    f"{DP2_X_TP2} {FSDP2}",
     # Pipeline x dp, 4 microbatches: weights kept for the step (auto) or gathered again per microbatch.
-    {"pp": 2, "shard": 2},
-    {"pp": 2, "shard": 2, "reshard": "default"},
-    {"pp": 2, "shard": 2, "dp_impl": "fsdp2"},
-    {"pp": 2, "shard": 2, "dp_impl": "fsdp2", "reshard": "default"},
+    PP2_X_DP2,
+    f"{PP2_X_DP2} --parallelism.fsdp_reshard_after_forward default",
+    f"{PP2_X_DP2} {FSDP2}",
+    f"{PP2_X_DP2} {FSDP2} --parallelism.fsdp_reshard_after_forward default",
     # Kept weights reduced in every backward, over dp x tp and HSDP.
-    {"shard": 2, "tp": 2, "accum": 2, "reduction": "per_microbatch"},
-    {"rep": 2, "shard": 2, "accum": 2, "reduction": "per_microbatch"},
+    f"{DP2_X_TP2} --training.local_batch_size 2 --parallelism.gradient_reduction per_microbatch",
+    f"{REP2} {SHARD2} --training.local_batch_size 1 --parallelism.gradient_reduction per_microbatch",
     # Zero bubble differentiates the parameters in its weight backward: SimpleFSDP reduces per microbatch.
-    {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4},
-    {"pp": 2, "tp": 2, "mb": 2},
-    {"pp": 2, "shard": 2, "compile": True, "bucketing": "transformer_block", "mb": 2},
+    _ZERO_BUBBLE,
+    f"{PP2} {TP2} {MB2}",
+    f"{PP2_X_DP2} --compile.enable --compile.bucketing transformer_block {MB2}",
     # The 70B/405B layout in miniature: dp x tp, full AC as recompute tags in one bucketed graph, with
     # packed documents masked apart (selective AC compiled: test_compile's 1D cases).
     COMPILED_DP_X_TP,
     PREFETCH_DP_X_TP,
-    {"rep": 2, "shard": 2, "compile": True, "backend": "aot_eager", "bucketing": "transformer_block", "ac": "full"},
+    f"{REP2} {SHARD2} {COMPILED} --activation_checkpoint.mode full",
     # Context parallelism inside dp (FSDP over dp_shard x cp; HSDP), beside tp, under pipeline stages.
-    {"cp": 2, "shard": 2},
-    {"rep": 2, "cp": 2},
-    {"cp": 2, "tp": 2},
-    {"cp": 2, "tp": 2, "mask": "block_causal"},
-    {"pp": 2, "cp": 2},
+    f"{CP2} {SHARD2}",
+    f"{REP2} {CP2}",
+    f"{CP2} {TP2}",
+    f"{CP2} {TP2} {BLOCK_CAUSAL}",
+    f"{PP2} {CP2}",
 ]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
-    {"rep": 2, "shard": 2, "tp": 2},
-    {"pp": 2, "shard": 2, "tp": 2, "mb": 2},
+    f"{REP2} {SHARD2} {TP2}",
+    f"{PP2} {SHARD2} {TP2} {MB2}",
     # Stages under cp x tp: hidden states travel sequence-sharded, each stage builds its queries' mask.
-    {"pp": 2, "cp": 2, "tp": 2},
+    f"{PP2} {CP2} {TP2}",
 ]
 
 
-def case_id(case: dict) -> str:
-    """{"shard": 2, "ac": "full"} -> "shard2-ac_full"."""
-    return "-".join(
-        f"{k}{v}" if isinstance(v, int) and not isinstance(v, bool) else k if v is True else f"{k}_{v}"
-        for k, v in case.items()
-    )
-
-
-def _fp32(cases: list[dict]) -> list[dict]:
+def _checked(cases: list[Case | str]) -> list[Case | str]:
     """The cases held to the harness's tolerances (the others have tests of their own)."""
-    return [
-        c
-        for c in cases
-        if "param_dtype" not in c
-        and not c.get("corrupt")
-        and not c.get("no_kv_grad")
-        and not (c.get("float8") == "tensorwise" and c.get("tp", 1) == 1)
-        and not (c.get("float8") == "rowwise" and c.get("tp", 1) > 1)
-        and not (c.get("family") == "qwen3" and c.get("tp", 1) > 1 and c.get("tied", True))
-    ]
+    return [c for c in cases if not as_case(c).apart]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +188,7 @@ def records(tmp_path_factory):
     """All records by case id; one launch per world size, on first use."""
     cache: dict[int, dict[str, dict]] = {}
 
-    def get(nproc: int, cases: list[dict]) -> dict[str, dict]:
+    def get(nproc: int, cases: list[Case | str]) -> dict[str, dict]:
         if nproc not in cache:
             out = parity(cases, nproc, tmp_path_factory.mktemp(f"parity{nproc}"))
             cache[nproc] = {case_id(r["case"]): r for r in out}
@@ -198,8 +200,8 @@ def records(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc,case",
-    [(2, c) for c in _fp32(CASES_2)] + [(4, c) for c in CASES_4] + [(8, c) for c in CASES_8],
-    ids=[f"{n}-{case_id(c)}" for n, cs in ((2, _fp32(CASES_2)), (4, CASES_4), (8, CASES_8)) for c in cs],
+    [(n, c) for n, cs in ((2, CASES_2), (4, CASES_4), (8, CASES_8)) for c in _checked(cs)],
+    ids=[f"{n}-{case_id(c)}" for n, cs in ((2, CASES_2), (4, CASES_4), (8, CASES_8)) for c in _checked(cs)],
 )
 def test_parity(records, nproc, case):
     all_cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[nproc]
@@ -212,16 +214,15 @@ def test_accumulated_simple_fsdp_cases_reduced_once_per_step(records):
     per_microbatch really reduced in every backward; without accumulation nothing is held unreduced."""
     recs = records(2, CASES_2)
     unreduced = {cid: r["unreduced"] for cid, r in recs.items()}
-    assert unreduced[case_id({"shard": 2, "accum": 2})] and unreduced[case_id({"rep": 2, "accum": 2})]
-    assert not unreduced[case_id({"shard": 2, "accum": 2, "reduction": "per_microbatch"})]
-    assert not unreduced[case_id({"shard": 2})]
+    assert unreduced[case_id(ACCUM2)] and unreduced[case_id(f"{REP2} --training.local_batch_size 2")]
+    assert not unreduced[case_id(f"{ACCUM2} --parallelism.gradient_reduction per_microbatch")]
+    assert not unreduced[case_id(SHARD2)]
     compiled = recs[case_id(_COMPILED_KEPT)]
     assert compiled["unreduced"] and compiled["step"]["policy"]["keep_gathers"]
     # A pipeline's microbatches are accumulated too (pp 2 x dp_shard 2: 4 microbatches per step).
     recs4 = records(4, CASES_4)
-    assert recs4[case_id({"pp": 2, "shard": 2})]["unreduced"]
-    zero_bubble = {"pp": 2, "shard": 2, "mb": 2, "schedule": "InterleavedZeroBubble", "layers": 4}
-    assert not recs4[case_id(zero_bubble)]["unreduced"]
+    assert recs4[case_id(PP2_X_DP2)]["unreduced"]
+    assert not recs4[case_id(_ZERO_BUBBLE)]["unreduced"]
 
 
 @pytest.mark.slow
@@ -238,9 +239,9 @@ def test_pipeline_gathers_each_weight_once_per_step_when_kept(records, dp_impl):
     from titanlite.models.llama3.parallelize import llama_units
     from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
 
-    impl = {} if dp_impl == "simple_fsdp" else {"dp_impl": "fsdp2"}
-    kept = records(4, CASES_4)[case_id({"pp": 2, "shard": 2, **impl})]
-    again = records(4, CASES_4)[case_id({"pp": 2, "shard": 2, **impl, "reshard": "default"})]
+    impl = "" if dp_impl == "simple_fsdp" else f" {FSDP2}"
+    kept = records(4, CASES_4)[case_id(f"{PP2_X_DP2}{impl}")]
+    again = records(4, CASES_4)[case_id(f"{PP2_X_DP2}{impl} --parallelism.fsdp_reshard_after_forward default")]
     assert kept["step"]["policy"]["keep_gathers"] and not again["step"]["policy"]["keep_gathers"]
     stages = StagePlan.of(Parallelism(pipeline_parallel_degree=2), TINY.n_layers, local_batch=4)
     assert stages.microbatches == 4
@@ -262,7 +263,7 @@ def test_pipeline_gathers_each_weight_once_per_step_when_kept(records, dp_impl):
 @pytest.mark.slow
 def test_parity_detects_a_wrong_layout(records):
     """The harness can fail: a run on different data (one rank slice for all) must exceed the tolerance."""
-    rec = records(2, CASES_2)[case_id({"shard": 2, "corrupt": True})]
+    rec = records(2, CASES_2)[case_id(Case(SHARD2, control="same_data"))]
     assert rec["loss_rel"] > LOSS_REL
     with pytest.raises(AssertionError):
         check_parity([rec])
@@ -272,7 +273,7 @@ def test_parity_detects_a_wrong_layout(records):
 def test_context_parallel_parity_needs_the_kv_gradient_reduction(records):
     """The cp2 parity above can fail: without the reduce-scatter of the gathered keys' and values'
     gradients, the losses leave the tolerance."""
-    rec = records(2, CASES_2)[case_id({"cp": 2, "no_kv_grad": True})]
+    rec = records(2, CASES_2)[case_id(Case(CP2, control="no_kv_grad"))]
     assert rec["loss_rel"] > 2 * LOSS_REL and rec["grad_abs"] > 100 * GRAD_ABS
     with pytest.raises(AssertionError):
         check_parity([rec])
@@ -293,13 +294,13 @@ def test_compiled_context_parallel_ran_bucketed_graphs(records):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum", [{}, {"accum": 2}], ids=["", "accum2"])
-def test_bf16_simple_fsdp_matches_fsdp2(records, accum):
+@pytest.mark.parametrize("dp", [SHARD2, ACCUM2], ids=["", "accum2"])
+def test_bf16_simple_fsdp_matches_fsdp2(records, dp):
     """bf16 params / fp32 reduce: SimpleFSDP and FSDP2 agree with each other (both differ from fp32), also
     when 2 microbatches' gradients accumulate unreduced (in fp32) and are reduced once."""
     recs = records(2, CASES_2)
-    simple = recs[case_id({"shard": 2, **accum, "param_dtype": "bfloat16"})]
-    fsdp2 = recs[case_id({"shard": 2, **accum, "param_dtype": "bfloat16", "dp_impl": "fsdp2"})]
+    simple = recs[case_id(f"{dp} {BF16}")]
+    fsdp2 = recs[case_id(f"{dp} {BF16} {FSDP2}")]
     diffs = [abs(a - b) / abs(b) for a, b in zip(simple["losses"], fsdp2["losses"])]
     assert max(diffs) <= 1e-3, diffs
     # bf16 really was used: the losses differ from the fp32 reference by more than fp32 rounding.
@@ -312,8 +313,8 @@ def test_bf16_context_parallel_matches_bf16_data_parallelism(records):
     agrees with dp_shard2 in the same precision within 1e-3 (observed 8e-5), and differs from the fp32
     reference: bf16 really ran."""
     recs = records(2, CASES_2)
-    cp = recs[case_id({"cp": 2, "param_dtype": "bfloat16"})]
-    dp = recs[case_id({"shard": 2, "param_dtype": "bfloat16"})]
+    cp = recs[case_id(f"{CP2} {BF16}")]
+    dp = recs[case_id(f"{SHARD2} {BF16}")]
     diffs = [abs(a - b) / abs(b) for a, b in zip(cp["losses"], dp["losses"])]
     assert max(diffs) <= 1e-3, diffs
     assert cp["loss_rel"] > 1e-5
@@ -368,7 +369,7 @@ def test_block_causal_parity_is_not_causal_parity(records):
     """The block_causal cases' reference (each document alone) is not the causal one: their parity above
     checks the document mask, not a mask that changes nothing."""
     recs = records(2, CASES_2)
-    masked, causal = recs[case_id({"tp": 2, "mask": "block_causal"})], recs[case_id({"tp": 2})]
+    masked, causal = recs[case_id(f"{TP2} {BLOCK_CAUSAL}")], recs[case_id(TP2)]
     assert max(abs(a - b) / b for a, b in zip(masked["ref_losses"], causal["ref_losses"])) > 1e-3
 
 
@@ -383,25 +384,25 @@ def test_float8_runs_in_float8_and_tensorwise_differs_only_by_its_per_rank_scale
     (measured: 1.3e-5 and 2.2e-6). Compiled, float8 gives the same collective, prefetch and overlap counts as
     without it."""
     recs = records(2, CASES_2)
-    fp32 = recs[case_id({"shard": 2})]["ref_losses"]
-    for recipe in ("rowwise", "tensorwise"):
-        rec = recs[case_id({"shard": 2, "float8": recipe})]
+    fp32 = recs[case_id(SHARD2)]["ref_losses"]
+    for recipe in (ROWWISE, TENSORWISE):
+        rec = recs[case_id(f"{SHARD2} {recipe}")]
         assert max(abs(a - b) / b for a, b in zip(rec["ref_losses"], fp32)) > LOSS_REL, recipe
         assert max(abs(a - b) / b for a, b in zip(rec["losses"], fp32)) > LOSS_REL, recipe
     for case in (
-        {"shard": 2, "float8": "tensorwise"},
-        {**COMPILED_FULL_AC, "float8": "tensorwise"},
-        {"shard": 2, "accum": 2, "float8": "tensorwise", "f8_gather": True},
-        {"shard": 2, "float8": "tensorwise", "f8_gather": True, "dp_impl": "fsdp2"},
+        f"{SHARD2} {TENSORWISE}",
+        f"{COMPILED_FULL_AC} {TENSORWISE}",
+        f"{ACCUM2} {TENSORWISE} --float8.all_gather",
+        f"{SHARD2} {TENSORWISE} --float8.all_gather {FSDP2}",
     ):
         rec = recs[case_id(case)]
         assert LOSS_REL < rec["loss_rel"] <= 1e-3 and rec["grad_abs"] <= 1e-3, (case, rec["loss_rel"], rec["grad_abs"])
-    rec = recs[case_id({"tp": 2, "float8": "rowwise"})]
+    rec = recs[case_id(f"{TP2} {ROWWISE}")]
     assert rec["loss_rel"] <= 1e-3 and rec["grad_abs"] <= 1e-3, (rec["loss_rel"], rec["grad_abs"])
     counts = ("dp", "prefetched_all_gathers", "overlapped_reduce_scatters", "traces")
     for float8, bf16 in (
-        ({**_PREFETCH_ACCUMULATED, "float8": "rowwise"}, _PREFETCH_ACCUMULATED),
-        ({**COMPILED_FULL_AC, "float8": "tensorwise"}, COMPILED_FULL_AC),
+        (f"{_PREFETCH_ACCUMULATED} {ROWWISE}", _PREFETCH_ACCUMULATED),
+        (f"{COMPILED_FULL_AC} {TENSORWISE}", COMPILED_FULL_AC),
     ):
         got, want = (recs[case_id(c)]["compile_report"] for c in (float8, bf16))
         assert {k: got.get(k) for k in counts} == {k: want.get(k) for k in counts}, float8
@@ -418,14 +419,14 @@ def test_float8_all_gather_moves_the_bits_the_layers_would_cast(records):
     gathers the converted weights at 1 byte per element instead of 4 (float32 here); so do the
     prefetcher's flat gathers."""
     recs = records(2, CASES_2)
-    prefetched = {**_PREFETCH_ACCUMULATED, "float8": "tensorwise"}
-    for plain in ({"shard": 2, "float8": "tensorwise"}, {**COMPILED_FULL_AC, "float8": "tensorwise"}, prefetched):
-        got, want = recs[case_id({**plain, "f8_gather": True})], recs[case_id(plain)]
+    prefetched = f"{_PREFETCH_ACCUMULATED} {TENSORWISE}"
+    for plain in (f"{SHARD2} {TENSORWISE}", f"{COMPILED_FULL_AC} {TENSORWISE}", prefetched):
+        got, want = recs[case_id(f"{plain} --float8.all_gather")], recs[case_id(plain)]
         assert got["losses"] == want["losses"], plain
         assert (got["grad_abs"], got["param_abs"]) == (want["grad_abs"], want["param_abs"]), plain
         assert got["loss_rel"] > LOSS_REL, plain
-    got, want = (recs[case_id(c)]["compile_report"] for c in ({**COMPILED_FULL_AC, "float8": "tensorwise",
-                                                                "f8_gather": True}, COMPILED_FULL_AC))  # fmt: skip
+    gathered_f8 = f"{COMPILED_FULL_AC} {TENSORWISE} --float8.all_gather"
+    got, want = (recs[case_id(c)]["compile_report"] for c in (gathered_f8, COMPILED_FULL_AC))
     counts = ("dp", "prefetched_all_gathers", "overlapped_reduce_scatters", "traces")
     assert {k: got[k] for k in counts} == {k: want[k] for k in counts}
     gathered, plain_bytes = got["bucket_sizes_mb"]["all_gather"], want["bucket_sizes_mb"]["all_gather"]
@@ -436,7 +437,7 @@ def test_float8_all_gather_moves_the_bits_the_layers_would_cast(records):
     float8_elements = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and "norm" not in n)
     saved = plain_bytes["total"] - gathered["total"]
     assert saved == pytest.approx(3 * float8_elements / 2**20, abs=1e-3), (gathered, plain_bytes)
-    got, want = (recs[case_id(c)]["compile_report"] for c in ({**prefetched, "f8_gather": True}, prefetched))
+    got, want = (recs[case_id(c)]["compile_report"] for c in (f"{prefetched} --float8.all_gather", prefetched))
     assert got["scope"] == want["scope"] == "prefetch"
     assert {k: got[k] for k in counts} == {k: want[k] for k in counts}
     for name in ("all_gather", "backward_all_gather"):
@@ -453,6 +454,6 @@ def test_qwen3_under_tensor_parallelism_matches_one_process(records):
     4 AdamW steps within 5e-4, a looser bound than the harness's 1e-4 (measured: 1.4e-4, worst in layer 1's
     `wq`; 1.36e-4 at dp 2 x tp 2). The untied case above is within 1e-4 (4.5e-5), so the tie's summed
     gradient, reduced in another order under tp, is where the rounding starts."""
-    rec = records(2, CASES_2)[case_id({"family": "qwen3", "tp": 2})]
+    rec = records(2, CASES_2)[case_id(f"{QWEN3} {TP2}")]
     assert rec["loss_rel"] <= LOSS_REL and rec["grad_abs"] <= GRAD_ABS and not rec.get("missing"), rec
     assert rec["param_abs"] <= 5e-4, rec["param_abs"]

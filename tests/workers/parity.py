@@ -1,6 +1,7 @@
 """Multi-process parity worker: train the tiny Llama under several layouts and compare with one process.
 
-Run by tests on N ranks (`harness.parity`, through `harness.launch_workers`). Each case builds the trainer as a run does
+Run by tests on N ranks (`harness.parity`, through `harness.launch_workers`). Each case (a `harness.Case`: the
+trainer's command-line overrides, applied to `base_config` as a run applies them) builds the trainer as a run does
 (`Trainer(cfg, plan)` with the tiny model) and trains with the shipped `Trainer.train_step` on random
 tokens, each rank on its data-parallel slice of the global batch. Every rank also trains the
 one-process reference itself (the plain module, the whole global batch, a plain PyTorch loop written
@@ -30,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from builders import config  # noqa: E402
 
-from harness import TINY, end_worker, tiny_args  # noqa: E402
-from titanlite.config import JobConfig  # noqa: E402
+from harness import TINY, Case, end_worker, tiny_args  # noqa: E402
+from titanlite.config import JobConfig, apply_dict  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.models.qwen3 import ModelArgs as Qwen3Args  # noqa: E402
@@ -53,7 +54,7 @@ QWEN3 = Qwen3Args(
     max_seq_len=64,
     tie_embeddings=True,
 )
-"""The tiny Qwen3 of the `"family": "qwen3"` cases: QK-norm, head_dim 32 (not dim / n_heads), tied embeddings."""
+"""The tiny Qwen3 of the `--model.name qwen3` cases: QK-norm, head_dim 32 (not dim / n_heads), tied embeddings."""
 
 
 def make_batches() -> list[Batch]:
@@ -89,12 +90,14 @@ def batch_loss(model: torch.nn.Module, batch: Batch, mask: str) -> torch.Tensor:
 
 
 def base_config() -> JobConfig:
-    """What every case shares; `reference` writes out this schedule (linear warmup, linear decay to 0)."""
+    """What every case shares (the model alone compiled, by aot_eager); `reference` writes out this schedule
+    (linear warmup, linear decay to 0)."""
     return config(
         None,
         {"optimizer__lr": 1e-2, "training__steps": STEPS, "training__seed": SEED, "training__seq_len": SEQ},
         {"lr_scheduler__warmup_steps": 1, "lr_scheduler__decay_type": "linear", "lr_scheduler__decay_ratio": 1.0},
-        {"lr_scheduler__min_lr_factor": 0.0},
+        {"lr_scheduler__min_lr_factor": 0.0, "training__global_batch_size": GLOBAL_BATCH},
+        {"compile__backend": "aot_eager", "compile__components": ["model"]},
     )
 
 
@@ -141,39 +144,17 @@ def reference(batches, args, mask: str = "causal", float8: str = ""):
     return losses, *first
 
 
-def case_config(case: dict, dump: str) -> JobConfig:
+def case_config(case: Case, dump: str, world_size: int) -> JobConfig:
+    """`base_config` with the case's overrides applied as the command line's are, writing into `dump`. The
+    global batch is one microbatch per data-parallel rank unless the case sets `training.local_batch_size`
+    (a smaller one accumulates)."""
     cfg = base_config()
     cfg.job.dump_folder = dump
-    p = cfg.parallelism
-    p.data_parallel_replicate_degree = case.get("rep", 1)
-    p.data_parallel_shard_degree = case.get("shard", -1)
-    p.tensor_parallel_degree = case.get("tp", 1)
-    p.context_parallel_degree = case.get("cp", 1)
-    p.dp_impl = case.get("dp_impl", "simple_fsdp")
-    p.fsdp_reshard_after_forward = case.get("reshard", "auto")
-    p.gradient_reduction = case.get("reduction", "auto")
-    p.pipeline_parallel_degree = case.get("pp", 1)
-    p.pipeline_parallel_schedule = case.get("schedule", "1F1B")
-    p.pipeline_parallel_microbatch_size = case.get("mb", 1)
-    cfg.training.mixed_precision_param = case.get("param_dtype", "float32")
-    cfg.training.mixed_precision_reduce = case.get("reduce_dtype", "float32")
-    cfg.activation_checkpoint.mode = case.get("ac", "none")
-    cfg.activation_checkpoint.selective_ac_option = case.get("ac_option", "op")
-    cfg.compile.enable = case.get("compile", False)
-    cfg.compile.backend = case.get("backend", "aot_eager")
-    cfg.compile.bucketing = case.get("bucketing", "none")
-    cfg.compile.scope = case.get("scope", cfg.compile.scope)
-    cfg.compile.components = ["model"]
-    cfg.model.attn_mask_type = case.get("mask", "causal")
-    cfg.model.name = case.get("family", "llama3")
-    if "float8" in case:  # every linear layer but the output (the tiny model's are below the auto filter's sizes)
-        f8 = cfg.float8
-        f8.enable, f8.recipe, f8.emulate, f8.filter_fqns = True, case["float8"], True, ["output"]
-        f8.all_gather = case.get("f8_gather", False)
-    dp = dist.get_world_size() // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
-    accum = case.get("accum", 1)
-    cfg.training.global_batch_size = GLOBAL_BATCH
-    cfg.training.local_batch_size = GLOBAL_BATCH // dp // accum
+    apply_dict(cfg, case.sections(), "a parity case")
+    if "training.local_batch_size" not in case.settings():
+        p = cfg.parallelism
+        dp = world_size // (p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
+        cfg.training.local_batch_size = GLOBAL_BATCH // dp
     return cfg
 
 
@@ -191,20 +172,19 @@ def finish_without_grad_reduction(self, pending: PendingGather, dim: int) -> tor
     return unshard_sequence(torch.cat(parts, dim), self.degree, dim)
 
 
-def run(case: dict, dump: str, batches):
-    if case.get("no_kv_grad"):
+def run(case: Case, cfg: JobConfig, batches):
+    if case.control == "no_kv_grad":
         with (
             mock.patch.object(SequenceShard, "start_gather", start_without_grad_reduction),
             mock.patch.object(SequenceShard, "finish_gather", finish_without_grad_reduction),
         ):
-            return run({k: v for k, v in case.items() if k != "no_kv_grad"}, dump, batches)
-    cfg = case_config(case, dump)
+            return run(dataclasses.replace(case, control=""), cfg, batches)
     torch._dynamo.reset()  # each case compiles fresh models: drop the previous cases' cache entries
-    trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=case_args(case)))
+    trainer = Trainer(cfg, RunPlan.build(cfg, dist.get_world_size(), args=case_args(case, cfg)))
     dims = trainer.dims
     per = GLOBAL_BATCH // dims.dp
     r = dims.dp_rank_of(dist.get_rank())
-    rank_slice = slice(0, per) if case.get("corrupt") else slice(r * per, (r + 1) * per)
+    rank_slice = slice(0, per) if case.control == "same_data" else slice(r * per, (r + 1) * per)
     losses, first = [], None
     gathers = CountGathers()
     for i, batch in enumerate(batches):
@@ -237,10 +217,11 @@ class CountGathers(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def case_args(case: dict):
-    if case.get("family") == "qwen3":
-        return dataclasses.replace(QWEN3, tie_embeddings=case.get("tied", True))
-    return tiny_args(n_layers=case["layers"]) if "layers" in case else TINY
+def case_args(case: Case, cfg: JobConfig):
+    """The tiny model of the case's family: Qwen3 tied or not, Llama at the case's depth."""
+    if cfg.model.name == "qwen3":
+        return dataclasses.replace(QWEN3, tie_embeddings=case.tied)
+    return tiny_args(n_layers=case.layers)
 
 
 def max_diffs(mine: dict, ref: dict) -> tuple[float, set[str]]:
@@ -255,27 +236,31 @@ def group_timeouts(dims) -> dict[str, float]:
 
 
 def main() -> None:
-    cases = json.loads(sys.argv[1])
+    cases = [Case(**c) for c in json.loads(sys.argv[1])]
     out_path = sys.argv[2]
     dist.init_process_group("gloo")
     batches = make_batches()
     refs: dict[tuple[str, str, str, str], tuple] = {}
     records = []
     for case in cases:
-        args, mask, float8 = case_args(case), case.get("mask", "causal"), case.get("float8", "")
-        key = (case.get("family", "llama3"), repr(args), mask, float8)  # the shape, tying included
+        dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
+        cfg = case_config(case, dump, dist.get_world_size())
+        args, mask = case_args(case, cfg), cfg.model.attn_mask_type
+        float8 = cfg.float8.recipe if cfg.float8.enable else ""
+        key = (cfg.model.name, repr(args), mask, float8)  # the shape, tying included
         if key not in refs:
             refs[key] = reference(batches, args, mask, float8)
         r_losses, r_grads, r_params = refs[key]
-        dump = os.path.join(os.path.dirname(out_path), f"case{len(records)}")
+        config_values = cfg.to_dict()  # before the run: what the case asked for
         start = time.perf_counter()
-        losses, grads, params, timeouts, unreduced, step = run(case, dump, batches)
+        losses, grads, params, timeouts, unreduced, step = run(case, cfg, batches)
         seconds = time.perf_counter() - start
         (grad_abs, names), (param_abs, _) = max_diffs(grads, r_grads), max_diffs(params, r_params)
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, (grad_abs, param_abs, names, step["all_gathers"]))
         rec = dict(
-            case=case,
+            case=dataclasses.asdict(case),
+            config=config_values,
             losses=losses,
             ref_losses=r_losses,
             timeouts=timeouts,
