@@ -1,12 +1,18 @@
 """The folders show the layers: few modules directly under titanlite/ (a concept joins the package of its
 layer), and each one and each package is a layer of import-linter's contract, so none imports upward
-unchecked (`lint-imports` in run_tests.sh enforces the arrows themselves)."""
+unchecked (`lint-imports` in run_tests.sh enforces the arrows themselves); the config's sections declared
+beside their code import first and without torch."""
 
 from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
 
 import tomllib
 
 from harness import ROOT
+from titanlite.config.schema import SECTION_TYPES, DatasetSource
 
 PACKAGE = ROOT / "titanlite"
 MAX_TOP_LEVEL_MODULES = 4
@@ -21,9 +27,12 @@ def top_level_packages() -> list[str]:
     return sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
 
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
 def layered_names() -> set[str]:
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    layers = next(c for c in contracts() if c["type"] == "layers")["layers"]
     return {name.strip().removeprefix("titanlite.") for layer in layers for name in layer.split(":")}
 
 
@@ -48,3 +57,34 @@ def test_the_checks_see_the_tree_they_guard():
     assert {"train", "errors"} <= set(top_level_modules())
     assert {"parallelisms", "models", "launcher", "run", "planning", "compile"} <= set(top_level_packages())
     assert {"run", "parallelisms", "launcher"} <= layered_names()
+
+
+def section_modules() -> set[str]:
+    """The modules declaring config sections beside their code, as the import contract on them lists them."""
+    return set(next(c for c in contracts() if c["name"].startswith("A config section"))["source_modules"])
+
+
+def imports_torch(module: str) -> bool:
+    """Whether importing `module` first, in a fresh interpreter, loads torch (the import must succeed)."""
+    code = f"import importlib, sys; importlib.import_module({module!r}); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"importing {module} first fails:\n{proc.stderr}"
+    return proc.stdout.split() == ["True"]
+
+
+def test_the_contract_on_config_sections_names_every_module_that_declares_one():
+    declaring = {
+        base.__module__
+        for cls in [*SECTION_TYPES.values(), DatasetSource]
+        for base in cls.__mro__
+        if dataclasses.is_dataclass(base)
+    }
+    assert declaring - {"titanlite.config.schema"} == section_modules()
+
+
+def test_each_config_section_imports_first_and_without_torch():
+    # What import-linter cannot see: a package's __init__ runs before its config module, and a section
+    # module imported before the schema must not meet the schema half-built (through titanlite.config).
+    loads_torch = [m for m in sorted(section_modules()) + ["titanlite.config"] if imports_torch(m)]
+    assert not loads_torch, f"importing these loads torch: {', '.join(loads_torch)}"
+    assert imports_torch("titanlite.metrics.logger")  # negative control: the probe sees torch

@@ -1,75 +1,55 @@
-"""The training configuration: the schema (`schema.py`), loading from TOML and the command line with each
-key checked alone (`loading.py`), and the help generated from the schema (`help.py`).
+"""The training configuration: the schema (`schema.py`: `JobConfig`, composed of the sections each package
+declares beside its code), loading from TOML and the command line with each key checked alone
+(`loading.py`), and the help generated from the schema (`help.py`).
 
 Torch-free on purpose: the launcher's shell, `--help` and the set-up scripts read the config before (or
 without) a torch process. Rules between keys, and everything derived from the config with the world size
-and the model, are the run plan's (`titanlite/planning/run_plan.py`).
+and the model, are the run plan's (`titanlite/planning/run_plan.py`). The names below load on first use:
+a section module beside its code imports `titanlite.config.ranges` without this package importing the
+schema that composes that section (which would be a cycle).
 """
 
-from titanlite.config.help import USAGE, describe_type, field_docs, first_sentence, help_requested, help_text
-from titanlite.config.loading import apply_dict, load_config, load_toml, parse_overrides, validate
-from titanlite.config.ranges import FRACTION, NON_NEGATIVE, POSITIVE, Range
-from titanlite.config.schema import (
-    CHOICES,
-    DEFAULT_CONFIG,
-    SPLIT_BACKWARD_SCHEDULES,
-    ActivationCheckpoint,
-    Checkpoint,
-    Comm,
-    Compile,
-    DatasetSource,
-    DtypeName,
-    Float8,
-    GpuName,
-    Job,
-    JobConfig,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
-    Parallelism,
-    Profiling,
-    Training,
-    Validation,
-)
-from titanlite.errors import ConfigError
+from __future__ import annotations
 
-__all__ = [
-    "CHOICES",
-    "DEFAULT_CONFIG",
-    "FRACTION",
-    "NON_NEGATIVE",
-    "POSITIVE",
-    "SPLIT_BACKWARD_SCHEDULES",
-    "USAGE",
-    "ActivationCheckpoint",
-    "Checkpoint",
-    "Comm",
-    "Compile",
-    "DatasetSource",
-    "Float8",
-    "ConfigError",
-    "DtypeName",
-    "GpuName",
-    "Job",
-    "JobConfig",
-    "LRScheduler",
-    "Metrics",
-    "Model",
-    "Optimizer",
-    "Parallelism",
-    "Profiling",
-    "Range",
-    "Training",
-    "Validation",
-    "apply_dict",
-    "describe_type",
-    "field_docs",
-    "first_sentence",
-    "help_requested",
-    "help_text",
-    "load_config",
-    "load_toml",
-    "parse_overrides",
-    "validate",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "titanlite.config.help": ("USAGE", "describe_type", "field_docs", "first_sentence", "help_requested", "help_text"),
+    "titanlite.config.loading": ("apply_dict", "load_config", "load_toml", "parse_overrides", "validate"),
+    "titanlite.config.ranges": ("FRACTION", "NON_NEGATIVE", "POSITIVE", "DtypeName", "Range"),
+    "titanlite.config.schema": (
+        "CHOICES",
+        "DEFAULT_CONFIG",
+        "SPLIT_BACKWARD_SCHEDULES",
+        "ActivationCheckpoint",
+        "Checkpoint",
+        "Comm",
+        "Compile",
+        "DatasetSource",
+        "Float8",
+        "GpuName",
+        "Job",
+        "JobConfig",
+        "LRScheduler",
+        "Metrics",
+        "Model",
+        "Optimizer",
+        "Parallelism",
+        "Profiling",
+        "Training",
+        "Validation",
+    ),
+    "titanlite.errors": ("ConfigError",),
+}
+HOME: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
+"""Each name this package exports -> the module that defines it."""
+
+__all__ = sorted(HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """A name of `__all__`, imported from its module on first use (PEP 562)."""
+    if name not in HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(HOME[name]), name)

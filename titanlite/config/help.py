@@ -23,8 +23,18 @@ USAGE = (
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's attribute docstrings (the string under each field), read from its source: Python
-    keeps them nowhere at run time, and the schema's own docstrings are the one place keys are described."""
+    """A dataclass's attribute docstrings (the string under each field), read from its source and its
+    dataclass bases' (`parallelism` holds the keys each unit declares): Python keeps them nowhere at run
+    time, and the schema's own docstrings are the one place keys are described."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings in one class's own body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}

@@ -1,10 +1,12 @@
-"""The numeric domain of a config key (`Range`), kept on its schema field so validation reads it there."""
+"""The domains of config keys, for every section module to declare its keys with: the numeric domain
+(`Range`), kept on its field so validation reads it there, and the dtype names a key may take.
+Imports nothing but the standard library: section modules beside their code import it alone."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -63,3 +65,6 @@ FRACTION = _range(low=0, high=1)  # [0, 1]
 TIMEOUT = _range(low=0, low_open=True, high=7 * 24 * 3600)
 """Seconds a collective may wait: at most a week (torch's backends keep milliseconds; far beyond any real
 wait, and a typo's huge number fails the key, not a rank's process group)."""
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+"""The dtypes a config can name; `torch_support.dtype` maps them to torch's."""

@@ -7,24 +7,30 @@ warning at its first failure; `runs.py` numbers and names the runs of a dump fol
 TensorBoard folders); `peak_memory.py` measures the window's peak memory; `goodput.py` is the job's
 goodput ledger (where its wall time went, over restarts and launches), `goodput_clock.py` rank 0's part
 of it. The names other modules use are importable from `titanlite.metrics`; the MFU helpers (`mfu.py`)
-too, for the benchmarks.
+too, for the benchmarks. They load on first use, so that the config's `metrics` section (`config.py`)
+imports without torch.
 """
 
-from titanlite.metrics.logger import MetricsLogger, clock
-from titanlite.metrics.mfu import mfu_pct, peak_tflops
-from titanlite.metrics.peak_memory import MemoryMonitor
-from titanlite.metrics.schema import METRICS, Metric, StepStats, ValidationResult
-from titanlite.metrics.sinks import check_wandb
+from __future__ import annotations
 
-__all__ = [
-    "METRICS",
-    "MemoryMonitor",
-    "Metric",
-    "MetricsLogger",
-    "StepStats",
-    "ValidationResult",
-    "check_wandb",
-    "clock",
-    "mfu_pct",
-    "peak_tflops",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "titanlite.metrics.logger": ("MetricsLogger", "clock"),
+    "titanlite.metrics.mfu": ("mfu_pct", "peak_tflops"),
+    "titanlite.metrics.peak_memory": ("MemoryMonitor",),
+    "titanlite.metrics.schema": ("METRICS", "Metric", "StepStats", "ValidationResult"),
+    "titanlite.metrics.sinks": ("check_wandb",),
+}
+HOME: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
+"""Each name this package exports -> the module that defines it."""
+
+__all__ = sorted(HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """A name of `__all__`, imported from its module on first use (PEP 562)."""
+    if name not in HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(HOME[name]), name)
