@@ -21,7 +21,8 @@ from titanlite.errors import ConfigError
 from titanlite.models.common import attention, kv_cache
 from titanlite.models.common import dense_activations as activations
 from titanlite.models.common.attention import block_mask, build_mask, dense_mask, document_ids, mask_bytes, mask_mod
-from titanlite.models.llama3.model import ModelArgs, Transformer, rope_at, rope_tables
+from titanlite.models.llama3.model import ModelArgs, Transformer
+from titanlite.models.llama3.rope import rope_at, rope_tables
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel.unit import SEAM, SequenceShard
 from titanlite.parallelisms.layout import Layout

@@ -20,7 +20,7 @@ from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name
 from titanlite.models.llama3 import SPEC, ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.hf_adapter import from_hf_rope, hf_config, to_hf_rope
-from titanlite.models.llama3.model import apply_rope, rope_tables
+from titanlite.models.llama3.rope import apply_rope, rope_tables
 
 # DCP warns on every single-process save/load (no process group), which is what these tests do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

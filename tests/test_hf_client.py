@@ -29,7 +29,7 @@ from titanlite.data.tokenizer_json import TOKENIZER_CONFIG, TOKENIZER_JSON
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models import qwen3
 from titanlite.models.llama3 import SPEC, Transformer, llama3_configs
-from titanlite.models.llama3.model import rope_tables
+from titanlite.models.llama3.rope import rope_tables
 from titanlite.planning.run_plan import RunPlan
 from titanlite.tools.generate import generate
 from titanlite.tools.generate import main as generate_main

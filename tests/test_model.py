@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from titanlite.models.common.attention import attend
+from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
 from titanlite.models.common.init import InitSpec, init_parameter_
 from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
-from titanlite.models.llama3.model import Attention, apply_rope, rope_tables
+from titanlite.models.llama3.model import attention
+from titanlite.models.llama3.rope import apply_rope, rope_tables
 
 PUBLISHED = {"8B": 8.03e9, "70B": 70.55e9, "405B": 405.85e9}
 
@@ -90,7 +92,7 @@ def _debug_args() -> ModelArgs:
     return ModelArgs(**{**llama3_configs["debugmodel"].__dict__, "vocab_size": 300})
 
 
-def _input_grad(attn: Attention, x: torch.Tensor, grad: torch.Tensor, order: str) -> torch.Tensor:
+def _input_grad(attn: GroupedQueryAttention, x: torch.Tensor, grad: torch.Tensor, order: str) -> torch.Tensor:
     """x's gradient through plain-PyTorch attention with `attn`'s weights, its projections made in `order`."""
     x = x.detach().requires_grad_()
     bsz, seq, _ = x.shape
@@ -107,7 +109,7 @@ def test_attention_projects_queries_first():
     the input's gradient in the order of the projections, and the default run's losses (5.2789 at step
     50, 5.0853 at step 100) hold in that order only. The negative control: another order, other bits."""
     torch.manual_seed(0)
-    attn = Attention(_debug_args())
+    attn = attention(_debug_args())
     x, grad = torch.randn(2, 64, 256), torch.randn(2, 64, 256)
     x_in = x.clone().requires_grad_()
     cos, sin = rope_tables(_debug_args(), 64)

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import end_worker, tiny_args  # noqa: E402
 from titanlite.models.common.attention import causal_mask  # noqa: E402
-from titanlite.models.llama3.model import Attention, rope_tables  # noqa: E402
+from titanlite.models.llama3.model import attention  # noqa: E402
+from titanlite.models.llama3.rope import rope_tables  # noqa: E402
 from titanlite.parallelisms.context_parallel.unit import apply_context_parallel  # noqa: E402
 
 SEQ, BATCH = 24, 2
@@ -61,7 +62,7 @@ def main() -> None:
     world = dist.get_world_size()
     torch.manual_seed(0)
     args = tiny_args()
-    reference = Attention(args)
+    reference = attention(args)
     x = torch.randn(BATCH, SEQ, args.dim, requires_grad=True)
     grad_out = torch.randn(BATCH, SEQ, args.dim)
     cos, sin = rope_tables(args, SEQ)

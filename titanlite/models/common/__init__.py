@@ -1,4 +1,5 @@
-"""What the model families share: attention and its masks for packed documents (`attention`), the
-parameter initialisation that gives every parallel layout the same weights (`init`), and the layers
-several families build from (`norm`: RMSNorm; `feed_forward`: SwiGLU). A family's own modules live in
-`models/<name>/`."""
+"""What the model families share: the decoder they configure (`decoder`: the block and the model around
+it), its grouped-query attention (`grouped_query_attention`), attention masks for packed documents
+(`attention`), the parameter initialisation that gives every parallel layout the same weights (`init`),
+and the layers several families build from (`norm`: RMSNorm; `feed_forward`: SwiGLU). A family's own
+modules live in `models/<name>/`."""

@@ -25,7 +25,7 @@ DECODER_BLOCK = {
 and Qwen3 names."""
 
 QK_NORM = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
-"""The QK-norm attention's norms (`qk_norm_attention.py`), as both Qwen3 families name them in HF."""
+"""The QK-norm attention's norms (`grouped_query_attention.py`), as both Qwen3 families name them in HF."""
 
 
 def hf_name(fqn: str, block: dict[str, str], tied: bool = False) -> str:

@@ -15,16 +15,15 @@ Built on the meta device; `init_weights` fills each parameter from a stream of t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
-from torch import nn
 
+from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme, RoPE
 from titanlite.models.common.feed_forward import FeedForward
-from titanlite.models.common.init import InitSpec, init_parameters_
-from titanlite.models.common.kv_cache import KVCache, LayerKV
-from titanlite.models.common.norm import RMSNorm
-from titanlite.models.common.qk_norm_attention import QKNormAttention
-from titanlite.models.common.rope_halves import rope_tables
+from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
+from titanlite.models.common.kv_cache import KVCache
+from titanlite.models.common.rope_halves import apply_rope, rope_at, rope_tables
 from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
 SHAPE_KEYS = (
@@ -107,43 +106,33 @@ class ModelArgs:
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
-class DecoderBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.attention = QKNormAttention(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.norm_eps)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        if args.is_moe(layer_id):
-            a = args
-            self.moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm, layer_id)
-            if a.router_bias_update_rate > 0:
-                self.moe.enable_routing_bias()
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+class Transformer(Decoder):
+    """Qwen3-MoE (module docstring): tokens [b, s] -> logits [b, s, vocab], or a pipeline stage's hidden
+    states and routing sums (`forward`)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        # The KV cache only when generating: the tensor-parallel plan declares the layouts of (x, cos, sin).
-        h = x + self.attention(self.attention_norm(x), cos, sin, *([None, kv] if kv is not None else []))
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
-
-
-class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
-        super().__init__()
-        self.args = args
-        self.seq_len = seq_len or args.max_seq_len
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.head_dim, args.rope_theta, self.seq_len)
+        rope = RoPE(
+            tables=partial(rope_tables, args.head_dim, args.rope_theta),
+            at=partial(rope_at, args.head_dim, args.rope_theta),
+            rotate=apply_rope,
+        )
+
+        def block(layer: int) -> DecoderBlock:
+            a = args
+            attention = GroupedQueryAttention(a.dim, a.n_heads, a.kv_heads, a.head_dim, rope.rotate, a.norm_eps)
+            if not a.is_moe(layer):
+                return DecoderBlock(attention, FeedForward(a.dim, a.ffn_dim), a.dim, a.norm_eps, norms_first=True)
+            moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm, layer)
+            if a.router_bias_update_rate > 0:
+                moe.enable_routing_bias()
+            return DecoderBlock(attention, moe, a.dim, a.norm_eps, ffn_name="moe", norms_first=True)
+
+        depth_scaled = ("attention.wo.weight", "feed_forward.w2.weight", "experts.down_proj")
+        super().__init__(args, seq_len, block, rope, InitScheme(depth_scaled=depth_scaled))
         self.routing_in: torch.Tensor | None = None
         """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self, tokens: torch.Tensor, routing: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [b, s] -> logits [b, s, vocab].
@@ -156,15 +145,7 @@ class Transformer(nn.Module):
 
         With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
         from position 0, then one token at a time (`models/common/kv_cache.py`)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if cache is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope_cos, self.rope_sin)
-        else:
-            pos = cache.check(tokens.shape[1])
-            cos, sin = self.rope_cos[pos : pos + tokens.shape[1]], self.rope_sin[pos : pos + tokens.shape[1]]
-            for i, layer in enumerate(self.layers.values()):
-                h = layer(h, cos, sin, (cache.k[i], cache.v[i], pos))
+        h = self.hidden_states(tokens, cache)
         if self.output is None:
             if routing is None:  # the first stage
                 routing = torch.zeros(3, self.args.num_experts, device=h.device)
@@ -172,30 +153,11 @@ class Transformer(nn.Module):
         self.routing_in = routing
         return self.output(self.norm(h))
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for generating up to `max_len` positions (at most the RoPE tables' length)."""
-        a, length = self.args, min(max_len, self.seq_len)
-        return KVCache.empty(self.tok_embeddings.weight, len(self.layers), batch, a.kv_heads, length, a.head_dim)
-
-    def init_spec(self, fqn: str) -> InitSpec:
-        """How the parameter named `fqn` is initialised: TorchTitan's scheme, experts like linear layers."""
-        if fqn.startswith("tok_embeddings."):
-            return InitSpec("normal", std=1.0)
-        if fqn.startswith("output."):
-            std = self.args.dim**-0.5
-            return InitSpec("trunc_normal", std=std, cutoff=3 * std)
-        if fqn.endswith("norm.weight"):
-            return InitSpec("ones")
-        if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.down_proj")):
-            depth = int(fqn.split(".")[1]) + 1
-            return InitSpec("trunc_normal", std=0.02 / (2 * depth) ** 0.5)
-        return InitSpec("trunc_normal", std=0.02)
-
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
-        init_parameters_([(fqn, p, self.init_spec(fqn)) for fqn, p in self.named_parameters()], seed)
-        device = buffer_device or self.rope_cos.device
-        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, self.args.rope_theta, self.seq_len, device)
+        """The decoder's parameters and RoPE tables (`Decoder.init_weights`), and the routing counters zeroed."""
+        super().init_weights(seed, buffer_device)
+        device = self.rope_cos.device
         for moe in moe_layers(self):
             moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
             if moe.expert_bias is not None:

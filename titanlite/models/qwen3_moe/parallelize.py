@@ -1,10 +1,9 @@
 """Qwen3-MoE's tensor-parallel plan: the dense decoder's for the dense parts, the MoE layer on gathered
 tokens.
 
-Attention, the dense FFN layers, the embedding, norms and output split as every dense decoder's
-(Megatron-style TP with sequence parallelism; `models/common/tensor_parallel.py`); the per-head q/k
-RMSNorms run on each rank's own heads, their weights replicated (`SequenceParallel` over the heads dim,
-whose weight gradients are reduced over tp). A MoE layer is not split: its input's sequence shards are
+Attention, the dense FFN layers, the embedding, norms and output split as dense Qwen3's (Megatron-style
+TP with sequence parallelism, the per-head q/k RMSNorms on each rank's own heads;
+`models/common/tensor_parallel.py`). A MoE layer is not split: its input's sequence shards are
 gathered, every tp rank routes the same tokens with the same (replicated) router and experts, and the
 output is split back into sequence shards. So the experts' weights and gradients are whole and equal on
 every tp rank, expert parallelism (which splits them over the data-parallel shard ranks) needs nothing of
@@ -15,13 +14,7 @@ layer's compute done tp times; splitting the experts' tokens over tp is not done
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from titanlite.models.common.tensor_parallel import dense_tp_plan
 from titanlite.parallelisms.data_parallel.replicate_weights import ReplicateWeights
@@ -29,23 +22,11 @@ from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
-    common = dense_tp_plan(loss_parallel)
-    dense = {name: style for name, style in common.block.items() if not name.startswith("attention")}
+    dense = dense_tp_plan(loss_parallel, qk_norm=True)
     return TensorParallelPlan(
-        roots=common.roots,
+        roots=dense.roots,
         block={
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            # [b, s, local heads, head_dim]: each rank normalises its own heads.
-            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            **dense,  # ffn_norm and the dense layers' feed_forward
+            **dense.block,  # the attention, its norms, ffn_norm and the dense layers' feed_forward
             "moe": PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
                 desired_input_layouts=(Replicate(),),
