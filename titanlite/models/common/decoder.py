@@ -143,11 +143,7 @@ class Decoder(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
     def hidden_states(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None = None,
-        positions: torch.Tensor | None = None,
-        mask: Mask = None,
+        self, tokens: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None, mask: Mask
     ) -> torch.Tensor:
         """The embedding (or the hidden states handed in) through every block held. With a `cache`
         (generation), `tokens` are the positions after the cached ones: one sequence, one document, causal.

@@ -6,7 +6,11 @@ The tables hold each angle twice, [.., head_dim]: the half-width frequencies for
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+
+from titanlite.models.common.decoder import RoPE
 
 
 def rope_freqs(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -43,3 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
+def rope(head_dim: int, theta: float) -> RoPE:
+    """This layout's RoPE as the decoder takes it (`decoder.RoPE`)."""
+    return RoPE(tables=partial(rope_tables, head_dim, theta), at=partial(rope_at, head_dim, theta), rotate=apply_rope)

@@ -13,12 +13,11 @@ through parallelisation and materialisation, `parallelisms/tied_parameters.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
-from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme, RoPE
+from titanlite.models.common import rope_halves
+from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
-from titanlite.models.common.rope_halves import apply_rope, rope_at, rope_tables
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len")
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""
@@ -69,11 +68,7 @@ class Transformer(Decoder):
     `initializer_range`), since each token's logit for itself starts at dim x std (std 1 would make it dim)."""
 
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
-        rope = RoPE(
-            tables=partial(rope_tables, args.head_dim, args.rope_theta),
-            at=partial(rope_at, args.head_dim, args.rope_theta),
-            rotate=apply_rope,
-        )
+        rope = rope_halves.rope(args.head_dim, args.rope_theta)
 
         def block(layer: int) -> DecoderBlock:
             a = args

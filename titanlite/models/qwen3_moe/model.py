@@ -15,15 +15,14 @@ Built on the meta device; `init_weights` fills each parameter from a stream of t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme, RoPE
+from titanlite.models.common import rope_halves
+from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
 from titanlite.models.common.kv_cache import KVCache
-from titanlite.models.common.rope_halves import apply_rope, rope_at, rope_tables
 from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
 
 SHAPE_KEYS = (
@@ -111,11 +110,7 @@ class Transformer(Decoder):
     states and routing sums (`forward`)."""
 
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
-        rope = RoPE(
-            tables=partial(rope_tables, args.head_dim, args.rope_theta),
-            at=partial(rope_at, args.head_dim, args.rope_theta),
-            rotate=apply_rope,
-        )
+        rope = rope_halves.rope(args.head_dim, args.rope_theta)
 
         def block(layer: int) -> DecoderBlock:
             a = args
@@ -145,7 +140,7 @@ class Transformer(Decoder):
 
         With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
         from position 0, then one token at a time (`models/common/kv_cache.py`)."""
-        h = self.hidden_states(tokens, cache)
+        h = self.hidden_states(tokens, cache, None, None)
         if self.output is None:
             if routing is None:  # the first stage
                 routing = torch.zeros(3, self.args.num_experts, device=h.device)
