@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from titanlite.models.common.kv_cache import KVCache, LayerKV
 from titanlite.models.common.norm import RMSNorm
 from titanlite.models.common.rope_rows import Rope, rope_rows
 from titanlite.parallelisms.context_parallel.unit import SequenceShard
+
+FeedForwardName = Literal["feed_forward", "moe"]
+"""A block's feed-forward's name, which the tensor-parallel plans and the HF adapters address."""
 
 
 class DecoderArgs(Protocol):
@@ -70,8 +73,10 @@ class InitScheme:
 
 
 class DecoderBlock(nn.Module):
-    """x + attention(attention_norm(x)), then h + ffn(ffn_norm(h)); the feed-forward is registered as
-    `ffn_name` (`moe` for a mixture of experts), after the norms when `norms_first`."""
+    """x + attention(attention_norm(x)), then h + ffn(ffn_norm(h)), the feed-forward registered as
+    `ffn_name` (`moe`: a mixture of experts). The modules register in the order the block's parameters
+    are listed (state dict, optimizer, the gradient norm's sums): attention, feed-forward, norms, or the
+    feed-forward after the norms when `norms_first` (Qwen3-MoE's order)."""
 
     def __init__(
         self,
@@ -79,7 +84,7 @@ class DecoderBlock(nn.Module):
         ffn: nn.Module,
         dim: int,
         norm_eps: float,
-        ffn_name: str = "feed_forward",
+        ffn_name: FeedForwardName = "feed_forward",
         norms_first: bool = False,
     ):
         super().__init__()

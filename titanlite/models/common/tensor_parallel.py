@@ -12,7 +12,7 @@ gradients are reduced over tp)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
@@ -64,3 +64,9 @@ def dense_tp_plan(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelP
             "feed_forward.w3": ColwiseParallel(),
         },
     )
+
+
+def dense_tp_divisible(args: Any) -> dict[str, int]:
+    """What the plan splits over tp and tp must divide (`ParallelSeams.tp_divisible`): the query heads, the
+    key/value heads and the SwiGLU's width (`args.ffn_hidden_dim`)."""
+    return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "ffn_dim": args.ffn_hidden_dim}

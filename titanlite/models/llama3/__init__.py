@@ -2,6 +2,7 @@
 
 from titanlite.models.common.dense_activations import activation_bytes
 from titanlite.models.common.dense_cost import step_cost
+from titanlite.models.common.tensor_parallel import dense_tp_divisible
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer
@@ -34,11 +35,7 @@ SPEC = ModelSpec(
     ),
     parallel=ParallelSeams(
         tp_plan=llama_tp_plan,
-        tp_divisible=lambda args: {
-            "n_heads": args.n_heads,
-            "n_kv_heads": args.kv_heads,
-            "ffn_dim": args.ffn_hidden_dim,
-        },
+        tp_divisible=dense_tp_divisible,
         context_parallel=True,
     ),
     planning=PlanningTerms(activation_bytes=activation_bytes, step_cost=step_cost),

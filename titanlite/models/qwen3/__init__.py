@@ -5,6 +5,7 @@ from functools import partial
 
 from titanlite.models.common.dense_activations import activation_bytes
 from titanlite.models.common.dense_cost import step_cost
+from titanlite.models.common.tensor_parallel import dense_tp_divisible
 from titanlite.models.qwen3.flavors import qwen3_configs
 from titanlite.models.qwen3.hf_adapter import Qwen3HFAdapter
 from titanlite.models.qwen3.model import SHAPE_KEYS, ModelArgs, Transformer
@@ -35,11 +36,7 @@ SPEC = ModelSpec(
     ),
     parallel=ParallelSeams(
         tp_plan=qwen3_tp_plan,
-        tp_divisible=lambda args: {
-            "n_heads": args.n_heads,
-            "n_kv_heads": args.kv_heads,
-            "ffn_dim": args.ffn_hidden_dim,
-        },
+        tp_divisible=dense_tp_divisible,
         context_parallel=True,
     ),
     planning=PlanningTerms(
