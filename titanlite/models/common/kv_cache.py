@@ -1,6 +1,6 @@
 """A KV cache for generation: the keys and values of the positions generated so far, per block, so each new
 token runs the model over itself alone instead of over the whole sequence again. The dense families'
-attention reads and writes it (`Transformer.forward` with `cache`, `attend_cached`)."""
+attention reads and writes it (`Decoder.forward` with `cache`, `attend_cached`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ position its new tokens start at."""
 class KVCache:
     """Keys and values of the positions generated so far, per block: each new token then runs the model
     over itself alone instead of over the whole sequence again. Filled from position 0 by a prompt, then
-    one token at a time (`Transformer.forward` with `cache`)."""
+    one token at a time (`Decoder.forward` with `cache`)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]

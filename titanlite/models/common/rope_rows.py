@@ -1,6 +1,6 @@
-"""The RoPE rows and the attention mask of one decoder forward: the rule every dense family's
-`Transformer.forward` follows, so that generation, packed documents and context-parallel pipeline stages
-mean the same in each.
+"""The RoPE rows and the attention mask of one decoder forward: the rule the shared decoder follows
+(`decoder.Decoder.hidden_states`), so that generation, packed documents and context-parallel pipeline
+stages mean the same in every family.
 
 - with a KV cache (generation): the rows of the positions the new tokens take (`KVCache.check`), no mask;
 - with per-document `positions`: the rows of those positions (the family's `at`), the batch's mask;
