@@ -188,7 +188,7 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     128k). CUDA is simulated at the device choice (`uses_flex`) with a marked stand-in for the BlockMask;
     the keys and values a second cp rank would send are this rank's again (`start_gather` and
     `finish_gather`, one process). The stage's output equals the step's path (`model_forward` with the
-    shard), bitwise."""
+    shard as the step context's hook), bitwise."""
     torch.manual_seed(0)
     model = Transformer(ARGS, seq_len=SEQ)
     model.init_weights(seed=0)
@@ -212,7 +212,7 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     assert len(masks) == ARGS.n_layers and all(isinstance(m, FlexMask) for m in masks), masks
     held = shard.positions(SEQ // 2, tokens.device)
     assert torch.equal(masks[0].dense[0, 0], held[:, None] >= torch.arange(SEQ)[None, :])
-    step = model_forward(model, Batch(tokens, tokens, None), "causal", shard)
+    step = model_forward(model, Batch(tokens, tokens, None), "causal", StepContext(cross_entropy_loss, hooks=(shard,)))
     assert torch.equal(stage, step)
 
 

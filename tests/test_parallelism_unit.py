@@ -3,9 +3,9 @@
 A test-only parallelism, defined here and given its place in the order (`parallelize.PARALLELISMS`) and
 nowhere else, plugs in through the seam: its rule refuses a bad config in the launcher's preflight, before
 any rank starts; the model build runs its apply function; the step context applies its batch and loss
-hook. And the real units' modules are imported, outside the model families' seams, only by the order and
-the step code that uses a seam's type: nothing in the plan, the checkpoint, the trainer, validation, the
-build, the planning or the tools names one.
+hook. And every parallelism is a folder and a unit of the order: its folder is imported, outside the model
+families' seams, by the order and the few named in `FOOTPRINT` only; the step, the plan and the build
+reach it through the order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import check_run
 from titanlite.parallelisms import parallelize
 from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
 from titanlite.planning.memory import StepChoice
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run import build
@@ -32,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
 
 
 @dataclass(frozen=True)
-class HalfHook:
+class HalfHook(StepHook):
     """Keeps the first half of every sequence and doubles the loss."""
 
     def batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class HalfHook:
 
 @dataclass
 class Toy:
-    """A parallelism of degree 2 on every mesh, recording what it was applied to."""
+    """A parallelism every run has, recording what it was applied to."""
 
     applied: list[nn.Module] = field(default_factory=list)
 
@@ -57,7 +57,7 @@ class Toy:
         return {}
 
     def unit(self) -> ParallelismUnit:
-        return ParallelismUnit("toy", lambda dims: 2, self.rules, self.apply, step_hook=lambda dims: HalfHook())
+        return ParallelismUnit("toy", lambda cfg, dims: True, self.rules, self.apply, step_hook=lambda dims: HalfHook())
 
 
 @pytest.fixture
@@ -86,28 +86,96 @@ def test_a_parallelism_plugs_in_through_its_unit(toy, process_group, tmp_path):
     assert torch.equal(ctx.microbatch_loss(pred, labels, backwards=4), 2 * ctx.loss_fn(pred, labels) / 4)
 
 
-def _importers(module: str) -> set[str]:
-    """Product files outside the model families that import `titanlite.parallelisms.<module>`."""
-    pattern = re.compile(rf"parallelisms\.{module}\b|from titanlite\.parallelisms import [^\n]*\b{module}\b")
+def _importers(folder: str, package: Path = PACKAGE) -> set[str]:
+    """Product files outside the model families and outside `folder` that import
+    `titanlite.parallelisms.<folder>`."""
+    pattern = re.compile(rf"parallelisms\.{folder}\b|from titanlite\.parallelisms import [^\n]*\b{folder}\b")
     return {
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if not path.is_relative_to(PACKAGE / "models") and pattern.search(path.read_text())
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if not path.is_relative_to(package / "models")
+        and not path.is_relative_to(package / "parallelisms" / folder)
+        and pattern.search(path.read_text())
     }
 
 
+ORDER = "parallelisms/parallelize.py"
 FOOTPRINT = {
-    "tensor": {"parallelisms/parallelize.py"},
-    # The forward hands the model its positions (`SequenceShard`, the hook's type), in both step runners.
-    "context": {"parallelisms/parallelize.py", "parallelisms/step_context.py", "run/step.py"},
-    # The compiled blocks' graph break around the token dispatch.
-    "expert": {"parallelisms/parallelize.py", "compile/compiler.py"},
+    "float8": {
+        ORDER,
+        # The memory plans count the weights gathered in float8 (`converted_weights`).
+        "planning/memory.py",
+        "planning/layout_memory.py",
+        # The launcher checks the ranks' device for the recipe (`check_device`).
+        "launcher/preflight.py",
+        # Compiled rowwise runs patch inductor's settings (the compile package, being decoupled).
+        "compile/compiler.py",
+    },
+    "tensor_parallel": {ORDER},
+    "context_parallel": {ORDER},
+    "expert_parallel": {
+        ORDER,
+        # The compiled blocks' graph break around the token dispatch (the compile package).
+        "compile/compiler.py",
+    },
+    "pipeline": {
+        ORDER,
+        # The layout space enumerates the schedules (`SINGLE_STAGE`, `MULTI_STAGE`).
+        "planning/layout_space.py",
+        # The dry run plans a rank's stages as one module (`StageUnion`).
+        "tools/dry_run.py",
+    },
+    "data_parallel": {
+        ORDER,
+        # The experts' own mesh is a data-parallel placement (`DataParallelMesh`).
+        "parallelisms/expert_parallel/unit.py",
+        # Float8's gathers are SimpleFSDP's with a float8 wire (`ReplicateComputation.wire`).
+        "parallelisms/float8/gather.py",
+        # The step's gradient reduction and kept gathers (`StepPolicy`, `reduce_once`, `keep_for_step`), read
+        # by the step context, the plan's step candidates, the build before materialising and the memory plan.
+        "parallelisms/step_context.py",
+        "planning/run_plan.py",
+        "run/build.py",
+        "planning/memory.py",
+        # The dry run's reshard plan, a replica's batches in the trainer, the checkpoint's sharded views.
+        "tools/dry_run.py",
+        "run/trainer.py",
+        "checkpoint/weights.py",
+        # SimpleFSDP's states, gathers and reshard plan (the compile package, being decoupled).
+        "compile/compiler.py",
+        "compile/prefetch.py",
+    },
 }
+"""Who imports each parallelism's folder beyond the model families' seams: the order, and the few named."""
+UNNAMED = ("run/step.py", "planning/run_plan.py", "run/build.py")
+"""The step, the plan and the build name no parallelism but through the order (the step policy excepted)."""
 
 
 def test_the_real_parallelisms_are_named_by_the_order_only():
-    """Each unit of the order, and who imports its module beyond the model families' seams."""
-    modules = {unit.name: unit.rules.__module__.split(".")[2] for unit in parallelize.PARALLELISMS}
-    assert modules == {"tensor": "tensor_parallel", "context": "context_parallel", "expert": "expert_parallel"}
-    for name, module in modules.items():
-        assert _importers(module) == FOOTPRINT[name], name
+    """Each unit of the order, and who imports its folder beyond the model families' seams."""
+    folders = {unit.name: unit.apply.__module__.split(".")[2] for unit in parallelize.PARALLELISMS}
+    assert folders == {
+        "float8": "float8",
+        "tensor": "tensor_parallel",
+        "context": "context_parallel",
+        "expert": "expert_parallel",
+        "pipeline": "pipeline",
+        "data": "data_parallel",
+    }
+    for folder in folders.values():
+        assert _importers(folder) == FOOTPRINT[folder], folder
+        named = {f for f in _importers(folder) if f in UNNAMED}
+        assert named <= ({"planning/run_plan.py", "run/build.py"} if folder == "data_parallel" else set()), folder
+
+
+def test_the_footprint_sees_an_import(tmp_path):
+    """Negative control: an import of a unit's folder from the step is seen, in either spelling; the model
+    families' and the folder's own are not."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step.py").write_text("from titanlite.parallelisms.float8.gather import float8_gathers_of\n")
+    (tmp_path / "run" / "build.py").write_text("from titanlite.parallelisms import pipeline\n")
+    for own in ("models/llama3", "parallelisms/float8"):
+        (tmp_path / own).mkdir(parents=True)
+        (tmp_path / own / "x.py").write_text("from titanlite.parallelisms.float8 import unit\n")
+    assert _importers("float8", tmp_path) == {"run/step.py"}
+    assert _importers("pipeline", tmp_path) == {"run/build.py"}

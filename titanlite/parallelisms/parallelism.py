@@ -1,30 +1,30 @@
-"""What one parallelism is: a unit of four parts, each read by the one place that needs it.
+"""What one parallelism is: a unit of parts, each read by the one place that needs it.
 
+    on          `(cfg, dims) -> bool`: whether the run has it (a mesh degree above one, or a config switch).
     rules       `(cfg, dims, spec, args) -> None`, raising `ConfigError` with one line: what the parallelism
-                needs from the other keys, the model family and the mesh. The run plan (`plan.RunPlan.build`)
-                calls it before any rank starts, for each parallelism whose degree is above one.
-    apply       `(ApplyArgs) -> own meshes`: the parallelism applied to the model on the meta device. The
-                framework's order (`parallelize.PARALLELISMS`) calls it; it returns the modules the data-parallel
-                plan must place on a mesh of their own (expert parallelism's experts), else nothing.
-    step_hook   `(dims) -> StepHook | None`: what it changes in a training step, a microbatch's per-token
-                tensors (`StepHook.batch`) and its loss (`StepHook.loss`), applied by the one step context
-                (`step_context.StepContext`) that both step runners and validation use.
+                needs from the other keys, the model family and the mesh, and, when it is off, that none of
+                its own keys is set. The run plan (`run_plan.RunPlan.build`) calls it for every unit of the
+                order before any rank starts.
+    apply       `(ApplyArgs) -> own meshes`: the parallelism applied to the model on the meta device, in its
+                phase of the framework's order (`parallelize.PARALLELISMS`); `gathers`, after data
+                parallelism placed the weights, changes how they are gathered (float8's gathers).
+    step_hook   `(dims) -> StepHook | None`: what it changes in a training step (`StepHook`), applied by the
+                one step context (`step_context.StepContext`) both step runners and validation use.
+    stages      `Stages`: a parallelism that cuts the model into stages over ranks (its plan, the cut, the
+                runner of its schedule), read by the run plan and the build.
     step_time   `(StageWork) -> seconds`: its exposed collectives for one microbatch through one pipeline
-                stage, read by the step-time model (`planning/step_time.py`) for the dry run and the layout
-                search; `group` names its ranks' mesh group (size, stride in ranks) for the link it runs on,
-                and `comm_words` what the search calls that term when it compares two layouts.
+                stage, read by the step-time model (`planning/step_time.py`); `group` names its ranks' mesh
+                group and `comm_words` what the layout search calls that term.
 
-A parallelism is adding this unit in its own module, its setting in `config/schema.py` and its place in the
-order; the plan, the step context and the step-time model read it from the order and name none of them.
-The memory a parallelism changes is the family's activation model's (`ModelSpec.planning.activation_bytes`, from
-the `memory_plan.Layout` the run plan fills), since what it saves depends on the family's shapes.
+A parallelism is its folder with this unit, its setting in the config and its place in the order; the plan,
+the build, the step and the step-time model read it from the order and name none of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -33,21 +33,29 @@ from titanlite.config import JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:  # the run plan reads the units' rules in the launcher, which imports no DTensor
-    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.host_replay import HostReplay
     from titanlite.parallelisms.units import Units
 
 
-class StepHook(Protocol):
-    """A parallelism's part of a training step (module docstring: step_hook)."""
+class StepHook:
+    """A parallelism's part of a training step; each method's default leaves the step as it is."""
+
+    def before_step(self, model: nn.Module) -> None:
+        """Before a step's (or an evaluation's) first forward, with this rank's model (float8's gathers
+        refreshed from the weights as they are now)."""
 
     def batch(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a per-token tensor of a microbatch ([batch, seq]: inputs, labels)."""
-        ...
+        """This rank's part of a per-token tensor of a microbatch ([batch, seq]: inputs, labels, positions)."""
+        return t
+
+    def held(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """The indices in a `seq_len`-token sequence of the tokens `batch` keeps (the forward's positions and
+        its mask's query rows); None: every token, in order."""
+        return None
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A microbatch's loss as its backward runs on it."""
-        ...
+        return loss
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,12 @@ class ApplyArgs:
     cfg: JobConfig
     replay: HostReplay
     """Host values the blocks' forwards read, replayed by full activation checkpointing's recompute."""
+    high_precision: tuple[str, ...] = ()
+    """The family's linear layers that stay in high precision (`ShapeRules.high_precision`)."""
+    reshard: Any = None
+    """The data phase's: the model's `reshard.ReshardPlan`, read by the compiled graphs too."""
+    own: dict[nn.Module, Any] = field(default_factory=dict)
+    """The data phase's: the modules the model phase placed on a mesh of their own, with that mesh."""
 
 
 @dataclass(frozen=True)
@@ -101,15 +115,35 @@ def _no_hook(dims: ParallelDims) -> StepHook | None:
 
 
 @dataclass(frozen=True)
+class Stages:
+    """A parallelism that cuts the model into stages over its ranks (module docstring: stages)."""
+
+    plan: Callable[[JobConfig, ParallelDims, Any], Any]
+    """`(cfg, dims, args)`: the stage plan (`RunPlan.pipeline`): which blocks each stage holds, which stages
+    a rank runs (`stages_of`), the microbatches."""
+    keep: Callable[[nn.Module, Units, Any, int], None]
+    """`(model, units, plan, stage)`: reduce the model on the meta device to one stage."""
+    runner: Callable[..., Any]
+    """`(plan, parts, dims, device, context, backwards_per_step)`: the step runner over the rank's stages."""
+
+
+@dataclass(frozen=True)
 class ParallelismUnit:
     """One parallelism (module docstring)."""
 
     name: str
-    degree: Callable[[ParallelDims], int]
-    """Its degree in the mesh; above one, it is on."""
+    on: Callable[[JobConfig, ParallelDims], bool]
+    """Whether the run has it: its degree in the mesh above one, or its switch in the config."""
     rules: Rules
-    apply: Callable[[ApplyArgs], dict[nn.Module, DataParallelMesh]]
+    apply: Callable[[ApplyArgs], dict[nn.Module, Any]]
+    """Returns the modules it placed on a mesh of their own (a `DataParallelMesh` each), else nothing."""
+    phase: Literal["model", "data"] = "model"
+    """`model`: applied before activation checkpointing and compilation; `data`: after them, given the
+    reshard plan and the modules with their own mesh (`parallelize.py`)."""
+    gathers: Callable[[ApplyArgs], None] | None = None
+    """After the data phase: what it changes in the weights' gathers (float8 bits on the wire)."""
     step_hook: Callable[[ParallelDims], StepHook | None] = _no_hook
+    stages: Stages | None = None
     step_time: Callable[[StageWork], float] | None = None
     group: Callable[[ParallelDims], tuple[int, int]] | None = None
     """(ranks, stride in ranks) of its group in the mesh, innermost dims fastest; with `step_time`."""
@@ -117,5 +151,12 @@ class ParallelismUnit:
     """What its `step_time` term counts, in the layout search's words (`exposed tp collectives`); with
     `step_time`."""
 
-    def enabled(self, dims: ParallelDims) -> bool:
-        return self.degree(dims) > 1
+
+def when_on(on: Callable[[JobConfig, ParallelDims], bool], rules: Rules) -> Rules:
+    """`rules` checked only where the unit is `on` (a unit with no keys of its own to refuse when off)."""
+
+    def checked(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
+        if on(cfg, dims):
+            rules(cfg, dims, spec, args)
+
+    return checked

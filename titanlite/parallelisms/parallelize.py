@@ -1,5 +1,6 @@
 """The order of the parallelisms, owned by the framework and written once.
 
+The model phase (`ParallelismUnit.phase` "model"), in the order of `PARALLELISMS`:
     float8                  `float8.apply_float8` (`float8.enable`): the chosen linear layers become torchao's
                             float8 layers, keeping their parameters, which everything after wraps unchanged
     tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
@@ -7,17 +8,22 @@
                             part of every sequence (after TP, whose layouts split it further)
     expert parallelism      `expert_parallel.apply_expert_parallel`: the experts' weights become DTensors sharded
                             over `ep`, and the MoE layers dispatch their tokens to the experts' ranks
-The three are units (`parallelism.ParallelismUnit`), listed in this order in `PARALLELISMS`, which the run plan
-(their rules), the step context (their step hooks, `step_hooks`) and the step-time model (their terms) read
-too: a new parallelism is its unit, its setting and its place in that tuple.
+    pipeline parallelism    nothing here: the build cuts the stage first (`Stages.keep`), and the order runs
+                            on the stage as on a whole model
+then the framework's own steps, and the data phase:
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
     compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
-                            the experts on their own mesh (efsdp x ep) under expert parallelism; the
-                            float8 layers' weights gathered as float8 bits (`float8.all_gather`,
-                            `float8_gather.py`)
+                            the experts on their own mesh (efsdp x ep) under expert parallelism
+    gathers                 each unit's `gathers` (float8: the float8 layers' weights gathered as float8 bits,
+                            `float8.all_gather`, `float8/gather.py`)
     eager prefetch          compile scope `prefetch` only (`compile.apply_prefetch`): SimpleFSDP's gathers and
                             reductions leave the per-block graphs for hooks that issue them a block ahead
+
+Every parallelism is a unit (`parallelism.ParallelismUnit`) in `PARALLELISMS`, which the run plan (their
+rules, the stage plan), the build (the stage cut and its runner), the step context (their step hooks,
+`step_hooks`) and the step-time model (their terms) read too: a new parallelism is its folder, its setting
+and its place in that tuple.
 
 Why this order:
 - TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
@@ -44,39 +50,65 @@ settings come from the config and the mesh from `ParallelDims`. The model is on 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from titanlite import torch_support
 from titanlite.config import JobConfig
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel import unit as context_parallel
+from titanlite.parallelisms.data_parallel import unit as data_parallel
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.expert_parallel import unit as expert_parallel
+from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, Stages, StepHook
+from titanlite.parallelisms.pipeline import unit as pipeline
 from titanlite.parallelisms.tensor_parallel import unit as tensor_parallel
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
     from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlanFn
 
-PARALLELISMS: tuple[ParallelismUnit, ...] = (tensor_parallel.UNIT, context_parallel.UNIT, expert_parallel.UNIT)
+PARALLELISMS: tuple[ParallelismUnit, ...] = (
+    float8.UNIT,
+    tensor_parallel.UNIT,
+    context_parallel.UNIT,
+    expert_parallel.UNIT,
+    pipeline.UNIT,
+    data_parallel.UNIT,
+)
 """The parallelism units in the order they are applied (module docstring)."""
 
 
-def enabled(dims: ParallelDims, order: tuple[ParallelismUnit, ...] | None = None) -> list[ParallelismUnit]:
-    """The units of `order` (default `PARALLELISMS`, read when called) this mesh runs (degree above one)."""
-    return [unit for unit in (PARALLELISMS if order is None else order) if unit.enabled(dims)]
+def _order(order: tuple[ParallelismUnit, ...] | None) -> tuple[ParallelismUnit, ...]:
+    return PARALLELISMS if order is None else order
 
 
-def step_hooks(dims: ParallelDims, order: tuple[ParallelismUnit, ...] | None = None) -> tuple[StepHook, ...]:
-    """The step hooks of the units this mesh runs, in order (`step_context.StepContext.hooks`)."""
-    return tuple(hook for unit in enabled(dims, order) if (hook := unit.step_hook(dims)) is not None)
+def check_rules(cfg: JobConfig, dims: ParallelDims, spec: object, args: object) -> None:
+    """Every unit's rules, on or off, in the order (`ParallelismUnit.rules`)."""
+    for unit in _order(None):
+        unit.rules(cfg, dims, spec, args)
+
+
+def enabled(
+    cfg: JobConfig, dims: ParallelDims, order: tuple[ParallelismUnit, ...] | None = None
+) -> list[ParallelismUnit]:
+    """The units of `order` (default `PARALLELISMS`, read when called) this run has (`ParallelismUnit.on`)."""
+    return [unit for unit in _order(order) if unit.on(cfg, dims)]
+
+
+def step_hooks(cfg: JobConfig, dims: ParallelDims) -> tuple[StepHook, ...]:
+    """The step hooks of the units this run has, in order (`step_context.StepContext.hooks`)."""
+    return tuple(hook for unit in enabled(cfg, dims) if (hook := unit.step_hook(dims)) is not None)
+
+
+def stages(cfg: JobConfig, dims: ParallelDims) -> Stages | None:
+    """The stages of the unit that cuts the model over ranks (`ParallelismUnit.stages`), or None."""
+    return next((unit.stages for unit in enabled(cfg, dims) if unit.stages is not None), None)
 
 
 def parallelize(
@@ -97,14 +129,12 @@ def parallelize(
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()
     tied = TiedParameters.of(model)
-    if cfg.float8.enable:  # first: the layers every parallelism then wraps keep their parameters
-        from titanlite.parallelisms.float8.unit import apply_float8
-
-        apply_float8(model, cfg, high_precision)
-    applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay)
-    own: dict[nn.Module, DataParallelMesh] = {}
-    for unit in enabled(dims, order):
-        own |= unit.apply(applied)
+    on = enabled(cfg, dims, order)
+    applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay, high_precision)
+    own: dict[nn.Module, object] = {}
+    for unit in on:
+        if unit.phase == "model":
+            own |= unit.apply(applied)
     # Each unit replaced parameters module by module: a shared one is tied back before data parallelism,
     # which then shards it once (`tied_parameters.py`).
     tied.retie(model)
@@ -120,51 +150,15 @@ def parallelize(
         from titanlite.compile.compiler import apply_compile
 
         report = apply_compile(model, units, ac, cfg, dims, reshard)
-    if dims.dp_enabled:
-        _data_parallel(model, units, dims, cfg, reshard, own)
+    placed = dataclasses.replace(applied, reshard=reshard, own=own)
+    for unit in on:
+        if unit.phase == "data":
+            unit.apply(placed)
+    for unit in on:
+        if unit.gathers is not None:
+            unit.gathers(placed)
     if report is not None:
         from titanlite.compile.compiler import apply_prefetch
 
         apply_prefetch(model, units, reshard, report)
     return model
-
-
-def _data_parallel(
-    model: nn.Module,
-    units: Units,
-    dims: ParallelDims,
-    cfg: JobConfig,
-    reshard: ReshardPlan,
-    own: dict[nn.Module, DataParallelMesh],
-) -> None:
-    """SimpleFSDP or FSDP2 (`parallelism.dp_impl`) with the configured mixed precision and reshard plan;
-    `own`: the modules a parallelism placed on a mesh of their own (expert parallelism's experts)."""
-    # Imported here, where ranks build their model: the run plan imports this module for the order of
-    # the units in the launcher, before any rank, which imports neither DTensor nor FSDP2.
-    from titanlite.parallelisms.data_parallel.eager_reshard import apply_reshard
-    from titanlite.parallelisms.data_parallel.fsdp2 import apply_fsdp2
-    from titanlite.parallelisms.data_parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
-
-    param_dtype = torch_support.dtype(cfg.training.mixed_precision_param)
-    reduce_dtype = torch_support.dtype(cfg.training.mixed_precision_reduce)
-    float8_gathers = cfg.float8.enable and cfg.float8.all_gather
-    if cfg.parallelism.dp_impl == "fsdp2":
-        apply_fsdp2(model, units, dims.fsdp_mesh, param_dtype, reduce_dtype, reshard)
-        if float8_gathers:
-            from titanlite.parallelisms.float8.gather import gather_in_float8_fsdp2
-
-            gather_in_float8_fsdp2(model)
-        return
-    data_parallel(
-        model,
-        dims.param_mesh,
-        dims.dp_mode,
-        MixedPrecisionPolicy(param_dtype, reduce_dtype),
-        dp_ndim=dims.param_ndim,
-        own_meshes=own,
-    )
-    if float8_gathers:
-        from titanlite.parallelisms.float8.gather import gather_in_float8
-
-        gather_in_float8(model, param_dtype)
-    apply_reshard(model, units, reshard)

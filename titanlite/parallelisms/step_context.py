@@ -6,11 +6,11 @@ per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
   step's backwards, so the summed gradient is that of the mean over the rank's batch.
 - The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
   the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain).
-- The batch and the loss: each parallelism's step hook (`parallelism.StepHook`, from the units the mesh
-  runs: `parallelize.step_hooks`) takes its part of a microbatch's per-token tensors (`shard`) and sees its
-  loss (`microbatch_loss`). Under context parallelism each rank takes its part of every sequence
-  (`context_parallel.SequenceShard`): its loss is the mean over its tokens, which the gradient averaging
-  over dp_shard x cp turns into the batch's mean. Both runners and validation call `shard`.
+- The batch and the loss: each parallelism's step hook (`parallelism.StepHook`, from the units the run
+  has: `parallelize.step_hooks`) does its work before a step (`before_step`), takes its part of a
+  microbatch's per-token tensors (`shard`, `held`) and sees its loss (`microbatch_loss`). Under context
+  parallelism each rank takes its part of every sequence: its loss is the mean over its tokens, which the
+  gradient averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call them.
 - The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
   chosen from the memory plan), over all of the step's backwards.
 - Clipping: by the global gradient norm, after the last backward.
@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.parallelisms.context_parallel.unit import SequenceShard
 from titanlite.parallelisms.data_parallel.gradient_reduction import reduce_once
 from titanlite.parallelisms.parallelism import StepHook
 
@@ -60,10 +59,21 @@ class StepContext:
     hooks: tuple[StepHook, ...] = ()
     """The step hooks of the parallelisms the mesh runs, in their order (`parallelize.step_hooks`)."""
 
-    @property
-    def sequence(self) -> SequenceShard | None:
-        """Context parallelism's hook: this rank's part of every sequence (the forward's positions)."""
-        return next((h for h in self.hooks if isinstance(h, SequenceShard)), None)
+    def before_step(self, model: nn.Module) -> None:
+        """What the step hooks do before a step's (or an evaluation's) first forward, with `model` (this
+        rank's model, or one of its pipeline stages)."""
+        for hook in self.hooks:
+            hook.before_step(model)
+
+    def held(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """The indices in a `seq_len`-token sequence of the tokens `shard` keeps, or None for all of them
+        (`StepHook.held`; context parallelism: the forward's positions and its mask's query rows)."""
+        held: torch.Tensor | None = None
+        for hook in self.hooks:
+            kept = hook.held(seq_len if held is None else held.numel(), device)
+            if kept is not None:
+                held = kept if held is None else held[kept]
+        return held
 
     def with_loss(self, loss_fn: LossFn) -> StepContext:
         """The same context with another loss (a test's injected fault)."""

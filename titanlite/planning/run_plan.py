@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from titanlite import torch_support
-from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
+from titanlite.config import JobConfig
 from titanlite.config.schema import shape_fields
 from titanlite.data.data_source import DataSource
 from titanlite.data.dataset import virtual_shard_count
@@ -34,11 +34,9 @@ from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
-from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import enabled
-from titanlite.parallelisms.pipeline.unit import StagePlan
+from titanlite.parallelisms.parallelize import check_rules, stages
 from titanlite.planning.memory import StepChoice
 
 
@@ -96,9 +94,9 @@ def training_data(cfg: JobConfig) -> DataSource:
 
 
 def check_combinations(cfg: JobConfig, data: DataSource) -> None:
-    """The rules between keys that need neither the model nor the mesh: held-out data, which pipeline
-    schedules combine with which reduction and compilation, and keys whose feature is off (never ignored)."""
-    v, p = cfg.validation, cfg.parallelism
+    """The rules between keys that need neither the model nor the mesh: held-out data, and keys whose feature
+    is off (never ignored). A parallelism's own rules are its unit's (`parallelism.ParallelismUnit.rules`)."""
+    v = cfg.validation
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and cfg.activation_checkpoint.mode != "selective":
         raise ConfigError(
@@ -128,52 +126,14 @@ def check_combinations(cfg: JobConfig, data: DataSource) -> None:
             "validation.holdout_documents needs local training data; for hf:// data set validation.dataset_path "
             "to the dataset's own validation split (hf://name[:config]@validation)"
         )
-    pipelined, split_backward = p.pipeline_parallel_degree > 1, p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
-    if v.enable and pipelined:
-        raise ConfigError(
-            "validation.enable is not supported with pipeline_parallel_degree > 1 yet (held-out batches would "
-            "have to run through the pipeline schedule); turn one of them off"
-        )
-    if pipelined and p.dp_impl == "fsdp2" and p.gradient_reduction == "per_microbatch":
-        raise ConfigError(
-            "parallelism.gradient_reduction per_microbatch is not available for fsdp2 with pipeline parallelism: "
-            "torch's pipeline stage reduces FSDP2 gradients once per schedule step (use per_step or simple_fsdp)"
-        )
-    if pipelined and p.dp_impl == "simple_fsdp" and split_backward and p.gradient_reduction == "per_step":
-        raise ConfigError(
-            f"parallelism.gradient_reduction per_step is not available for simple_fsdp with the "
-            f"{p.pipeline_parallel_schedule} schedule: its weight backward differentiates the parameters, which "
-            "the once-per-step path takes out of the autograd graph (use auto or per_microbatch)"
-        )
-    if pipelined and split_backward and cfg.compile.enable and "model" in cfg.compile.components:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule} cannot run compiled blocks: "
-            "its split input/weight backward would run each compiled block's one backward node twice "
-            "(use Interleaved1F1B, or compile.components = loss)"
-        )
-    if not pipelined and (p.pipeline_parallel_split_points or p.pipeline_parallel_stages_per_rank != -1):
-        raise ConfigError(
-            "config keys 'parallelism.pipeline_parallel_split_points' and '...stages_per_rank' need "
-            "pipeline_parallel_degree > 1"
-        )
-    if not pipelined and p.pipeline_parallel_microbatch_size != 1:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_microbatch_size {p.pipeline_parallel_microbatch_size} needs "
-            "pipeline_parallel_degree > 1 (gradient accumulation without stages: training.global_batch_size)"
-        )
 
 
 def check_mask(cfg: JobConfig, spec: ModelSpec) -> None:
-    """`model.attn_mask_type` needs a family whose forward takes positions and a mask, and a step that can
-    hand them to every block: the pipeline schedule passes only hidden states between stages."""
+    """`model.attn_mask_type` needs a family whose forward takes positions and a mask (and a step that can
+    hand them to every block: the units' rules)."""
     mask = cfg.model.attn_mask_type
     if mask not in spec.shape.attn_mask_types:
         raise ConfigError(f"model.attn_mask_type {mask} is not supported by model {spec.name} (only causal)")
-    if mask != "causal" and cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"model.attn_mask_type {mask} is not supported with pipeline_parallel_degree > 1 yet (the stages "
-            "after the first would need the batch's positions): use causal or no pipeline parallelism"
-        )
 
 
 def check_seed_world(cfg: JobConfig, world_size: int) -> None:
@@ -238,8 +198,9 @@ class RunPlan:
     """The training data (`training_data`)."""
     compile_passes: bool
     """Compilation installs SimpleFSDP's graph passes (`compile.check_compile`)."""
-    pipeline: StagePlan | None = None
-    """The stages and microbatches when pipeline_parallel_degree > 1."""
+    pipeline: Any = None
+    """The stage plan of the unit that cuts the model into stages (`parallelism.Stages.plan`: which blocks
+    each stage holds, which stages a rank runs, the microbatches), else None."""
     step_candidates: list[StepPolicy] = dataclasses.field(init=False)
     """The step policies the config allows, most collectives saved first (`gradient_reduction`)."""
     step_fixed: list[str] = dataclasses.field(init=False)
@@ -265,9 +226,7 @@ class RunPlan:
         dims = ParallelDims.from_config(cfg.parallelism, world_size, spec.parallel.tp_divisible(args))
         if why := spec.shape.check_layout(args, dims):
             raise ConfigError(f"model {cfg.model.name}: {why}")
-        for unit in enabled(dims):  # each parallelism's rules with the other keys, the family and the mesh
-            unit.rules(cfg, dims, spec, args)
-        float8.rules(cfg, dims, spec.shape.output if spec.shape.tied_embeddings(args) else None)
+        check_rules(cfg, dims, spec, args)  # each parallelism's, with the other keys, the family and the mesh
         t = cfg.training
         per_step = dims.sequences(t.local_batch_size)  # one local batch on every data-parallel rank
         global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
@@ -276,16 +235,8 @@ class RunPlan:
                 f"training.global_batch_size {global_batch} is not a multiple of "
                 f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
             )
-        pipeline = None
-        if dims.pp_enabled:
-            pipeline = StagePlan.of(cfg.parallelism, args.n_layers, t.local_batch_size)
-            if spec.shape.tied_embeddings(args):
-                raise ConfigError("pipeline parallelism needs untied embeddings: the first and last stage differ")
-            if spec.hooks.extra_loss is not None and not spec.hooks.extra_loss_across_stages:
-                raise ConfigError(
-                    f"pipeline parallelism does not support model {spec.name}'s extra loss term "
-                    "(its stages would each hold a part of it): set pipeline_parallel_degree 1"
-                )
+        staged = stages(cfg, dims)
+        pipeline = staged.plan(cfg, dims, args) if staged is not None else None
         compile_passes = False
         if cfg.compile.enable:
             # Imported here: the compiler (torch._dynamo) is loaded by compiled runs only, so the launcher's

@@ -262,7 +262,7 @@ class StepTimeModel:
         dims = plan.dims
         return [
             (u.name, u.step_time, Link.of(self.kind, *u.group(dims)))
-            for u in enabled(dims)
+            for u in enabled(plan.cfg, dims)
             if u.step_time is not None and u.group is not None
         ]
 

@@ -31,8 +31,7 @@ from titanlite.config import JobConfig
 from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import parallelize, step_hooks
-from titanlite.parallelisms.pipeline.unit import PipelineRunner, keep_stage
+from titanlite.parallelisms.parallelize import parallelize, stages, step_hooks
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.planning.memory import (
@@ -174,12 +173,13 @@ def build_model(
     plan: RunPlan, device: torch.device, mesh_device_type: str | None = None, stage: int | None = None
 ) -> nn.Module:
     """The model as every run builds it: on the meta device, parallelized (`parallelisms/parallelize.py`:
-    TP from the family's plan, AC, compile, data parallelism), then materialised on `device` and
+    the parallelisms' order with AC and compile), then materialised on `device` and
     initialised from the seed.
 
     A process group must exist. The mesh is built here unless it already is (`mesh_device_type`
     defaults to `device`'s type). On `device` "meta" the model stays unmaterialised (the dry run).
-    `stage`: build only that pipeline stage (`plan.pipeline`), cut on the meta device before the plan.
+    `stage`: build only that pipeline stage (`plan.pipeline`), cut on the meta device before the order
+    (`parallelism.Stages.keep`).
     """
     model = _parallelized_on_meta(plan, mesh_device_type or device.type, stage)
     if device.type != "meta":
@@ -193,8 +193,9 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args, seq_len=plan.cfg.training.seq_len)
     if stage is not None:
-        assert plan.pipeline is not None
-        keep_stage(model, plan.spec.units(model), plan.pipeline, stage)
+        staged = stages(plan.cfg, plan.dims)
+        assert staged is not None and plan.pipeline is not None
+        staged.keep(model, plan.spec.units(model), plan.pipeline, stage)
     spec = plan.spec
     return parallelize(
         model, spec.units(model), spec.parallel.tp_plan, plan.dims, plan.cfg, high_precision=spec.shape.high_precision
@@ -287,7 +288,7 @@ def step_context(plan: RunPlan, step_choice: StepChoice) -> StepContext:
         reduce_once=policy.reduce_once,
         keep_gathers=policy.keep_gathers,
         extra_loss=plan.spec.hooks.extra_loss,
-        hooks=step_hooks(plan.dims),
+        hooks=step_hooks(plan.cfg, plan.dims),
     )
 
 
@@ -316,5 +317,7 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     if plan.pipeline is None:
         return TrainingModel(LocalRunner(parts[None], device, context, plan.cfg.model.attn_mask_type), step_choice)
     stage_parts = {s: m for s, m in parts.items() if s is not None}
-    runner = PipelineRunner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
+    staged = stages(plan.cfg, plan.dims)
+    assert staged is not None
+    runner = staged.runner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
     return TrainingModel(runner, step_choice)

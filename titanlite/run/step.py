@@ -6,8 +6,9 @@ model. `Trainer.train_step` adds agreement across ranks and the update.
     pipeline.PipelineRunner           this rank's pipeline stages, run by torch's schedule
 
 Both run inside the one `StepContext` (`parallelisms/step_context.py`): the same loss and loss scope
-(loss parallel), the same batch (under context parallelism, the rank's part of every sequence), the same
-gradient reduction over the step's backwards, the same clipping.
+(loss parallel), the same batch and the same work before a step (the parallelisms' step hooks: under
+context parallelism the rank's part of every sequence), the same gradient reduction over the step's
+backwards, the same clipping.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from torch import nn
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
 from titanlite.models.common.attention import AttnMaskType, build_mask, causal_mask
-from titanlite.parallelisms.context_parallel.unit import SequenceShard
-from titanlite.parallelisms.float8.gather import float8_gathers_of
+from titanlite.parallelisms.clipping import clip_grad_norm_
 from titanlite.parallelisms.step_context import LossFn, StepContext, replicated
-from titanlite.run.optimizer import clip_grad_norm_
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,25 +60,26 @@ class StepRunner(Protocol):
 
 
 def model_forward(
-    model: nn.Module, batch: Batch, mask_type: AttnMaskType, sequence: SequenceShard | None = None
+    model: nn.Module, batch: Batch, mask_type: AttnMaskType, context: StepContext | None = None
 ) -> torch.Tensor:
     """The model's output for one batch already on its device. Under `block_causal` the batch's positions
     go to RoPE and its document mask is built here, once for every block and outside any compiled code
-    (`models/common/attention.py`); under `causal` the model sees the tokens alone. Under context parallelism
-    (`sequence`) the model sees this rank's part of every sequence: the mask is that of its queries'
-    global indices against every key (causal: one document per row) and RoPE takes its tokens' positions
-    (causal: their global indices); its labels are `StepContext.shard(labels)`."""
-    if sequence is None:
+    (`models/common/attention.py`); under `causal` the model sees the tokens alone. Where the step hooks of
+    `context` keep part of every sequence (`StepContext.held`: context parallelism) the model sees those
+    tokens: the mask is that of their global indices against every key (causal: one document per row) and
+    RoPE takes their positions (causal: their global indices); its labels are `StepContext.shard(labels)`."""
+    rows, seq = batch.inputs.shape
+    held = context.held(seq, batch.inputs.device) if context is not None else None
+    if held is None:
         if mask_type == "causal":
             return model(batch.inputs)
         return model(batch.inputs, positions=batch.positions, mask=build_mask(mask_type, batch.positions))
-    rows, seq = batch.inputs.shape
-    held = sequence.held_positions(seq, batch.inputs.device)
+    assert context is not None
     if mask_type == "causal":
         positions, mask = held.expand(rows, -1), causal_mask(rows, seq, held)
     else:
-        positions, mask = sequence.shard(batch.positions), build_mask("block_causal", batch.positions, q_index=held)
-    return model(sequence.shard(batch.inputs), positions=positions, mask=mask)
+        positions, mask = context.shard(batch.positions), build_mask("block_causal", batch.positions, q_index=held)
+    return model(context.shard(batch.inputs), positions=positions, mask=mask)
 
 
 class LocalRunner:
@@ -90,12 +90,10 @@ class LocalRunner:
         self, model: nn.Module, device: torch.device, context: StepContext, mask_type: AttnMaskType = "causal"
     ) -> None:
         self.model, self.device, self.context, self.mask_type = model, device, context, mask_type
-        self.refresh_float8 = float8_gathers_of(model)
-        """The float8 weight gathers' scales and bits, from the weights as they are now (`float8.all_gather`)."""
 
     def _loss(self, batch: Batch, ctx: StepContext, backwards: int) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
-        pred = model_forward(self.model, batch, self.mask_type, ctx.sequence)
+        pred = model_forward(self.model, batch, self.mask_type, ctx)
         return ctx.microbatch_loss(pred, ctx.shard(batch.labels), backwards, self.model)
 
     def forward_backward(
@@ -106,8 +104,7 @@ class LocalRunner:
         (once per step or per microbatch, as the context's policy says)."""
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
-        if self.refresh_float8 is not None:
-            self.refresh_float8()
+        ctx.before_step(self.model)
         total = torch.zeros((), device=self.device)
         n = len(batches)
         with ctx.reduction(self.model, n) as before_backward:
@@ -122,8 +119,7 @@ class LocalRunner:
 
     def evaluate(self, batch: Batch) -> torch.Tensor:
         batch = batch.to(self.device, positions=self.mask_type != "causal")
-        if self.refresh_float8 is not None:
-            self.refresh_float8()
+        self.context.before_step(self.model)
         with self.context.loss_scope():
-            pred = model_forward(self.model, batch, self.mask_type, self.context.sequence)
+            pred = model_forward(self.model, batch, self.mask_type, self.context)
             return replicated(self.context.loss_fn(pred, self.context.shard(batch.labels)))

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork, StepHook, when_on
 
 SEAM = "context_parallel"
 """The attribute a module declares (None) to receive the rank's `SequenceShard`."""
@@ -78,7 +78,7 @@ def sequence_positions(seq_len: int, degree: int, rank: int, device: torch.devic
 
 
 @dataclass(frozen=True)
-class SequenceShard:
+class SequenceShard(StepHook):
     """This rank's part of every sequence: what the model's attention calls (module docstring)."""
 
     degree: int
@@ -109,6 +109,10 @@ class SequenceShard:
     def held_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """The global indices of the tokens this rank holds of a whole sequence of `seq_len` tokens."""
         return self.positions(seq_len // self.degree, device)
+
+    def held(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """The step hook: the forward's positions and its mask's query rows are the tokens this rank holds."""
+        return self.held_positions(seq_len, device)
 
     def start_gather(self, t: torch.Tensor, dim: int) -> PendingGather:
         """Issue the all-gather of every rank's part of `t` along `dim` and return without waiting for it
@@ -213,10 +217,14 @@ def _step_hook(dims: ParallelDims) -> SequenceShard | None:
     return SequenceShard.of(dims.cp_mesh) if dims.cp_mesh is not None else None
 
 
+def _on(cfg: JobConfig, dims: ParallelDims) -> bool:
+    return dims.cp_enabled
+
+
 UNIT = ParallelismUnit(
     name="context",
-    degree=lambda dims: dims.cp,
-    rules=check_context_parallel,
+    on=_on,
+    rules=when_on(_on, check_context_parallel),
     apply=_apply,
     step_hook=_step_hook,
     step_time=step_time,

@@ -53,7 +53,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, when_on
 
 if TYPE_CHECKING:
     from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
@@ -235,6 +235,10 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, DataParallelMesh]:
     return dict.fromkeys(experts, where)
 
 
-UNIT = ParallelismUnit(name="expert", degree=lambda dims: dims.ep, rules=check_expert_parallel, apply=_apply)
+def _on(cfg: JobConfig, dims: ParallelDims) -> bool:
+    return dims.ep_enabled
+
+
+UNIT = ParallelismUnit(name="expert", on=_on, rules=when_on(_on, check_expert_parallel), apply=_apply)
 """Expert parallelism as one unit (`parallelism.ParallelismUnit`); its all-to-alls are not in the step-time
 model, and their buffers are the family's activation model's (`models/qwen3_moe/memory.py`)."""

@@ -9,7 +9,7 @@ Which layers: every `nn.Linear` except those whose name contains an entry of `fl
 output projection by default: its vocab-wide matmul feeds the loss) and, with `auto_filter_small_kn`,
 those too small to gain (the casts' memory traffic outweighs the faster matmul, `layer_filter`).
 
-Rules, before any rank starts (`rules`): the `float8` extra is installed in a version known to work with
+Rules, before any rank starts (`rules`, on or off): the `float8` extra is installed in a version known to work with
 this torch, a recipe and settings that combine, and an output projection tied to the embedding left in
 high precision. Filters that convert no layer, or an entry that names none, are a warning
 (`apply_float8`). Where the ranks run (`check_device`): a GPU with float8 (sm89 or newer) or
@@ -32,6 +32,7 @@ from torch import nn
 from titanlite import torch_support
 from titanlite.config import ConfigError, JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
 
 logger = logging.getLogger("titanlite")
 
@@ -220,3 +221,50 @@ def _names_text(names: list[str], shown: int = 4) -> str:
     distinct = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in names))
     more = f", ... ({len(distinct)} in all)" if len(distinct) > shown else ""
     return ", ".join(distinct[:shown]) + more
+
+
+class Float8Refresh(StepHook):
+    """The step hook: the float8 gathers' scales and bits from the weights as they are now, before a step's
+    first forward (`gather.Float8Gathers.refresh`; nothing where the weights are gathered in the training
+    dtype)."""
+
+    def before_step(self, model: nn.Module) -> None:
+        from titanlite.parallelisms.float8.gather import float8_gathers_of  # DTensor: where ranks run
+
+        refresh = float8_gathers_of(model)
+        if refresh is not None:
+            refresh()
+
+
+def _rules(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
+    rules(cfg, dims, spec.shape.output if spec.shape.tied_embeddings(args) else None)
+
+
+def _apply(a: ApplyArgs) -> dict:
+    """First: the layers every parallelism then wraps keep their parameters."""
+    apply_float8(a.model, a.cfg, a.high_precision)
+    return {}
+
+
+def _gathers(a: ApplyArgs) -> None:
+    """After data parallelism: the float8 layers' weights gathered as float8 bits (`float8.all_gather`)."""
+    if not (a.cfg.float8.all_gather and a.dims.dp_enabled):
+        return
+    from titanlite.parallelisms.float8.gather import gather_in_float8, gather_in_float8_fsdp2
+
+    if a.cfg.parallelism.dp_impl == "fsdp2":
+        gather_in_float8_fsdp2(a.model)
+    else:
+        gather_in_float8(a.model, torch_support.dtype(a.cfg.training.mixed_precision_param))
+
+
+UNIT = ParallelismUnit(
+    name="float8",
+    on=lambda cfg, dims: cfg.float8.enable,
+    rules=_rules,
+    apply=_apply,
+    gathers=_gathers,
+    step_hook=lambda dims: Float8Refresh(),
+)
+"""Float8 training as one unit (`parallelism.ParallelismUnit`): its memory is the memory plan's
+(`Layout.float8_gather`, `converted_weights`)."""

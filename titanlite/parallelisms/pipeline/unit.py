@@ -40,10 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config import Parallelism
+from titanlite.config import JobConfig, Parallelism
 from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, Stages
+from titanlite.parallelisms.pipeline.rules import check_pipeline
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
@@ -305,14 +307,16 @@ class PipelineRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the rank's batch through the schedule, clipped over every stage; returns (the
         replica's mean loss, on every rank; the global grad norm), like the local runner."""
+        from titanlite.parallelisms.clipping import clip_grad_norm_
         from titanlite.parallelisms.step_context import replicated
-        from titanlite.run.optimizer import clip_grad_norm_
 
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
         backwards = self.backwards_per_step
         assert backwards == self.plan.microbatches * len(batches), "one step takes the plan's accumulation batches"
         self._step = (ctx, backwards)
+        for part in self.parts.values():
+            ctx.before_step(part)
         total = torch.zeros((), device=self.device)
         with ctx.reduction(self.model, backwards, pipelined=True):
             for inputs, labels, _ in batches:  # positions: the plan refuses block_causal masks under PP
@@ -337,3 +341,24 @@ class PipelineRunner:
         """Validation under pipeline parallelism is refused by the config (held-out batches would need a
         forward-only schedule); this runner has none."""
         raise NotImplementedError("validation with pipeline parallelism")
+
+
+def _plan(cfg: JobConfig, dims: ParallelDims, args: Any) -> StagePlan:
+    return StagePlan.of(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
+
+
+def _apply(a: ApplyArgs) -> dict:
+    """Nothing in the order: the build cuts each stage before it (`Stages.keep`), and the order applies the
+    other parallelisms to the stage as to a whole model."""
+    return {}
+
+
+UNIT = ParallelismUnit(
+    name="pipeline",
+    on=lambda cfg, dims: dims.pp_enabled,
+    rules=check_pipeline,
+    apply=_apply,
+    stages=Stages(plan=_plan, keep=keep_stage, runner=PipelineRunner),
+)
+"""Pipeline parallelism as one unit (`parallelism.ParallelismUnit`): its send/recv and bubble are the
+step-time model's own terms (`planning/step_time.py`)."""

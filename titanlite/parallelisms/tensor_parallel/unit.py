@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork, when_on
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:  # DTensor is imported where a plan is applied: the run plan reads this unit's rules in
@@ -106,10 +106,14 @@ def _apply(a: ApplyArgs) -> dict:
     return {}
 
 
+def _on(cfg: JobConfig, dims: ParallelDims) -> bool:
+    return dims.tp_enabled
+
+
 UNIT = ParallelismUnit(
     name="tensor",
-    degree=lambda dims: dims.tp,
-    rules=check_tensor_parallel,
+    on=_on,
+    rules=when_on(_on, check_tensor_parallel),
     apply=_apply,
     step_time=step_time,
     group=lambda dims: (dims.tp, 1),
