@@ -106,7 +106,7 @@ def step_hooks(cfg: JobConfig, dims: ParallelDims) -> tuple[StepHook, ...]:
     return tuple(hook for unit in enabled(cfg, dims) if (hook := unit.step_hook(dims)) is not None)
 
 
-def stages(cfg: JobConfig, dims: ParallelDims) -> Stages | None:
+def staging(cfg: JobConfig, dims: ParallelDims) -> Stages | None:
     """The stages of the unit that cuts the model over ranks (`ParallelismUnit.stages`), or None."""
     return next((unit.stages for unit in enabled(cfg, dims) if unit.stages is not None), None)
 

@@ -36,7 +36,7 @@ from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import check_rules, stages
+from titanlite.parallelisms.parallelize import check_rules, staging
 from titanlite.planning.memory import StepChoice
 
 
@@ -235,7 +235,7 @@ class RunPlan:
                 f"training.global_batch_size {global_batch} is not a multiple of "
                 f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
             )
-        staged = stages(cfg, dims)
+        staged = staging(cfg, dims)
         pipeline = staged.plan(cfg, dims, args) if staged is not None else None
         compile_passes = False
         if cfg.compile.enable:

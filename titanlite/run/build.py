@@ -31,7 +31,7 @@ from titanlite.config import JobConfig
 from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import parallelize, stages, step_hooks
+from titanlite.parallelisms.parallelize import parallelize, staging, step_hooks
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.planning.memory import (
@@ -193,7 +193,7 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     with torch.device("meta"):
         model = plan.spec.model_cls(plan.model_args, seq_len=plan.cfg.training.seq_len)
     if stage is not None:
-        staged = stages(plan.cfg, plan.dims)
+        staged = staging(plan.cfg, plan.dims)
         assert staged is not None and plan.pipeline is not None
         staged.keep(model, plan.spec.units(model), plan.pipeline, stage)
     spec = plan.spec
@@ -317,7 +317,7 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     if plan.pipeline is None:
         return TrainingModel(LocalRunner(parts[None], device, context, plan.cfg.model.attn_mask_type), step_choice)
     stage_parts = {s: m for s, m in parts.items() if s is not None}
-    staged = stages(plan.cfg, plan.dims)
+    staged = staging(plan.cfg, plan.dims)
     assert staged is not None
     runner = staged.runner(plan.pipeline, stage_parts, plan.dims, device, context, plan.backwards_per_step)
     return TrainingModel(runner, step_choice)
