@@ -1,5 +1,5 @@
-"""Compile scope `prefetch` (`parallelisms/block_prefetch.py`): per-block graphs with SimpleFSDP's
-collectives issued eagerly one unit ahead.
+"""Compile scope `prefetch` (`compile/prefetch.py`, installing `parallelisms/data_parallel/block_prefetch.py`):
+per-block graphs with SimpleFSDP's collectives issued eagerly one unit ahead.
 
 Structure (one process, torch's fake process group, aot_eager, 3 blocks, full AC): the order in which the
 prefetcher issues its collectives against the blocks' compute, and the compile report's counts of them.
@@ -13,10 +13,10 @@ import torch
 from builders import config
 
 from harness import tiny_args
-from titanlite.compile import prefetch as block_prefetch
 from titanlite.compile.scope import resolve_scope
 from titanlite.errors import ConfigError
 from titanlite.parallelisms import activation_checkpoint
+from titanlite.parallelisms.data_parallel import block_prefetch
 from titanlite.parallelisms.data_parallel.step_reduction import StepReduction
 from titanlite.tools.dry_run import compile_report
 

@@ -6,6 +6,7 @@ beside their code import first and without torch."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,10 @@ from harness import ROOT
 from titanlite.config.schema import SECTION_TYPES, DatasetSource
 
 PACKAGE = ROOT / "titanlite"
+COMPILE_READS = {"data_parallel"}
+"""The parallelisms' folders the compile package imports: SimpleFSDP, whose collectives its graph passes
+bucket and whose eager prefetcher it installs. What other parallelisms need of compiled code it reads
+from their units (`parallelize.compile_options`, `parallelize.graph_break`)."""
 MAX_TOP_LEVEL_MODULES = 4
 """Modules directly under titanlite/ besides `__init__.py` and the packages."""
 
@@ -88,3 +93,24 @@ def test_each_config_section_imports_first_and_without_torch():
     loads_torch = [m for m in sorted(section_modules()) + ["titanlite.config"] if imports_torch(m)]
     assert not loads_torch, f"importing these loads torch: {', '.join(loads_torch)}"
     assert imports_torch("titanlite.metrics.logger")  # negative control: the probe sees torch
+
+
+def parallelism_folders() -> set[str]:
+    return {p.parent.name for p in (PACKAGE / "parallelisms").glob("*/__init__.py")}
+
+
+def folders_imported(package: str) -> set[str]:
+    """The parallelisms' folders that the modules of titanlite/<package> import."""
+    pattern = re.compile(r"titanlite\.parallelisms\.(\w+)|from titanlite\.parallelisms import (\w+)")
+    names = {n for path in (PACKAGE / package).rglob("*.py") for m in pattern.findall(path.read_text()) for n in m}
+    return names & parallelism_folders()
+
+
+def test_compilation_names_no_parallelism_but_data_parallelism():
+    assert folders_imported("compile") == COMPILE_READS
+
+
+def test_the_folder_check_sees_what_a_package_imports():
+    # Negative control: the folders are found, and the order of the parallelisms (parallelize.py) names them.
+    assert {"data_parallel", "expert_parallel", "float8", "tensor_parallel"} <= parallelism_folders()
+    assert {"expert_parallel", "float8", "tensor_parallel"} <= folders_imported("parallelisms")

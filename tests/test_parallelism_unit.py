@@ -108,16 +108,10 @@ FOOTPRINT = {
         "planning/layout_memory.py",
         # The launcher checks the ranks' device for the recipe (`check_device`).
         "launcher/preflight.py",
-        # Compiled rowwise runs patch inductor's settings (the compile package, being decoupled).
-        "compile/compiler.py",
     },
     "tensor_parallel": {ORDER},
     "context_parallel": {ORDER},
-    "expert_parallel": {
-        ORDER,
-        # The compiled blocks' graph break around the token dispatch (the compile package).
-        "compile/compiler.py",
-    },
+    "expert_parallel": {ORDER},
     "pipeline": {
         ORDER,
         # The layout space enumerates the schedules (`SINGLE_STAGE`, `MULTI_STAGE`).
@@ -141,7 +135,7 @@ FOOTPRINT = {
         "tools/dry_run.py",
         "run/trainer.py",
         "checkpoint/weights.py",
-        # SimpleFSDP's states, gathers and reshard plan (the compile package, being decoupled).
+        # SimpleFSDP's states, gathers and reshard plan, which the compiler's passes bucket and its prefetch installs.
         "compile/compiler.py",
         "compile/prefetch.py",
     },

@@ -54,9 +54,8 @@ from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.data_parallel.simple_fsdp import simple_fsdp_states
-from titanlite.parallelisms.expert_parallel.unit import dispatches
-from titanlite.parallelisms.float8.unit import inductor_config
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelize import compile_options, graph_break
 from titanlite.parallelisms.units import Units
 
 
@@ -127,10 +126,10 @@ def apply_compile(
     full_ac = tuple(name for name, a in ac.items() if a.mode == "full")
     with_passes = check_compile(cfg, dims, bool(full_ac))
     scope = compile_scope(cfg, dims)
-    # This run's own inductor settings (float8's), on its compiled units only: nothing global is set.
-    patches = inductor_config(cfg) if c.backend == "inductor" else {}
+    # The inductor settings this run's parallelisms need, on its compiled units only: nothing global is set.
+    patches = compile_options(cfg, dims) if c.backend == "inductor" else {}
     if not with_passes:
-        _compile_units(model, units, ac, scope, lambda name, i: c.backend, patches)
+        _compile_units(model, units, ac, scope, cfg, dims, lambda name, i: c.backend, patches)
         return None
 
     cost = _cost_model(c, dims) if c.bucketing != "none" else None
@@ -187,21 +186,8 @@ def apply_compile(
         shared[key] = _Backend(c.backend, RecomputeTagPass(saved, checkpointed), bucketing, report, unit, patches)
         return shared[key]
 
-    _compile_units(model, units, ac, scope, backend)
+    _compile_units(model, units, ac, scope, cfg, dims, backend)
     return report
-
-
-def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report: CompileReport) -> None:
-    """Under scope `prefetch`, after data parallelism: install the eager prefetcher on `model` and add
-    its collectives to `report` as one more unit (`block_prefetch`); nothing under other scopes."""
-    if report.settings["scope"] != "prefetch":
-        return
-    from titanlite.compile import prefetch as block_prefetch
-
-    block_prefetch.install(model, units, reshard)
-    unit = report.add_unit("prefetch (eager)", recompute_forward=False)
-    for phase, (before, after) in block_prefetch.prefetch_collectives(model, units, reshard).items():
-        report.record(unit, phase, before, after)
 
 
 def _with_passes(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -218,6 +204,8 @@ def _compile_units(
     units: Units,
     ac: dict[str, CheckpointedBlock],
     scope: str,
+    cfg: JobConfig,
+    dims: ParallelDims,
     backend: Callable[[str, int], Any],
     options: dict[str, Any] | None = None,
 ) -> None:
@@ -234,8 +222,8 @@ def _compile_units(
         checkpointed = ac.get(fqn)
         full = checkpointed is not None and checkpointed.mode == "full"
         fn = checkpointed.body if full else block.forward
-        # A block that dispatches tokens to other ranks' experts compiles around the eager dispatch.
-        fullgraph = not dispatches(block)
+        # A block that runs a parallelism eagerly (expert parallelism's dispatch) compiles around it.
+        fullgraph = not graph_break(block, cfg, dims)
         compiled = torch.compile(fn, backend=backend(fqn, i), fullgraph=fullgraph, **_recompile_limit(fn), **extra)
         if full:
             checkpointed.body = compiled

@@ -1,295 +1,43 @@
-"""SimpleFSDP's collectives issued eagerly around per-block compiled graphs (compile scope `prefetch`).
+"""Compile scope `prefetch`: the eager prefetcher installed on the wrapped model, and its collectives
+counted in the compile report.
 
-Per-block graphs compile each distinct block once, whatever the depth, but a graph cannot start the next
-block's all-gather (it does not hold it) nor leave its reduce-scatter running past its end. Here the
-data-parallel collectives leave the graphs: every compiled block reads its gathered weights as graph
-inputs (`ReplicateComputation.step_cache` = `kept_gathers.hand_out`, reading `gather.kept`) and routes
-their gradients to its sinks (`SimpleFSDPState.unreduced`), so its graphs hold no collective at all, and
-this module issues them one unit ahead:
-
-    units       [embedding], each block, [norm, output]: the model's `Units` in forward order
-    forward     unit i's pre-hook waits its own gather (one flat all-gather per unit, in the param
-                dtype, or as bytes where the weights travel in a wire format: with float8.all_gather
-                a float8 layer's weight is its float8 bits, 1 byte per element, handed to the layer as
-                torchao's float8 tensor, `float8_gather`) and starts unit i+1's; a block resharded
-                after forward drops its gathered weights after its forward (its eager checkpoint saved
-                nothing of them)
-    backward    a hook on unit i's output fires before unit i's backward (for a fully checkpointed
-                block: before its recompute): it waits unit i's re-gather, starts unit i-1's and drops
-                unit i+1's weights, whose backward is done
-    gradients   each unit's gradients accumulate in its fp32 sinks; when the unit's last one arrives its
-                bucket is packed and reduce-scattered asynchronously (`step_reduction.StepReduction`, one
-                backward) and the previous unit's reduce-scatter is waited and written to `.grad`, so
-                each reduce-scatter overlaps the next unit's backward; an end-of-backward callback waits
-                the rest
-
-What it handles: fully_shard, hybrid_shard (the all-gather over the shard dim; the reduction's
-reduce-scatter then all-reduce) and replicate meshes, tensor parallelism (the gather of the tp-local
-shard, handed out as a DTensor on the tp mesh), uneven shards (zero-padded rows, as DTensor's `Shard(0)`
-cuts), and mixed precision (gathered in `param_dtype`, reduced in `reduce_dtype` from fp32 sinks). Each
-backward reduces its gradients (gradient_reduction per_microbatch, weights gathered again per
-microbatch): the step-wide sinks of per_step and the kept gathers of a step would share the sinks and
-the cache this uses, so `compile.check_compile` refuses those, pipeline and expert parallelism.
-
-`prefetch_collectives` is what the compile report counts for these collectives: the flat gathers and
-reductions per step and which of them compute overlaps (a unit's all-gather when the unit before it
-holds a block's matmuls; its reduce-scatter when the unit after it in backward does).
+Under this scope the per-block graphs hold no collective: SimpleFSDP's gathers and reductions are issued
+by eager hooks one unit ahead (`parallelisms/data_parallel/block_prefetch.py`, data parallelism's own
+mechanism over its gathers and sinks). Here compilation installs it, after data parallelism, and adds
+what it issues to the report as one more unit: the flat gathers and reductions per step, and which of
+them compute overlaps (a unit's all-gather when the unit before it holds a block's matmuls; its
+reduce-scatter when the unit after it in backward does).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from titanlite import torch_support
 from titanlite.compile.collectives import Collective
-from titanlite.parallelisms.data_parallel.kept_gathers import hand_out
-from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation
+from titanlite.compile.report import CompileReport
+from titanlite.parallelisms.data_parallel import block_prefetch
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
-from titanlite.parallelisms.data_parallel.simple_fsdp import parametrized, simple_fsdp_states
-from titanlite.parallelisms.data_parallel.step_reduction import StepReduction
 from titanlite.parallelisms.units import Units
 
-Pair = tuple[ReplicateComputation, DTensor]
 
-_ALL_GATHER = torch_support.flat_all_gather()
-
-
-@dataclass
-class _Gather:
-    """One unit's flat all-gather in flight (or done: `work` None)."""
-
-    members: list[tuple[Pair, int, int, int]]
-    """((gather, param), first row width offset, rows per rank, width per rank), in buffer elements."""
-    ranks: int
-    out: torch.Tensor
-    work: Any = None
-    inp: torch.Tensor | None = None
-
-
-@dataclass
-class _Unit:
-    name: str
-    pairs: list[Pair]
-    block: bool
-    """Holds a transformer block (matmuls: compute that overlaps the neighbours' collectives)."""
-    freed: bool
-    """Its gathered weights are dropped after forward and gathered again before its backward."""
-    pending: list[_Gather] = field(default_factory=list)
-
-
-def _buffer_dtype(gather: ReplicateComputation, param: DTensor) -> torch.dtype:
-    """The dtype of the flat buffer `param` travels in: bytes where it has a wire format, else the param dtype."""
-    return torch.uint8 if gather.wire is not None else gather.mp.param_dtype or param.dtype
-
-
-def _flat_gathers(pairs: list[Pair]) -> list[list[Pair]]:
-    """`pairs` split by what one collective can carry: the same dp mesh, mode and buffer dtype."""
-    groups: dict[tuple, list[Pair]] = {}
-    for gather, param in pairs:
-        groups.setdefault((gather.dp_mesh, gather.mode, _buffer_dtype(gather, param)), []).append((gather, param))
-    return list(groups.values())
-
-
-def _start_gather(pairs: list[Pair]) -> _Gather:
-    """Pack the local shards (cast to the param dtype, or their wire format's bytes; each padded to its rows
-    per rank) into one buffer and all-gather it asynchronously over the shard dim of the dp mesh (nothing
-    for replicate)."""
-    gather0, param0 = pairs[0]
-    dtype = _buffer_dtype(gather0, param0)
-    mesh = gather0.dp_mesh
-    ranks = 1 if gather0.mode == "replicate" else mesh.size(mesh.ndim - 1)
-    members, offset = [], 0
-    for gather, param in pairs:
-        shape = gather.tp_local_shape or param.shape
-        rows = -(-shape[0] // ranks)
-        width = rows * math.prod(shape[1:]) * (gather.wire.itemsize if gather.wire is not None else 1)
-        members.append(((gather, param), offset, rows, width))
-        offset += width
-    device = param0.to_local().device
-    with torch.no_grad():
-        inp = torch.zeros(offset, dtype=dtype, device=device)
-        for (gather, param), start, _, _ in members:
-            local = (param.to_local() if gather.wire is None else gather.wire.shard_bytes(param)).reshape(-1)
-            inp[start : start + local.numel()].copy_(local)
-        if ranks == 1:
-            return _Gather(members, 1, inp)
-        out = torch.empty(ranks * offset, dtype=dtype, device=device)
-        work = _ALL_GATHER(out, inp, group=mesh.get_group(mesh.ndim - 1), async_op=True)
-    return _Gather(members, ranks, out, work, inp)
-
-
-def _finish_gather(g: _Gather) -> None:
-    """Wait `g` and hand each gathered (tp-local) weight to its gather as `kept` (from its wire format's
-    bytes where it has one)."""
-    if g.work is not None:
-        g.work.wait()
-        g.work, g.inp = None, None
-    total = g.out.numel() // g.ranks
-    rows_of_rank = g.out.view(g.ranks, total)
-    with torch.no_grad():
-        for (gather, param), start, rows, width in g.members:
-            shape = gather.tp_local_shape or param.shape
-            piece = rows_of_rank[:, start : start + width].reshape(g.ranks * rows, -1)[: shape[0]].contiguous()
-            gather.kept = piece.reshape(shape) if gather.wire is None else gather.wire.from_bytes(piece, shape)
-
-
-class BlockPrefetch:
-    """The hooks of module docstring on one SimpleFSDP-wrapped model; `install` builds it."""
-
-    def __init__(self, model: nn.Module, units: list[_Unit]):
-        self.model, self.units = model, units
-        self.reductions: list[StepReduction | None] = [None] * len(units)
-        self.in_flight: list[int] = []
-        """Units whose reduce-scatter is started and not yet written, oldest first."""
-        self.callback_queued = False
-
-    # --- forward ---------------------------------------------------------------------------------------
-    def before_forward(self, i: int) -> None:
-        if i == 0:
-            self._new_forward()
-        unit = self.units[i]
-        self._start(unit)  # the first unit's (the others were started by the unit before)
-        self._wait(unit)
-        if i + 1 < len(self.units):
-            self._start(self.units[i + 1])
-
-    def after_forward(self, i: int, output: Any) -> None:
-        unit = self.units[i]
-        if unit.freed:
-            self._drop(unit)
-        out = output[0] if isinstance(output, tuple) else output
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: self.before_backward(i))
-        elif i == len(self.units) - 1:  # a forward without backward (evaluation): nothing stays gathered
-            for other in self.units:
-                self._drop(other)
-
-    def _new_forward(self) -> None:
-        """A new forward: drop what an unfinished one left (gathers in flight are waited: every rank
-        issued them), and plan this one's reductions."""
-        for unit in self.units:
-            self._wait(unit)
-            self._drop(unit)
-        for j in self.in_flight:
-            reduction = self.reductions[j]
-            assert reduction is not None
-            reduction.abandon()
-        self.in_flight, self.callback_queued = [], False
-        self.reductions = [None] * len(self.units)
-        if not torch.is_grad_enabled():
-            return
-        for j, unit in enumerate(self.units):
-            for gather, param in unit.pairs:
-                if gather.sink is None or gather.sink.device != param.to_local().device:
-                    gather.make_sink(param)
-            reduction = StepReduction(unit.pairs, backwards=1)
-            for gather, _ in unit.pairs:
-                gather.on_sink_grad = self._accumulated_for(j, reduction)
-            self.reductions[j] = reduction
-
-    # --- backward --------------------------------------------------------------------------------------
-    def before_backward(self, i: int) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        unit = self.units[i]
-        if unit.freed:  # its re-gather was started by the unit after it (or starts now: the last unit)
-            self._start(unit)
-            self._wait(unit)
-        if i + 1 < len(self.units):
-            self._drop(self.units[i + 1])
-        if i > 0 and self.units[i - 1].freed:
-            self._start(self.units[i - 1])
-
-    def _accumulated_for(self, j: int, reduction: StepReduction) -> Callable[[ReplicateComputation], None]:
-        def accumulated(gather: ReplicateComputation) -> None:
-            reduction.accumulated(gather)
-            if reduction.all_started() and j not in self.in_flight:
-                # Unit j's reduce-scatter is running: the ones before it had unit j's backward to overlap.
-                for k in self.in_flight:
-                    self._write(k)
-                self.in_flight = [j]
-
-        return accumulated
-
-    def _write(self, j: int) -> None:
-        reduction = self.reductions[j]
-        if reduction is not None:
-            reduction.finish()
-            self.reductions[j] = None
-
-    def _end_of_backward(self) -> None:
-        """Wait every reduction still running (or never started: a unit without gradients) and free the
-        gathered weights."""
-        for j in range(len(self.units) - 1, -1, -1):
-            self._write(j)
-        self.in_flight, self.callback_queued = [], False
-        for unit in self.units:
-            self._drop(unit)
-
-    # --- gathered weights ------------------------------------------------------------------------------
-    def _start(self, unit: _Unit) -> None:
-        if not unit.pending and any(g.kept is None for g, _ in unit.pairs):
-            unit.pending = [_start_gather(p) for p in _flat_gathers(unit.pairs)]
-
-    def _wait(self, unit: _Unit) -> None:
-        for g in unit.pending:
-            _finish_gather(g)
-        unit.pending = []
-
-    def _drop(self, unit: _Unit) -> None:
-        for gather, _ in unit.pairs:
-            gather.kept = None
-
-
-def _hand_out(gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
-    """The prefetched weight (`kept_gathers.hand_out`: its gradient to the sink); outside a prefetched
-    forward (a module read by attribute between steps) a plain gather."""
-    if gather.kept is None:
-        return gather.replicate_compute(x)
-    return hand_out(gather, x)
-
-
-def prefetch_units(model: nn.Module, units: Units, plan: ReshardPlan) -> list[tuple[str, nn.Module, bool, bool]]:
-    """(name, module, holds a block, freed after forward) per unit, in forward order: each root module
-    before the blocks on its own, each block, and the root modules after the blocks together (their
-    first module's pre-hook gathers them, the last one's output starts their backward)."""
-    out = [(name, model.get_submodule(name), False, False) for name in units.before]
-    out += [(fqn, block, True, freed) for (fqn, block), freed in zip(units.blocks.items(), plan.blocks)]
-    if units.after:
-        out.append((",".join(units.after), model.get_submodule(units.after[0]), False, False))
-    return out
-
-
-def install(model: nn.Module, units: Units, plan: ReshardPlan) -> BlockPrefetch:
-    """Route `model`'s SimpleFSDP gathers through the prefetcher (module docstring); call after
-    `simple_fsdp.data_parallel`. Returns the prefetcher (its hooks keep it alive)."""
-    for state in simple_fsdp_states(model):
-        state.unreduced = True  # gradients to the sinks, for the life of the model
-    specs = prefetch_units(model, units, plan)
-    found = [_Unit(name, _unit_pairs(model, name), block, freed) for name, _, block, freed in specs]
-    for gather, _ in (pair for unit in found for pair in unit.pairs):
-        gather.step_cache = _hand_out
-    prefetch = BlockPrefetch(model, found)
-    for i, (name, module, block, _) in enumerate(specs):
-        module.register_forward_pre_hook(lambda m, args, i=i: prefetch.before_forward(i))
-        last = module if block or "," not in name else model.get_submodule(name.split(",")[-1])
-        last.register_forward_hook(lambda m, args, out, i=i: prefetch.after_forward(i, out))
-    return prefetch
+def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report: CompileReport) -> None:
+    """Under scope `prefetch`, after data parallelism: install the eager prefetcher on `model` and add
+    its collectives to `report` as one more unit; nothing under other scopes."""
+    if report.settings["scope"] != "prefetch":
+        return
+    block_prefetch.install(model, units, reshard)
+    unit = report.add_unit("prefetch (eager)", recompute_forward=False)
+    for phase, (before, after) in prefetch_collectives(model, units, reshard).items():
+        report.record(unit, phase, before, after)
 
 
 def prefetch_collectives(model: nn.Module, units: Units, plan: ReshardPlan) -> dict[str, tuple[list, list]]:
-    """phase -> (the per-parameter collectives a step would issue unbucketed, the flat ones issued here)
-    for the compile report, with which of the flat ones compute overlaps (module docstring)."""
-    specs = prefetch_units(model, units, plan)
-    pairs = [_unit_pairs(model, name) for name, *_ in specs]
+    """phase -> (the per-parameter collectives a step would issue unbucketed, the flat ones the prefetcher
+    issues) for the compile report, with which of the flat ones compute overlaps (module docstring)."""
+    specs = block_prefetch.prefetch_units(model, units, plan)
+    pairs = [block_prefetch.unit_pairs(model, name) for name, *_ in specs]
     forward: tuple[list, list] = ([], [])
     backward: tuple[list, list] = ([], [])
     n = len(specs)
@@ -298,7 +46,7 @@ def prefetch_collectives(model: nn.Module, units: Units, plan: ReshardPlan) -> d
         # waited (forward); unit i+1's backward runs while unit i is gathered again.
         neighbour_computes = i > 0 and specs[i - 1][2]
         regather_overlapped = i + 1 < n and specs[i + 1][2]
-        for group in _flat_gathers(unit):
+        for group in block_prefetch.flat_gathers(unit):
             reduced = _describe(group, "reduce_scatter")
             backward[0].extend(_describe([p], "reduce_scatter") for p in group)
             backward[1].append(_overlapped(reduced, neighbour_computes))
@@ -313,12 +61,7 @@ def prefetch_collectives(model: nn.Module, units: Units, plan: ReshardPlan) -> d
     return {"forward": forward, "backward": backward}
 
 
-def _unit_pairs(model: nn.Module, name: str) -> list[Pair]:
-    """The (gather, parameter) pairs of the unit `name` (module FQNs joined by commas)."""
-    return [pair for fqn in name.split(",") for pair in parametrized(model.get_submodule(fqn))]
-
-
-def _describe(group: list[Pair], kind: str) -> Collective:
+def _describe(group: list[block_prefetch.Pair], kind: str) -> Collective:
     gather0, param0 = group[0]
     mesh = gather0.dp_mesh
     dim = mesh.ndim - 1

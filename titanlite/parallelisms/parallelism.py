@@ -150,6 +150,12 @@ class ParallelismUnit:
     comm_words: str = ""
     """What its `step_time` term counts, in the layout search's words (`exposed tp collectives`); with
     `step_time`."""
+    compile_options: Callable[[JobConfig], dict[str, Any]] | None = None
+    """Inductor settings its layers need where compiled, patched into the run's own compiles only
+    (`parallelize.compile_options`, read by the compiler)."""
+    graph_break: Callable[[nn.Module], bool] | None = None
+    """Whether a block runs this parallelism eagerly inside its forward, which the compiled block then
+    compiles around (`parallelize.graph_break`)."""
 
 
 def when_on(on: Callable[[JobConfig, ParallelDims], bool], rules: Rules) -> Rules:

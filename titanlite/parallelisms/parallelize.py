@@ -12,12 +12,12 @@ The model phase (`ParallelismUnit.phase` "model"), in the order of `PARALLELISMS
                             on the stage as on a whole model
 then the framework's own steps, and the data phase:
     activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
-    compile                 `compile.apply_compile`: per block or the whole model (`compile.compile_scope`)
+    compile                 the caller's `CompilePhase` (`compile.phase`): per block or the whole model
     data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
                             the experts on their own mesh (efsdp x ep) under expert parallelism
     gathers                 each unit's `gathers` (float8: the float8 layers' weights gathered as float8 bits,
                             `float8.all_gather`, `float8/gather.py`)
-    eager prefetch          compile scope `prefetch` only (`compile.apply_prefetch`): SimpleFSDP's gathers and
+    eager prefetch          compile scope `prefetch` only (`CompilePhase.after_data_parallel`): SimpleFSDP's gathers and
                             reductions leave the per-block graphs for hooks that issue them a block ahead
 
 Every parallelism is a unit (`parallelism.ParallelismUnit`) in `PARALLELISMS`, which the run plan (their
@@ -51,12 +51,12 @@ settings come from the config and the mesh from `ParallelDims`. The model is on 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
 from titanlite.config import JobConfig
-from titanlite.parallelisms.activation_checkpoint import apply_ac
+from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock, apply_ac
 from titanlite.parallelisms.context_parallel import unit as context_parallel
 from titanlite.parallelisms.data_parallel import unit as data_parallel
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
@@ -111,6 +111,36 @@ def staging(cfg: JobConfig, dims: ParallelDims) -> Stages | None:
     return next((unit.stages for unit in enabled(cfg, dims) if unit.stages is not None), None)
 
 
+def compile_options(cfg: JobConfig, dims: ParallelDims) -> dict[str, Any]:
+    """The inductor settings the parallelisms of this run need where compiled (each unit's `compile_options`,
+    in the order), which the compiler patches into its own compiles only."""
+    options: dict[str, Any] = {}
+    for unit in enabled(cfg, dims):
+        if unit.compile_options is not None:
+            options |= unit.compile_options(cfg)
+    return options
+
+
+def graph_break(block: nn.Module, cfg: JobConfig, dims: ParallelDims) -> bool:
+    """Whether `block` runs a parallelism of this mesh eagerly inside its forward (a unit's `graph_break`),
+    so its compiled forward is not one full graph."""
+    return any(unit.graph_break(block) for unit in enabled(cfg, dims) if unit.graph_break is not None)
+
+
+class CompilePhase(Protocol):
+    """Compilation's places in the order (module docstring), given by the caller (`run/build.py`), so that
+    the parallelisms import no compiler: `apply` after activation checkpointing (`ac`: what `apply_ac`
+    returned) and before data parallelism, `after_data_parallel` once the model is wrapped."""
+
+    def apply(self, model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], reshard: ReshardPlan) -> None:
+        """Compile `model` in place (lazily: its graphs are traced at the first call)."""
+        ...
+
+    def after_data_parallel(self, model: nn.Module, units: Units, reshard: ReshardPlan) -> None:
+        """What compilation adds to the wrapped model (compile scope `prefetch`'s eager hooks)."""
+        ...
+
+
 def parallelize(
     model: nn.Module,
     units: Units,
@@ -119,12 +149,13 @@ def parallelize(
     cfg: JobConfig,
     order: tuple[ParallelismUnit, ...] | None = None,
     high_precision: tuple[str, ...] = (),
+    compiler: CompilePhase | None = None,
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
     the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
     family's tensor-parallel plan (`ModelSpec.parallel.tp_plan`; None: the family has none, and TP must
     be off); `order` the units (default `PARALLELISMS`); `high_precision` the linear layers float8 never
-    converts (`ShapeRules.high_precision`)."""
+    converts (`ShapeRules.high_precision`); `compiler` the compile phase (None: the model runs eager)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
     # recompute of full activation checkpointing instead of read again.
     replay = HostReplay()
@@ -139,17 +170,13 @@ def parallelize(
     # which then shards it once (`tied_parameters.py`).
     tied.retie(model)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
-    report = None
     # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
     # recompute tags and by the data-parallel wrapper alike.
     reshard = ReshardPlan.of(
         cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
     )
-    if cfg.compile.enable and "model" in cfg.compile.components:
-        # Imported here: the compiler (torch._dynamo, seconds of import) is loaded by compiled runs only.
-        from titanlite.compile.compiler import apply_compile
-
-        report = apply_compile(model, units, ac, cfg, dims, reshard)
+    if compiler is not None:
+        compiler.apply(model, units, ac, reshard)
     placed = dataclasses.replace(applied, reshard=reshard, own=own)
     for unit in on:
         if unit.phase == "data":
@@ -157,8 +184,6 @@ def parallelize(
     for unit in on:
         if unit.gathers is not None:
             unit.gathers(placed)
-    if report is not None:
-        from titanlite.compile.compiler import apply_prefetch
-
-        apply_prefetch(model, units, reshard, report)
+    if compiler is not None:
+        compiler.after_data_parallel(model, units, reshard)
     return model

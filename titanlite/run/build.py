@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.compile.phase import Compilation
 from titanlite.config import JobConfig
 from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
 from titanlite.parallelisms.layout import Layout
@@ -198,7 +199,13 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
         staged.keep(model, plan.spec.units(model), plan.pipeline, stage)
     spec = plan.spec
     return parallelize(
-        model, spec.units(model), spec.parallel.tp_plan, plan.dims, plan.cfg, high_precision=spec.shape.high_precision
+        model,
+        spec.units(model),
+        spec.parallel.tp_plan,
+        plan.dims,
+        plan.cfg,
+        high_precision=spec.shape.high_precision,
+        compiler=Compilation.of(plan.cfg, plan.dims),
     )
 
 

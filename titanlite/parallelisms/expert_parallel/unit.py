@@ -239,6 +239,8 @@ def _on(cfg: JobConfig, dims: ParallelDims) -> bool:
     return dims.ep_enabled
 
 
-UNIT = ParallelismUnit(name="expert", on=_on, rules=when_on(_on, check_expert_parallel), apply=_apply)
+UNIT = ParallelismUnit(
+    name="expert", on=_on, rules=when_on(_on, check_expert_parallel), apply=_apply, graph_break=dispatches
+)
 """Expert parallelism as one unit (`parallelism.ParallelismUnit`); its all-to-alls are not in the step-time
 model, and their buffers are the family's activation model's (`models/qwen3_moe/memory.py`)."""

@@ -119,7 +119,7 @@ intermediate to its dtype, and compiled rowwise training has produced NaN where 
 
 def inductor_config(cfg: JobConfig) -> dict[str, Any]:
     """The inductor settings this run's float8 needs (`ROWWISE_INDUCTOR_CONFIG` for the rowwise recipe,
-    none otherwise). `compile.apply_compile` patches them into its own units' compiles
+    none otherwise). The compiler patches them (`ParallelismUnit.compile_options`) into its own units' compiles
     (`config_patches` / `torch.compile(options=...)`), never into inductor's global config, so another
     run in the same process compiles with inductor's defaults."""
     f8 = cfg.float8
@@ -265,6 +265,7 @@ UNIT = ParallelismUnit(
     apply=_apply,
     gathers=_gathers,
     step_hook=lambda dims: Float8Refresh(),
+    compile_options=inductor_config,
 )
 """Float8 training as one unit (`parallelism.ParallelismUnit`): its memory is the memory plan's
 (`Layout.float8_gather`, `converted_weights`)."""
