@@ -1,15 +1,11 @@
 """Counting the collectives of compiled graphs: which collective each FX node launches, its size, and
-whether compute overlaps it.
+whether compute overlaps it, read from the graphs AOTAutograd hands the compilers (never at runtime).
 
-Counts are read from the forward and backward graphs AOTAutograd hands to the compilers (never at
-runtime: no dispatch mode may run inside compiled code). A collective is *overlapped* when at least one
-compute operation (one torch counts FLOPs for: matmuls, attention) lies between its start and its first
-wait in the graph's order, so the wire works while the device computes. A collective moves
-*activations* (context or tensor parallelism) rather than parameters or their gradients when compute
-feeds it (an all-gather whose input depends on a compute operation) or it feeds compute (a
-reduce-scatter whose output flows into one): data parallelism's gathers depend on parameters only, and
-its reduce-scatters flow to the graph's outputs, bucketed or not. The bucketing pass (`passes.py`) and
-the compile report (`compile_report.py`) read these counts.
+A collective is *overlapped* when a compute operation (one torch counts FLOPs for: matmuls, attention)
+lies between its start and its first wait in the graph's order. It moves *activations* (context or tensor
+parallelism) rather than parameters or gradients when compute feeds it (an all-gather) or it feeds
+compute (a reduce-scatter): data parallelism's gathers depend on parameters only and its reduce-scatters
+flow to the graph's outputs, bucketed or not. The bucketing pass and the compile report read these counts.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
-"""torch.compile for the Llama model: the whole model or each transformer block, with SimpleFSDP's graph
-passes and a report of the collectives each step issues (and how many of them compute overlaps).
+"""torch.compile of the model: the whole model as one graph or each transformer block on its own, with
+SimpleFSDP's graph passes and the compile report.
 
-Scope `model`: the model's `forward` is one graph (the module's hooks stay eager, so state_dict names and
-eager reshard hooks are unchanged). Buckets are [embedding], each block, [norm, output], and the manual
-scheduler prefetches the next block's bucket while this block computes and defers each bucket's
-reduce-scatter wait past the next block's backward, in forward, in recomputation and in backward alike.
-Full activation checkpointing is not a checkpoint there but recompute tags on the joint graph
-(`RecomputeTagPass`; AOTAutograd rejects torch's checkpoint over DTensor inputs), so the recomputed
-blocks stay in the one graph the scheduler orders.
-Scope `block`: each transformer block is compiled on its own with `fullgraph=True`. The graphs stay small
-as depth grows, identical blocks share one Dynamo + AOTAutograd trace (one shared SimpleFSDP class, one
-backend per kind of block; see `apply_compile`), and a fully checkpointed block keeps its eager
-checkpoint around its compiled body (`CheckpointedBlock.body`). The embedding, final norm and output stay
-eager, so their three parameters keep their own eager all-gathers and reduce-scatters, and bucketing
-cannot cross a block boundary: block i+1's gather waits for block i's graph to end.
-Scope `prefetch`: per-block graphs as `block`, whose SimpleFSDP gathers and reductions leave the graphs
-for eager hooks that issue them one unit ahead (`block_prefetch`; fully checkpointed blocks only): the
-compile cost of `block` with the cross-block overlap of `model`.
-Scope `auto` (the default, `compile_scope`): `prefetch`, `model` or `block` by the rule in
-`compile_scope.py`.
-
-With SimpleFSDP and the `aot_eager` or `inductor` backend every compile unit gets its own backend (see
-`_Backend`): AOTAutograd with the min-cut partitioner (which honours the recompute tags of
-`RecomputeTagPass`; `partitioner.py`), the bucketing pass, and a recorder feeding the `CompileReport`. The
-report is logged and written to `<dump_folder>/compile_report.json` once every unit's forward and
-backward are compiled (`compile_report.py`).
+Scopes (`compile.scope`, `auto` resolved by `scope.py`): `model` compiles the model's forward as one
+graph, whose manual scheduler prefetches the next block's gathers and defers reduce-scatter waits, full
+AC being recompute tags in it (`passes.RecomputeTagPass`); `block` compiles each block with
+`fullgraph=True`, identical blocks sharing one trace, a fully checkpointed block keeping its eager
+checkpoint around its compiled body; `prefetch` is `block` whose SimpleFSDP collectives eager hooks
+issue one unit ahead (`prefetch.py`). Under SimpleFSDP with `aot_eager` or `inductor` each compile unit
+gets its own backend (`_Backend`): the min-cut partitioner, the bucketing pass and a recorder feeding
+the `CompileReport`. What a parallelism needs of compiled code (inductor settings, a graph break) comes
+from its unit (`parallelize.compile_options`, `parallelize.graph_break`). The why is in docs/compile.md.
 """
 
 from __future__ import annotations
@@ -92,7 +77,7 @@ def check_compile(cfg: JobConfig, dims: ParallelDims, full_ac: bool) -> bool:
 
 
 def _check_prefetch(cfg: JobConfig, dims: ParallelDims, with_passes: bool) -> None:
-    """Refuse what the eager prefetcher (`block_prefetch`) does not handle, in one line each."""
+    """Refuse what the eager prefetcher (`prefetch.py`) does not handle, in one line each."""
     why = None
     if not with_passes:
         why = "SimpleFSDP data parallelism and backend aot_eager or inductor"
@@ -147,7 +132,7 @@ def apply_compile(
         else sum(1 for n, _ in model.named_parameters() if not units.unit_of(n)),
         path=os.path.join(cfg.job.dump_folder, REPORT_NAME),
         cost_model=cost.as_dict() if cost is not None and c.bucketing == "auto" else None,
-        # Under `prefetch` every backward reduces its unit's sinks itself (`block_prefetch`).
+        # Under `prefetch` every backward reduces its unit's sinks itself (`prefetch.py`).
         routing_to_sinks=(lambda: False)
         if scope == "prefetch"
         else lambda: any(s.unreduced for s in simple_fsdp_states(model)),
@@ -212,7 +197,7 @@ def _compile_units(
     """Compile the model or each block with the backend `backend(name, index)` gives; `options`: inductor
     settings for a backend named "inductor" (a `_Backend` carries its own)."""
     extra: dict[str, Any] = {"options": options} if options else {}
-    if scope == "model":
+    if scope == "model":  # the forward, not the module: its hooks stay eager, its state_dict names unchanged
         model.forward = torch.compile(model.forward, backend=backend("model", 0), fullgraph=True, **extra)
         return
     # Identical blocks share one Dynamo cache entry of the shared `forward` code (SimpleFSDP's parametrized
@@ -320,7 +305,7 @@ class _Backend:
     AOTAutograd cache is off for this unit because a hit would skip the compilers that see the graphs;
     the FX graph cache (inductor's codegen, the expensive part) stays on, and on an FX cache hit the
     bucketing pass is replayed on a copy of the graph to count its collectives. `config_patches`: the
-    run's own inductor settings (`float8.inductor_config`), patched for this unit's compiles only.
+    run's own inductor settings (`parallelize.compile_options`), patched for this unit's compiles only.
     """
 
     def __init__(

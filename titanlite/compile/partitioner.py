@@ -1,16 +1,12 @@
-"""The forward/backward partitioner of compiled SimpleFSDP graphs: torch's min-cut partitioner, with the
-joint-graph recompute tags applied first and the saved values put in the order AOTAutograd reads them.
+"""The forward/backward partitioner of compiled SimpleFSDP graphs: torch's min-cut partitioner (which,
+unlike the default one, honours `passes.RecomputeTagPass`'s tags, applied to the joint graph first) with
+the saved values put in the order AOTAutograd reads them.
 
-torch's default partitioner ignores recompute tags; the min-cut one honours them (reshard-after-forward
-and full activation checkpointing are both tags, `passes.RecomputeTagPass`). One defect of torch 2.13's
-min-cut partitioner is repaired here: when an operation torch marks random (`nondeterministic_seeded`:
-scaled-dot-product attention, for its dropout) is recomputed, the partitioner saves its RNG state for
-backward and appends that state to the forward's saved values *after* the saved opaque objects (the
-`DeviceMesh` of DTensor gradients), while AOTAutograd's runtime expects every saved tensor before them
-(`expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh`). This is what made full
-activation checkpointing of a compiled SimpleFSDP block fail. `_saved_opaque_objects_last` moves the
-opaque objects behind the tensors, in the forward's outputs and the backward's inputs alike; when the
-order is already right (no recomputed random op, or a torch that orders them itself) it changes nothing.
+Recomputing an operation torch marks random (attention, for its dropout), torch 2.13's min-cut partitioner
+appends its saved RNG state after the saved opaque objects (DTensor gradients' `DeviceMesh`), where
+AOTAutograd's runtime expects every tensor first (`expected all tensors_saved_with_vc_check to be Tensors,
+got ... DeviceMesh`). `_saved_opaque_objects_last` moves the opaque objects behind the tensors, in the
+forward's outputs and the backward's inputs alike; where the order is already right it changes nothing.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""Graph passes that make SimpleFSDP efficient under torch.compile.
+"""Graph passes that make SimpleFSDP efficient under torch.compile, whose traces hold one all-gather per
+parameter in forward and one reduce-scatter per gradient in backward.
 
-SimpleFSDP traces to one all-gather per parameter in forward and one reduce-scatter per gradient in
-backward. Three passes act on those graphs:
-
-* `RecomputeTagPass` (joint graph, before partitioning): tags the parameter all-gathers, their waits and
-  the casts/views around them `MUST_RECOMPUTE`, so the partitioner frees gathered weights after forward
-  and gathers them again in backward (reshard-after-forward); `MUST_SAVE` keeps them instead. This is
-  the compiled counterpart of the eager saved-tensor hooks in `eager_reshard.py`. In a whole-model graph
-  it also tags fully checkpointed blocks for recomputation (full activation checkpointing as tags).
-* `BucketingPass` (forward/backward graphs, after partitioning): merges the FSDP collectives into
-  buckets and, with `reorder`, moves them to overlap with compute. `auto` is torch's overlap scheduler
-  (`schedule_overlap_bucketing_from_inductor_configs`, which pre-buckets FSDP collectives up to a size
-  cap and then buckets/reorders by estimated runtimes); `transformer_block` is torch's manual scheduler
-  (`manual_overlap_bucketing`) with one bucket per module plan.
-* `CostModel`: torch's schedulers estimate op runtimes even when (as the manual one) they do not use
-  them; the built-in estimators read GPU figures (triton's DRAM bandwidth, CUDA benchmarking) and fail
-  on CPU. On CPU the model supplies measured (or configured) FLOP/s, memory and gloo figures instead;
-  on CUDA torch's own estimators run untouched.
-
-Both passes are `CustomGraphPass`es with a stable `uuid()`: inductor folds it into the FX graph cache
-key, so installing them does not bypass the cache. The aot_eager backend in `compile.py` calls the same
-objects directly.
+`RecomputeTagPass` (joint graph, before partitioning) tags the parameter gathers `MUST_RECOMPUTE`
+(reshard-after-forward: freed after forward and gathered again in backward; `MUST_SAVE` keeps them), and
+in a whole-model graph the fully checkpointed blocks too. `BucketingPass` (forward/backward graphs, after
+partitioning) merges the FSDP collectives into buckets and, with `reorder`, moves them to overlap compute
+(`auto`: torch's overlap scheduler; `transformer_block`: torch's manual one, a bucket per module plan).
+`CostModel`: the CPU figures torch's schedulers estimate runtimes with (its own estimators read GPU ones).
+Both passes are `CustomGraphPass`es with a stable `uuid()`, so inductor's FX graph cache keys them.
 """
 
 from __future__ import annotations

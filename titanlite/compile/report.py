@@ -1,27 +1,14 @@
-"""The compile report: how many collectives a training step issues on each mesh dim, before and after the
-graph passes, and how many of them compute overlaps.
+"""The compile report: the collectives one training step issues on each mesh dim (`dp`, `cp`, `tp`),
+before and after the graph passes, and how many of them compute overlaps.
 
-It is collected from the forward and backward graphs AOTAutograd hands to the compilers
-(`collectives.graph_collectives`), and multiplied out per compile unit: every transformer block is its
-own unit under per-block compile, the whole model is one unit otherwise. A fully checkpointed block runs
-its forward graph again in backward, so its forward collectives are counted a second time, as backward
-ones. It is logged, and written on rank 0 to `<dump_folder>/compile_report.json` (`REPORT_NAME`), once
-every unit's forward and backward are compiled.
-
-Names in the report: `all_gather` (forward), `reduce_scatter` and `all_reduce` (backward) are the usual
-FSDP/DDP collectives; anything else is prefixed by its phase, e.g. `backward_all_gather` (the re-gathers
-of reshard-after-forward) or `forward_reduce_scatter` (tensor parallelism's row-wise outputs).
-
-Context parallelism's K/V all-gathers and their gradients' reduce-scatters are counted under `cp`
-(`all_gather`, `reduce_scatter`, and `backward_all_gather` for a checkpointed block's recompute). Where
-the cp group is also the parameters' shard group (cp without dp_shard), its collectives are told from
-data parallelism's by what they move (`collectives.Collective.activation`): the only activation
-collectives on a data-parallel group are context parallelism's.
-
-Overlap (`collectives.Collective.overlapped`) is read from the graphs after the bucketing pass: the
-report's `prefetched_all_gathers` and `overlapped_reduce_scatters` count the overlapped data-parallel
-all-gathers (forward gathers and backward re-gathers) and reduce-scatters of one step;
-`overlapped_cp_all_gathers` and `overlapped_cp_reduce_scatters` the overlapped cp ones.
+Collected from the graphs AOTAutograd hands the compilers (`collectives.graph_collectives`) and multiplied
+out per compile unit (each block under per-block compile, else the whole model); a fully checkpointed
+block's forward collectives count again as backward ones (its recompute). Names: `all_gather` (forward),
+`reduce_scatter` and `all_reduce` (backward); anything else carries its phase (`backward_all_gather`: the
+re-gathers of reshard-after-forward; `forward_reduce_scatter`: tensor parallelism's row-wise outputs).
+Context parallelism's collectives count under `cp`, told from data parallelism's by what they move where
+they share its group (`collectives.Collective.activation`). Logged, and written on rank 0 to
+`<dump_folder>/compile_report.json` once every unit's forward and backward are compiled (docs/compile.md).
 """
 
 from __future__ import annotations

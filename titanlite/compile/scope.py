@@ -1,17 +1,11 @@
-"""What `compile.scope = auto` compiles, decided from the config alone (the run plan's step policies read
-it before any compiler is imported; `compile.compile_scope` is the same answer from the built mesh).
+"""What `compile.scope = auto` compiles, decided from the config alone (the run plan reads it before any
+compiler is imported; `compiler.compile_scope` is the same answer from the built mesh).
 
-    prefetch  fully checkpointed blocks under SimpleFSDP with transformer_block bucketing and reorder
-              on, no pipeline or expert parallelism, one backward per step (no accumulation):
-              per-block graphs (compiled once for identical blocks, whatever the depth) with the next
-              block's gather prefetched and each reduce-scatter overlapped by the next block's
-              backward, issued eagerly (`block_prefetch`)
-    model     other bucketed SimpleFSDP runs: one graph whose scheduler prefetches and overlaps; its
-              compile time and host memory grow with the number of blocks. Kept for what the prefetcher
-              does not handle: selective or no AC (a graph that saves its weights holds them anyway),
-              pipeline stages, accumulated steps (the prefetcher reduces and regathers in each backward,
-              where one graph keeps the gathered weights and reduces once per step),
-              torch's `auto` bucketing (the prefetcher's buckets are the units) and reorder off
+    prefetch  fully checkpointed blocks under SimpleFSDP, transformer_block bucketing with reorder, no
+              pipeline or expert parallelism, one backward per step: per-block graphs (compiled once
+              for identical blocks) whose collectives are issued eagerly one block ahead (`prefetch.py`)
+    model     the other bucketed SimpleFSDP runs: one graph whose scheduler prefetches and overlaps
+              (its compile time grows with depth); what the prefetcher does not handle
     block     no bucketing, no graph passes, or expert parallelism (its dispatch breaks the graph)
 """
 

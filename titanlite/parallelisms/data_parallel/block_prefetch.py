@@ -1,38 +1,14 @@
-"""SimpleFSDP's collectives issued eagerly around per-block compiled graphs (compile scope `prefetch`).
+"""SimpleFSDP's collectives issued eagerly one unit ahead around per-block compiled graphs (compile scope
+`prefetch`, which installs it: `compile/prefetch.py`).
 
-Per-block graphs compile each distinct block once, whatever the depth, but a graph cannot start the next
-block's all-gather (it does not hold it) nor leave its reduce-scatter running past its end. Here the
-data-parallel collectives leave the graphs: every compiled block reads its gathered weights as graph
-inputs (`ReplicateComputation.step_cache` = `kept_gathers.hand_out`, reading `gather.kept`) and routes
-their gradients to its sinks (`SimpleFSDPState.unreduced`), so its graphs hold no collective at all, and
-this module issues them one unit ahead:
-
-    units       [embedding], each block, [norm, output]: the model's `Units` in forward order
-    forward     unit i's pre-hook waits its own gather (one flat all-gather per unit, in the param
-                dtype, or as bytes where the weights travel in a wire format: with float8.all_gather
-                a float8 layer's weight is its float8 bits, 1 byte per element, handed to the layer as
-                torchao's float8 tensor, `float8_gather`) and starts unit i+1's; a block resharded
-                after forward drops its gathered weights after its forward (its eager checkpoint saved
-                nothing of them)
-    backward    a hook on unit i's output fires before unit i's backward (for a fully checkpointed
-                block: before its recompute): it waits unit i's re-gather, starts unit i-1's and drops
-                unit i+1's weights, whose backward is done
-    gradients   each unit's gradients accumulate in its fp32 sinks; when the unit's last one arrives its
-                bucket is packed and reduce-scattered asynchronously (`step_reduction.StepReduction`, one
-                backward) and the previous unit's reduce-scatter is waited and written to `.grad`, so
-                each reduce-scatter overlaps the next unit's backward; an end-of-backward callback waits
-                the rest
-
-What it handles: fully_shard, hybrid_shard (the all-gather over the shard dim; the reduction's
-reduce-scatter then all-reduce) and replicate meshes, tensor parallelism (the gather of the tp-local
-shard, handed out as a DTensor on the tp mesh), uneven shards (zero-padded rows, as DTensor's `Shard(0)`
-cuts), and mixed precision (gathered in `param_dtype`, reduced in `reduce_dtype` from fp32 sinks). Each
-backward reduces its gradients (gradient_reduction per_microbatch, weights gathered again per
-microbatch): the step-wide sinks of per_step and the kept gathers of a step would share the sinks and
-the cache this uses, so `compile.check_compile` refuses those, pipeline and expert parallelism.
-
-Compilation installs it under that scope and counts its collectives in the compile report
-(`compile/prefetch.py`).
+A per-block graph can neither start the next block's all-gather nor leave its reduce-scatter running
+past its end, so here the collectives leave the graphs: each gather hands out the weight gathered here
+as a graph input (`ReplicateComputation.step_cache` = `kept_gathers.hand_out`) and routes its gradient
+to its fp32 sink. The units are [embedding], each block, [norm, output]: unit i's forward pre-hook waits
+its flat all-gather and starts unit i+1's; a hook before unit i's backward (its recompute) waits its
+re-gather, starts unit i-1's and drops unit i+1's weights; a unit's reduce-scatter (`StepReduction`)
+starts when its last gradient arrives and is written during the next unit's backward. It is data
+parallelism's mechanism over its gathers and sinks; docs/compile.md has what it handles and refuses.
 """
 
 from __future__ import annotations
