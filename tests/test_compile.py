@@ -28,9 +28,11 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
+from titanlite.parallelisms import parallelize
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.parallelism import ParallelismUnit
 from titanlite.tools.dry_run import compile_report
 
 N = 3
@@ -179,6 +181,43 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
     assert seen[0]["reorder_for_compute_comm_overlap"] is False
     assert not set(BUCKETING_INDUCTOR_CONFIG) & set(seen[1])
     assert {k: getattr(inductor_config, k) for k in BUCKETING_INDUCTOR_CONFIG} == before
+
+
+@pytest.mark.parametrize("degree", [2, 1])
+def test_what_a_parallelism_asks_of_compiled_code_comes_from_its_unit(monkeypatch, degree):
+    """The compiler names no parallelism: a unit of the order that this mesh runs gives its inductor settings
+    (`compile_options`, after float8's) and its graph breaks (`graph_break`: that block compiles around
+    its eager code). Negative control: the same unit off (degree 1) asks nothing. (`torch.compile` is
+    replaced by a recorder: nothing is traced.)"""
+    with torch.device("meta"):
+        model = Transformer(ARGS, seq_len=8)
+    units = llama_units(model)
+    first = next(iter(units.blocks.values()))
+    toy = ParallelismUnit(
+        "toy",
+        degree=lambda dims: degree,
+        rules=lambda *args: None,
+        apply=lambda applied: {},
+        compile_options=lambda cfg: {"max_autotune": False},
+        graph_break=lambda block: block is first,
+    )
+    monkeypatch.setattr(parallelize, "PARALLELISMS", (toy,))
+    seen: list[tuple[bool, dict]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((kw["fullgraph"], kw.get("options"))) or fn)
+    cfg = config(
+        compile__enable=True,
+        compile__backend="inductor",
+        compile__bucketing="none",
+        compile__scope="block",
+        float8__enable=True,
+        float8__recipe="rowwise",
+        float8__emulate=True,
+        parallelism__dp_impl="fsdp2",  # no graph passes: the blocks compile with `options`
+    )
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1)
+    assert apply_compile(model, units, {}, cfg, dims, ReshardPlan.of("default", N)) is None
+    options = {"emulate_precision_casts": True} | ({"max_autotune": False} if degree > 1 else {})
+    assert seen == [(degree == 1 or i > 0, options) for i in range(N)]
 
 
 AUTO_BUCKETING = torch_support.supports("compile.bucketing = auto", torch.__version__)
