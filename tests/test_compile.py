@@ -31,6 +31,7 @@ from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms import parallelize
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ParallelismUnit
 from titanlite.tools.dry_run import compile_report
@@ -186,7 +187,7 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
 @pytest.mark.parametrize("degree", [2, 1])
 def test_what_a_parallelism_asks_of_compiled_code_comes_from_its_unit(monkeypatch, degree):
     """The compiler names no parallelism: a unit of the order that this mesh runs gives its inductor settings
-    (`compile_options`, after float8's) and its graph breaks (`graph_break`: that block compiles around
+    (`compile_options`, in the order: float8's first) and its graph breaks (`graph_break`: that block compiles around
     its eager code). Negative control: the same unit off (degree 1) asks nothing. (`torch.compile` is
     replaced by a recorder: nothing is traced.)"""
     with torch.device("meta"):
@@ -195,13 +196,13 @@ def test_what_a_parallelism_asks_of_compiled_code_comes_from_its_unit(monkeypatc
     first = next(iter(units.blocks.values()))
     toy = ParallelismUnit(
         "toy",
-        degree=lambda dims: degree,
+        on=lambda cfg, dims: degree > 1,
         rules=lambda *args: None,
         apply=lambda applied: {},
         compile_options=lambda cfg: {"max_autotune": False},
         graph_break=lambda block: block is first,
     )
-    monkeypatch.setattr(parallelize, "PARALLELISMS", (toy,))
+    monkeypatch.setattr(parallelize, "PARALLELISMS", (float8.UNIT, toy))
     seen: list[tuple[bool, dict]] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((kw["fullgraph"], kw.get("options"))) or fn)
     cfg = config(

@@ -100,20 +100,28 @@ def _importers(folder: str, package: Path = PACKAGE) -> set[str]:
 
 
 ORDER = "parallelisms/parallelize.py"
+SECTION = "parallelisms/config.py"
+"""The `parallelism` section, the union of the units' keys (each unit's `config.py`)."""
 FOOTPRINT = {
     "float8": {
         ORDER,
+        # The schema's list of sections composes its section (`float8/config.py`).
+        "config/schema.py",
         # The memory plans count the weights gathered in float8 (`converted_weights`).
         "planning/memory.py",
         "planning/layout_memory.py",
         # The launcher checks the ranks' device for the recipe (`check_device`).
         "launcher/preflight.py",
     },
-    "tensor_parallel": {ORDER},
-    "context_parallel": {ORDER},
-    "expert_parallel": {ORDER},
+    "tensor_parallel": {ORDER, SECTION},
+    "context_parallel": {ORDER, SECTION},
+    "expert_parallel": {ORDER, SECTION},
     "pipeline": {
         ORDER,
+        SECTION,
+        # The schema lists the schedules that split the weight backward (`SPLIT_BACKWARD_SCHEDULES`), under
+        # which SimpleFSDP's gradient reduction runs per microbatch.
+        "config/schema.py",
         # The layout space enumerates the schedules (`SINGLE_STAGE`, `MULTI_STAGE`).
         "planning/layout_space.py",
         # The dry run plans a rank's stages as one module (`StageUnion`).
@@ -121,6 +129,7 @@ FOOTPRINT = {
     },
     "data_parallel": {
         ORDER,
+        SECTION,
         # The experts' own mesh is a data-parallel placement (`DataParallelMesh`).
         "parallelisms/expert_parallel/unit.py",
         # Float8's gathers are SimpleFSDP's with a float8 wire (`ReplicateComputation.wire`).
@@ -137,6 +146,7 @@ FOOTPRINT = {
         "checkpoint/weights.py",
         # SimpleFSDP's states, gathers and reshard plan, which the compiler's passes bucket and its prefetch installs.
         "compile/compiler.py",
+        "compile/phase.py",
         "compile/prefetch.py",
     },
 }
