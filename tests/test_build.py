@@ -106,7 +106,7 @@ def test_dtensors_sequential_redistribution_advice_is_not_in_a_ranks_output(capl
 
     from torch.distributed.tensor import _redistribute
 
-    from titanlite.run.trainer import REDISTRIBUTE_LOGGER, init_logging
+    from titanlite.run.rank_logging import REDISTRIBUTE_LOGGER, init_logging
 
     assert '"While redistributing from %s to %s' in inspect.getsource(_redistribute)
     assert _redistribute.logger.name == REDISTRIBUTE_LOGGER

@@ -73,10 +73,10 @@ def run(dump: Path, steps: int, workers: int) -> tuple[list[float], list[dict[in
     trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)))
     step, losses, workers_seen = trainer.train_step, [], []
 
-    def train_step(batches):
+    def train_step(batches, context):
         iterator = trainer.dataloader._iterator
         workers_seen.append({w.pid: ancestry(w.pid) for w in iterator._workers} if workers else {})
-        out = step(batches)
+        out = step(batches, context)
         losses.append(out[0].item())
         return out
 

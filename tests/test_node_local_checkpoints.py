@@ -176,11 +176,11 @@ def train_in_process(dump: Path, steps: int, crash_at: int | None = None, **keys
     step = run.train_step
     started: list[int] = []
 
-    def train_step(batches):
+    def train_step(batches, context):
         started.append(run.step)
         if run.step == crash_at:
             raise Crash
-        out = step(batches)
+        out = step(batches, context)
         got[run.step] = run.verdict.loss
         return out
 

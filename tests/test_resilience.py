@@ -406,13 +406,13 @@ def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, 
     trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=tiny_args(vocab_size=2056)), preemption=stop)
     step, enabled_in_step = trainer.train_step, []
 
-    def train_step(batches):
+    def train_step(batches, context):
         enabled_in_step.append(gc.isenabled())
         if trainer.step == stop.at:
             if ending == "error":
                 raise RuntimeError("a failing step")
             stop.received = signal.SIGTERM
-        return step(batches)
+        return step(batches, context)
 
     monkeypatch.setattr(trainer, "train_step", train_step)
     try:

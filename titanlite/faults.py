@@ -1,9 +1,10 @@
 """Fault injection for tests: environment variables that make a run fail in a chosen way at a chosen point.
 
-Every fault a test can inject is here, read where the fault acts through one function each; unset, each
-function does nothing. They exist so the tests can drive the shipped path (`run_train.sh`, the trainer's
-own step) into a failure that is hard to cause for real: a rank dying mid-run, a signal at a known step,
-a full disk where no small disk can be mounted, a kill inside a checkpoint save.
+Every fault a test can inject is here; unset, none does anything. They exist so the tests can drive the
+shipped path (`run_train.sh`, the trainer's own step) into a failure that is hard to cause for real: a
+rank dying mid-run, a signal at a known step, a full disk where no small disk can be mounted, a kill
+inside a checkpoint save. The faults of a training step are one `StepFaults`, read once when the loop
+starts and called by it around each step; every other fault is one function, called where it acts.
 
     TITANLITE_FAULT_EXIT_AT=k          the faulting rank exits abruptly (code 17) before step k
     TITANLITE_FAULT_SIGTERM_AT=k       the faulting rank sends itself SIGTERM before step k
@@ -35,9 +36,15 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titanlite.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 logger = logging.getLogger("titanlite")
 
@@ -54,9 +61,8 @@ def _step(name: str) -> int | None:
     return int(value) if value else None
 
 
-def _claim_once() -> bool:
-    """True if this fault may fire: no TITANLITE_FAULT_ONCE file, or we are the first to create it."""
-    path = os.environ.get(PREFIX + "ONCE")
+def _claim_once(path: str | None) -> bool:
+    """True if a fault may fire: no TITANLITE_FAULT_ONCE file (`path`), or we are the first to create it."""
     if not path:
         return True
     try:
@@ -67,30 +73,64 @@ def _claim_once() -> bool:
     return True
 
 
-def before_step(step: int, rank: int) -> None:
-    """The rank faults of step `step` (EXIT_AT, SIGTERM_AT, USER_ERROR_AT, CRASH_AT, HANG_AT), on the faulting
-    rank."""
-    if rank != int(os.environ.get(PREFIX + "RANK", "0")):
-        return
-    if step == _step("EXIT_AT") and _claim_once():
-        logger.error(f"fault injection: rank {rank} exits abruptly at step {step}")
-        os._exit(17)
-    if step == _step("SIGTERM_AT") and _claim_once():
-        os.kill(os.getpid(), signal.SIGTERM)
-    if step == _step("USER_ERROR_AT") and _claim_once():
-        raise UserError(f"fault injection: rank {rank} found bad input at step {step}")
-    if step == _step("CRASH_AT") and _claim_once():
-        raise RuntimeError(f"fault injection: rank {rank} crashed at step {step}")
-    if step == _step("HANG_AT") and _claim_once():
-        logger.error(f"fault injection: rank {rank} hangs at step {step}")
-        while True:
-            time.sleep(1)
+@dataclass(frozen=True)
+class StepFaults:
+    """The faults of a rank's training steps, read from the environment once, when its loop starts: the
+    rank faults (EXIT_AT, SIGTERM_AT, USER_ERROR_AT, CRASH_AT, HANG_AT, each claimed through ONCE when it
+    fires) on the faulting rank (RANK), and the steps whose loss is made NaN (NAN_AT) on every rank. The
+    loop calls `before_step` before it reads a step's batches and asks `nan_loss` which loss the step
+    computes; the step itself knows nothing of them."""
 
+    rank: int
+    faulting: bool
+    """Whether `rank` is the faulting rank of the rank faults."""
+    exit_at: int | None = None
+    sigterm_at: int | None = None
+    user_error_at: int | None = None
+    crash_at: int | None = None
+    hang_at: int | None = None
+    once: str | None = None
+    nan_at: frozenset[int] = frozenset()
 
-def nan_loss_at(step: int) -> bool:
-    """Whether step `step`'s loss is to be made NaN (NAN_AT)."""
-    value = os.environ.get(NAN_AT)
-    return bool(value) and str(step) in value.split(",")
+    @classmethod
+    def from_env(cls, rank: int) -> StepFaults:
+        nan_at = os.environ.get(NAN_AT) or ""
+        return cls(
+            rank=rank,
+            faulting=rank == int(os.environ.get(PREFIX + "RANK", "0")),
+            exit_at=_step("EXIT_AT"),
+            sigterm_at=_step("SIGTERM_AT"),
+            user_error_at=_step("USER_ERROR_AT"),
+            crash_at=_step("CRASH_AT"),
+            hang_at=_step("HANG_AT"),
+            once=os.environ.get(PREFIX + "ONCE"),
+            nan_at=frozenset(int(k) for k in nan_at.split(",") if k),
+        )
+
+    def before_step(self, step: int) -> None:
+        """The rank faults of step `step`, on the faulting rank."""
+        if not self.faulting:
+            return
+        rank = self.rank
+        if step == self.exit_at and _claim_once(self.once):
+            logger.error(f"fault injection: rank {rank} exits abruptly at step {step}")
+            os._exit(17)
+        if step == self.sigterm_at and _claim_once(self.once):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.user_error_at and _claim_once(self.once):
+            raise UserError(f"fault injection: rank {rank} found bad input at step {step}")
+        if step == self.crash_at and _claim_once(self.once):
+            raise RuntimeError(f"fault injection: rank {rank} crashed at step {step}")
+        if step == self.hang_at and _claim_once(self.once):
+            logger.error(f"fault injection: rank {rank} hangs at step {step}")
+            while True:
+                time.sleep(1)
+
+    def nan_loss(self, step: int, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        """The loss of step `step`: `loss_fn`, or `loss_fn` times NaN at a NAN_AT step."""
+        if step not in self.nan_at:
+            return loss_fn
+        return lambda pred, labels: loss_fn(pred, labels) * float("nan")
 
 
 def metrics_write() -> None:

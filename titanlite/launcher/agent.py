@@ -298,7 +298,7 @@ def build_launch(argv: list[str]) -> Launch:
     config, entrypoint, entry_args = config_from_args(args)
     config.signals_to_handle = ",".join(sig.name for sig in handled(IMMEDIATE_SIGNALS))
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    # One rank line prefix, `[rank<r>]: `; the ranks' own log lines then name no rank (trainer.init_logging).
+    # One rank line prefix, `[rank<r>]: `; the ranks' own log lines then name no rank (rank_logging.init_logging).
     config.log_line_prefix_template = "[rank${rank}]: "
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,

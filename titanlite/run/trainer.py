@@ -1,9 +1,12 @@
 """The Trainer: builds a run from its config (through `titanlite.run.build`) and runs the step loop.
 
-`Trainer.train_step` is the one training step (gradients, agreement across ranks on stop signals and
-non-finite values, the optimizer and LR-schedule step); the loop in `Trainer.train` adds data, metrics,
-profiling and checkpoints around it. Tests and benchmarks drive this same class; the command-line entry
-point is `titanlite.train`.
+`Trainer.__init__` reads as the order of a rank's set-up: device, logging and the run's folder locks,
+the plan, the data (before the process group, so bad data is reported before any rank waits), the
+process group, the model, the optimizer, then the checkpointer and the metrics. `Trainer.train_step` is
+the one training step (gradients, agreement across ranks on stop signals and non-finite values, the
+optimizer and LR-schedule step); the loop in `Trainer.train` adds data, metrics, profiling, checkpoints
+and the tests' step faults (`faults.StepFaults`) around it. Tests and benchmarks drive this same class;
+the command-line entry point is `titanlite.train`.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite import faults
 from titanlite.checkpoint.lock import DumpFolderLock, run_folders
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
+from titanlite.faults import StepFaults
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.goodput_clock import GoodputClock
 from titanlite.metrics.profiling import Profiler
 from titanlite.metrics.runs import layout_label
 from titanlite.metrics.straggler import StragglerMeter
 from titanlite.parallelisms.data_parallel.replica_batches import replica_batches
+from titanlite.parallelisms.step_context import StepContext
 from titanlite.planning.run_plan import RunPlan, describe_shape
 from titanlite.run import socket_interfaces
 from titanlite.run.build import (
@@ -42,6 +46,7 @@ from titanlite.run.loader import build_loader
 from titanlite.run.optimizer import build_lr_scheduler, build_optimizer
 from titanlite.run.progress import Progress
 from titanlite.run.rank_exit import LAUNCHER_PID_ENV
+from titanlite.run.rank_logging import init_logging
 from titanlite.run.resilience import StepVerdict, agree, stop_agreed
 from titanlite.run.signals import Preemption
 from titanlite.run.validation import Validator
@@ -50,35 +55,32 @@ logger = logging.getLogger("titanlite")
 FAMILY_METRICS = tuple(m.name for m in METRICS if m.family)
 
 
-class _UnactionableTorchAdvice(logging.Filter):
-    """Drops DTensor's advice that a redistribution runs one collective per mesh dim ("While
-    redistributing from ... sequential ... operations"), which torch logs once per mesh for the gradient
-    norm of a tensor-parallel run (a `_NormPartial` reduced over dp and tp): the user can do nothing about
-    it, and its "may give inconsistent results between ranks" reads like a fault. Every other record of
-    that logger passes."""
+def lock_run_folders(cfg: JobConfig, rank: int) -> list[DumpFolderLock]:
+    """One run at a time per dump folder (and checkpoint folder outside it): rank 0 holds their locks from
+    before anything is written there until `Trainer.close`; a folder in use releases those already held."""
+    held: list[DumpFolderLock] = []
+    if rank != 0:
+        return held
+    ckpt = cfg.checkpoint
+    try:
+        for key, folder in run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():
+            held.append(DumpFolderLock(folder, key))
+    except DumpFolderInUse:
+        for lock in held:
+            lock.release()
+        raise
+    return held
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("While redistributing from")
 
-
-REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
-
-
-def init_logging(rank: int) -> None:
-    """One stderr handler on the `titanlite` logger (replaced, not added, when a process builds several
-    trainers); records still propagate, so handlers on the root logger see them too. Under the launcher,
-    which starts each line with `[rank<r>]: `, the lines do not name the rank a second time."""
-    for handler in [h for h in logger.handlers if getattr(h, "titanlite", False)]:
-        logger.removeHandler(handler)
-    handler = logging.StreamHandler()
-    prefix = "" if os.environ.get(LAUNCHER_PID_ENV) else f"[titanlite rank{rank}] "
-    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
-    handler.titanlite = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    torch_logger = logging.getLogger(REDISTRIBUTE_LOGGER)
-    if not any(isinstance(f, _UnactionableTorchAdvice) for f in torch_logger.filters):
-        torch_logger.addFilter(_UnactionableTorchAdvice())
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Python's and torch's generators from `training.seed`; `training.deterministic` asks torch for
+    deterministic kernels (cuBLAS's among them)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 class Trainer:
@@ -92,45 +94,60 @@ class Trainer:
     def __init__(self, cfg: JobConfig, plan: RunPlan | None = None, preemption: Preemption | None = None):
         self.cfg = cfg
         self.rank, self.world_size = world_from_env()
-        # A seed checkpoint is one process holding the whole unsharded model (70B in fp32: 280 GB): it is
-        # built in host memory, never on a GPU, and needs no data.
         self.seed_only = cfg.checkpoint.create_seed_checkpoint
+        """A seed checkpoint is one process holding the whole unsharded model (70B in fp32: 280 GB): it is
+        built in host memory, never on a GPU, and needs no data."""
         self.device = torch.device("cpu") if self.seed_only else init_device()
         rank_compile_cache(os.environ, self.rank)
         init_logging(self.rank)
-        # One run at a time per dump folder (and checkpoint folder outside it), held from before anything is
-        # written there until close().
-        self.folder_locks: list[DumpFolderLock] = []
-        if self.rank == 0:
-            ckpt = cfg.checkpoint
-            try:
-                for key, folder in run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():
-                    self.folder_locks.append(DumpFolderLock(folder, key))
-            except DumpFolderInUse:
-                for held in self.folder_locks:
-                    held.release()
-                raise
+        self.folder_locks = lock_run_folders(cfg, self.rank)
         self.goodput = GoodputClock(cfg.job.dump_folder, enabled=self.rank == 0)
         """Where this process's time goes (the goodput ledger, rank 0's part); from the attempt's start."""
-        self._seed(cfg.training.seed, cfg.training.deterministic)
+        seed_everything(cfg.training.seed, cfg.training.deterministic)
+        self._adopt_plan(plan or RunPlan.build(cfg, self.world_size))
+        self._build_data()
+        self._join_process_group()
+        self._build_model()
+        self._log_run()
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self._init_loop_state(preemption)
+        self.checkpointer = self._build_checkpointer()
+        self.metrics = self._build_metrics()
 
-        self.plan = plan or RunPlan.build(cfg, self.world_size)
-        self.tokenizer, self.model_args, self.dims = self.plan.tokenizer, self.plan.model_args, self.plan.dims
-        self.global_batch, self.grad_accum = self.plan.global_batch, self.plan.grad_accum
-        t = cfg.training
-        # Built before the process group: a bad dataset path is reported before any rank starts work.
+    def stopping(self) -> bool:
+        """Whether a stop signal ends the run: received by this rank, or agreed with the rank that did."""
+        return self.preempted or self.preemption.received is not None
+
+    # --- set-up, in the order of __init__ ---------------------------------------------------------------
+
+    def _adopt_plan(self, plan: RunPlan) -> None:
+        """The run plan, and the facts of it the loop reads most."""
+        self.plan = plan
+        self.model_args, self.dims = plan.model_args, plan.dims
+        self.global_batch, self.grad_accum = plan.global_batch, plan.grad_accum
+
+    def _build_data(self) -> None:
+        """The training and held-out loaders of this rank's replica (none for a seed checkpoint). Built
+        before the process group: a bad dataset path is reported before any rank starts work; under the
+        launcher its preflight has reported on the data already."""
         dp_rank = self.dims.dp_rank_of(self.rank)
-        # Under the launcher its preflight has reported on the data already.
         report = not os.environ.get(LAUNCHER_PID_ENV)
         self.dataloader = None if self.seed_only else build_loader(self.plan, dp_rank, self.device.type, report)
         self.validator = None if self.seed_only else Validator.create(self.plan, dp_rank)
 
+    def _join_process_group(self) -> None:
+        """The process group (one that exists already is used and left open), after rank 0 has named the
+        network interfaces it uses; then the straggler meter, which measures over it."""
         self._owns_process_group = not dist.is_initialized()
         if self.rank == 0 and (network := socket_interfaces.describe(os.environ)):
             logger.info(network)
-        init_distributed(cfg, self.device)
-        self.stragglers = StragglerMeter(cfg.metrics.straggler_threshold, self.device)
-        # With pipeline parallelism the model is this rank's stages (one module with the model's names).
+        init_distributed(self.cfg, self.device)
+        self.stragglers = StragglerMeter(self.cfg.metrics.straggler_threshold, self.device)
+
+    def _build_model(self) -> None:
+        """The model, parallelized and initialised, in training mode; with pipeline parallelism it is this
+        rank's stages (one module with the model's names)."""
         training = build_training(self.plan, self.device)
         self.runner, self.model = training.runner, training.model
         """The step runner (`step.StepRunner`): the only way the trainer and the validator call the model."""
@@ -139,11 +156,15 @@ class Trainer:
         self.reduce_once = self.runner.context.reduce_once
         self.keep_gathers = self.runner.context.keep_gathers
         self.model.train()
-        n_params, shape = self.model_args.num_params(), describe_shape(self.plan.spec, self.model_args)
-        split = self.dims.describe_batch(f"local {t.local_batch_size}", self.grad_accum)
+
+    def _log_run(self) -> None:
+        """The run in three lines at most: the model, the mesh and the batch; the plan; the pipeline."""
+        cfg, args = self.cfg, self.model_args
+        n_params, shape = args.num_params(), describe_shape(self.plan.spec, args)
+        split = self.dims.describe_batch(f"local {cfg.training.local_batch_size}", self.grad_accum)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor} ({shape}): {n_params:,} parameters, "
-            f"vocab {self.model_args.vocab_size}; "
+            f"vocab {args.vocab_size}; "
             f"{self.dims.describe()}; "
             f"global batch {self.global_batch} = {split}"
         )
@@ -151,8 +172,9 @@ class Trainer:
         if self.plan.pipeline is not None:
             logger.info(self.plan.pipeline.describe())
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+    def _init_loop_state(self, preemption: Preemption | None) -> None:
+        """What the loop keeps between steps: the step, the skipped steps, the last verdict, the stop
+        signals and the progress the launcher's hang watchdog reads."""
         self.step = 0
         self.skipped_steps = 0
         self.verdict: StepVerdict | None = None
@@ -161,7 +183,9 @@ class Trainer:
         self.preempted = False
         self.progress = Progress(self.rank)
         """What the launcher's hang watchdog reads: each finished step, and the phases that may outlast one."""
-        self.checkpointer = CheckpointManager(
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        return CheckpointManager(
             self.plan,
             model=self.model,
             optimizer=self.optimizer,
@@ -171,7 +195,10 @@ class Trainer:
             device=self.device,
             stopping=self.stopping,
         )
-        self.metrics = MetricsLogger(
+
+    def _build_metrics(self) -> MetricsLogger:
+        cfg, t = self.cfg, self.cfg.training
+        return MetricsLogger(
             cfg.metrics,
             cfg.job.dump_folder,
             self.device,
@@ -189,38 +216,16 @@ class Trainer:
             sources=tuple(source.name for source in t.datasets),
         )
 
-    def stopping(self) -> bool:
-        """Whether a stop signal ends the run: received by this rank, or agreed with the rank that did."""
-        return self.preempted or self.preemption.received is not None
-
-    # --- set-up helpers ---------------------------------------------------------------------------------
-
-    def _set_train_timeout(self) -> None:
-        """After the first step this process runs (which includes compilation; step 1, or the first after
-        a resume or an elastic restart), a dead peer must surface within the train timeout, on every
-        process group the step uses."""
-        apply_train_timeout(self.cfg, self.dims)
-
-    @staticmethod
-    def _seed(seed: int, deterministic: bool) -> None:
-        random.seed(seed)
-        torch.manual_seed(seed)
-        if deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=False)
-            torch.backends.cudnn.benchmark = False
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
     # --- the step ---------------------------------------------------------------------------------------
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite.
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], context: StepContext | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite;
+        `context` replaces the runner's for this step.
 
         One host sync: the agreement's single read (`resilience.agree`), which also brings the logged
         loss and grad norm to the host (`self.verdict`); nothing else in the step waits for the device."""
-        context = self.runner.context
-        if faults.nan_loss_at(self.step):
-            loss_fn = context.loss_fn
-            context = context.with_loss(lambda pred, labels: loss_fn(pred, labels) * float("nan"))
         loss, grad_norm = self.runner.forward_backward(self.optimizer, batches, context)
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted
@@ -247,6 +252,7 @@ class Trainer:
         logger.warning(f"non-finite {what}; update skipped ({self.skipped_steps} of at most {limit})")
 
     def train(self) -> None:
+        """The seed checkpoint, or the resume and the loop up to `training.steps` (`_loop`)."""
         cfg = self.cfg.training
         if self.cfg.checkpoint.create_seed_checkpoint:
             self.goodput.mark("startup")
@@ -272,9 +278,8 @@ class Trainer:
                 "(raise training.steps to train on)"
             )
             return
-        t = self.cfg.training
         # One rank of each data-parallel replica reads; its other ranks receive its batches.
-        shape, timeout = (t.local_batch_size, t.seq_len), self.cfg.comm.init_timeout_seconds
+        shape, timeout = (cfg.local_batch_size, cfg.seq_len), self.cfg.comm.init_timeout_seconds
         data_iter = replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
         gc.disable()
         try:
@@ -294,20 +299,21 @@ class Trainer:
         self.goodput.mark("startup")
         self.goodput.flush()
         first_step = self.step + 1  # of this process: after a resume or a restart too
+        faults = StepFaults.from_env(self.rank)
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
                 self.step += 1
-                faults.before_step(self.step, self.rank)
+                faults.before_step(self.step)
                 t0 = self.goodput.mark("other")
                 batches = [next(data_iter) for _ in range(self.grad_accum)]
                 window_data += self.goodput.mark("data_wait") - t0
-                self.train_step(batches)
+                self.train_step(batches, self._step_context(faults))
                 self.goodput.step_done(self.step)
                 self.progress.beat(self.step)
                 profiler.step()
                 window_steps += 1
-                if self.step == first_step:
-                    self._set_train_timeout()
+                if self.step == first_step:  # compiled: a dead peer now surfaces within the train timeout
+                    apply_train_timeout(self.cfg, self.dims)
                 log_now = self.step % self.cfg.metrics.log_freq == 0 or self.step in (1, cfg.steps)
                 if log_now or self.preempted:
                     elapsed = time.perf_counter() - window_start
@@ -352,6 +358,12 @@ class Trainer:
             self.checkpointer.confirm(self.step, f"training finished at step {self.step}")
             self.goodput.mark("checkpoint_save")
         logger.info("training finished")
+
+    def _step_context(self, faults: StepFaults) -> StepContext:
+        """The runner's context for this step; its loss made NaN at a step the tests' faults name."""
+        context = self.runner.context
+        loss_fn = faults.nan_loss(self.step, context.loss_fn)
+        return context if loss_fn is context.loss_fn else context.with_loss(loss_fn)
 
     def _save_and_stop(self, start: int) -> None:
         """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly;
