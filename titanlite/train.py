@@ -1,16 +1,12 @@
 """The training entry point: `python -m titanlite.train --config FILE [--section.key value ...]`.
 
-Under `titanlite.launcher.launch` (`run_train.sh`), under torchrun or alone: a single process is a world of one
-and gets the same plan. The data path reads top to bottom: config -> RunPlan (`build.py`) -> device and
-process group -> model (meta -> parallelize -> init) -> optimizer, LR schedule, dataloader ->
-`train_step` in the loop -> metrics and checkpoints. Bad input is one line and exit code 2, divergence
-exit code 3, work that could not be saved exit code 4; Ctrl-C saves and stops, twice stops at once with
-exit code 130 (`rank_exit.run_rank`). Under `titanlite.launcher.launch` a failing rank's message goes to the
-launcher, which prints it once. Nothing imports this module: the Trainer is `titanlite.run.trainer`, tools
-build runs through `titanlite.run.build`.
-
-The stop-signal recorder is the first thing a rank does, before the seconds of `import torch` that the
-trainer needs: a signal that arrives while the rank starts is honoured, never lost (`signals.py`).
+Under `titanlite.launcher.launch` (`run_train.sh`), under torchrun or alone: a single process is a world
+of one and gets the same plan. It builds a `titanlite.run.trainer.Trainer`, trains and closes it; bad
+input is one line and exit code 2, divergence exit code 3, work that could not be saved exit code 4;
+Ctrl-C saves and stops, twice stops at once with exit code 130 (`rank_exit.run_rank`). Nothing imports
+this module. The stop-signal recorder is the first thing a rank does, before the seconds of
+`import torch` the trainer needs, so a signal that arrives while the rank starts is never lost
+(`run/signals.py`).
 """
 
 from __future__ import annotations

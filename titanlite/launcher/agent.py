@@ -1,21 +1,13 @@
 """The launcher's agent: torch's elastic agent (`LocalElasticAgent`, what torchrun runs) with titanlite's
-stop signals, restart rule and error report. `titanlite.launcher.launch` checks the command line, then calls
-`launch` here (this module imports torch).
+stop signals, restart rule, hang watchdog and error report; `titanlite.launcher.launch` checks the command
+line, then calls `launch` here (this module imports torch).
 
-* Stop signals (`Stopper`): the first SIGTERM, SIGUSR1 or SIGINT is forwarded once to every rank, and
-  remembered: the ranks are never restarted after it. Ranks start with the stop signals blocked
-  (`signals.blocked`), so one forwarded while a rank is still importing waits until its handler exists.
-  A signal while no rank runs (rendezvous, a restart) ends the launch at once.
-* Restarts: failures that a restart cannot fix (exit codes 2, 3, 4) are not restarted; every restart is
-  announced on stderr with the failure that caused it.
-* Hangs (`hang_watchdog.py`): ranks that stop making progress are caught before the collective timeout,
-  their stacks written and the one that stopped named; then restarted like a crash, or exit code 5.
-* One error report (`root_cause`), printed once.
-* Goodput (`launch_ledger.py`): before each attempt starts its ranks and at the launch's end, the launcher
-  that hosts rank 0 writes the time no rank records into the dump folder's goodput ledger, and prints the
-  job's goodput line last.
-* The ranks' log folder (torch elastic's, in the system temp folder) is removed when the launch ends,
-  except after a crash, whose report names it.
+The first stop signal is forwarded once to every rank (`Stopper`) and no rank is restarted after it;
+failures a restart cannot fix (exit codes 2, 3, 4) are not restarted, and every restart is announced
+with its cause; ranks that stop progressing are caught by `hang_watchdog.py`; the root cause is printed
+once (`root_cause`); the launcher hosting rank 0 writes its rows of the goodput ledger
+(`launch_ledger.py`) and prints the job's goodput line last. The ranks' log folder (torch elastic's, in
+the system temp folder) is removed at the end, except after a crash, whose report names it.
 """
 
 from __future__ import annotations
@@ -60,7 +52,9 @@ class Stopper:
     """The launcher's handlers of stop signals: forward the first to every rank once, bound the wait by
     the grace period (SIGALRM), and turn a second Ctrl-C, the end of the grace period or a signal while
     no rank runs into torch's `SignalException` with SIGKILL, which makes the agent kill every rank's
-    process group. `received` starts as what the launcher recorded before the agent existed."""
+    process group. `received` starts as what the launcher recorded before the agent existed. torch starts
+    every rank in a session of its own, so a signal to the launcher's group reaches the ranks only through
+    here: exactly once."""
 
     def __init__(self, grace_seconds: float, agent: Agent, received: int | None) -> None:
         self.grace_seconds, self.agent = grace_seconds, agent

@@ -1,23 +1,13 @@
 """The launcher's hang watchdog: a run whose ranks stop making progress is caught, named and restarted.
 
-Most jobs that die at scale hang: one rank stops (a stuck kernel, a stopped process, a deadlock in Python)
-and every other rank waits for it in a collective until the collective's timeout. The launcher owns its
-ranks, so it watches their progress files (`progress.py`) and, once no rank of this node has moved for the
-window, acts before that timeout:
-
-    window      comm.hang_timeout_seconds, or 3 x the longest gap between two steps seen so far if that is
-                longer (a slow healthy step never fires it); max(window, comm.init_timeout_seconds) while a
-                rank is in a checkpoint save or validation. Armed by the first step of each attempt:
-                start-up, loading and the first step's compilation are bounded by init_timeout_seconds.
-    capture     each live rank writes its Python stacks (the stack signal; a stopped rank is continued
-                after it so it dumps where it stopped), copied to `<dump_folder>/hang/<n>/rank<r>.txt` (n
-                counts the hangs of the dump folder, over launches and restarts); on CUDA NCCL's flight
-                recorder is asked for its trace too (its debug pipe), into `<dump_folder>/comm_traces/`.
-    naming      a rank whose stacks hold no collective (or that was stopped) is the one that stopped
-                progressing; the others were waiting in a collective (torch.distributed or a backward).
-
-The agent then kills every rank and restarts them when comm.max_restarts allows, else the launch exits
-with `errors.EXIT_HUNG` (5).
+Most jobs that die at scale hang: one rank stops and the others wait for it in a collective until its
+timeout. The launcher watches its ranks' progress files (`run/progress.py`); once no rank of this node
+has moved for the window (`comm.hang_timeout_seconds`, or 3 x the longest step gap seen if longer; at
+least `comm.init_timeout_seconds` in a checkpoint save or validation; armed by each attempt's first
+step) every live rank writes its Python stacks to `<dump_folder>/hang/<n>/` (on CUDA NCCL's flight
+recorder its trace to `<dump_folder>/comm_traces/`), and the rank whose stacks hold no collective (or
+that was stopped) is named. The agent then restarts every rank when `comm.max_restarts` allows, else
+the launch exits with `errors.EXIT_HUNG` (5). docs/failure_handling.md has the line and the files.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The launcher: `python -m titanlite.launcher.launch [torchrun options] -m titanlite.train [--config FILE ...]`.
 
-It takes torchrun's command line and runs torch's elastic agent (`agent.py`) to start, watch and
-restart the ranks of this node. Around it, it gives a scheduler and a terminal what they expect of a
-job's first process:
-
-* Start-up order. The stop-signal recorder is its first instruction; then the training command's config
-  is read and checked, without torch (a mistyped key is one line within a second); only then come
-  `import torch` (seconds), the preflight and the agent.
-* Stop signals. SIGTERM, SIGUSR1 and the first SIGINT (Ctrl-C), sent to the launcher alone or to its
-  process group, are forwarded once to every rank; the ranks agree on the next step boundary, save and
-  exit (`signals.Preemption`), and the launcher exits 0 (4 when the save failed or checkpointing is
-  off). A signal is never lost: one received while the launcher starts ends it before any rank starts
-  (exit code 128 + signal); ranks start with it blocked and honour it once their handler exists (a
-  rank that has trained nothing stops with nothing to save, exit 0); no rank is restarted after it. The
-  launcher waits `comm.stop_grace_seconds` for them, then kills them (exit code 128 + signal). A second
-  Ctrl-C kills them at once (exit code 130). SIGHUP and SIGQUIT end the run at once through torch's own
-  handling; signals ignored when the launcher started (SIGHUP under `nohup`) stay ignored. torch starts
-  every rank in a session of its own, so a signal to the launcher's group reaches the ranks only
-  through the launcher: exactly once.
-* Death of the launcher. Every rank asks Linux to kill it when the launcher dies
-  (`rank_exit.follow_launcher`): a SIGKILL of the launcher leaves no rank training on.
-* One error contract. A failing rank writes its report into the error file torch elastic gives it
-  instead of its own output (`rank_exit.run_rank`); the launcher prints the root cause once: a
-  `UserError` as its one `titanlite: error: ...` line with exit code 2 (3 for divergence, 4 for work
-  that could not be saved), a crash as the rank's traceback with exit code 1. Failures that a restart
-  cannot fix (exit codes 2, 3 and 4) are not restarted; a restart is announced with its cause. torch
-  elastic's own log (every failure, every shutdown step) is shown with `LOGLEVEL=INFO`.
+It takes torchrun's command line and runs torch's elastic agent (`agent.py`) to start, watch and restart
+the ranks of this node, as a scheduler and a terminal expect of a job's first process. Its first
+instruction is the stop-signal recorder; then the training config is read and checked without torch (a
+mistyped key is one line within a second); only then come `import torch`, the preflight and the agent.
+SIGTERM, SIGUSR1 and the first Ctrl-C are forwarded once to every rank, which save and exit at the next
+step (a second Ctrl-C kills them, exit code 130); every rank dies with the launcher
+(`rank_exit.follow_launcher`); a failing rank's root cause is printed once, with its exit code (2 bad
+input, 3 divergence, 4 work not saved, 1 a crash). docs/failure_handling.md has every case.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The launcher's rows of the goodput ledger (`metrics/goodput.py`): the time no rank 0 records, and the
 line at the end of a launch.
 
-The launcher of the node that hosts global rank 0 writes (the other nodes' launchers write nothing):
-
-* before an attempt starts its ranks (`attempt`), the time since the launch started (the first attempt:
-  `startup`, run_train.sh, the preflight, the rendezvous) or since the failed attempt's last row
-  (`restart`: the failing step, the failure's detection, such as a hang's window, stopping the ranks,
-  the rendezvous); the new attempt's rank 0 records from then on, its own start-up and checkpoint load
-  included, so nothing is counted twice. A row after a failed attempt carries the step that attempt's
-  rank 0 last finished (its progress file): the next attempt counts steps up to it as recomputed.
-* at the launch's end (`end`), the time since the last attempt's last row: `other` after a successful
-  attempt (the ranks' exit), `restart` after a failed or killed one. Then the line, `Totals.line`, for
-  the whole job (every launch and restart in the dump folder).
-
-A launch that ends in bad input (exit code 2) prints no line, as bad input is one line; if its rank 0
-recorded nothing (a dump folder in use by another run, a refused resume), it withdraws its rows (rows of
-an id replace each other: the withdrawal holds no time), since it trained nothing and may have run
-beside the launch that uses the folder, whose time it would count again. A launcher killed by SIGKILL
-writes no end: the ledger lacks the time since its last row.
+Only the launcher of the node hosting global rank 0 writes: before an attempt starts its ranks
+(`attempt`: the launch's start-up, or the `restart` since the failed attempt's last row, with the step
+that attempt last finished) and at the launch's end (`end`: `other` after a successful attempt,
+`restart` after a failed one), then the job's line (`Totals.line`). Each interval has one writer, so
+nothing is counted twice. A launch that ends in bad input prints no line, and one whose rank 0 recorded
+nothing withdraws its rows (it may have run beside the launch that uses the folder). A launcher killed
+by SIGKILL writes no end. docs/metrics.md#goodput has the categories.
 """
 
 from __future__ import annotations

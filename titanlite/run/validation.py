@@ -1,27 +1,13 @@
 """Validation: held-out loss and perplexity every `validation.freq` optimizer steps.
 
-Data. A loader of its own, over `validation.dataset_path` or, when that is empty, the last
-`validation.holdout_documents` documents of the local training data (which the training loader then
-never reads, whether validation is on or not). It is packed like training data (`training.seq_len`,
-one virtual shard per sample of a `validation.local_batch_size x dp` batch). Every evaluation starts
-from the loader's initial state and reads the same `validation.steps` batches, so successive values
-compare the same tokens, and there is no validation state to checkpoint. Held-out data smaller than
-that is read more than once per evaluation: one warning after the first.
-
-Training does not notice it: it reads no training batch, runs the forward under `no_grad` (the
-gradients and the optimizer are untouched), and the random-number states are forked and restored
-around it (starting a DataLoader iterator draws a seed from torch's generator), so neither that nor a
-forward that drew random numbers can shift training. A run with validation trains bitwise like one
-without, and resumes as exactly (tests/test_checkpoint_resume.py).
-
-Loss. Each batch's loss comes from the trainer's step runner (`StepRunner.evaluate`): the model call
-training makes, inside the same loss scope (`parallelisms/step_context.py`: vocab-parallel logits under
-tensor parallelism give a replicated loss), with the training loss function (cross-entropy; a family's
-extra training term is left out). Batches hold the
-same number of tokens, so their mean is the token mean; it is then averaged over the data-parallel
-ranks (tensor-parallel peers read the same batches and hold the same value). Perplexity = exp(loss).
-The model stays in training mode (it has no dropout): compiled blocks are traced once more for
-`no_grad`, not for a mode switch.
+Held-out data is `validation.dataset_path` or the last `validation.holdout_documents` documents of the
+local training data (which the training loader then never reads), packed as training data is. Every
+evaluation starts from the loader's initial state and reads the same `validation.steps` batches, so its
+values compare the same tokens and there is nothing to checkpoint. A batch's loss is the trainer's step
+runner's (`StepRunner.evaluate`: the training model call and loss scope, cross-entropy), averaged over
+the data-parallel ranks. Training does not notice it: no training batch is read, the forward runs under
+`no_grad`, and the random-number states are forked and restored around it, so a run with validation
+trains and resumes bitwise like one without. docs/metrics.md#validation has the rest.
 """
 
 from __future__ import annotations
