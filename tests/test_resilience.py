@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -425,3 +426,30 @@ def test_the_garbage_collector_is_enabled_again_however_training_ends(tmp_path, 
     finally:
         trainer.close()
     assert enabled_in_step == [False, False] and gc.isenabled()
+
+
+def test_the_step_faults_are_read_once_and_fire_only_where_asked(tmp_path, monkeypatch):
+    """`StepFaults` reads the environment when the loop starts: a rank fault fires on the faulting rank
+    alone, once per ONCE file; NAN_AT poisons the loss of its steps only (the same function otherwise);
+    a later change of the environment does not reach a loop already running."""
+    from titanlite.errors import UserError
+    from titanlite.faults import StepFaults
+
+    monkeypatch.setenv("TITANLITE_FAULT_USER_ERROR_AT", "2")
+    monkeypatch.setenv("TITANLITE_FAULT_RANK", "1")
+    monkeypatch.setenv("TITANLITE_FAULT_ONCE", str(tmp_path / "fired"))
+    monkeypatch.setenv("TITANLITE_FAULT_NAN_AT", "3,5")
+    faulting, other = StepFaults.from_env(1), StepFaults.from_env(0)
+    monkeypatch.setenv("TITANLITE_FAULT_USER_ERROR_AT", "1")
+    faulting.before_step(1)
+    other.before_step(2)
+    with pytest.raises(UserError, match="fault injection: rank 1 found bad input at step 2"):
+        faulting.before_step(2)
+    faulting.before_step(2)  # the ONCE file exists now: a restarted run goes on
+    assert (tmp_path / "fired").exists()
+
+    def loss(pred, labels):
+        return pred - labels
+
+    assert faulting.nan_loss(2, loss) is loss and other.nan_loss(4, loss) is loss
+    assert math.isnan(other.nan_loss(5, loss)(2.0, 1.0))
