@@ -94,6 +94,7 @@ class StepFaults:
 
     @classmethod
     def from_env(cls, rank: int) -> StepFaults:
+        """Rank `rank`'s step faults as the TITANLITE_FAULT_* variables set them now (none: none fires)."""
         nan_at = os.environ.get(NAN_AT) or ""
         return cls(
             rank=rank,
