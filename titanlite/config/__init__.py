@@ -11,45 +11,44 @@ schema that composes that section (which would be a cycle).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from titanlite.config.lazy_exports import lazy_exports
 
-_HOMES = {
-    "titanlite.config.help": ("USAGE", "describe_type", "field_docs", "first_sentence", "help_requested", "help_text"),
-    "titanlite.config.loading": ("apply_dict", "load_config", "load_toml", "parse_overrides", "validate"),
-    "titanlite.config.ranges": ("FRACTION", "NON_NEGATIVE", "POSITIVE", "DtypeName", "Range"),
-    "titanlite.config.schema": (
-        "CHOICES",
-        "DEFAULT_CONFIG",
-        "SPLIT_BACKWARD_SCHEDULES",
-        "ActivationCheckpoint",
-        "Checkpoint",
-        "Comm",
-        "Compile",
-        "DatasetSource",
-        "Float8",
-        "GpuName",
-        "Job",
-        "JobConfig",
-        "LRScheduler",
-        "Metrics",
-        "Model",
-        "Optimizer",
-        "Parallelism",
-        "Profiling",
-        "Training",
-        "Validation",
-    ),
-    "titanlite.errors": ("ConfigError",),
-}
-HOME: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
-"""Each name this package exports -> the module that defines it."""
-
-__all__ = sorted(HOME)
-
-
-def __getattr__(name: str) -> Any:
-    """A name of `__all__`, imported from its module on first use (PEP 562)."""
-    if name not in HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(HOME[name]), name)
+HOME, __all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "titanlite.config.help": (
+            "USAGE",
+            "describe_type",
+            "field_docs",
+            "first_sentence",
+            "help_requested",
+            "help_text",
+        ),
+        "titanlite.config.loading": ("apply_dict", "load_config", "load_toml", "parse_overrides", "validate"),
+        "titanlite.config.ranges": ("FRACTION", "NON_NEGATIVE", "POSITIVE", "DtypeName", "Range"),
+        "titanlite.config.schema": (
+            "CHOICES",
+            "DEFAULT_CONFIG",
+            "SPLIT_BACKWARD_SCHEDULES",
+            "ActivationCheckpoint",
+            "Checkpoint",
+            "Comm",
+            "Compile",
+            "DatasetSource",
+            "Float8",
+            "GpuName",
+            "Job",
+            "JobConfig",
+            "LRScheduler",
+            "Metrics",
+            "Model",
+            "Optimizer",
+            "Parallelism",
+            "Profiling",
+            "Training",
+            "Validation",
+        ),
+        "titanlite.errors": ("ConfigError",),
+    },
+)
+"""`HOME`: each name this package exports -> the module that defines it; `__all__`: those names."""

@@ -13,24 +13,16 @@ imports without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from titanlite.config.lazy_exports import lazy_exports
 
-_HOMES = {
-    "titanlite.metrics.logger": ("MetricsLogger", "clock"),
-    "titanlite.metrics.mfu": ("mfu_pct", "peak_tflops"),
-    "titanlite.metrics.peak_memory": ("MemoryMonitor",),
-    "titanlite.metrics.schema": ("METRICS", "Metric", "StepStats", "ValidationResult"),
-    "titanlite.metrics.sinks": ("check_wandb",),
-}
-HOME: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
-"""Each name this package exports -> the module that defines it."""
-
-__all__ = sorted(HOME)
-
-
-def __getattr__(name: str) -> Any:
-    """A name of `__all__`, imported from its module on first use (PEP 562)."""
-    if name not in HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(HOME[name]), name)
+HOME, __all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "titanlite.metrics.logger": ("MetricsLogger", "clock"),
+        "titanlite.metrics.mfu": ("mfu_pct", "peak_tflops"),
+        "titanlite.metrics.peak_memory": ("MemoryMonitor",),
+        "titanlite.metrics.schema": ("METRICS", "Metric", "StepStats", "ValidationResult"),
+        "titanlite.metrics.sinks": ("check_wandb",),
+    },
+)
+"""`HOME`: each name this package exports -> the module that defines it; `__all__`: those names."""
