@@ -1,11 +1,14 @@
 """What every family's Hugging Face adapter shares: HF's decoder names for the modules the families have in
 common, the rule that names the embedding and output projection (tied or not), the tensors an export
-writes, and the conversion of a tensor that HF stores as titanlite does (by name only).
+writes and their names for a family that may tie them, and the conversion of a tensor that HF stores as
+titanlite does (by name only).
 
 The families' own parts (their extra modules, `config.json`, RoPE permutation, expert splitting) stay in
 their `hf_adapter.py`."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +56,26 @@ def params_once(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     (as the embedding)."""
     tied = model.args.tie_embeddings
     return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "output.weight")]
+
+
+class TiedDecoderNames:
+    """The tensors and HF names of a family whose output projection may be tied to the embedding: `BLOCK`
+    names its decoder block's modules (titanlite -> HF); import reads `output` from the embedding of a
+    tied checkpoint."""
+
+    BLOCK: dict[str, str] = DECODER_BLOCK
+
+    @staticmethod
+    def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return params_once(model)
+
+    def hf_name(self, fqn: str, args: Any) -> str:
+        return hf_name(fqn, self.BLOCK, args.tie_embeddings)
+
+    def import_name(self, fqn: str, args: Any, config: dict) -> str:
+        """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
+        embedding."""
+        return hf_name(fqn, self.BLOCK, reads_tied(args.tie_embeddings, config))
 
 
 class ByName:

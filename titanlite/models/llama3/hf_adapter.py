@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name, params_once, reads_tied
-from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
+from titanlite.models.common.hf_adapter import TiedDecoderNames
+from titanlite.models.common.hf_config import decoder_config, differ, hf_rope, norm_act_bias
 from titanlite.models.llama3.model import ModelArgs
 
 
@@ -77,9 +76,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
         ("intermediate_size", config.get("intermediate_size"), args.ffn_hidden_dim),
         ("vocab_size", config.get("vocab_size"), args.vocab_size),
         ("rope_theta", theta, float(args.rope_theta)),
-        ("rms_norm_eps", config.get("rms_norm_eps", 1e-6), args.norm_eps),
-        ("hidden_act", config.get("hidden_act", "silu"), "silu"),
-        ("attention_bias", config.get("attention_bias", False), False),
+        *norm_act_bias(config, args),
         ("mlp_bias", config.get("mlp_bias", False), False),
     ]
     if config.get("head_dim") is not None and heads:
@@ -98,52 +95,18 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
     """A `config.json` that `transformers.LlamaForCausalLM` accepts for this model."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling(args),
-        "vocab_size": args.vocab_size,
-        "tie_word_embeddings": args.tie_embeddings,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": DTYPE_NAMES[dtype],
-    }
+    widths, flags = {"intermediate_size": args.ffn_hidden_dim}, {"attention_bias": False, "mlp_bias": False}
+    family = ("LlamaForCausalLM", "llama")
+    return decoder_config(
+        args, dtype, bos_id, eos_id, family, widths, args.tie_embeddings, flags, rope_scaling=rope_scaling(args)
+    )
 
 
-class LlamaHFAdapter:
+class LlamaHFAdapter(TiedDecoderNames):
     """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
 
-    @staticmethod
-    def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return params_once(model)
-
-    @staticmethod
-    def hf_name(fqn: str, args: ModelArgs) -> str:
-        return hf_name(fqn, DECODER_BLOCK, args.tie_embeddings)
-
-    @staticmethod
-    def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
-        """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
-        embedding."""
-        return hf_name(fqn, DECODER_BLOCK, reads_tied(args.tie_embeddings, config))
-
-    @staticmethod
-    def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
-        return config_mismatches(config, args)
+    config_mismatches = staticmethod(config_mismatches)
+    config = staticmethod(hf_config)
 
     @staticmethod
     def to_hf(fqn: str, full: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -158,7 +121,3 @@ class LlamaHFAdapter:
     def from_hf(fqn: str, rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
         """`rows` (whole groups of `row_group` rows, read from HF) in titanlite's layout."""
         return from_hf_rope(rows, args.head_dim) if rope_heads(fqn, args) else rows
-
-    @staticmethod
-    def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
-        return hf_config(args, dtype, bos_id, eos_id)

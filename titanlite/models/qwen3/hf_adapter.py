@@ -18,13 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, hf_name, params_once, reads_tied
-from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, TiedDecoderNames
+from titanlite.models.common.hf_config import decoder_config, differ, hf_rope, norm_act_bias
 from titanlite.models.qwen3.model import ModelArgs
-
-_BLOCK = DECODER_BLOCK | QK_NORM
 
 
 def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
@@ -42,9 +39,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
         ("vocab_size", config.get("vocab_size"), args.vocab_size),
         ("rope_theta", theta, float(args.rope_theta)),
         ("rope_scaling", scaling, None),
-        ("rms_norm_eps", config.get("rms_norm_eps", 1e-6), args.norm_eps),
-        ("hidden_act", config.get("hidden_act", "silu"), "silu"),
-        ("attention_bias", config.get("attention_bias", False), False),
+        *norm_act_bias(config, args),
         ("use_sliding_window", config.get("use_sliding_window", False), False),
     ]
     if args.tie_embeddings:
@@ -54,53 +49,14 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
     """A `config.json` that `transformers.Qwen3ForCausalLM` accepts for this model."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "vocab_size": args.vocab_size,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": DTYPE_NAMES[dtype],
-    }
+    widths, flags = {"intermediate_size": args.ffn_dim}, {"attention_bias": False, "use_sliding_window": False}
+    family = ("Qwen3ForCausalLM", "qwen3")
+    return decoder_config(args, dtype, bos_id, eos_id, family, widths, args.tie_embeddings, flags)
 
 
-class Qwen3HFAdapter(ByName):
+class Qwen3HFAdapter(TiedDecoderNames, ByName):
     """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
 
-    @staticmethod
-    def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return params_once(model)
-
-    @staticmethod
-    def hf_name(fqn: str, args: ModelArgs) -> str:
-        return hf_name(fqn, _BLOCK, args.tie_embeddings)
-
-    @staticmethod
-    def import_name(fqn: str, args: ModelArgs, config: dict) -> str:
-        """The HF tensor that parameter `fqn` is read from: with a tied checkpoint, `output` reads the
-        embedding."""
-        return hf_name(fqn, _BLOCK, reads_tied(args.tie_embeddings, config))
-
-    @staticmethod
-    def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
-        return config_mismatches(config, args)
-
-    @staticmethod
-    def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
-        return hf_config(args, dtype, bos_id, eos_id)
+    BLOCK = DECODER_BLOCK | QK_NORM
+    config_mismatches = staticmethod(config_mismatches)
+    config = staticmethod(hf_config)

@@ -24,7 +24,7 @@ from torch import nn
 
 from titanlite.errors import CheckpointError
 from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, hf_name
-from titanlite.models.common.hf_config import DTYPE_NAMES, differ, hf_rope
+from titanlite.models.common.hf_config import decoder_config, differ, hf_rope, norm_act_bias
 from titanlite.models.qwen3_moe.model import ModelArgs
 
 _BLOCK = DECODER_BLOCK | QK_NORM | {"moe.gate": "mlp.gate", "moe.experts": "mlp.experts"}
@@ -55,9 +55,7 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
         ("vocab_size", config.get("vocab_size"), args.vocab_size),
         ("rope_theta", theta, float(args.rope_theta)),
         ("rope_scaling", scaling, None),
-        ("rms_norm_eps", config.get("rms_norm_eps", 1e-6), args.norm_eps),
-        ("hidden_act", config.get("hidden_act", "silu"), "silu"),
-        ("attention_bias", config.get("attention_bias", False), False),
+        *norm_act_bias(config, args),
         ("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), False),
     ]
     return [(name, theirs, ours) for name, theirs, ours in fields if differ(theirs, ours)]
@@ -65,41 +63,26 @@ def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
     """A `config.json` that `transformers.Qwen3MoeForCausalLM` accepts for this model."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "moe_intermediate_size": args.moe_ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
+    widths = {"intermediate_size": args.ffn_dim, "moe_intermediate_size": args.moe_ffn_dim}
+    experts = {
         "num_experts": args.num_experts,
         "num_experts_per_tok": args.top_k,
         "norm_topk_prob": args.norm_topk_prob,
         "decoder_sparse_step": args.decoder_sparse_step,
         "mlp_only_layers": list(args.mlp_only_layers),
         "router_aux_loss_coef": args.router_aux_loss_coef,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "vocab_size": args.vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": DTYPE_NAMES[dtype],
     }
+    flags = {"attention_bias": False, "use_sliding_window": False}
+    return decoder_config(
+        args, dtype, bos_id, eos_id, ("Qwen3MoeForCausalLM", "qwen3_moe"), widths, False, flags, experts
+    )
 
 
 class Qwen3MoeHFAdapter(ByName):
     """The protocol `titanlite.checkpoint.hf` reads: which tensors, their HF names, and conversions."""
+
+    config_mismatches = staticmethod(config_mismatches)
+    config = staticmethod(hf_config)
 
     @staticmethod
     def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -129,11 +112,3 @@ class Qwen3MoeHFAdapter(ByName):
         base = hf_name(f"{prefix}.weight", _BLOCK).removesuffix(".weight")
         pieces = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
         return [[f"{base}.{j}.{piece}.weight" for piece in pieces] for j in range(args.num_experts)]
-
-    @staticmethod
-    def config_mismatches(config: dict, args: ModelArgs) -> list[tuple[str, Any, Any]]:
-        return config_mismatches(config, args)
-
-    @staticmethod
-    def config(args: ModelArgs, dtype: torch.dtype, bos_id: int, eos_id: int) -> dict:
-        return hf_config(args, dtype, bos_id, eos_id)
