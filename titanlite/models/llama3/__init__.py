@@ -1,13 +1,11 @@
-"""Llama 3: the model, its flavors, its blocks and tensor-parallel plan, its HF adapter, its activation model."""
+"""Llama 3: the model, its flavors, its blocks, its HF adapter; registered as a dense decoder
+(`models/common/dense_spec.py`: its tensor-parallel plan, activation memory and step cost)."""
 
-from titanlite.models.common.dense_activations import activation_bytes
-from titanlite.models.common.dense_cost import step_cost
-from titanlite.models.common.tensor_parallel import dense_tp_divisible
+from titanlite.models.common.dense_spec import dense_spec
 from titanlite.models.llama3.flavors import llama3_configs
 from titanlite.models.llama3.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama3.model import SHAPE_KEYS, ModelArgs, Transformer
-from titanlite.models.llama3.parallelize import llama_tp_plan, llama_units
-from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules
+from titanlite.models.llama3.parallelize import llama_units
 
 
 def check_args(args: ModelArgs) -> str | None:
@@ -22,24 +20,6 @@ def check_args(args: ModelArgs) -> str | None:
     return None
 
 
-SPEC = ModelSpec(
-    name="llama3",
-    model_cls=Transformer,
-    flavors=llama3_configs,
-    units=llama_units,
-    shape=ShapeRules(
-        keys=SHAPE_KEYS,
-        check_args=check_args,
-        attn_mask_types=("causal", "block_causal"),
-        tied_embeddings=lambda args: args.tie_embeddings,
-    ),
-    parallel=ParallelSeams(
-        tp_plan=llama_tp_plan,
-        tp_divisible=dense_tp_divisible,
-        context_parallel=True,
-    ),
-    planning=PlanningTerms(activation_bytes=activation_bytes, step_cost=step_cost),
-    hf_adapter=LlamaHFAdapter(),
-)
+SPEC = dense_spec("llama3", Transformer, llama3_configs, llama_units, SHAPE_KEYS, check_args, LlamaHFAdapter())
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "llama3_configs"]

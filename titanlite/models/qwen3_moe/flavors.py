@@ -7,6 +7,24 @@ Hugging Face's `Qwen3MoeConfig` fields): 128 experts, 8 per token, `norm_topk_pr
 
 from titanlite.models.qwen3_moe.model import ModelArgs
 
+
+def _published(dim: int, n_layers: int, n_heads: int, ffn_dim: int, moe_ffn_dim: int) -> ModelArgs:
+    """A published Qwen3-MoE shape (module docstring)."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=ffn_dim,
+        moe_ffn_dim=moe_ffn_dim,
+        num_experts=128,
+        top_k=8,
+        router_aux_loss_coef=0.001,
+        max_seq_len=40960,
+    )
+
+
 # vocab_size comes from the tokenizer at build time.
 qwen3_moe_configs: dict[str, ModelArgs] = {
     # Widths are multiples of 16 bytes in bf16 and fp32, so the experts run as grouped GEMMs. Layer 0 is
@@ -25,30 +43,6 @@ qwen3_moe_configs: dict[str, ModelArgs] = {
         router_aux_loss_coef=0.01,
         max_seq_len=2048,
     ),
-    "30B-A3B": ModelArgs(
-        dim=2048,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        head_dim=128,
-        ffn_dim=6144,
-        moe_ffn_dim=768,
-        num_experts=128,
-        top_k=8,
-        router_aux_loss_coef=0.001,
-        max_seq_len=40960,
-    ),
-    "235B-A22B": ModelArgs(
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        head_dim=128,
-        ffn_dim=12288,
-        moe_ffn_dim=1536,
-        num_experts=128,
-        top_k=8,
-        router_aux_loss_coef=0.001,
-        max_seq_len=40960,
-    ),
+    "30B-A3B": _published(2048, 48, 32, 6144, 768),
+    "235B-A22B": _published(4096, 94, 64, 12288, 1536),
 }
