@@ -59,20 +59,13 @@ def _coerce(key: str, value: Any, typ: Any, origin: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif typ in (int, float):
+        # A number of the field's kind (an int too for a float), or its text.
+        if isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(value, bool):
+            return typ(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return typ(value)
             except ValueError:
                 pass
     elif typ is str:
