@@ -91,6 +91,28 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def preflight(*args: str, world: int = 1, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The checks run_train.sh runs before it starts any rank (`python -m titanlite.launcher.preflight`), for a
+    world of `world` ranks; output captured."""
+    cmd = [sys.executable, "-m", "titanlite.launcher.preflight", *args]
+    env = child_env(WORLD_SIZE=str(world))
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def rank_pid(dump: Path, rank: int) -> int | None:
+    """The pid of rank `rank` of the run training into `dump` (its RANK in /proc/<pid>/environ), for faults
+    injected from outside the ranks as a scheduler or an operator would."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+            if str(dump).encode() in argv and b"titanlite.train" in argv:
+                if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
 def torchrun(
     args: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:

@@ -38,6 +38,7 @@ from harness import (
     assert_resumed,
     child_env,
     launcher_lines,
+    preflight,
     start_launch,
     train,
 )
@@ -294,13 +295,7 @@ def test_a_locked_dump_folder_is_refused_in_one_line(tmp_path):
         (line,) = error_lines(proc)
         assert f"job.dump_folder {dump} is in use by another run ({holder}" in line, line
         assert not (dump / "metrics.jsonl").exists() and not (dump / "checkpoint").exists()
-        pre = subprocess.run(
-            [sys.executable, "-m", "titanlite.launcher.preflight", "--job.dump_folder", str(dump), *BASE],
-            env=child_env(),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
+        pre = preflight("--job.dump_folder", str(dump), *BASE)
         assert pre.returncode == 2 and pre.stderr.count("\n") == 1 and holder in pre.stderr, pre.stderr
     finally:
         held.release()

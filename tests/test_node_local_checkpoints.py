@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from builders import config
-from test_resilience import rank_pid
 
-from harness import ROOT, SHALLOW, SMALL, RunResult, child_env, one_rank_group, threads, tiny_args, train
+from harness import ROOT, SHALLOW, SMALL, RunResult, child_env, one_rank_group, rank_pid, threads, tiny_args, train
 from titanlite.checkpoint import node_local
 from titanlite.config import Checkpoint
 from titanlite.planning.run_plan import RunPlan

@@ -22,7 +22,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import GOODPUT_LINE, SHALLOW, SMALL, RunResult, child_env, launcher_lines, start_launch, threads, train
+from harness import (
+    GOODPUT_LINE,
+    SHALLOW,
+    SMALL,
+    RunResult,
+    child_env,
+    launcher_lines,
+    rank_pid,
+    start_launch,
+    threads,
+    train,
+)
 from titanlite.metrics.goodput import BADPUT, Totals, ledger_path, read_rows, totals
 
 
@@ -42,19 +53,6 @@ CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "100", "--traini
 RESTARTING = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2", "--comm.max_restarts", "1")
 WATCHED = ("--comm.hang_timeout_seconds", "5")
 """A window the tests can wait for; the fault-free 100-step run shows it never fires on healthy steps."""
-
-
-def rank_pid(dump: Path, rank: int) -> int | None:
-    """The pid of rank `rank` of the run training into `dump` (its RANK in /proc/<pid>/environ)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-            if str(dump).encode() in argv and b"titanlite.train" in argv:
-                if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    return int(entry.name)
-        except OSError:
-            continue
-    return None
 
 
 def run_stopping_a_rank(dump: Path, step: int, *overrides: str, rank: int = 1, every: float | None = None) -> RunResult:

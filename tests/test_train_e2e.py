@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import LOSS_REL, ROOT, SHALLOW, SMALL, child_env
+from harness import LOSS_REL, SHALLOW, SMALL, preflight
 from harness import train as run_trainer
 from titanlite.tools.dashboard import read_dashboard
 
@@ -115,21 +113,12 @@ def check_metrics_and_tensorboard(records: list[dict], tb: Path) -> None:
 
 @pytest.mark.slow
 def test_bad_dataset_path_is_one_line(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.launcher.preflight",
-            "--config",
-            "train_configs/debug_model.toml",
-            "--training.dataset_path",
-            str(tmp_path / "nothing*.jsonl"),
-        ],
-        env=child_env(WORLD_SIZE="2"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = preflight(
+        "--config",
+        "train_configs/debug_model.toml",
+        "--training.dataset_path",
+        str(tmp_path / "nothing*.jsonl"),
+        world=2,
     )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "nothing" in proc.stderr
@@ -137,23 +126,14 @@ def test_bad_dataset_path_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_preflight_reports_bad_mesh(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titanlite.launcher.preflight",
-            "--config",
-            "train_configs/debug_model.toml",
-            "--parallelism.data_parallel_shard_degree",
-            "3",
-            "--job.dump_folder",
-            str(tmp_path),
-        ],
-        env=child_env(WORLD_SIZE="4"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = preflight(
+        "--config",
+        "train_configs/debug_model.toml",
+        "--parallelism.data_parallel_shard_degree",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path),
+        world=4,
     )
     assert proc.returncode == 2
     assert "dp_shard=3" in proc.stderr and "world size 4" in proc.stderr
