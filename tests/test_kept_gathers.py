@@ -21,8 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness import tiny_args
 from titanlite.config import JobConfig
 from titanlite.data.batch import Batch
-from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
+from titanlite.parallelisms.data_parallel.gradient_reduction import step_candidates
 from titanlite.parallelisms.step_context import StepContext
+from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.planning.memory import COMFORT_FRACTION, GiB, first_fitting
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.build import build_training

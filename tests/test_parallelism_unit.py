@@ -10,6 +10,7 @@ reach it through the order.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,8 @@ from torch import nn
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import check_run
 from titanlite.parallelisms import parallelize
-from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook, StepPolicies
+from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.planning.memory import StepChoice
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run import build
@@ -86,6 +87,23 @@ def test_a_parallelism_plugs_in_through_its_unit(toy, process_group, tmp_path):
     assert torch.equal(ctx.microbatch_loss(pred, labels, backwards=4), 2 * ctx.loss_fn(pred, labels) / 4)
 
 
+def test_the_step_policies_are_a_units(monkeypatch, process_group, tmp_path):
+    """The plan's step candidates and the build's chosen policy come from the unit that holds state across
+    a step's backwards (data parallelism's, here replaced by a recording one), through the order."""
+    chosen = StepPolicy(reduce_once=True, keep_gathers=True)
+    applied: list[tuple[nn.Module, StepPolicy]] = []
+    held = StepPolicies(lambda cfg, dims, backwards: ([chosen], ["the toy's"]), lambda m, p: applied.append((m, p)))
+    order = tuple(
+        dataclasses.replace(u, step_policies=held) if u.step_policies is not None else u
+        for u in parallelize.PARALLELISMS
+    )
+    monkeypatch.setattr(parallelize, "PARALLELISMS", order)
+    plan = RunPlan.build(config(tmp_path), 1)
+    assert (plan.step_candidates, plan.step_fixed) == ([chosen], ["the toy's"])
+    training = build.build_training(plan, torch.device("cpu"))
+    assert training.step_choice.policy == chosen and applied == [(training.model, chosen)]
+
+
 def _importers(folder: str, package: Path = PACKAGE) -> set[str]:
     """Product files outside the model families and outside `folder` that import
     `titanlite.parallelisms.<folder>`."""
@@ -134,11 +152,9 @@ FOOTPRINT = {
         "parallelisms/expert_parallel/unit.py",
         # Float8's gathers are SimpleFSDP's with a float8 wire (`ReplicateComputation.wire`).
         "parallelisms/float8/gather.py",
-        # The step's gradient reduction and kept gathers (`StepPolicy`, `reduce_once`, `keep_for_step`), read
-        # by the step context, the plan's step candidates, the build before materialising and the memory plan.
+        # The step's gradient reduction and kept gathers (`reduce_once`), run by the step context.
         "parallelisms/step_context.py",
-        "planning/run_plan.py",
-        "run/build.py",
+        # The reshard plan and the unreduced gradients' bucket the memory plan counts (`REDUCE_BUCKET_BYTES`).
         "planning/memory.py",
         # The dry run's reshard plan, a replica's batches in the trainer, the checkpoint's sharded views.
         "tools/dry_run.py",
@@ -152,7 +168,7 @@ FOOTPRINT = {
 }
 """Who imports each parallelism's folder beyond the model families' seams: the order, and the few named."""
 UNNAMED = ("run/step.py", "planning/run_plan.py", "run/build.py")
-"""The step, the plan and the build name no parallelism but through the order (the step policy excepted)."""
+"""The step, the plan and the build name no parallelism but through the order."""
 
 
 def test_the_real_parallelisms_are_named_by_the_order_only():
@@ -168,8 +184,7 @@ def test_the_real_parallelisms_are_named_by_the_order_only():
     }
     for folder in folders.values():
         assert _importers(folder) == FOOTPRINT[folder], folder
-        named = {f for f in _importers(folder) if f in UNNAMED}
-        assert named <= ({"planning/run_plan.py", "run/build.py"} if folder == "data_parallel" else set()), folder
+        assert not _importers(folder) & set(UNNAMED), folder
 
 
 def test_the_footprint_sees_an_import(tmp_path):

@@ -12,6 +12,10 @@
                 one step context (`step_context.StepContext`) both step runners and validation use.
     stages      `Stages`: a parallelism that cuts the model into stages over ranks (its plan, the cut, the
                 runner of its schedule), read by the run plan and the build.
+    step_policies
+                `StepPolicies`: a parallelism that holds state across a step's backwards (which
+                `step_policy.StepPolicy` a run allows, what the chosen one changes in the model), read by
+                the run plan and the build.
     step_time   `(StageWork) -> seconds`: its exposed collectives for one microbatch through one pipeline
                 stage, read by the step-time model (`planning/step_time.py`); `group` names its ranks' mesh
                 group and `comm_words` what the layout search calls that term.
@@ -31,6 +35,7 @@ from torch import nn
 
 from titanlite.config import JobConfig
 from titanlite.parallelisms.parallel_dims import ParallelDims
+from titanlite.parallelisms.step_policy import StepPolicy
 
 if TYPE_CHECKING:  # the run plan reads the units' rules in the launcher, which imports no DTensor
     from titanlite.parallelisms.host_replay import HostReplay
@@ -128,6 +133,18 @@ class Stages:
 
 
 @dataclass(frozen=True)
+class StepPolicies:
+    """A parallelism that holds state across a step's backwards (module docstring: step_policies)."""
+
+    candidates: Callable[[JobConfig, ParallelDims, int], tuple[list[StepPolicy], list[str]]]
+    """`(cfg, dims, backwards)`: the policies the config allows for a step of that many backwards, most
+    collectives saved first, and why a choice is fixed, in words (`RunPlan.step_candidates`)."""
+    apply: Callable[[nn.Module, StepPolicy], None]
+    """`(model, policy)`: what the chosen policy changes in the parallelized model on the meta device,
+    before it is materialised (kept gathers: no reshard-after-forward)."""
+
+
+@dataclass(frozen=True)
 class ParallelismUnit:
     """One parallelism (module docstring)."""
 
@@ -144,6 +161,7 @@ class ParallelismUnit:
     """After the data phase: what it changes in the weights' gathers (float8 bits on the wire)."""
     step_hook: Callable[[ParallelDims], StepHook | None] = _no_hook
     stages: Stages | None = None
+    step_policies: StepPolicies | None = None
     step_time: Callable[[StageWork], float] | None = None
     group: Callable[[ParallelDims], tuple[int, int]] | None = None
     """(ranks, stride in ranks) of its group in the mesh, innermost dims fastest; with `step_time`."""

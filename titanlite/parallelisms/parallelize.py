@@ -21,9 +21,10 @@ then the framework's own steps, and the data phase:
                             reductions leave the per-block graphs for hooks that issue them a block ahead
 
 Every parallelism is a unit (`parallelism.ParallelismUnit`) in `PARALLELISMS`, which the run plan (their
-rules, the stage plan), the build (the stage cut and its runner), the step context (their step hooks,
-`step_hooks`) and the step-time model (their terms) read too: a new parallelism is its folder, its setting
-and its place in that tuple.
+rules, the stage plan, the step policies, `step_candidates`), the build (the stage cut and its runner, the
+chosen step policy, `apply_step_policy`), the step context (their step hooks, `step_hooks`) and the
+step-time model (their terms) read too: a new parallelism is its folder, its setting and its place in
+that tuple.
 
 Why this order:
 - TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
@@ -64,8 +65,9 @@ from titanlite.parallelisms.expert_parallel import unit as expert_parallel
 from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, Stages, StepHook
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, Stages, StepHook, StepPolicies
 from titanlite.parallelisms.pipeline import unit as pipeline
+from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.parallelisms.tensor_parallel import unit as tensor_parallel
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
@@ -109,6 +111,25 @@ def step_hooks(cfg: JobConfig, dims: ParallelDims) -> tuple[StepHook, ...]:
 def staging(cfg: JobConfig, dims: ParallelDims) -> Stages | None:
     """The stages of the unit that cuts the model over ranks (`ParallelismUnit.stages`), or None."""
     return next((unit.stages for unit in enabled(cfg, dims) if unit.stages is not None), None)
+
+
+def _step_policies(cfg: JobConfig, dims: ParallelDims) -> StepPolicies | None:
+    return next((unit.step_policies for unit in enabled(cfg, dims) if unit.step_policies is not None), None)
+
+
+def step_candidates(cfg: JobConfig, dims: ParallelDims, backwards: int) -> tuple[list[StepPolicy], list[str]]:
+    """The step policies this run allows for a step of `backwards` backwards, most collectives saved first,
+    and why a choice is fixed, in words: those of the unit that holds state across a step's backwards
+    (`ParallelismUnit.step_policies`), else only `StepPolicy()` (nothing is held)."""
+    policies = _step_policies(cfg, dims)
+    return policies.candidates(cfg, dims, backwards) if policies is not None else ([StepPolicy()], [])
+
+
+def apply_step_policy(model: nn.Module, policy: StepPolicy, cfg: JobConfig, dims: ParallelDims) -> None:
+    """What the chosen step `policy` changes in `model`, parallelized on the meta device and not yet
+    materialised (`StepPolicies.apply`)."""
+    if (policies := _step_policies(cfg, dims)) is not None:
+        policies.apply(model, policy)
 
 
 def compile_options(cfg: JobConfig, dims: ParallelDims) -> dict[str, Any]:

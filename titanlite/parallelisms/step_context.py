@@ -11,7 +11,7 @@ per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
   microbatch's per-token tensors (`shard`, `held`) and sees its loss (`microbatch_loss`). Under context
   parallelism each rank takes its part of every sequence: its loss is the mean over its tokens, which the
   gradient averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call them.
-- The reduction: `gradient_reduction.reduce_once` with the step's policy (`gradient_reduction.StepPolicy`,
+- The reduction: `gradient_reduction.reduce_once` with the step's policy (`step_policy.StepPolicy`,
   chosen from the memory plan), over all of the step's backwards.
 - Clipping: by the global gradient norm, after the last backward.
 

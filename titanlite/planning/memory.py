@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy
 from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
 from titanlite.parallelisms.layout import Layout
+from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.parallelisms.units import Units
 
 GiB = 2**30

@@ -33,10 +33,10 @@ from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
-from titanlite.parallelisms.data_parallel.gradient_reduction import StepPolicy, step_candidates
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import check_rules, staging
+from titanlite.parallelisms.parallelize import check_rules, staging, step_candidates
+from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.planning.memory import StepChoice
 
 
@@ -202,13 +202,12 @@ class RunPlan:
     """The stage plan of the unit that cuts the model into stages (`parallelism.Stages.plan`: which blocks
     each stage holds, which stages a rank runs, the microbatches), else None."""
     step_candidates: list[StepPolicy] = dataclasses.field(init=False)
-    """The step policies the config allows, most collectives saved first (`gradient_reduction`)."""
+    """The step policies the config allows, most collectives saved first (`parallelize.step_candidates`)."""
     step_fixed: list[str] = dataclasses.field(init=False)
     """Why the step policy is not free, in words (explicit settings, the schedule, compilation)."""
 
     def __post_init__(self) -> None:
-        dp_mode = self.dims.dp_mode if self.dims.dp_enabled else None
-        self.step_candidates, self.step_fixed = step_candidates(self.cfg, dp_mode, self.backwards_per_step)
+        self.step_candidates, self.step_fixed = step_candidates(self.cfg, self.dims, self.backwards_per_step)
 
     @classmethod
     def build(cls, cfg: JobConfig, world_size: int, *, tokenizer: Tokenizer | None = None, args: Any = None) -> RunPlan:

@@ -29,10 +29,9 @@ from torch import nn
 
 from titanlite.compile.phase import Compilation
 from titanlite.config import JobConfig
-from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelize import parallelize, staging, step_hooks
+from titanlite.parallelisms.parallelize import apply_step_policy, parallelize, staging, step_hooks
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.planning.memory import (
@@ -302,8 +301,9 @@ def step_context(plan: RunPlan, step_choice: StepChoice) -> StepContext:
 def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     """This rank's model, or its pipeline stages and their schedule, each built as `build_model` builds
     one, with the step policy decided between the parallelize plan and materialisation (one build): the
-    memory plan of the meta-device modules, agreed over every rank; kept gathers turn reshard-after-forward
-    off before anything is allocated. Returns the step runner over them."""
+    memory plan of the meta-device modules, agreed over every rank, applied before anything is allocated
+    (`parallelize.apply_step_policy`: kept gathers turn reshard-after-forward off). Returns the step
+    runner over them."""
     if not plan.dims.mesh_built:
         plan.dims.build_mesh(device.type)
     pp_rank = plan.dims.pp_rank_of(dist.get_rank())
@@ -317,8 +317,7 @@ def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
 
     step_choice = choose_step_policy(plan, {pp_rank: parts}, device_memory(device), max_over_ranks, device.type)
     for part in parts.values():
-        if step_choice.policy.keep_gathers:
-            keep_for_step(part)
+        apply_step_policy(part, step_choice.policy, plan.cfg, plan.dims)
         _materialise(plan, part, device)
     context = step_context(plan, step_choice)
     if plan.pipeline is None:

@@ -1,7 +1,7 @@
 """What a step of several backwards does with gradients and gathered weights, across its backwards.
 
 A step runs one backward per microbatch: the gradient-accumulation batches, or a pipeline schedule's
-microbatches. Two choices (`StepPolicy`), each trading memory held for the step against collectives:
+microbatches. Two choices (`step_policy.StepPolicy`), each trading memory held for the step against collectives:
 
     gradients (`parallelism.gradient_reduction`)
       per_microbatch  every backward reduces every gradient (reduce-scatter; all-reduce for replicate):
@@ -16,8 +16,9 @@ microbatches. Two choices (`StepPolicy`), each trading memory held for the step 
                       weights held for the step
       regathered      every forward gathers again (and backward too, for the blocks resharded after forward)
 
-`step_candidates` lists what the config allows, most collectives saved first; `auto` settings leave
-the choice to the memory plan (`memory_plan.first_fitting`), which takes the first that fits comfortably.
+`step_candidates` lists what the config allows, most collectives saved first (data parallelism's
+`StepPolicies`, which the run plan reads through the order); `auto` settings leave the choice to the
+memory plan (`planning.memory.first_fitting`), which takes the first that fits comfortably.
 
 Under pipeline parallelism torch's pipeline stage already handles FSDP2 itself (gradient sync and
 resharding after backward off for all but the schedule step's last backward: per_step, once per
@@ -32,38 +33,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from torch import nn
 
 from titanlite.config import SPLIT_BACKWARD_SCHEDULES, JobConfig
+from titanlite.parallelisms.step_policy import StepPolicy
 
 
-@dataclass(frozen=True)
-class StepPolicy:
-    """What a step of several backwards holds across them; one per run (`build.choose_step_policy`)."""
-
-    reduce_once: bool = False
-    """Gradients accumulate unsharded and are reduced once, after the step's last backward (per_step)."""
-    keep_gathers: bool = False
-    """Weights gathered by the step's first forward are kept until its last backward."""
-
-    def describe(self) -> str:
-        reduce = "per_step" if self.reduce_once else "per_microbatch"
-        gathers = "kept for the step" if self.keep_gathers else "gathered again per microbatch"
-        return f"gradient reduction {reduce}, weights {gathers}"
-
-
-def step_candidates(cfg: JobConfig, dp_mode: str | None, backwards: int) -> tuple[list[StepPolicy], list[str]]:
-    """The policies `cfg` allows for a step of `backwards` backwards under data-parallel mode `dp_mode`
-    (None: no data parallelism), most collectives saved first: kept weights before regathered ones
-    (they cost the compute dtype, unreduced gradients fp32), then per_step before per_microbatch; and
-    why a choice is fixed, in words.
+def step_candidates(cfg: JobConfig, dp_mode: str, backwards: int) -> tuple[list[StepPolicy], list[str]]:
+    """The policies `cfg` allows for a step of `backwards` backwards under data-parallel mode `dp_mode`,
+    most collectives saved first: kept weights before regathered ones (they cost the compute dtype,
+    unreduced gradients fp32), then per_step before per_microbatch; and why a choice is fixed, in words.
 
     Explicit settings are honoured: `gradient_reduction` per_step / per_microbatch fixes the reduction;
     `fsdp_reshard_after_forward` `default` / `always` regathers, `never` keeps (it holds every gathered
     weight from forward to backward already; keeping them between microbatches adds no peak)."""
-    if dp_mode is None or backwards <= 1:
+    if backwards <= 1:
         return [StepPolicy()], []
     p = cfg.parallelism
     simple = p.dp_impl == "simple_fsdp"
@@ -123,7 +108,7 @@ def reduce_once(
     itself, and `backwards` counts them (SimpleFSDP then starts each bucket's reduction in the last
     backward that completes it).
     """
-    # Imported here: the step policies above are the run plan's, which the launcher's preflight builds
+    # Imported here: the step candidates above are the run plan's, which the launcher's preflight builds
     # without FSDP2, DTensor or SimpleFSDP's runtime.
     from torch.distributed.fsdp import FSDPModule
 

@@ -7,7 +7,7 @@ One policy (`parallelism.fsdp_reshard_after_forward`) for every implementation:
     always    every block and every root module
     never     nothing: gathered weights live from forward to backward (more memory, fewer gathers)
     auto      as default here; with several backwards per step the step policy may instead keep every
-              gathered weight for the whole step (`gradient_reduction.StepPolicy`, `kept_gathers`)
+              gathered weight for the whole step (`step_policy.StepPolicy`, `kept_gathers`)
 
 Pure replication gathers nothing, so nothing is resharded. The plan is read by SimpleFSDP eager
 (saved-tensor hooks, `eager_reshard.apply_reshard`), SimpleFSDP compiled (recompute tags,

@@ -6,8 +6,10 @@ The last phase of the order (`parallelize.py`), after activation checkpointing a
 reshard plan (`reshard.ReshardPlan`, which the compiled graphs' recompute tags read too). The modules the
 model phase placed on a mesh of their own (expert parallelism's experts) are sharded there.
 
-Its rules are the mesh's (`ParallelDims`) and the step policy's (`gradient_reduction.step_candidates`);
-the step's gradient reduction and kept gathers are the step context's (`step_context.StepContext.reduction`).
+Its rules are the mesh's (`ParallelDims`). Its step policies (`StepPolicies`) are the gradient reduction's
+and the kept gathers': which a run allows (`gradient_reduction.step_candidates`), and the model built for
+kept gathers (`kept_gathers.keep_for_step`); the step runs them in the step context
+(`step_context.StepContext.reduction`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from torch import nn
 
 from titanlite import torch_support
 from titanlite.config import JobConfig
+from titanlite.parallelisms.data_parallel.gradient_reduction import step_candidates
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepPolicies
+from titanlite.parallelisms.step_policy import StepPolicy
 
 
 def _rules(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
-    """None beyond the mesh's own (`ParallelDims.from_config`) and the step policy's."""
+    """None beyond the mesh's own (`ParallelDims.from_config`)."""
 
 
 def _apply(a: ApplyArgs) -> dict[nn.Module, Any]:
@@ -53,12 +57,26 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, Any]:
     return {}
 
 
+def _candidates(cfg: JobConfig, dims: ParallelDims, backwards: int) -> tuple[list[StepPolicy], list[str]]:
+    """`gradient_reduction.step_candidates` under the mesh's data-parallel mode."""
+    return step_candidates(cfg, dims.dp_mode, backwards)
+
+
+def _apply_policy(model: nn.Module, policy: StepPolicy) -> None:
+    """Kept gathers: the built model reshards nothing after forward (`kept_gathers.keep_for_step`)."""
+    if policy.keep_gathers:
+        from titanlite.parallelisms.data_parallel.kept_gathers import keep_for_step  # DTensor: ranks only
+
+        keep_for_step(model)
+
+
 UNIT = ParallelismUnit(
     name="data",
     on=lambda cfg, dims: dims.dp_enabled,
     rules=_rules,
     apply=_apply,
     phase="data",
+    step_policies=StepPolicies(_candidates, _apply_policy),
 )
 """Data parallelism as one unit (`parallelism.ParallelismUnit`); its collectives' time is the step-time
 model's own term (`planning/data_parallel_time.py`)."""

@@ -23,7 +23,7 @@ The step runs the schedule once per gradient-accumulation batch, inside the step
 loss, its scope and the gradient reduction the local runner uses too). Each microbatch's loss is the mean
 cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
 mean over the rank's batch, as the local runner computes it without PP (torch's own division of the
-gradients, `scale_grads`, is off). The step's policy (`gradient_reduction.StepPolicy`, chosen from
+gradients, `scale_grads`, is off). The step's policy (`step_policy.StepPolicy`, chosen from
 the memory plan) spans all of its microbatches: gradients reduced once per step, after every schedule
 step's backwards (for FSDP2, torch's stage reduces once per schedule step itself), and the weights the
 first microbatch gathered kept for the others (`kept_gathers`). The last stage's loss is summed over the
