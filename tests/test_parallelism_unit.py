@@ -87,7 +87,7 @@ def test_a_parallelism_plugs_in_through_its_unit(toy, process_group, tmp_path):
     assert torch.equal(ctx.microbatch_loss(pred, labels, backwards=4), 2 * ctx.loss_fn(pred, labels) / 4)
 
 
-def test_the_step_policies_are_a_units(monkeypatch, process_group, tmp_path):
+def test_the_step_policies_come_from_a_unit(monkeypatch, process_group, tmp_path):
     """The plan's step candidates and the build's chosen policy come from the unit that holds state across
     a step's backwards (data parallelism's, here replaced by a recording one), through the order."""
     chosen = StepPolicy(reduce_once=True, keep_gathers=True)
