@@ -1,31 +1,13 @@
 """Activation checkpointing per transformer block: none, full, selective by op, or every k-th block.
 
-Selective by op saves the outputs of attention, of the tensor-parallel reductions and of matmuls, and
-recomputes the rest (norms, RoPE, activations) in backward. Two matmul rules:
-
-* `op` (default, as TorchTitan): every other matmul of a block is saved (the 1st, 3rd, ...: in a Llama
-  block wq, wv, w1 and w2), the others are recomputed from the saved block input. For Llama 3 8B at
-  seq 8192 the blocks save 15.5 GiB instead of 25.0 GiB, for about 36% more forward matmul work per block
-  (wk, wo and w3 again): the memory is what selective AC is chosen for.
-* `op_all_mm`: every matmul output is saved: nothing but cheap elementwise work is recomputed.
-
-The dry run prints the activation memory of both (`titanlite/tools/dry_run.py`).
-
-Blocks are checkpointed in place (their `forward` is replaced on the instance), so parameter names do not
-change with the AC mode; checkpoints, init and compile plans address the same FQNs in every layout.
-
-`apply_ac` returns what it did: one `CheckpointedBlock` per checkpointed block. Its `body` is the
-function run inside the checkpoint. With torch.compile (torch 2.13), full checkpointing *inside* a
-compiled region whose inputs are DTensors fails in AOTAutograd, so a fully checkpointed block is either
-an eager checkpoint around a compiled body (compile scope `block`: the compiler replaces `body`) or, in a
-whole-model graph (scope `model`), no checkpoint at all: the compiler sets `in_graph` and tags the
-block's operations for recomputation in its joint graph instead (`passes.RecomputeTagPass`). A
-selective-op block (which saves at least one op) is compiled whole, its checkpoint inside the graph.
-
-Host reads: a fully checkpointed block's recompute replays the host values its forward read from the
-device (`host_replay.HostReplay`, given by `apply_ac`'s caller: expert parallelism's row splits) instead
-of reading them again, so full checkpointing adds no host sync. The selective modes read them again in
-their recompute.
+Selective by op saves attention, the tensor-parallel reductions and matmuls, and recomputes the rest: `op`
+(the default, as TorchTitan) saves every other matmul of a block (wq, wv, w1, w2 in Llama), `op_all_mm`
+every one. Blocks are checkpointed in place (their `forward` replaced on the instance), so parameter names do
+not change with the AC mode. `apply_ac` returns one `CheckpointedBlock` per checkpointed block, whose `body`
+the compiler reads: full checkpointing inside a compiled region of DTensors fails in AOTAutograd, so a fully
+checkpointed block is an eager checkpoint around a compiled body (scope `block`) or, in a whole-model graph,
+recompute tags instead of a checkpoint (`in_graph`). A full checkpoint's recompute replays the host values
+its forward read (`host_replay.HostReplay`), adding no host sync. Memory of each mode: docs/dry_run.md.
 """
 
 from __future__ import annotations

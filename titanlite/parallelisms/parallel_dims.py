@@ -1,26 +1,13 @@
 """Parallel degrees -> one validated DeviceMesh with named dims.
 
-The mesh holds only the dims whose degree is > 1, in the order (pp, dp_replicate, dp_shard, cp, tp), so that
-tp ranks are neighbours (NVLink within a node), context-parallel ranks (one all-gather of keys and values
-per block) come next, data parallelism spans nodes, and pipeline stages (whose traffic is one activation
-per microbatch) are the farthest apart. A single process is a
-mesh of one `dp_shard` rank: it gets the same plan as any world (SimpleFSDP's mixed precision and
-reshard policy, compile with its passes; the collectives of a one-rank dim are no-ops). Flattened views:
-`dp` (every data-parallel dim: the ranks that see different data, the dataloader's and the loss's mesh)
-and `dp_shard_tp`-style submeshes are taken with torch's own slicing. Context parallelism (`cp`) is not
-a data dim (its ranks share one batch, each holding part of every sequence) but its ranks hold different
-tokens, so the parameters are sharded, and their gradients reduced, over dp_shard x cp flattened into one
-dim (`param_mesh`), as TorchTitan does. Expert parallelism (`ep`) borrows its ranks from that dim: dp_shard x
-cp is unflattened into (`efsdp`, `ep`), ep innermost, so the ranks that exchange tokens are neighbours;
-the experts are sharded over `ep` and data-parallel over `efsdp` (and dp_replicate) on their own mesh
-(`expert_param_mesh`), the other weights over dp_shard x cp as without it. A pipeline stage's plan (TP, SimpleFSDP,
-FSDP2) runs on the mesh without `pp` (`dim_names`); `pp_mesh` carries the stages' point-to-point traffic.
-
-This is the one module that names the degrees: what the rest of the framework needs of them it asks here
-(the replica's width, the batch split and the meshes a loss is averaged over, the layout a checkpoint
-records, the words a run describes itself with, the config keys a tool sets), so adding a degree
-touches this module, the config schema and the parallelism's own unit, not the checkpoint, trainer,
-validation, step or tools code.
+The mesh holds the dims whose degree is > 1, in the order (pp, dp_replicate, dp_shard, cp, tp): tp ranks are
+neighbours, data parallelism spans nodes and pipeline stages are the farthest apart. A single process is a
+mesh of one `dp_shard` rank and gets the same plan as any world. Views: `dp` (the ranks that see different
+data), `param_mesh` (dp_shard x cp flattened: parameters are sharded over the context-parallel ranks too, as
+TorchTitan does), `expert_param_mesh` (that dim unflattened into (`efsdp`, `ep`)), `pp_mesh`, and the mesh
+without `pp` a stage's plan runs on. This is the one module that names the degrees: the rest of the framework
+asks here for what it needs of them, so adding a degree touches this module, the config schema and the
+parallelism's unit only. The layouts: docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
 """What one parallelism is: a unit of parts, each read by the one place that needs it.
 
-    on          `(cfg, dims) -> bool`: whether the run has it (a mesh degree above one, or a config switch).
-    rules       `(cfg, dims, spec, args) -> None`, raising `ConfigError` with one line: what the parallelism
-                needs from the other keys, the model family and the mesh, and, when it is off, that none of
-                its own keys is set. The run plan (`run_plan.RunPlan.build`) calls it for every unit of the
-                order before any rank starts.
-    apply       `(ApplyArgs) -> own meshes`: the parallelism applied to the model on the meta device, in its
-                phase of the framework's order (`parallelize.PARALLELISMS`); `gathers`, after data
-                parallelism placed the weights, changes how they are gathered (float8's gathers).
-    step_hook   `(dims) -> StepHook | None`: what it changes in a training step (`StepHook`), applied by the
-                one step context (`step_context.StepContext`) both step runners and validation use.
-    stages      `Stages`: a parallelism that cuts the model into stages over ranks (its plan, the cut, the
-                runner of its schedule), read by the run plan and the build.
-    step_policies
-                `StepPolicies`: a parallelism that holds state across a step's backwards (which
-                `step_policy.StepPolicy` a run allows, what the chosen one changes in the model), read by
-                the run plan and the build.
-    step_time   `(StageWork) -> seconds`: its exposed collectives for one microbatch through one pipeline
-                stage, read by the step-time model (`planning/step_time.py`); `group` names its ranks' mesh
-                group and `comm_words` what the layout search calls that term.
+    on          `(cfg, dims) -> bool`: whether the run has it (a mesh degree above one, or a config switch)
+    rules       `(cfg, dims, spec, args) -> None`, raising one-line `ConfigError`s; the run plan calls it
+                for every unit before any rank starts
+    apply       `(ApplyArgs) -> own meshes`: applied to the model on the meta device, in its phase of the
+                framework's order (`parallelize.PARALLELISMS`); `gathers` changes how weights are gathered
+    step_hook   `(dims) -> StepHook | None`: what it changes in a training step (`step_context.StepContext`)
+    stages      `Stages`: the plan, cut and runner of a parallelism that cuts the model into stages
+    step_policies  `StepPolicies`: which `step_policy.StepPolicy` a run allows and what the chosen one
+                changes in the model, for a parallelism that holds state across a step's backwards
+    step_time   `(StageWork) -> seconds`: its exposed collectives, for the step-time model; `group` and
+                `comm_words` name its mesh group and that term
 
-A parallelism is its folder with this unit, its setting in the config and its place in the order; the plan,
-the build, the step and the step-time model read it from the order and name none of them.
+A parallelism is its folder with this unit, its setting and its place in the order; no other module names it.
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """The order of the parallelisms, owned by the framework and written once.
 
-The model phase (`ParallelismUnit.phase` "model"), in the order of `PARALLELISMS`:
-    float8                  `float8.apply_float8` (`float8.enable`): the chosen linear layers become torchao's
-                            float8 layers, keeping their parameters, which everything after wraps unchanged
-    tensor parallelism      the family's `TensorParallelPlan` (`tensor_parallel.apply_tp`)
-    context parallelism     `context_parallel.apply_context_parallel`: the model's attention gets the rank's
-                            part of every sequence (after TP, whose layouts split it further)
-    expert parallelism      `expert_parallel.apply_expert_parallel`: the experts' weights become DTensors sharded
-                            over `ep`, and the MoE layers dispatch their tokens to the experts' ranks
-    pipeline parallelism    nothing here: the build cuts the stage first (`Stages.keep`), and the order runs
-                            on the stage as on a whole model
-then the framework's own steps, and the data phase:
-    activation checkpoint   `activation_checkpoint.apply_ac`: wraps each chosen block's forward
-    compile                 the caller's `CompilePhase` (`compile.phase`): per block or the whole model
-    data parallelism        SimpleFSDP (`simple_fsdp.data_parallel` + `eager_reshard.apply_reshard`) or FSDP2;
-                            the experts on their own mesh (efsdp x ep) under expert parallelism
-    gathers                 each unit's `gathers` (float8: the float8 layers' weights gathered as float8 bits,
-                            `float8.all_gather`, `float8/gather.py`)
-    eager prefetch          compile scope `prefetch` only (`CompilePhase.after_data_parallel`): SimpleFSDP's gathers and
-                            reductions leave the per-block graphs for hooks that issue them a block ahead
-
-Every parallelism is a unit (`parallelism.ParallelismUnit`) in `PARALLELISMS`, which the run plan (their
-rules, the stage plan, the step policies, `step_candidates`), the build (the stage cut and its runner, the
-chosen step policy, `apply_step_policy`), the step context (their step hooks, `step_hooks`) and the
-step-time model (their terms) read too: a new parallelism is its folder, its setting and its place in
-that tuple.
-
-Why this order:
-- TP first: it replaces parameters with DTensors on the tp mesh, which SimpleFSDP then shards further over
-  the data-parallel dims (one joint mesh) and which FSDP2 expects to find already placed. Expert
-  parallelism likewise: its ep-sharded experts are sharded further over efsdp by data parallelism.
-- AC before compile, a contract the two share: `apply_ac` replaces a checkpointed block's `forward` with
-  a checkpoint around `CheckpointedBlock.body`; `apply_compile` reads what `apply_ac` returned. Per block
-  (compile scope `block`) it compiles either that `body` (a fully checkpointed block keeps its eager
-  checkpoint) or the block's new forward whole (selective AC, its checkpoint inside the graph). In one
-  whole-model graph (scope `model`) a fully checkpointed block is not a checkpoint at all: the compiler
-  sets `CheckpointedBlock.in_graph`, the block's forward calls `body` unwrapped, and recompute tags on
-  the joint graph do the checkpointing, so the recomputed blocks stay in the graph the scheduler orders.
-  Compiling first would leave AC wrapping a compiled forward the compiler never saw checkpointed.
-- Tied parameters (an embedding the output projection shares) are tied back after the model-parallel
-  units, which replace each module's parameters on their own, and before data parallelism, which then
-  shards the one parameter once (`tied_parameters.py`).
-- Compile before data parallelism: compilation is lazy, and SimpleFSDP's gathers are module
-  parametrizations traced at the first call, so the compiled graphs contain them (and the graph passes
-  bucket them); FSDP2's hooks stay eager around the compiled blocks.
-
-A model family supplies data only (its `Units` and its TP plan, through `models.registry.ModelSpec`); the
-settings come from the config and the mesh from `ParallelDims`. The model is on the meta device.
+Every parallelism is a unit (`parallelism.ParallelismUnit`) in `PARALLELISMS`; the run plan, the build, the
+step context (`step_hooks`) and the step-time model read that tuple too, so a new parallelism is its folder,
+its setting and its place there. The model phase runs in the tuple's order (float8, tensor, context and
+expert parallelism; pipeline stages are cut earlier by the build), then activation checkpointing, the
+caller's compile phase, data parallelism (SimpleFSDP or FSDP2), each unit's `gathers` and the eager
+prefetch. Each step needs what the one before placed: TP's and EP's DTensors are sharded further by data
+parallelism, AC's `CheckpointedBlock`s are what compile reads, tied parameters are retied before data
+parallelism shards them once, and lazy compilation traces SimpleFSDP's gathers into its graphs. Why each
+step sits where it does: docs/parallelism.md. A family supplies data only; the model is on the meta device.
 """
 
 from __future__ import annotations

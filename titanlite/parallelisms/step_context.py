@@ -1,22 +1,13 @@
 """What a training step runs inside, whoever runs the model: the one loss context and the one
-gradient-reduction context, shared by both step runners (`step.LocalRunner`, which calls the model once
-per microbatch, and `pipeline.PipelineRunner`, whose schedule calls the stages).
+gradient-reduction context, shared by both step runners (`step.LocalRunner` and `pipeline.PipelineRunner`).
 
-- The loss of a microbatch: `loss_fn(pred, labels)` plus the family's extra term (training only), over the
-  step's backwards, so the summed gradient is that of the mean over the rank's batch.
-- The loss scope: where the loss and its backward run. Under `loss_parallel` when tensor parallelism keeps
-  the logits vocab-sharded (the loss is then a replicated DTensor, `replicated` makes it plain).
-- The batch and the loss: each parallelism's step hook (`parallelism.StepHook`, from the units the run
-  has: `parallelize.step_hooks`) does its work before a step (`before_step`), takes its part of a
-  microbatch's per-token tensors (`shard`, `held`) and sees its loss (`microbatch_loss`). Under context
-  parallelism each rank takes its part of every sequence: its loss is the mean over its tokens, which the
-  gradient averaging over dp_shard x cp turns into the batch's mean. Both runners and validation call them.
-- The reduction: `gradient_reduction.reduce_once` with the step's policy (`step_policy.StepPolicy`,
-  chosen from the memory plan), over all of the step's backwards.
-- Clipping: by the global gradient norm, after the last backward.
+- The loss of a microbatch: `loss_fn(pred, labels)` plus the family's extra term, scaled over the step's
+  backwards, under `loss_parallel` when tensor parallelism keeps the logits vocab-sharded.
+- Each parallelism's step hook (`parallelism.StepHook`, `parallelize.step_hooks`): its work before a step, its
+  part of a microbatch's per-token tensors, its view of the loss (context parallelism's shards).
+- The reduction: `gradient_reduction.reduce_once` with the step's policy; clipping by the global norm.
 
-It lives under `parallelisms/` because the pipeline runner (a parallelism) uses it and sits below the
-step module in the layers.
+It lives under `parallelisms/` because the pipeline runner uses it and sits below the step module.
 """
 
 from __future__ import annotations

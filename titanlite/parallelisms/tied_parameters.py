@@ -1,19 +1,11 @@
 """Parameters a model shares between modules (tied embeddings: the output projection's weight is the
 embedding's), kept one Parameter through parallelisation and materialisation.
 
-torch replaces parameters module by module: tensor parallelism distributes each module's parameters
-(`distribute_module`), SimpleFSDP shards each module's own, and `to_empty` materialises each module's
-own; each would turn one shared Parameter into two that train apart. So `parallelize` records the ties
-of the model it is given (`TiedParameters.of`), and ties the aliases back to the owner's parameter
-after the model-parallel units (`retie`): tensor parallelism places a tied embedding and output
-projection alike (both shard the vocabulary rows, `models/common/tensor_parallel.py`), data parallelism
-then sees one Parameter in two modules (SimpleFSDP shards it once and gives both modules its one gather,
-`simple_fsdp.data_parallel`; FSDP2 manages a shared parameter of one group once, and the embedding and
-output are in the root's group), and `build` ties them again after `to_empty`. So a tied weight has one
-shard, one gradient (both uses accumulate into it), one optimizer state and one checkpoint value.
-
-Pipeline stages cannot tie a weight their first and last stage would each hold: the run plan refuses tied
-embeddings under pipeline parallelism.
+torch replaces parameters module by module (tensor parallelism, SimpleFSDP, `to_empty`), which would turn one
+shared Parameter into two that train apart. So `parallelize` records the model's ties (`TiedParameters.of`)
+and ties the aliases back after the model-parallel units (`retie`), before data parallelism shards the one
+Parameter once, and `build` ties them again after `to_empty`: a tied weight has one shard, one gradient, one
+optimizer state and one checkpoint value. The run plan refuses tied embeddings under pipeline parallelism.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The run plan: everything a run derives from its config and world size, computed once, with every rule
 between config keys checked while computing it.
 
-`RunPlan.build(cfg, world_size)` is run by the launcher's preflight before any rank starts, so a bad
-combination is one line and exit code 2 there; the ranks build the same plan and never re-derive a fact
-from the raw config: the trainer, the pipeline, the checkpoint manager, the memory plan and the dry run
-read it here. What it holds:
-
-    batch        global batch, accumulation, virtual data shards (0 = one per sample), samples per shard,
-                 backwards per step, tokens per GPU step
-    model        the family's spec, the tokenizer, the model args with the `model.*` shape overrides
-    layout       the mesh degrees (`ParallelDims`), the pipeline's stages and microbatches, loss parallel
-    precision    the compute and reduce dtypes of the data-parallel plan
-    step         the step policies the config allows and why a choice is fixed (the memory plan picks the
-                 first that fits: `build.choose_step_policy`), compile validity
-    data         the training and validation data sources, parsed once
+`RunPlan.build(cfg, world_size)` runs in the launcher's preflight before any rank starts (a bad combination is
+one line, exit code 2); the ranks build the same plan and never re-derive a fact from the raw config. It holds
+the batch (global batch, accumulation, virtual shards, backwards per step), the model (the family's spec, the
+tokenizer, the shaped args), the layout (`ParallelDims`, pipeline stages and microbatches, loss parallel), the
+precision, the step policies the config allows (the memory plan picks one: `build.choose_step_policy`) and
+the data sources, parsed once.
 """
 
 from __future__ import annotations

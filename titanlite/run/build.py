@@ -1,18 +1,13 @@
 """Putting a run together, the one way every tool does it (trainer, dry run, HF tool, benchmarks, tests):
 
     plan = RunPlan.build(cfg, world_size)     everything derived from config + world size, checked first
-                                              (titanlite/planning/run_plan.py)
     device = init_device()                    cuda:LOCAL_RANK, else cpu
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
-    loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches
-                                              (titanlite/run/loader.py)
+    loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches (run/loader.py)
     model = build_model(plan, device)         meta -> parallelize (the framework's order) -> materialise -> init
-    training = build_training(plan, device)   the trainer's step runner over this rank's model or pipeline
-                                              stages, with the step policy chosen from their memory plan
-                                              before materialising
+    training = build_training(plan, device)   the step runner, its step policy chosen from the memory plan
 
-A single process is a world of one: it gets a one-rank process group and the same plan as any world
-(mixed precision, AC, compile and its passes, reshard policy), so one GPU trains as it would on many.
+A single process is a world of one with the same plan as any world, so one GPU trains as it would on many.
 """
 
 from __future__ import annotations

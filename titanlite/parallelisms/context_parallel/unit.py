@@ -1,34 +1,13 @@
 """Context parallelism: the ranks of the `cp` mesh dim each hold part of every sequence of the batch.
 
-Load balancing (head-tail): a sequence is cut into 2 x cp equal chunks and cp rank r holds chunks r and
-2cp-1-r, so under a causal mask every rank has the same attention work (an early chunk sees few keys,
-a late one many). Every per-token tensor of a batch (inputs, labels, positions) is sharded this way
-before the model runs (`SequenceShard.shard`), by the step runners through `StepContext`.
-
-Attention: the queries stay sharded; the keys and values of the whole sequence are all-gathered over cp
-(one collective per block for both) and put back in sequence order, so any mask works: a rank builds its
-mask from the global indices of its queries (`positions`) and of every key. The gather differentiates to
-a reduce-scatter (sum) of the keys' and values' gradients: each rank receives the gradient of every
-rank's loss with respect to its own keys and values.
-
-Overlap: the gather is issued as soon as the keys and values exist (`SequenceShard.start_gather`) and
-waited for where attention needs them (`finish_gather`), so the queries' projection and RoPE run while it
-is on the wire, in forward and in a checkpoint's recompute alike. Backward mirrors it: the wait's
-backward issues the reduce-scatter of the gathered keys' and values' gradient and the start's backward
-waits for it, so the queries' backward (RoPE, the query projection's two matmuls) runs in between. Both
-are torch's functional collectives (`_c10d_functional`), an issue and a wait of their own, so eager runs
-them asynchronously and compiled graphs hold them as two nodes with the compute between them (the
-compile report counts them under `cp` with how many compute overlaps, `compile_report.py`).
-
-Loss and gradients: each rank's loss is the mean over its tokens, every rank holds the same number of
-tokens, and the data-parallel plan averages the gradients over dp_shard x cp (`ParallelDims.param_mesh`),
-so the gradient is that of the mean over the whole batch, as one process computes it. The logged loss is
-averaged over the world (`resilience.agree`) and tokens/s counts each token once (the world size divides
-the global batch's tokens).
-
-The model sees only the seam: a module with a `context_parallel` attribute (None by default, a class
-attribute) gets this rank's `SequenceShard` there (`apply_context_parallel`); Llama's attention calls
-`positions`, `start_gather` and `finish_gather` through it and knows nothing of meshes.
+Head-tail load balancing: a sequence is cut into 2 x cp chunks and cp rank r holds chunks r and 2cp-1-r, so
+every rank has the same causal attention work; the step runners shard every per-token tensor this way through
+`StepContext` (`SequenceShard.shard`). The queries stay sharded; the keys and values of the whole sequence are
+all-gathered over cp, so any mask works from the global indices. The gather is issued as soon as keys and
+values exist (`start_gather`) and waited for where attention needs them (`finish_gather`), and backward mirrors
+it, so the query projection and RoPE overlap the collective. Gradients are averaged over dp_shard x cp, which
+gives the batch's mean. The model sees only the seam: a module with a `context_parallel` attribute gets this
+rank's `SequenceShard` there. Details and measurements: docs/long_context.md.
 """
 
 from __future__ import annotations

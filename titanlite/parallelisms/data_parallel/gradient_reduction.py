@@ -1,32 +1,13 @@
 """What a step of several backwards does with gradients and gathered weights, across its backwards.
 
-A step runs one backward per microbatch: the gradient-accumulation batches, or a pipeline schedule's
-microbatches. Two choices (`step_policy.StepPolicy`), each trading memory held for the step against collectives:
-
-    gradients (`parallelism.gradient_reduction`)
-      per_microbatch  every backward reduces every gradient (reduce-scatter; all-reduce for replicate):
-                      k reductions per step, and only sharded gradients are ever held
-      per_step        backwards accumulate each gradient unsharded on the rank; one reduction per parameter
-                      after the last backward (SimpleFSDP: `step_reduction.unreduced`, fp32 sinks; FSDP2:
-                      gradient sync off for all but the last backward, in the reduce dtype). Saves
-                      (k - 1) reductions of every gradient
-    gathered weights (`parallelism.fsdp_reshard_after_forward`)
-      kept            the first forward's all-gathers serve every microbatch until the last backward
-                      (`kept_gathers`): one all-gather per parameter per step, the rank's gathered
-                      weights held for the step
-      regathered      every forward gathers again (and backward too, for the blocks resharded after forward)
-
-`step_candidates` lists what the config allows, most collectives saved first (data parallelism's
-`StepPolicies`, which the run plan reads through the order); `auto` settings leave the choice to the
-memory plan (`planning.memory.first_fitting`), which takes the first that fits comfortably.
-
-Under pipeline parallelism torch's pipeline stage already handles FSDP2 itself (gradient sync and
-resharding after backward off for all but the schedule step's last backward: per_step, once per
-schedule step), so there only SimpleFSDP is handled here; config validation refuses `per_microbatch`
-for FSDP2 with PP rather than ignore it. A zero-bubble schedule differentiates the parameters
-themselves in its weight backward, so SimpleFSDP reduces per microbatch there (`auto`; `per_step` is
-refused). Compiled SimpleFSDP keeps weights only with per_step: its graphs read the kept weights and
-route their gradients to the unreduced sinks; reducing them in each backward happens in eager code.
+A step runs one backward per microbatch (gradient accumulation, or a pipeline schedule's microbatches). Two
+choices (`StepPolicy`) trade memory held for the step against collectives: gradients reduced
+`per_microbatch` (only sharded gradients ever held) or `per_step` (accumulated unsharded, one reduction per
+parameter after the last backward), and gathered weights `kept` for the step (`kept_gathers`) or regathered
+by every forward. `step_candidates` lists what the config allows, most collectives saved first; `auto`
+settings leave the choice to the memory plan. Under pipeline parallelism torch's stage handles FSDP2 itself,
+so only SimpleFSDP is handled here; a zero-bubble schedule reduces per microbatch, and compiled SimpleFSDP
+keeps weights only with per_step. The policies, their rules and measurements: docs/parallelism.md.
 """
 
 from __future__ import annotations

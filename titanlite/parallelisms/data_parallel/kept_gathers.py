@@ -1,25 +1,15 @@
 """Gathered weights kept for a whole step: one all-gather per parameter per optimizer step.
 
-A step of several backwards (gradient accumulation, pipeline microbatches) runs the forward once per
-microbatch. Without this, every forward gathers every weight again (and reshard-after-forward gathers
-it once more in backward); with it, the first forward's gather is kept until the step's last backward
-and every later use reads it, so the step's all-gathers do not grow with its microbatches. The cost
-is the rank's gathered weights, in the compute dtype, for the whole step; `memory_plan` counts it and
-`parallelism.fsdp_reshard_after_forward = "auto"` keeps them only where the plan fits comfortably.
+In a step of several backwards every forward would gather every weight again; with this, the first forward's
+gather is kept until the step's last backward, so the step's all-gathers do not grow with its microbatches, at
+the cost of the rank's gathered weights held for the step (`memory_plan` counts it; `auto` keeps them only
+where the plan fits comfortably).
 
-    keep_for_step(model)        at build time: no reshard-after-forward (the kept weight is what
-                                backward uses); FSDP2: `set_reshard_after_forward(False)`
+    keep_for_step(model)        at build time: no reshard-after-forward; FSDP2: `set_reshard_after_forward(False)`
     kept_gathers(model)         around a step's backwards (SimpleFSDP): the step-scoped cache
 
-SimpleFSDP: entering the step gathers every weight once without autograd; each `ReplicateComputation`
-then hands out its kept tensor (`hand_out`) through a function whose backward routes the gradient as
-the plain gather would: into the unreduced sink (`gradient_reduction` per_step) or through a
-reduce-scatter (all-reduce for replicate dims) to the sharded parameter (per_microbatch, eager only).
-Compiled blocks trace the same hand-out: their graphs read the kept weights as inputs and hold no
-all-gathers, so the step's gathers are not overlapped with compute; what is saved is every later
-microbatch's gathers. FSDP2 keeps its own unsharded parameters: reshard-after-backward is off for all
-but the last backward (`gradient_reduction.reduce_once`; under pipeline parallelism torch's pipeline
-stage does this itself).
+SimpleFSDP hands out each kept tensor (`hand_out`) through a function whose backward routes the gradient as the
+plain gather would; compiled graphs read the kept weights as inputs. FSDP2 keeps its own unsharded parameters.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """SimpleFSDP: data parallelism as a parametrization of DTensor parameters.
 
-Each parameter is stored as a DTensor sharded (or replicated) over the data-parallel mesh dims. A
-property-based parametrization replaces `module.weight` with `replicate_compute(sharded)`, which
-redistributes the DTensor to Replicate (an all-gather) and returns the local tensor with `Partial("avg")`
-gradient placements. Autograd then emits the matching collective in backward:
-
-    fully_shard   Shard(0)            -> all-gather fwd, reduce-scatter bwd        (FSDP)
-    replicate     Replicate()         -> nothing fwd, all-reduce bwd               (DDP)
-    hybrid_shard  Replicate, Shard(0) -> all-gather fwd, reduce-scatter+all-reduce (HSDP)
-
-Because the module's `_parameters` keep the sharded DTensors, `state_dict()`, the optimizer and DCP only
-ever see shards: nothing is gathered on save. Under tensor parallelism the parameter lives on the joint
-(dp..., tp) mesh; the gather runs over the dp dims only and hands back a DTensor on the tp mesh.
-
-The concepts, one file each:
-    this file             sharding the parameters and installing the parametrization (`data_parallel`),
-                          and reaching a wrapped model's state (`simple_fsdp_states`, `gathers_of`)
-    replicate_compute.py  the gather of one parameter, mixed precision, and `SimpleFSDPState`: the modes
-                          every gather of one wrapped model reads (shard view, routing to sinks)
-    eager_reshard.py      reshard-after-forward in eager mode (saved-tensor hooks)
-    step_reduction.py     the once-per-step reduction of the gradients routed to the sinks
-    kept_gathers.py       gathers kept for a whole step
-
-Every wrapped model owns its `SimpleFSDPState`: two models in one process never share a mode.
+Each parameter is stored as a DTensor sharded (or replicated) over the data-parallel mesh dims, and a
+parametrization replaces `module.weight` with `replicate_compute(sharded)`: a redistribution to Replicate
+with `Partial("avg")` gradients, so autograd emits the matching collective in backward (FSDP: all-gather and
+reduce-scatter; DDP: all-reduce; HSDP: both). The module's `_parameters` keep the shards, so `state_dict()`,
+the optimizer and DCP never gather. This file shards the parameters and installs the parametrization
+(`data_parallel`) and reaches a wrapped model's state (`simple_fsdp_states`, `gathers_of`); the gather itself
+is `replicate_compute.py`, eager reshard-after-forward `eager_reshard.py`, the once-per-step reduction
+`step_reduction.py`, the step's kept gathers `kept_gathers.py`. Every wrapped model owns its `SimpleFSDPState`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """SimpleFSDP's once-per-step gradient reduction: k backwards accumulate, one reduction per bucket.
 
-Inside `unreduced(model)` each gathered weight's gradient accumulates unreduced and unsharded in its sink
-(`ReplicateComputation.make_sink`: fp32, whatever the reduce dtype), and the gradients are reduced once:
-one reduce-scatter (all-reduce for replicate; reduce-scatter then all-reduce for hybrid_shard) per bucket
-of about `REDUCE_BUCKET_BYTES`, planned in backward order per (dp mesh, mode, reduce dtype).
-
-A bucket is reduced as soon as its gradients are final, while the rest of the last backward runs: each
-sink reports every accumulation, and a sink is final in the backward its caller marks as the last
-(`before_backward(True)`, as `step.LocalRunner` does), or at its `backwards`-th accumulation when the
-caller gives the count (a pipeline schedule, whose backwards the caller does not run one by one). Its
-gradients are packed in one copy (`torch._chunk_cat`: each cut along dim 0 into one zero-padded chunk
-per rank, as DTensor's `Shard(0)` cuts, cast to the reduce dtype) and the collective starts
-asynchronously. Leaving the context starts the buckets no backward completed (all of them when no
-backward was marked), waits for all in the order they started (the same on every rank), and writes each
-parameter's averaged shard into `.grad`. A gradient that reaches a sink after its bucket started (a
-weight read twice in one forward) is reduced by a further bucket on leaving and added, so the result is
-exact either way; only the overlap is lost.
+Inside `unreduced(model)` each gathered weight's gradient accumulates unreduced and unsharded in its fp32 sink
+(`ReplicateComputation.make_sink`), and the gradients are reduced once: one collective per bucket of about
+`REDUCE_BUCKET_BYTES`, planned in backward order per (dp mesh, mode, reduce dtype). A bucket starts
+asynchronously as soon as its gradients are final (in the backward marked last, `before_backward(True)`, or
+at the `backwards`-th accumulation), packed in one copy (`torch._chunk_cat`). Leaving the context starts the
+rest, waits for all in the same order on every rank and writes each averaged shard into `.grad`; a gradient
+that arrives after its bucket started is reduced by a further bucket and added, so the result is exact.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Expert parallelism: the ranks of the `ep` mesh dim each hold num_experts / ep of every MoE layer's experts.
 
-The ep ranks are borrowed from the data-parallel shard ranks (dp_shard x cp, `ParallelDims.ep_mesh`):
-every ep rank routes its own tokens, sends each (token, expert) copy to the rank that holds the expert,
-runs its local experts on what it received, and sends the results back, so a rank computes with its
-experts only and never holds another rank's.
-
-Dispatch and combine (`ExpertShard.run`), for rows sorted by global expert and the per-expert counts:
-  1. the counts are exchanged first (one all-to-all of E integers, no gradient): each rank learns how
-     many rows every rank sends to each of its local experts; the sent and received row splits go to
-     the host together (one `.tolist()`: the layer's one host sync per forward; every size that follows
-     is computed from them, e.g. `repeat_interleave`'s `output_size`, which would otherwise read its
-     output length from the device). A fully checkpointed block's recompute replays the splits its
-     forward read (`host_replay.HostReplay`) and checks on the device, without waiting, that the counts
-     it exchanges again are the same: the recompute adds no host sync;
-  2. an all-to-all sends rank r's rows of experts [r E/ep, (r+1) E/ep) to rank r; they arrive grouped by
-     (source rank, local expert) and are reordered to (local expert, source rank), so each local expert's
-     rows are contiguous (a gather);
-  3. the local experts run (grouped GEMM or the loop, as without EP) with their local counts;
-  4. the inverse reorder and the inverse all-to-all bring each row back to the rank and the position it
-     came from. Both all-to-alls are torch's differentiable functional collective
-     (`all_to_all_single_autograd`), whose backward is the all-to-all the other way: a row's gradient
-     returns to the rank that holds its expert, and the input's gradient to the rank that routed it.
-
-Gradients: an expert's weight gradient on its rank is the sum over the rows of every rank of its ep
-group, each rank's loss being the mean over its own tokens. The data-parallel plan averages it over the
-ranks that hold the same experts (efsdp, and dp_replicate); `run` scales the weights' gradient by 1 / ep,
-so the result is the mean over every data-parallel rank, as for the other weights and as one process
-computes it.
-
-Parameters: each expert weight is a DTensor of the full [num_experts, ...] shape, sharded Shard(0) over
-`ep` (`apply_expert_parallel`); the data-parallel plan then shards each rank's block over `efsdp` as it
-shards a tensor-parallel weight over dp (`simple_fsdp._shard_parameter`), so a checkpoint stores whole
-tensors (DCP reshards across ep degrees) and the Hugging Face export sees whole tensors.
-
-The model sees only the seam: a module with an `expert_parallel` attribute (None by default, a class
-attribute) holding its experts' stacked weights as its direct parameters gets this rank's `ExpertShard`
-there; Qwen3-MoE's `Experts` calls `run` through it and knows nothing of meshes.
+The ep ranks are borrowed from the data-parallel shard ranks (dp_shard x cp, `ParallelDims.ep_mesh`). Every
+ep rank routes its own tokens; `ExpertShard.run` exchanges the per-expert counts (the layer's one host sync per
+forward, replayed rather than repeated in a checkpoint's recompute), sends each (token, expert) row to its
+expert's rank with a differentiable all-to-all, runs the local experts and sends the results back. The
+weights' gradient is scaled by 1 / ep, so after the data-parallel average over efsdp it is the mean over every
+data-parallel rank, as one process computes it. Each expert weight is a DTensor of the full shape, Shard(0)
+over `ep`, so checkpoints and the Hugging Face export see whole tensors. The model sees only the seam: a module
+with an `expert_parallel` attribute gets this rank's `ExpertShard` there. Dispatch in detail: docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,14 @@
 """Float8 weight all-gather (`float8.all_gather`, tensorwise recipe): the data-parallel gathers of the float8
 layers' weights move float8 bits, one byte per element instead of the training dtype's two or four.
 
-A tensorwise layer casts its whole weight with one scale, `float8 max / amax(weight)`. Each rank can cast
-its own shard with that scale once the amax is global, and the gathered bits are then exactly what the
-layer would have cast from the gathered weight. So, once per step, before the first forward
-(`Float8Gathers.refresh`, called by the step runner), for every float8 weight at once:
-
-    amax      the max |w| of every shard (one `torch._foreach_norm`, ord inf, over the master shards,
-              rounded to the compute dtype: the values the layer would see, since rounding keeps the
-              order), then ONE all-reduce (max) for all of them
-    scale     torchao's `amax_to_scale` of all of them as one tensor, copied into the `scale` buffers
-              with one `_foreach_copy_`
-    bits      the shards cast with their scales (torchao's saturating cast), in chunks of shards of one
-              size of at most `CAST_CHUNK_BYTES` of temporaries: a handful of kernels per chunk rather
-              than ten per weight, and never every shard's compute-dtype copy alive at once
-
-and every gather of the step (forward, reshard-after-forward's regather in backward, the kept gathers of
-an accumulation step) all-gathers the `bits` buffer and wraps it as torchao's float8 tensor with the
-scale, which torchao's float8 matmul uses as it is.
-
-The float8 tensor never carries a gradient itself (torch.compile traces a function's backward with a
-gradient shaped like its output, and a float8 gradient is meaningless): the layer's forward is one
-autograd function (`_GatheredFloat8Matmul`) from the input and the sharded weight to the output, which
-runs torchao's float8 matmul forward and backward inside and hands the weight's gradient back as the
-plain gather would, reduced to the shard in the reduce dtype (`ReplicateComputation.reduce_to_shard`), or
-whole to the step's unreduced sink.
-
-Under torch.compile the buffers are graph inputs: the all-gather's only input is the `bits` buffer, so
-torch's and titanlite's passes see an ordinary parameter gather (bucketed, prefetched, recomputed in
-backward), one byte per element in the compile report. The eager prefetcher of compile scope `prefetch`
-(`block_prefetch`) packs the same bytes into its flat gathers (`shard_bytes`) and hands the float8 tensor
-back (`from_bytes`) as the layer's kept weight. The buffers are not part of the state dict: checkpoints
-keep the high-precision master weights only.
-
-FSDP2 (`parallelism.dp_impl fsdp2`) gathers float8 with torchao's own weight wrapper
-(`Float8LinearConfig.enable_fsdp_float8_all_gather`); its scales are refreshed at the same point with
-torchao's one all-reduce (`precompute_float8_dynamic_scale_for_fsdp`).
+A tensorwise layer casts its whole weight with one scale, so once the amax is global each rank casts its own
+shard and the gathered bits are exactly what the layer would have cast. Once per step (`Float8Gathers.refresh`,
+called by the step runner) every float8 weight's amax, scale and bits are computed at once: one all-reduce and
+a handful of kernels per chunk of at most `CAST_CHUNK_BYTES`. Every gather of the step then all-gathers the
+`bits` buffer and wraps it as torchao's float8 tensor. The layer's forward is one autograd function
+(`_GatheredFloat8Matmul`), so the float8 tensor never carries a gradient and the weight's gradient goes back
+as the plain gather's would. The buffers are graph inputs under compile and are not in the state dict;
+FSDP2 uses torchao's own float8 all-gather. The whole mechanism: docs/float8.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Float8 training: the model's linear layers compute their matmuls in float8 (torchao), first in the order.
 
-torchao's `Float8Linear` keeps the weight a high-precision parameter (the master weight the optimizer and
-the checkpoints see, under the same name) and casts the weight, the input and the output gradient to
-float8 with scales inside each matmul, so every parallelism applied after it wraps a layer whose
-parameters are unchanged: SimpleFSDP gathers the high-precision weight and the layer casts it.
-
-Which layers: every `nn.Linear` except those whose name contains an entry of `float8.filter_fqns` (the
-output projection by default: its vocab-wide matmul feeds the loss) and, with `auto_filter_small_kn`,
-those too small to gain (the casts' memory traffic outweighs the faster matmul, `layer_filter`).
-
-Rules, before any rank starts (`rules`, on or off): the `float8` extra is installed in a version known to work with
-this torch, a recipe and settings that combine, and an output projection tied to the embedding left in
-high precision. Filters that convert no layer, or an entry that names none, are a warning
-(`apply_float8`). Where the ranks run (`check_device`): a GPU with float8 (sm89 or newer) or
-`float8.emulate`, which a CPU always needs.
+torchao's `Float8Linear` keeps the weight a high-precision parameter under the same name and casts inside each
+matmul, so every parallelism applied after it wraps a layer whose parameters are unchanged. Every `nn.Linear`
+converts except those named in `float8.filter_fqns` (the output projection by default) and, with
+`auto_filter_small_kn`, those too small to gain (`layer_filter`). `rules` checks, before any rank starts, the
+`float8` extra's version, the recipe and settings, and a tied output left in high precision; `check_device`
+wants a GPU with float8 (sm89 or newer) or `float8.emulate`. The keys and what composes: docs/float8.md.
 """
 
 from __future__ import annotations

@@ -2,33 +2,13 @@
 
     StagePlan.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
     keep_stage(model, units, plan, stage)                   on the meta device: delete what a stage lacks
-    PipelineRunner(plan, parts, dims, device, context, backwards)
-                                                            PipelineStages + torch's schedule: the step runner
+    PipelineRunner(plan, parts, dims, device, context, backwards)   PipelineStages + torch's schedule
 
-Stage boundaries fall between transformer blocks. The first stage also holds the embedding and the last
-the final norm and output, so by default each of those counts as one block when the blocks are balanced
-(`pipeline_parallel_split_points` chooses the boundaries instead). A rank holds `stages_per_rank` stages,
-looped: pipeline rank r holds stages r, r + pp, r + 2 pp, ... (what torch's interleaved schedules expect).
-
-A stage is the whole model built on the meta device with the other stages' blocks deleted and the root
-modules it does not hold set to None. Parameter names do not change (`layers.12` stays `layers.12` on
-whichever stage holds it), so initialisation (seeded by name), checkpoints (DCP by FQN) and the compile,
-AC, TP and SimpleFSDP/FSDP2 plans, applied per stage by the framework's `parallelize`, work as on one
-process.
-
-Data: every rank of a data-parallel replica reads that replica's batch (the loader is per dp rank, as
-without PP); the first stage feeds the tokens and the last stage the labels, the others read and drop it.
-
-The step runs the schedule once per gradient-accumulation batch, inside the step's `StepContext` (the
-loss, its scope and the gradient reduction the local runner uses too). Each microbatch's loss is the mean
-cross-entropy divided by (microbatches x accumulation batches), so the summed gradient is that of the
-mean over the rank's batch, as the local runner computes it without PP (torch's own division of the
-gradients, `scale_grads`, is off). The step's policy (`step_policy.StepPolicy`, chosen from
-the memory plan) spans all of its microbatches: gradients reduced once per step, after every schedule
-step's backwards (for FSDP2, torch's stage reduces once per schedule step itself), and the weights the
-first microbatch gathered kept for the others (`kept_gathers`). The last stage's loss is summed over the
-pipeline group so every rank reports it, and the gradient norm for clipping sums every stage's squared
-norm over the pipeline group.
+A stage is the whole model with the other stages' blocks deleted, so parameter names do not change and
+initialisation, checkpoints and every per-stage plan work as on one process. Each microbatch's loss is divided
+by (microbatches x accumulation batches) inside the step's `StepContext`, so the summed gradient is that of the
+mean over the rank's batch (torch's `scale_grads` is off); the step's reduction policy spans all microbatches.
+Stages, schedules, data and checks: docs/parallelism.md#pipeline-parallelism.
 """
 
 from __future__ import annotations
