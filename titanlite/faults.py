@@ -1,10 +1,8 @@
 """Fault injection for tests: environment variables that make a run fail in a chosen way at a chosen point.
 
-Every fault a test can inject is here; unset, none does anything. They exist so the tests can drive the
-shipped path (`run_train.sh`, the trainer's own step) into a failure that is hard to cause for real: a
-rank dying mid-run, a signal at a known step, a full disk where no small disk can be mounted, a kill
-inside a checkpoint save. The faults of a training step are one `StepFaults`, read once when the loop
-starts and called by it around each step; every other fault is one function, called where it acts.
+Every fault a test can inject is here; unset, none does anything. They drive the shipped path (`run_train.sh`,
+the trainer's own step) into failures hard to cause for real. A step's faults are one `StepFaults`, read once
+when the loop starts; every other fault is one function, called where it acts.
 
     TITANLITE_FAULT_EXIT_AT=k          the faulting rank exits abruptly (code 17) before step k
     TITANLITE_FAULT_SIGTERM_AT=k       the faulting rank sends itself SIGTERM before step k

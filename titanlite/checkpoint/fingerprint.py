@@ -1,22 +1,12 @@
 """Fingerprints of a run's inputs that a checkpoint depends on: the dataset and the tokenizer.
 
-A checkpoint records them (`complete.json`) so that a resume can tell a different dataset or tokenizer
-from the same one moved elsewhere: the data loader's saved positions are offsets into one list of
-documents, and token ids mean something only under one vocabulary.
-
-Dataset: the supported files that `training.dataset_path` names (the bundled corpus for ""), each
-identified by its path relative to the dataset's root, its size and the digest of its whole content
-that indexing it computed (`data/index.py`: every byte is hashed during the scan that indexing does
-anyway, and kept with the index while the file's size and modification time are unchanged), plus the
-text field. Independent of where the files live or their modification times, which a copy or a fresh
-checkout changes. An `hf://` dataset is identified by its name, config and split. Tokenizer: a hash of
-its whole files (`data/tokenizer.py`'s `tokenizer_files`: a few MB at most).
-
-A mixture (`training.datasets`) is identified by each source's fingerprint with its name and weight, and
-the seed that interleaves them: a resume names the source that was added, removed, reweighted or changed.
-
-Checkpoints written before content digests (no `method` in their fingerprint) hashed each file's first
-and last 64 KiB: a resume from one compares the same way (`edge_fingerprint`).
+A checkpoint records them (`complete.json`) so that a resume tells a different dataset or tokenizer from the
+same one moved elsewhere: the loader's positions are offsets into one list of documents, and token ids mean
+something only under one vocabulary. A dataset is its files' paths relative to its root, sizes and content
+digests (computed while indexing, `data/index.py`) plus the text field, independent of location and mtimes;
+an `hf://` dataset is its name, config and split; a mixture adds each source's name and weight and the seed.
+The tokenizer is a hash of its files (`tokenizer_files`). Older checkpoints without `method` hashed each
+file's first and last 64 KiB, and a resume from one compares the same way (`edge_fingerprint`).
 """
 
 from __future__ import annotations

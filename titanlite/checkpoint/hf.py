@@ -1,30 +1,13 @@
 """Hugging Face interop: a model as sharded safetensors in the `transformers` layout, and back.
 
 Model-agnostic: the names, conversions and `config.json` come from the model family's adapter
-(`ModelSpec.hf_adapter`, e.g. `models/llama3/hf_adapter.py`), which provides `params(model)`,
-`hf_name(fqn, args)`, `to_hf(fqn, full, args)`, `row_group(fqn, args)`, `from_hf(fqn, rows, args)`,
-`config(args, dtype, bos_id, eos_id)`, `config_mismatches(config, args)` and
-`import_name(fqn, args, config)`, and optionally `split_names(fqn, args)`.
-
-A stacked parameter (a mixture's experts, [experts, rows, ...]) that the published checkpoints store as
-one tensor per expert has `split_names`: for each index of its first dim, the HF names of the pieces
-its rows are cut into, equal in size and in that order (`mlp.experts.{j}.gate_proj.weight` then
-`up_proj`). Export writes those pieces; import reads the stacked tensor under `import_name` if the
-checkpoint has it, else assembles the pieces of this rank's experts, naming the first one missing.
-
-An export is a folder `transformers` loads whole: the weights, `config.json`, `generation_config.json`
-and whatever `write_extra` adds (the tokenizer, `data/hf_tokenizer.py`); files get the mode any file
-the user creates gets (0644 under the usual umask), not safetensors' private 0600.
-
-Export streams: parameters are gathered one at a time (`full_tensor()`, a collective on every rank),
-rank 0 converts each into its buffer and writes a shard whenever the next tensor would take the buffer
-past `max_shard_bytes`; no rank ever holds more than one gathered parameter plus one shard.
-Import: `config.json` is checked against the model first (`check_hf_config`: one line naming the
-field and both values), then each rank reads only the rows and columns of its own block of every parameter (a DTensor
-shard under FSDP/TP), with safetensors' lazy slices; rows the adapter permutes within groups (RoPE
-heads) are read as whole groups.
-
-The command line is `python -m titanlite.tools.hf` (`tools/hf.py`).
+(`ModelSpec.hf_adapter`, e.g. `models/llama3/hf_adapter.py`: `params`, `hf_name`, `to_hf`, `row_group`,
+`from_hf`, `config`, `config_mismatches`, `import_name`, optionally `split_names` for a stacked parameter
+stored as one tensor per expert). An export is a folder `transformers` loads whole, written streaming: one
+gathered parameter at a time, rank 0 writing a shard whenever the next tensor would pass `max_shard_bytes`.
+An import checks `config.json` against the model first (`check_hf_config`, one line), then each rank reads
+only the rows and columns of its own block of every parameter through safetensors' lazy slices. The command
+line is `python -m titanlite.tools.hf` (`tools/hf.py`); the folder and the checks: docs/hf.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Which checkpoints belong to the line of training a run continues, and what happens to the others.
 
-The rule: the checkpoints in `<dump_folder>/<checkpoint.folder>/` are one line of training, and a run
-resumes its newest step. A run that resumes from an older step (`checkpoint.load_step N` while `step-M`
-folders with M > N exist; or the newest folders being damaged or model-only, so that the newest usable
-one is older) starts a new line from N. The newer folders belong to the line it leaves: once every
-rank has loaded step N, before any trains, rank 0 moves them into
-
-    <checkpoint.folder>/abandoned-<UTC time>-from-step-N/step-M
-
-with one `os.rename` each (the same file system: nothing is copied) and logs one line naming them and
-that folder. Nothing is deleted: they are there to inspect, to load (move one back, or name it in
-`checkpoint.initial_load_path`) or to delete by hand. No resume lists them and `keep_latest_k` never
-prunes them (`folders.scan` sees only `step-N` names at the top), so the new line's saves can neither
-overwrite nor prune them, and the next plain launch resumes the newest step of the new line.
-
-Why move them rather than refuse: naming an older step is the request to train from it; the newer
-steps stay exactly as they were, one folder away, and the line says where. Why not leave them in place:
-the run would overwrite them one by one as it reaches their steps, pruning would count them as the
-newest (`keep_latest_k 1` would delete the checkpoint the run has just written and keep an old one),
-and a later plain launch would resume the old line.
-
-Restarts: torch elastic restarts every rank with the same command line, `load_step N` included. The
-first attempt has already moved the old line aside, so `step-M` folders newer than N that this launch
-wrote itself (their marker's `launch` is this launch's `TORCHELASTIC_RUN_ID`) are the new line: a
-restarted attempt resumes the newest of them, as after any crash, instead of going back to N.
+The checkpoints in `<dump_folder>/<checkpoint.folder>/` are one line of training, and a run resumes its newest
+step. A run that resumes from an older step N (`checkpoint.load_step N`, or newer folders damaged or
+model-only) starts a new line: once every rank has loaded N, rank 0 moves the newer folders, one `os.rename`
+each, into `<checkpoint.folder>/abandoned-<UTC time>-from-step-N/` and logs one line naming them. Nothing is
+deleted, and no resume or pruning sees them; left in place, the run would overwrite them, pruning would count
+them as newest and a later plain launch would resume the old line. A torch elastic restart of the same
+launch resumes the newest step it wrote itself (its marker's `launch` is this launch's
+`TORCHELASTIC_RUN_ID`), not N again. The rule for users: docs/checkpoints.md#lines-of-training.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The dump-folder lock: one run at a time writes checkpoints and metrics into a dump folder.
 
-Two runs on one folder would delete each other's half-written saves, publish folders that are not
-complete and interleave their metrics. Rank 0 therefore holds `fcntl.flock` on `<dump_folder>/.lock`
-for the life of the run and writes its host and pid into the file, so a second run can say who holds
-it (`DumpFolderInUse`, one line, exit code 2; the preflight checks the same before any rank starts).
-With checkpointing on, rank 0 also holds a flock on the checkpoint folder itself (a directory takes one;
-no file is written into it, which holds the run's checkpoints alone): a checkpoint folder outside the dump
-folder (an absolute or `..` path), or another run's, shared by two runs would have them resume from, move
-aside and delete each other's checkpoints (`run_folders`; the second run is refused naming
-`checkpoint.folder`).
-
-The kernel releases a flock when its holder dies, however it dies: a `.lock` file left by a crashed or
-killed run is simply locked again, there is no stale state to clean up. A flock belongs to the open file,
-which a forked child (a data-loader worker) would share and keep locked after its parent died, so
-forked children close their copy at once. The lock is per process and shared by every trainer in it
-(benchmarks and tests build several trainers in one process); it guards against another process. On a
-file system without flock support the run goes on with a warning.
+Two runs on one folder would delete each other's saves and interleave their metrics, so rank 0 holds
+`fcntl.flock` on `<dump_folder>/.lock` for the life of the run, with its host and pid written in for the
+refusal (`DumpFolderInUse`, one line, exit code 2), and with checkpointing a flock on the checkpoint folder
+itself, which may lie outside the dump folder. The kernel releases a flock however its holder dies, so there
+is no stale state; forked children close their copy at once. The lock is per process and shared by every
+trainer in it; on a file system without flock the run goes on with a warning.
 """
 
 from __future__ import annotations

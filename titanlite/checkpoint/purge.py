@@ -1,25 +1,12 @@
 """Deleting retired checkpoint folders on a background thread of rank 0 (`folders.py` retires them).
 
-Why a thread: deleting a checkpoint takes as long as the file system needs to free its files (a 405B
-checkpoint of about 4.9 TB on GPFS or NFS: minutes), while the other ranks are already in the next
-step's collectives, which fail after `comm.train_timeout_seconds`. The training thread only renames a
-folder out of the way (`folders.retire`: one metadata operation, after which no reader, lister or resume
-sees it as a checkpoint) and hands it to this thread, which deletes it.
-
-Bounded: pruning hands over an old checkpoint only while fewer than `PRUNE_BACKLOG` are queued or being
-deleted (`room`); a checkpoint due for pruning while the purge is behind stays a complete `step-N` and is
-pruned at a later save, so the queue never grows with the number of saves. Folders that must move out of
-a save's way at once (a `step-N` a new save of step N replaces, an interrupted or failed save's
-`.partial`) are retired whatever the backlog: at most one of each per save.
-
-Joined: `finish` waits until every folder handed over is deleted (the manager calls it at the end of the
-run), so a run never ends with its deletions silently dropped; a deletion that fails is reported in
-one warning naming the folder. Not on a stop signal: a run that stops (SLURM's warning before the end
-of a job, a preemption) has `comm.stop_grace_seconds` to save and exit, which the deletion of terabytes
-can outlast, and the launcher would then kill the ranks of a run whose checkpoint is published. It
-leaves the folders retired and exits; one that arrives while the run waits ends the wait. What a
-stop or a crash leaves is retired, never anything that looks like a checkpoint (a half-deleted folder
-too); the next run's rank 0 hands it to its own purge (`folders.retired`).
+Deleting a large checkpoint takes minutes on a shared file system while the other ranks wait in the next
+step's collectives, so the training thread only renames a folder out of the way (`folders.retire`, after which
+nothing sees it as a checkpoint) and this thread deletes it. Bounded: pruning hands over a checkpoint only
+while fewer than `PRUNE_BACKLOG` are queued (`room`), else it stays a complete `step-N` and is pruned at a later
+save; folders that must move out of a save's way are retired whatever the backlog. Joined: `finish` waits for
+every deletion at the end of the run (a failure is one warning), except on a stop signal, which leaves the
+folders retired for the next run's purge (`folders.retired`). The behaviour: docs/checkpoints.md.
 """
 
 from __future__ import annotations

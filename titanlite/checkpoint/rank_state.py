@@ -1,24 +1,13 @@
 """Per-rank state saved next to the DCP tensors: the data loader position and the RNG states.
 
-DCP reshards tensors, but this state is per rank and not a tensor: each rank writes
-`rank_state/rank-<r>.pt` into the step folder before the folder is completed (the completion marker
-lists these files too), and a resuming rank picks what it needs from the old ranks' files.
-
-Resharding rule for the data loader (the ranks of a dp rank are consecutive, `ParallelDims.replica_width`
-of them per pipeline stage, so the old layout's `WorldLayout.first_rank_of(d)` is the first rank of old dp rank `d`;
-all ranks of a dp rank read the same data, and its first rank holds the state,
-`parallelisms/replica_batches.py`):
-
-- same dp degree (any other degree): new dp rank d loads the state of old dp rank d, unchanged;
-- different dp degree: the states of all old dp ranks are merged with `merge_loader_states` into one
-  state holding the cursor of every virtual shard, and every new rank loads it, keeping the shards it
-  owns (`v % dp == d`). Saves happen between optimizer steps, where every old rank has produced
-  exactly its share of each finished global batch, so every shard's cursor is exact: the new ranks
-  continue each shard stream where it stopped, nothing is repeated or skipped, and the global batches
-  are the ones an uninterrupted run would have seen (see `titanlite/data/dataset.py`).
-
-RNG states (torch CPU, CUDA when on CUDA, python `random`): new rank r restores old rank r's states,
-or old rank `r % old_world_size` when the world grew.
+DCP reshards tensors, but this state is per rank and not a tensor: each rank writes `rank_state/rank-<r>.pt`
+into the step folder before it is completed (the completion marker lists these files too), and a resuming rank
+picks what it needs from the old ranks' files. Data loader: the first rank of each dp rank holds its state
+(`WorldLayout.first_rank_of`); with the same dp degree new dp rank d loads old dp rank d's, with another the
+old states are merged (`merge_loader_states`) and every new rank keeps the virtual shards it owns, so the
+global batches are those an uninterrupted run would have seen. RNG states (torch CPU, CUDA, python `random`):
+new rank r restores old rank r's, or old rank `r % old_world_size` when the world grew. The resharding rule:
+docs/parallelism.md and docs/checkpoints.md.
 """
 
 from __future__ import annotations

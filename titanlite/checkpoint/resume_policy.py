@@ -1,23 +1,13 @@
 """Which settings may change when a run resumes from a checkpoint, decided before anything loads.
 
-A checkpoint's completion marker records the layout that wrote it and what the run trained with
-(`RunRecord`: the config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effective
-global batch and virtual shards of the run plan). `compare_settings` holds a resuming run against it:
-
-- cannot change, the resume stops with one line naming the key, the old and the new value (exit 2):
-  `model.name`, `model.flavor`, its shape overrides (the family's `shape.keys`: `model.dim`, `n_layers`,
-  `rope_theta`, `max_seq_len`, ...; any other model shape is checked tensor by tensor by the manager), the
-  tokenizer (`model.tokenizer_path`, by the file's content), `training.seq_len`, the global batch size
-  (`training.global_batch_size`, as the number of samples per step), `training.dataset_virtual_shards`
-  (as the number of shards), and the dataset (`training.dataset_path` and `dataset_text_field`, by
-  content; a mixture's sources, by name, weight and content, and `training.seed`, which interleaves them)
-  unless `training.allow_dataset_change`, which warns and restarts the data stream from the beginning of
-  the new dataset;
-- resharded, as with any layout: `parallelism.*`, `training.local_batch_size` (the global batch stays);
-- take the new value: everything else, e.g. `optimizer.*` (lr, betas, eps, weight_decay,
-  implementation: the saved param groups' values are replaced, and the LR schedule's base LR is the new
-  `optimizer.lr`), `lr_scheduler.*` and `training.steps` (the schedule is recomputed at the restored
-  step), `training.max_norm`, checkpoint, metrics, profiling, compile and activation-checkpoint keys.
+A checkpoint's completion marker records the layout that wrote it and what the run trained with (`RunRecord`:
+the config, the dataset and tokenizer fingerprints of `fingerprint.py`, the effective global batch and
+virtual shards). `compare_settings` holds a resuming run against it in three classes: what cannot change (the
+model and its shape keys, the tokenizer, `training.seq_len`, the global batch, the virtual shards and the
+dataset, unless `training.allow_dataset_change`), stopping with one line naming the key and both values (exit
+2); what is resharded (`parallelism.*`, `training.local_batch_size`); and everything else, which takes the new
+value (optimizer, LR schedule, `training.steps`, checkpoint, metrics, compile and AC keys). The full table:
+docs/checkpoints.md#resuming.
 """
 
 from __future__ import annotations

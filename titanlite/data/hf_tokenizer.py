@@ -1,26 +1,13 @@
 """A run's tokenizer as Hugging Face tokenizer files (`tokenizer.json` + `tokenizer_config.json`), for the export.
 
-`AutoTokenizer.from_pretrained` on the export folder must give the ids training gave (`encode(text,
-bos=True, eos=False)`: BOS first exactly where the run's tokenizer has one), whatever the model family. So:
-
-- A tiktoken-format tokenizer is converted: the BPE ranks become a byte-level BPE with titanlite's
-  pre-tokenization regex (`transformers`' `TikTokenConverter`), the special tokens keep their ids. A
-  tokenizer read from Hugging Face files (`data/tokenizer_json.py`) keeps its `tokenizer.json` model,
-  normalizer and pre-tokenizer as they are.
-- Either way the `tokenizer.json` post-processor prepends BOS when the run's tokenizer has one and adds
-  nothing otherwise (Qwen3's way); one that added other tokens (a template of its own) is replaced.
-- `tokenizer_config.json` is written anew: `tokenizer_class` `PreTrainedTokenizerFast` (without it
-  `transformers` picks the class of the family in `config.json`, which may rebuild the tokenizer with the
-  family's own pre-tokenization: `Qwen2Tokenizer` splits every digit), BOS and EOS as the run read them,
-  `add_bos_token` as the post-processor does and `add_eos_token` false. Training ends every document with
-  EOS; encoding a text adds none, as base models' tokenizers do (generation stops at it). No chat template
-  is written: these are base models.
-
-One difference is deliberate: titanlite encodes a special-token string found in text as plain text (data
-must not inject control tokens), while HF tokenizers turn it into the special token, as users of Llama 3
-expect; `tokenizer(text, split_special_tokens=True)` gives titanlite's ids for such text.
-
-The files need `transformers` (the conversion) and `tokenizers` (the `hf` extra); the core install does not.
+`AutoTokenizer.from_pretrained` on the export folder must give the ids training gave (BOS first exactly where
+the run's tokenizer has one), whatever the model family. A tiktoken-format tokenizer is converted to a
+byte-level BPE (`transformers`' `TikTokenConverter`); one read from Hugging Face files keeps its model,
+normalizer and pre-tokenizer. Either way the post-processor prepends BOS only where the run does, and
+`tokenizer_config.json` is written anew as `PreTrainedTokenizerFast` (a family's own class may rebuild the
+pre-tokenization), without EOS on encode and without a chat template: these are base models. Special-token
+strings in text differ by design (plain text here, special tokens in HF; `split_special_tokens=True` agrees).
+The files need the `hf` extra. What the export writes: docs/hf.md#export.
 """
 
 from __future__ import annotations

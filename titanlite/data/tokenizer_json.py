@@ -1,19 +1,11 @@
 """A Hugging Face tokenizer (`tokenizer.json`, the format of Qwen3's and Llama 3's published tokenizers), read
 through the `tokenizers` library.
 
-`model.tokenizer_path` names the `tokenizer.json` file or the folder holding it; a `tokenizer_config.json`
-beside it gives BOS and EOS (`bos_token`, `eos_token`: a string, `{"content": ...}`, or null for none, as
-Qwen3 has no BOS). Without that file, or a key absent from it, the tokenizer's own tokens are looked up
-by the usual names (`BOS_NAMES`, `EOS_NAMES`). EOS is required: it separates the packed documents.
-
-Text that happens to contain a special token's string (an added token marked special) is encoded as plain
-text, as with the tiktoken format: data must never be able to inject control tokens. The library would
-match those strings by default; `encode_special_tokens` turns that off, and is set again after a pickle
-(the loader's workers), which does not keep it. Added tokens that are not special (Qwen3's `<think>`) are
-vocabulary, and text maps to them as in `transformers`.
-
-`tokenizers` is in the `hf` extra, imported only here and only when such a tokenizer is read: without it
-the preflight refuses the config in one line with the command that installs it.
+`model.tokenizer_path` names the file or its folder; a `tokenizer_config.json` beside it gives BOS and EOS
+(null for none, as Qwen3 has no BOS), else the usual names are looked up (`BOS_NAMES`, `EOS_NAMES`); EOS is
+required. Special-token strings in text are encoded as plain text, as with the tiktoken format
+(`encode_special_tokens`, set again after a pickle); added non-special tokens are vocabulary. `tokenizers` is
+in the `hf` extra, imported only here; without it the preflight refuses the config in one line.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """How the data loader's worker processes start: from multiprocessing's fork server, never forked from the
 process that iterates the loader.
 
-A training rank first iterates its loader after its process group exists: on CUDA it then holds a CUDA
-context and NCCL communicators (InfiniBand memory registrations, proxy threads), and a fork of it would
-carry them into each worker (copy-on-write pages under registered memory, locks held by threads that do
-not exist in the child). The fork server is a fresh interpreter that the rank starts by exec (on its first
-worker start), so it holds none of that; it imports the data package once (`worker_context`'s preload) and
-forks each worker from itself. The same start is used on CPU and CUDA, so the tested path is the shipped
-one.
-
-What a worker needs crosses a pickle: the dataset with its source and tokenizer (open files and streams
-stay behind and are reopened from the cursors) and `WorkerSetup`, the workers' `worker_init_fn`, which
-gives a worker what a fork would have inherited and it lacks: the `titanlite` logger's handlers, and an
-end when the loader's process ends (torch's worker watchdog watches the worker's parent, which is the fork
-server, and the fork server lives while any worker does).
+A rank that iterates its loader holds its process group (on CUDA a CUDA context and NCCL communicators), which
+a fork would carry into each worker. The fork server is a fresh interpreter the rank starts by exec, which
+preloads the data package (`worker_context`) and forks the workers; CPU and CUDA start them alike, so the tested
+path is the shipped one. A worker gets what crosses a pickle: the dataset (files reopened from its cursors) and
+`WorkerSetup`, its `worker_init_fn`, which restores the `titanlite` logger's handlers and ends the worker
+with the loader's process.
 """
 
 from __future__ import annotations

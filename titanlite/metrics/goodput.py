@@ -1,28 +1,13 @@
 """The goodput ledger: where a job's wall time went, over every restart and launch in its dump folder.
 
-`<dump_folder>/goodput.jsonl` holds intervals of wall time, each split into productive step time and the
-badput categories of `BADPUT`. Two writers append to it, never at the same moment: rank 0
-(`goodput_clock.GoodputClock`: at each log step and when it ends) and the launcher of the node that hosts
-rank 0 (`launcher/launch_ledger.py`: before each attempt starts its ranks, and when the launch ends). A
-row is one JSON object on one line:
-
-    {"id": ..., "start": t0, "end": t1, "seconds": {"productive": s, "startup": s, ...}, "step": N}
-
-`start` and `end` are Unix times; `seconds` sums to `end - start`; `step` is the last step trained by
-then (0 before any), from which a later run knows which steps it trains again. Rank 0's interval grows
-while it trains: it appends the interval anew under its id, and the last row of an id replaces the
-earlier ones. Intervals of different ids never overlap: each writer covers what the other does not (the
-launcher's rows run from the launch's start, or from the end of a failed attempt's last row, to the next
-attempt's start or the launch's end). So:
-
-* every row is appended whole in one write and fsync'd; a kill -9 at any moment loses at most the row
-  being written and the time since the writer's previous row, and a torn last line is skipped by the
-  reader and ended by the next writer, never joined to the next row;
-* no second is counted twice: a row that replaces another of its id holds the whole interval, not an
-  increment, so reading a row again, or a row written before a kill, cannot add it twice.
-
-The job's totals (`totals`) are the sum over the ids' last rows; `Totals.line` is the launcher's line at
-the end of each launch and `Totals.metrics` the `goodput` and `badput/<category>` metrics.
+`<dump_folder>/goodput.jsonl` holds intervals of wall time, one JSON object per line
+(`{"id", "start", "end", "seconds": {"productive": s, <badput category>: s, ...}, "step"}`), split into
+productive step time and the categories of `BADPUT`. Two writers append, never at the same moment: rank 0
+(`goodput_clock.GoodputClock`) and the launcher of rank 0's node (`launcher/launch_ledger.py`), each covering
+what the other does not. A row is appended whole and fsync'd, and the last row of an id replaces the earlier
+ones (it holds the whole interval, not an increment), so a kill -9 loses at most the time since the writer's
+previous row and no second is counted twice. `totals` sums the ids' last rows: the launcher's line
+(`Totals.line`) and the `goodput` metrics (`Totals.metrics`). The ledger's rules: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Rank 0's interval of the goodput ledger (`goodput.py`): the trainer's time, split as it is spent.
 
-The trainer marks the end of each piece of its work (`mark`): the time since the previous mark goes to
-that piece's category, so the pieces add up to the interval with nothing left out or counted twice. A
-step (`step_done`) is productive, or `recompute` when the job trained that step before: at or below the
-highest step in the ledger when the process started (the launcher's row after a failed attempt carries
-the step that attempt's rank 0 last finished). The process's first step is held apart: once later steps
-are measured, what it took beyond their mean is `compile`, the rest counts as a step. A mark is a clock
-read and an addition: no device sync, no collective.
-
-The interval starts when the launcher started the attempt's ranks (`goodput.Attempt`), so the ranks'
-imports are in its start-up; without titanlite's launcher, at the process's start; never before the
-newest interval of the ledger ends (a second trainer in one process counts no time twice). Rank 0
-appends it to the ledger when training starts, at each log step (`flush`) and at its end; a write that
-fails is warned about once and the ledger is left alone for the rest of the run (the metrics outputs'
-policy, `sinks.Output`). The other ranks write nothing.
+The trainer marks the end of each piece of its work (`mark`), and the time since the previous mark goes to
+that piece's category, so the pieces add up with nothing counted twice. A step is productive, or `recompute`
+when the job trained it before; the process's first step beyond the later steps' mean is `compile`. A mark is
+a clock read: no device sync, no collective. The interval starts when the launcher started the ranks
+(`goodput.Attempt`), never before the ledger's newest interval ends; rank 0 appends it at the start, at each
+log step (`flush`) and at the end, and a failed write is one warning (`sinks.Output`'s policy).
 """
 
 from __future__ import annotations

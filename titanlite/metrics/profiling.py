@@ -1,30 +1,14 @@
 """Step-scheduled profiling: Chrome traces and memory records of one step every `profile_freq` steps.
 
-The trainer enters `Profiler(...)` around its step loop and calls `step()` after every optimizer step.
-With `profiling.enable_profiling`, torch.profiler records steps `profile_freq`, `2 x profile_freq`, ...
-(one step each, after one warm-up step so start-up costs stay out of the trace; on resume the schedule
-follows the global step) and writes
-
-    <dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json
-
-(open in Perfetto or chrome://tracing). Only whole recorded steps are written: a cycle cut short by the
-end of training is dropped.
-
-`profiling.enable_memory_snapshot` records allocations:
-
-- CUDA: the caching allocator's history (`torch.cuda.memory._record_memory_history`), dumped as
-  `<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle` at the
-  same steps and, on an out-of-memory error, into `.../oom/`. View at https://pytorch.org/memory_viz.
-- CPU has no allocator history, so the snapshot is CUDA-only. torch's CPU substitute,
-  `export_memory_timeline`, is not used: in torch 2.13 its data-flow analysis fails on the in-place
-  collectives of a multi-rank step (`AssertionError: version mismatch`), and stopping the profiler after
-  that error crashes the process (SIGSEGV). Instead the recorded steps are profiled with
-  `profile_memory=True` and each writes `rank<r>_memory_timeline.json` next to where the snapshots
-  would go: the CPU bytes allocated (net) since the step began, at each operator's start
-  (`times_us`, `allocated_bytes`), the peak, and the operators that allocated most.
-
-A profile that cannot be written (a full disk, a file size limit) is one warning, and no profile is
-written after it in this run; training goes on (the policy of every output, `metrics/sinks.py`).
+The trainer enters `Profiler(...)` around its step loop and calls `step()` after every optimizer step. With
+`profiling.enable_profiling`, torch.profiler records steps `profile_freq`, `2 x profile_freq`, ... (after
+one warm-up step; on resume the schedule follows the global step) and writes
+`<dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json`; a cycle cut short is dropped.
+`profiling.enable_memory_snapshot` dumps the CUDA allocator's history at the same steps and on an
+out-of-memory error; on CPU, which has none, each recorded step writes `rank<r>_memory_timeline.json` from
+`profile_memory=True` (torch's `export_memory_timeline` fails on multi-rank steps). A profile that cannot be
+written is one warning and the end of profiling for the run (the policy of every output, `metrics/sinks.py`).
+Files and how to read them: docs/metrics.md.
 """
 
 from __future__ import annotations

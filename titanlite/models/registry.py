@@ -1,29 +1,15 @@
 """Model families: what the trainer, the tools and the checkpoint code need to know of a model.
 
-A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes.
-A family supplies data and its model; the framework applies every parallelism in its own order
-(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_plan`, and runs the step
-(`titanlite/run/step.py`), adding the family's `hooks.extra_loss` when it has one.
-
-The model it builds follows a small protocol:
-
-    spec.model_cls(args, seq_len=...)   builds the model (called under `torch.device("meta")`)
-    model.init_weights(seed, buffer_device)   fills parameters and buffers after materialisation
-    model(tokens) -> logits             tokens [batch, seq] -> [batch, seq, vocab]
-    model(tokens, positions=, mask=)    with `block_causal` in `shape.attn_mask_types`: each token's position in
-                                        its document and the batch's mask (`models/common/attention.py`)
-    model.args                          the args it was built from (the checkpoint code reads the shape
-                                        of the model it loads into, e.g. for Hugging Face weights)
-    args.vocab_size                     replaced by the tokenizer's size (`dataclasses.replace`)
-    args.max_seq_len, args.n_layers, args.num_params(), args.flops_per_token(seq_len)
-    args.<key> for each of `spec.shape.keys`   set from the `model.<key>` config key when non-zero
-    args.shape_value(key)               optional: a shape key's value as built, where a field left unset
-                                        (None) derives it; None hides the key from the start-up line
-
-Pipeline stages (`titanlite/parallelisms/pipeline/unit.py`) delete the blocks a stage does not hold and set
-the root modules it does not hold to None: the model's forward then takes (and returns) hidden states.
-
-Built-in families are imported on first use (`BUILTIN`); tests and users add theirs with `register_model`.
+A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes. It
+supplies data and its model; the framework applies every parallelism in its own order
+(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_plan`, and runs the
+step (`titanlite/run/step.py`) with the family's `hooks`. The model follows a small protocol: built on the
+meta device from its args, `init_weights(seed, buffer_device)`, `model(tokens) -> logits` (with `positions`
+and `mask` under `block_causal`), and `model.args` with `vocab_size` (replaced by the tokenizer's),
+`max_seq_len`, `n_layers`, `num_params()`, `flops_per_token(seq_len)`, a field per `spec.shape.keys` and
+optionally `shape_value(key)` (the value as built). A pipeline stage's model takes
+and returns hidden states. Built-in families are imported on first use (`BUILTIN`); others register with
+`register_model` (docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -4,18 +4,11 @@
 given (the user's NGPU), else the CUDA GPUs torch sees, else 2 CPU processes. `run_train.sh` runs it
 before anything starts.
 
-GPUs are counted with torch rather than `nvidia-smi -L`, whose lines ignore `CUDA_VISIBLE_DEVICES` (a
-scheduler's or the user's choice of GPUs) and list a MIG-partitioned GPU once plus once per instance.
-`torch.cuda.device_count()` honours `CUDA_VISIBLE_DEVICES` (indices, GPU and MIG UUIDs, an empty value)
-without initialising CUDA.
-
-A node with GPUs (nvidia-smi lists some, or SLURM allocated some to the job) where torch cannot use them
-(a CPU build of torch, or a CUDA build that sees none: a driver older than its CUDA) would train every
-rank on CPU with gloo, hundreds of times slower, without a word: that is one line and exit code 2, before
-any rank starts. `TITANLITE_DEVICE=cpu` says CPU on purpose: run_train.sh then hides the GPUs from the
-ranks. Whether torch is a CUDA build is read from torch/version.py, without importing torch (which takes
-seconds), so a launch with NGPU set pays nothing for the check, and none on a CPU build of torch
-(which sees no GPU) for the count.
+GPUs are counted with `torch.cuda.device_count()`, which honours `CUDA_VISIBLE_DEVICES` and MIG without
+initialising CUDA (`nvidia-smi -L` does neither). A node with GPUs that torch cannot use (a CPU build, or a
+driver older than its CUDA) is refused in one line, exit code 2, rather than silently training on CPU;
+`TITANLITE_DEVICE=cpu` says CPU on purpose. The CUDA build is read from torch/version.py without importing
+torch, so the check costs nothing. The rules: docs/gpu.md.
 """
 
 from __future__ import annotations

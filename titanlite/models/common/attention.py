@@ -1,33 +1,13 @@
 """Attention masks for packed sequences: which key each query may attend, built once per batch.
 
-A training sample packs several documents into one sequence. `causal` lets every token attend every
-earlier token of the sequence (`scaled_dot_product_attention(is_causal=True)`, no mask tensor);
-`block_causal` lets it attend only the earlier tokens of its own document.
-
-Documents come from positions. The loader gives each token its position in its document (0 at a
-document's first token, BOS; `titanlite/data/batch.py`); `document_ids` numbers a row's documents by
-counting the positions that restart at 0, so a row's ids are computed from the whole row, before any
-sharding. The token at sequence index i may then attend index j when
-
-    allowed(doc_ids, b, i, j) = (i >= j) & (doc_ids[b, i] == doc_ids[b, j])
-
-with i and j GLOBAL indices into the row (0 .. seq_len - 1). `build_mask` takes the query indices and the
-key indices it covers explicitly: a rank holding a subset of the queries (context parallelism with
-head-tail load balancing: two chunks of the row) and every key (gathered) passes its queries' global
-indices as `q_index` and `arange(seq_len)` as `kv_index`, with the document ids of the whole row, and gets
-the mask of its rows of the score matrix from the same function. Without sharding both are
-`arange(seq_len)`.
-
-Kernels, by the device the batch runs on:
-    cuda   flex attention: a `BlockMask` (compiled `create_block_mask` over `allowed` as its mask_mod),
-           built once per batch and shared by every block; the kernel is `torch.compile(flex_attention)`
-           (traced into compiled blocks, compiled on its own when the blocks run eagerly)
-    other  a dense boolean mask [batch, 1, q, kv] (True = attend) given to `scaled_dot_product_attention`:
-           flex attention has no backward on CPU
-
-Memory: the dense mask holds batch x q x kv bytes; the BlockMask holds int32 block counts and indices
-per (128 x 128) tile, `mask_bytes`. Both are built outside the blocks, so compiled blocks see a mask of
-the same shape every batch (no recompilation) and activation checkpointing recomputes nothing of it.
+`causal` lets every token attend every earlier token of the sequence (no mask tensor); `block_causal` only
+the earlier tokens of its own document. Documents come from positions (0 at a document's first token,
+`titanlite/data/batch.py`): `document_ids` numbers a row's documents from the whole row, before any sharding,
+and `allowed(doc_ids, b, i, j)` takes GLOBAL indices, so a context-parallel rank holding some queries and every
+key builds its rows of the mask from the same function (`build_mask`'s `q_index` and `kv_index`). On CUDA the
+mask is a flex-attention `BlockMask` shared by every block; elsewhere a dense boolean mask for
+`scaled_dot_product_attention` (flex attention has no backward on CPU). Both are built outside the blocks, so
+compiled blocks never recompile for it and AC recomputes none of it; `mask_bytes` is their memory.
 """
 
 from __future__ import annotations

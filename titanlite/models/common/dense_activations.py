@@ -1,29 +1,13 @@
 """A dense decoder's activation memory per GPU (Llama 3, Qwen3), for the dry run's memory plan
 (`titanlite/planning/memory.py`).
 
-Activations follow what autograd saves with the eager kernels, per token of one microbatch, measured op
-by op on this model (see tests/test_dry_run.py): per RMSNorm the fp32 input and normalised input plus
-the output in the compute dtype; q, k, v, the SDPA output and its logsumexp (flash kernels: no s x s
-matrix); with QK-norm (Qwen3) the per-head norms' fp32 input and normalised queries and keys plus their
-output; four FFN-wide tensors for SwiGLU; the logits held by the training step plus the fp32
-log-softmax and two fp32 gradients of the loss (one more fp32 buffer under loss parallel). Sequence
-parallelism divides the norm and residual parts by tp, head and FFN parts are divided by tp, and the
-all-gathered inputs of the projections are full size. The peak is the larger of the start of backward
-(everything saved, loss gradients live) and the last block's backward (the block's full activations,
-recomputed under AC, plus gradients of its activations). Under block_causal every block reads the batch's
-one attention mask, alive from the forward to the backward (`models/attention.mask_bytes`). Compiled
-blocks usually save less (fused norms
-and SwiGLU), so this is an upper bound for them.
-
-Context parallelism divides every per-token part by cp (a rank holds seq_len / cp tokens of each
-sequence) and adds, per block, what its attention saves beyond that: the keys and values of the whole
-sequence (all-gathered), and off CUDA the additive bias in the compute dtype that SDPA makes of the dense
-mask and saves; in backward, the gathered keys' and values' gradients. The batch's mask (always built
-under cp: the rank's queries against every key) is counted once, by `mask_bytes`.
-
-For pipeline stages it also gives the hidden state a microbatch crosses a stage boundary with (`boundary`,
-d x e / tp bytes per local token) and whether the stage's first block saves it (`input_saved`), from which
-`memory_plan.stage_runtime` counts torch's pipeline buffers.
+Per token of one microbatch, what autograd saves with the eager kernels, measured op by op on this model
+(tests/test_dry_run.py): the norms' fp32 copies, q, k, v and the SDPA output, four FFN-wide tensors for
+SwiGLU, the logits and the loss's fp32 buffers. Tensor parallelism divides the heads, the FFN and (with
+sequence parallelism) the norms by tp; context parallelism divides every per-token part by cp and adds the
+gathered keys and values. The peak is the larger of the start of backward and the last block's backward;
+compiled blocks usually save less, so this is an upper bound for them. For pipeline stages it also gives the
+hidden state crossing a stage boundary (`boundary`, `input_saved`). What the plan counts: docs/dry_run.md.
 """
 
 from __future__ import annotations

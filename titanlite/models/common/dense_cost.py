@@ -1,33 +1,13 @@
 """A dense decoder's cost per token (Llama 3, Qwen3) for the step-time model (`titanlite/models/cost.py`
 says what each field is).
 
-Matmuls: wq, wk, wv, wo, w1, w2, w3 (2 FLOPs per weight element and token); selective AC `op` saves
-every other matmul of a block (wq, wv, w1, w2) and recomputes wk, wo and w3
-(`parallelisms/activation_checkpoint.py`). Attention: QK^T and PV, 2 x 2 x seq x head_dim FLOPs per
-head and token without the causal mask, half with it.
-
-Elementwise traffic, counted per element of the tensors `model.py` runs them on (e = compute dtype
-bytes, fp32 = 4):
-
-    eager                                            bytes per element
-    RMSNorm: x.float(), rms_norm, type_as            (e + 4) + 8 + (4 + e)      on dim, twice
-    QK-norm (Qwen3): the same RMSNorm                (e + 4) + 8 + (4 + e)      on q and k
-    RoPE: float(), 4 muls and 2 adds on halves,      (e + 4) + 16 + 12 + 8 + (4 + e)   on q and k
-          stack, type_as
-    attention output transpose + reshape copy        2e                         on dim
-    residual adds                                    3e                         on dim, twice
-    SwiGLU: silu, mul                                2e + 3e                    on ffn_dim
-    compiled (fused regions read inputs, write outputs once)
-    norm 1; residual add + norm 2; final residual    2e; 4e; 3e                 on dim
-    RoPE (after QK-norm: fused with it)              2e                         on q and k
-    attention output copy                            2e                         on dim
-    SwiGLU                                           3e                         on ffn_dim
-
-The loss: the logits cast to fp32, log-softmax and its gradient, the cast back (about 32 bytes per
-vocabulary entry eager, 12 fused). Under tensor parallelism with sequence parallelism a block's forward
-runs four activation collectives: all-gathers before attention and the FFN, reduce-scatters after wo
-and w2 (`parallelize.py`); selective AC recomputes the two all-gathers. Under context parallelism a
-block all-gathers its keys and values (2 x kv_heads x head_dim per token) over the cp ranks.
+Matmuls: wq, wk, wv, wo, w1, w2, w3 at 2 FLOPs per weight element and token; selective AC `op` saves every
+other matmul of a block (wq, wv, w1, w2) and recomputes wk, wo and w3. Attention: QK^T and PV, halved under
+the causal mask. Elementwise traffic is counted per element of the tensors `model.py` runs it on, eager
+(each op reads and writes: RMSNorm and RoPE through fp32, residual adds, SwiGLU) or compiled (a fused region
+reads its inputs and writes its outputs once); the loss adds about 32 bytes per vocabulary entry eager, 12
+fused. Collectives: under TP with sequence parallelism four per block's forward (the two all-gathers again
+under selective AC); under CP one all-gather of keys and values per block. The model: docs/layout_search.md.
 """
 
 from __future__ import annotations

@@ -3,18 +3,10 @@
 Names (titanlite -> HF): `tok_embeddings` -> `model.embed_tokens`, `layers.{i}.attention.w{q,k,v,o}` ->
 `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `feed_forward.w1/w3/w2` -> `mlp.gate/up/down_proj`,
 `attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `norm` -> `model.norm`,
-`output` -> `lm_head` (absent with tied embeddings).
-
-Import checks the checkpoint's `config.json` against the model args first (`config_mismatches`): every
-field that changes what the weights compute (shapes, vocabulary, RoPE theta and scaling, norm epsilon,
-activation, biases, tying). A tied checkpoint (`tie_word_embeddings`, as Llama 3.2 ships) loads into an
-untied model by copying `model.embed_tokens` into `output` as well; an untied one cannot load into a
-tied model.
-
-RoPE: titanlite rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's convention); HF's
-`rotate_half` pairs x[i] with x[i + head_dim/2]. The rows of each head of wq and wk are permuted on
-export (and back on import) so that both compute the same attention. The permutation stays within a
-head, so an importing rank reads whole heads around its rows (`row_group`).
+`output` -> `lm_head` (absent with tied embeddings). Import checks `config.json` first (`config_mismatches`);
+a tied checkpoint loads into an untied model by copying the embedding into `output`. RoPE: titanlite rotates
+interleaved pairs, HF `rotate_half` halves, so the rows of each head of wq and wk are permuted on export and
+back on import, within a head (an importing rank reads whole heads, `row_group`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/planning/memory.py`).
 
-Per token of one microbatch, with the eager kernels. Attention as Llama's (`models/common/dense_activations.py`) plus
-the q/k RMSNorms and the fp32 RoPE copies. Under tensor parallelism, as for Llama, sequence parallelism
-divides the norms' parts by tp and attention (heads) and the dense FFN by tp, the all-gathered inputs of
-the projections full size; a MoE layer runs on the whole gathered sequence on every tp rank
-(`models/qwen3_moe/parallelize.py`), so its parts are not divided. A MoE layer saves the router's logits
-and fp32 probabilities and, per routed (token, expert) pair (top_k of them), the gathered input, the
-gate/up output, the SwiGLU product, the down output and its weighted copy; a dense layer four FFN-wide
-tensors. Selective AC is counted as no AC (an upper bound). The peak is the larger of the start of
-backward and the last block's backward, as for Llama.
-
-Under expert parallelism a MoE layer's routed rows (top_k per token) leave for their experts' ranks and
-come back: each all-to-all holds its send and its receive buffer ([rows, dim] each) while it runs, in the
-forward (dispatch, combine) and again for the gradients in the backward. One layer's pair is in flight
-at a time, beside whichever peak, so it is added to the peak. Routing is planned balanced: a rank
-receives as many rows as it sends; a rank whose experts draw f times their share receives f times the
-rows, and its experts' saved activations grow with them (routing is dropless: nothing caps f).
+Per token of one microbatch, with the eager kernels: attention as the dense decoders'
+(`models/common/dense_activations.py`) plus the q/k norms and RoPE copies; a MoE layer's router logits and
+probabilities and, per routed (token, expert) pair, the gathered input, gate/up, SwiGLU and down outputs. A
+MoE layer runs on the whole gathered sequence on every tp rank, so its parts are not divided by tp. Selective
+AC counts as none (an upper bound). Under expert parallelism one layer's all-to-all send and receive buffers
+are added to the peak; routing is planned balanced, and a rank whose experts draw f times their share holds f
+times the rows. What the plan counts: docs/moe.md#dry-run.
 """
 
 from __future__ import annotations

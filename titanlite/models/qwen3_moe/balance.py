@@ -1,22 +1,12 @@
 """Qwen3-MoE's load balancing as the step sees it: the auxiliary loss term and the routing metrics.
 
-`aux_loss_term(model)` is the family's `ModelSpec.hooks.extra_loss`: `router_aux_loss_coef` times Hugging
-Face's load-balancing loss over the MoE layers of the forward that just ran (`moe.aux_loss_of_sums`),
-with, under pipeline parallelism, the routing sums the earlier stages handed the last one (`model.py`).
-
-`routing_metrics(model)` is the family's `ModelSpec.hooks.step_metrics`, called by every rank at each log: the
-tokens routed to each expert since the last log, summed over all ranks, give the load imbalance (max /
-mean tokens per expert, the worst MoE layer's); the auxiliary loss is that of the last microbatch of
-every rank pooled. The counters are reset.
-
-`update_routing_bias(model)` is the family's `ModelSpec.hooks.after_step` (aux-loss-free balancing, DeepSeek-V3):
-after every optimizer step, the step's token counts per expert, summed over all ranks, move each expert's
-routing bias by `router_bias_update_rate` towards the mean: up where the expert got fewer tokens than the
-mean, down where more. Every rank computes the same bias.
-
-Both sum over the world in one all-reduce of one tensor with a row per layer, each rank filling the rows
-of the layers it holds: under pipeline parallelism every stage holds other layers, and each layer's rows are
-summed over the same number of ranks (those of its stage), which scales every expert's count alike.
+`aux_loss_term(model)` (`hooks.extra_loss`): `router_aux_loss_coef` times Hugging Face's load-balancing loss
+over the MoE layers of the forward that just ran, with the routing sums earlier pipeline stages handed on.
+`routing_metrics(model)` (`hooks.step_metrics`, every rank at each log): the load imbalance (max / mean
+tokens per expert, the worst layer's) and the pooled auxiliary loss; the counters are reset.
+`update_routing_bias(model)` (`hooks.after_step`, aux-loss-free balancing as DeepSeek-V3): moves each expert's
+routing bias by `router_bias_update_rate` towards the mean load. Both sum over the world in one all-reduce of a
+tensor with a row per layer, each rank filling the layers it holds. The metrics and the bias: docs/moe.md.
 """
 
 from __future__ import annotations

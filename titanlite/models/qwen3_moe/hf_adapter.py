@@ -1,18 +1,11 @@
 """Qwen3-MoE <-> Hugging Face `transformers` (`Qwen3MoeForCausalLM`): names and `config.json`.
 
-The model mirrors HF's module tree and RoPE layout (`model.py`), so every tensor converts by name only.
-Names (titanlite -> HF): `tok_embeddings` -> `model.embed_tokens`, `layers.{i}.attention.w{q,k,v,o}` ->
-`model.layers.{i}.self_attn.{q,k,v,o}_proj`, `attention.{q,k}_norm` -> `self_attn.{q,k}_norm`,
-`moe.gate` -> `mlp.gate`, `feed_forward.w1/w3/w2` (dense layers) -> `mlp.gate/up/down_proj`,
-`attention_norm` -> `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `norm` -> `model.norm`,
-`output` -> `lm_head`.
-
-The experts, stacked here as transformers 5 holds them in memory (`moe.experts.gate_up_proj` [E, 2I, H],
-`down_proj` [E, H, I]), are written one tensor per expert, `mlp.experts.{j}.gate_proj.weight` (rows
-0..I of expert j's `gate_up_proj`), `up_proj.weight` (rows I..2I) and `down_proj.weight`: the layout of
-the published Qwen3-MoE checkpoints, which transformers 5's `save_pretrained` writes and its loading
-stacks (its conversion mapping), and which transformers 4 and other readers expect. Import takes that
-layout, or the stacked one (`mlp.experts.gate_up_proj`, `save_pretrained(save_original_format=False)`).
+The model mirrors HF's module tree and RoPE layout (`model.py`), so every tensor converts by name: as Llama's
+(`models/llama3/hf_adapter.py`) plus `attention.{q,k}_norm` -> `self_attn.{q,k}_norm` and `moe.gate` ->
+`mlp.gate`. The experts, stacked here as transformers 5 holds them (`moe.experts.gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]), are written one tensor per expert (`mlp.experts.{j}.gate_proj.weight`, `up_proj`,
+`down_proj`), the layout of the published checkpoints; import takes that layout or the stacked one
+(`save_pretrained(save_original_format=False)`). Details: docs/moe.md#hugging-face-export-and-import.
 """
 
 from __future__ import annotations

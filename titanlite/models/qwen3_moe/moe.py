@@ -1,30 +1,13 @@
 """Qwen3-MoE's mixture-of-experts feed-forward: a softmax router, top-k experts, SwiGLU experts.
 
-Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits in the compute dtype, softmax in
-fp32, the top-k probabilities as combine weights, renormalised to sum to one when `norm_topk_prob`. With
-aux-loss-free balancing (`enable_routing_bias`) a per-expert bias is added for choosing the experts only.
-
-Expert compute: the (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight
-(`torch._grouped_mm`, whose row groups are given by cumulative offsets), or, where grouped GEMM cannot
-run, as a loop over the experts (`grouped=False`), which reads the counts on the host (one sync per layer).
-Where grouped GEMM runs and in which dtype is `grouped_gemm_dtype`: on CUDA torch's sync-free kernel
-takes bf16 on compute capability 9.x and 10.x only, so there the GEMMs run in bf16 whatever the compute
-dtype (fp32 training included: inputs and weights cast, the output cast back, as TorchTitan's grouped
-experts do); on other GPUs torch's grouped GEMM falls back to a loop that copies the offsets to the host
-in every call (six per layer and step), so the experts' own loop (one) runs; on the CPU the kernel takes
-the compute dtype (fp32 included) as it is. Rows need byte strides that are multiples of 16.
-
-The GEMMs go through an opaque op (`grouped_mm`) whose backward makes the incoming gradient contiguous
-(torch's rejects a zero-stride one, as `y.sum().backward()` gives) and which compiled graphs do not trace
-into. A rank that received no rows (expert parallelism with few tokens, or a router that sends none
-there) calls no kernel: the weight gradient, a product over an empty shared dim that CUDA's kernel
-rejects, is zeros, as torch's own autograd formula makes it.
-
-Load balancing: each forward records the layer's router statistics (`RouterStats`: the top-k counts per
-expert and the summed router probabilities per expert, over the microbatch's tokens); the family's extra
-loss combines them over the layers as Hugging Face's `load_balancing_loss_func` does. The counts are
-also accumulated (no gradient, in training mode only) in the `tokens_per_expert` buffer, which the
-metrics read and reset.
+Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock` (softmax in fp32, top-k combine weights renormalised
+when `norm_topk_prob`); with `enable_routing_bias` a per-expert bias is added for choosing the experts only.
+The (token, expert) pairs are sorted by expert and run as one grouped GEMM per weight (`torch._grouped_mm`),
+or as a loop over the experts where grouped GEMM cannot run; `grouped_gemm_dtype` says where and in which
+dtype (bf16 on CUDA 9.x and 10.x). The GEMMs go through an opaque op (`grouped_mm`) that compiled graphs do
+not trace into, and a rank that received no rows calls no kernel. Each forward records its router statistics
+(`RouterStats`) for the family's load-balancing loss and accumulates `tokens_per_expert` for the metrics.
+Expert compute per device, measured: docs/moe.md.
 """
 
 from __future__ import annotations
