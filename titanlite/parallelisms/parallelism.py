@@ -12,7 +12,8 @@
     step_time   `(StageWork) -> seconds`: its exposed collectives, for the step-time model; `group` and
                 `comm_words` name its mesh group and that term
 
-A parallelism is its folder with this unit, its setting and its place in the order; no other module names it.
+A parallelism is its folder with this unit, its setting and its place in the order; the plan, the build and
+the step name none of them (`tests/test_parallelism_unit.py` lists who else imports each folder, and why).
 """
 
 from __future__ import annotations
