@@ -141,7 +141,7 @@ PP_VARIANTS: dict[str, list[str]] = {
 }
 """With 4 or more ranks: 2 pipeline stages x data parallelism, the global batch in one schedule step of 4
 microbatches, the weights kept for the step (`fsdp_reshard_after_forward = auto`, which keeps them when
-the memory plan fits) beside gathered again in every microbatch (`default`, the per-block policy)."""
+the memory estimate fits) beside gathered again in every microbatch (`default`, the per-block policy)."""
 BASELINE = "FSDP2 eager"
 FULL_AC_BASELINE = "FSDP2 eager, full AC"
 FLOAT8 = ", float8 "

@@ -161,7 +161,7 @@ def test_activation_checkpointing_and_compiled_blocks_keep_the_mask(batch, ac):
     assert traced >= 1 and counter.frame_count == traced
 
 
-def test_the_memory_plan_counts_the_mask():
+def test_the_memory_estimate_counts_the_mask():
     one = ParallelDims(1, 1, 1, 1)
     layout = Layout(one, None, "simple_fsdp", torch.float32, torch.float32, "default", False, "none", "op", 2, 4096)
     causal = activations.activation_bytes(ARGS, layout)

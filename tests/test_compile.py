@@ -23,14 +23,14 @@ from harness import LOSS_REL, SMALL, Case, as_case, check_parity, parity, tiny_a
 from titanlite import torch_support
 from titanlite.compile.collectives import graph_collectives
 from titanlite.compile.compiler import apply_compile
-from titanlite.compile.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass, module_fqn
+from titanlite.compile.passes import BLOCK_BUCKET, BucketingPass, CostModel, RecomputeTagPass, module_fqn
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms import parallelize
 from titanlite.parallelisms.activation_checkpoint import apply_ac
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ParallelismUnit
@@ -174,7 +174,7 @@ def test_inductor_settings_scoped_to_bucketed_units(fake_world, monkeypatch):
     seen = []
     monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, **kw: seen.append(kw["config_patches"]))
     report = CompileReport({}, {}, 0, None, None)
-    bucketing = BucketingPass("transformer_block", True, (BLOCK_PLAN,), True, None, True)
+    bucketing = BucketingPass("transformer_block", True, (BLOCK_BUCKET,), True, None, True)
     before = {k: getattr(inductor_config, k) for k in BUCKETING_INDUCTOR_CONFIG}
     for b in (bucketing, None):
         _Backend("inductor", RecomputeTagPass(()), b, report, report.add_unit("u", False))(_traced(fake_world), [])
@@ -216,7 +216,7 @@ def test_what_a_parallelism_asks_of_compiled_code_comes_from_its_unit(monkeypatc
         parallelism__dp_impl="fsdp2",  # no graph passes: the blocks compile with `options`
     )
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1)
-    assert apply_compile(model, units, {}, cfg, dims, ReshardPlan.of("default", N)) is None
+    assert apply_compile(model, units, {}, cfg, dims, ReshardPolicy.of("default", N)) is None
     options = {"emulate_precision_casts": True} | ({"max_autotune": False} if degree > 1 else {})
     assert seen == [(degree == 1 or i > 0, options) for i in range(N)]
 
@@ -318,7 +318,7 @@ def test_passes_have_stable_uuids():
     cost = CostModel.from_config(100.0, 8.0, 250.0, 1.0).quantised()
     other = CostModel.from_config(100.0, 8.0, 2500.0, 1.0).quantised()
 
-    def make(mode, cost_model=cost, plans=(BLOCK_PLAN,)):
+    def make(mode, cost_model=cost, plans=(BLOCK_BUCKET,)):
         return BucketingPass(mode, True, plans, block_scope=True, cost=cost_model, insert_overlap_deps=True).uuid()
 
     assert make("auto") == make("auto") and make("auto") != make("auto", other)
@@ -340,7 +340,7 @@ def test_invalid_combinations_are_config_errors():
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2)
     cfg = config(compile__enable=True, compile__bucketing="auto", parallelism__dp_impl="fsdp2")
     with pytest.raises(ConfigError, match="SimpleFSDP"):
-        apply_compile(model, units, {}, cfg, dims, ReshardPlan.of("default", len(units.blocks)))
+        apply_compile(model, units, {}, cfg, dims, ReshardPolicy.of("default", len(units.blocks)))
     # Full checkpointing in a whole-model graph is recompute tags, which need SimpleFSDP's passes.
     cfg = config(
         compile__enable=True, compile__scope="model", activation_checkpoint__mode="full", parallelism__dp_impl="fsdp2"
@@ -348,7 +348,7 @@ def test_invalid_combinations_are_config_errors():
     ac = apply_ac(units.blocks, cfg.activation_checkpoint)
     assert set(ac) == set(units.blocks) and all(a.mode == "full" for a in ac.values())
     with pytest.raises(ConfigError, match="scope=model with full activation checkpointing"):
-        apply_compile(model, units, ac, cfg, dims, ReshardPlan.of("default", len(units.blocks)))
+        apply_compile(model, units, ac, cfg, dims, ReshardPolicy.of("default", len(units.blocks)))
     assert not any(a.in_graph for a in ac.values())
 
 
@@ -458,7 +458,7 @@ def test_auto_bucketing_estimates_analytically_on_every_device(fake_world, monke
         "schedule_overlap_bucketing_from_inductor_configs",
         lambda gm: seen.append((options.compute_estimator, options.collective_estimator)),
     )
-    BucketingPass("auto", True, (BLOCK_PLAN,), block_scope=True, cost=None, insert_overlap_deps=False)(
+    BucketingPass("auto", True, (BLOCK_BUCKET,), block_scope=True, cost=None, insert_overlap_deps=False)(
         _traced(fake_world).graph
     )
     assert seen == [("analytical", "analytical")]

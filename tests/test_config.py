@@ -89,7 +89,7 @@ def test_bad_configs(tmp_path, text, overrides, fragments):
 # Numeric keys that legitimately take any value of their type, or whose domain depends on the model. A
 # key added here needs a comment saying why.
 UNBOUNDED: set[str] = {
-    # Block indices: checked against the model's block count and the stage count (pipeline.StagePlan.of).
+    # Block indices: checked against the model's block count and the stage count (pipeline.StageLayout.of).
     "parallelism.pipeline_parallel_split_points",
 }
 

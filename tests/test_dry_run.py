@@ -35,7 +35,7 @@ from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.context_parallel.unit import SequenceShard
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline.unit import StagePlan
+from titanlite.parallelisms.pipeline.unit import StageLayout
 from titanlite.planning.memory import stage_runtime
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.build import build_model
@@ -360,7 +360,7 @@ def test_weights_kept_for_the_step_are_counted_whole():
     assert kept.memory.gather_held == sum(gathered.values()) and kept.memory.gather_in_flight == 0
     held = ("layers.5.", "norm.", "output.")
     assert again.memory.gather_held == sum(v for n, v in gathered.items() if n.startswith(held))
-    assert "weights kept for the step (auto, by the memory plan" in format_report(kept)
+    assert "weights kept for the step (auto, by the memory estimate" in format_report(kept)
 
 
 def test_70b_accumulating_1024_sequences_reduces_per_microbatch_and_fits_with_margin(capsys):
@@ -441,7 +441,7 @@ def test_pipeline_runtime_buffers_are_counted_as_torchs_stage_holds_them():
 
     # Interleaved, 8 ranks x 2 stages, 8 microbatches (TorchTitan's 405B row): rank 0 runs all 16 forwards
     # before a backward; the last rank's last stage runs each backward right after its forward.
-    interleaved = StagePlan(8, "Interleaved1F1B", 2, tuple(range(16)), 126, 8)
+    interleaved = StageLayout(8, "Interleaved1F1B", 2, tuple(range(16)), 126, 8)
     assert interleaved.stage_in_flight(0) == (8, 8) and interleaved.stage_in_flight(7) == (8, 1)
 
     run = dry_run(cfg_of(*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *ACT_BATCH))

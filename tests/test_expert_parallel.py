@@ -258,7 +258,7 @@ def test_one_expert_on_two_ranks_trains_like_one_process(runs):
 @pytest.mark.slow
 def test_ep2_with_accumulation_and_full_ac_matches_dp2(runs):
     """ep2 with two microbatches per rank per step (the once-per-step reduction and kept gathers the
-    memory plan picks) and full AC (the recomputed forward dispatches again) gives dp2's losses."""
+    memory estimate picks) and full AC (the recomputed forward dispatches again) gives dp2's losses."""
     d = dumps(runs)
     assert rel(losses(d["ep2_accumulated"]), losses(d["dp2_accumulated"])) <= LOSS_REL
 

@@ -1,7 +1,7 @@
 """The model seam: a family registered outside titanlite (tests/workers/mlp_lm.py, an MLP language
 model given as data only: no parallelism code) gets AC, compile and SimpleFSDP or FSDP2 from the
 framework's `parallelize`, trains on 2 ranks through the unchanged trainer, saves a checkpoint and
-resumes from it compiled, under FSDP2 and full AC. The family hooks (`extra_loss`, `tp_plan`) are
+resumes from it compiled, under FSDP2 and full AC. The family hooks (`extra_loss`, `tp_styles`) are
 checked on one process."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_a_family_extra_loss_is_added_to_training_not_to_validation(process_grou
 
 def test_a_family_without_a_tensor_parallel_plan_refuses_tp():
     register_model(SPEC)
-    with pytest.raises(ConfigError, match="no tensor-parallel plan"):
+    with pytest.raises(ConfigError, match="no tensor-parallel styles"):
         RunPlan.build(config(".", MLP, parallelism__tensor_parallel_degree=2), 2)
 
 

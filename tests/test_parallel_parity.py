@@ -237,13 +237,13 @@ def test_pipeline_gathers_each_weight_once_per_step_when_kept(records, dp_impl):
     from titanlite.config import Parallelism
     from titanlite.models.llama3 import Transformer
     from titanlite.models.llama3.parallelize import llama_units
-    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
+    from titanlite.parallelisms.pipeline.unit import StageLayout, keep_stage
 
     impl = "" if dp_impl == "simple_fsdp" else f" {FSDP2}"
     kept = records(4, CASES_4)[case_id(f"{PP2_X_DP2}{impl}")]
     again = records(4, CASES_4)[case_id(f"{PP2_X_DP2}{impl} --parallelism.fsdp_reshard_after_forward default")]
     assert kept["step"]["policy"]["keep_gathers"] and not again["step"]["policy"]["keep_gathers"]
-    stages = StagePlan.of(Parallelism(pipeline_parallel_degree=2), TINY.n_layers, local_batch=4)
+    stages = StageLayout.of(Parallelism(pipeline_parallel_degree=2), TINY.n_layers, local_batch=4)
     assert stages.microbatches == 4
     gathers = []
     for s in range(2):  # ranks 0, 1 run stage 0; ranks 2, 3 stage 1

@@ -125,7 +125,7 @@ FOOTPRINT = {
         ORDER,
         # The schema's list of sections composes its section (`float8/config.py`).
         "config/schema.py",
-        # The memory plans count the weights gathered in float8 (`converted_weights`).
+        # The memory estimates count the weights gathered in float8 (`converted_weights`).
         "planning/memory.py",
         "planning/layout_memory.py",
         # The launcher checks the ranks' device for the recipe (`check_device`).
@@ -154,13 +154,13 @@ FOOTPRINT = {
         "parallelisms/float8/gather.py",
         # The step's gradient reduction and kept gathers (`reduce_once`), run by the step context.
         "parallelisms/step_context.py",
-        # The reshard plan and the unreduced gradients' bucket the memory plan counts (`REDUCE_BUCKET_BYTES`).
+        # The reshard policy and the unreduced gradients' bucket the memory estimate counts (`REDUCE_BUCKET_BYTES`).
         "planning/memory.py",
-        # The dry run's reshard plan, a replica's batches in the trainer, the checkpoint's sharded views.
+        # The dry run's reshard policy, a replica's batches in the trainer, the checkpoint's sharded views.
         "tools/dry_run.py",
         "run/trainer.py",
         "checkpoint/weights.py",
-        # SimpleFSDP's states, gathers and reshard plan, which the compiler's passes bucket and its prefetch installs.
+        # SimpleFSDP's states, gathers and reshard policy, which the compiler's passes bucket and its prefetch installs.
         "compile/compiler.py",
         "compile/phase.py",
         "compile/prefetch.py",

@@ -1,4 +1,4 @@
-"""Pipeline stage plans and the meta-device split, in process (the schedules' parity is in
+"""Pipeline stage layouts and the meta-device split, in process (the schedules' parity is in
 test_parallel_parity, through the trainer's own step)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from titanlite.errors import ConfigError
 from titanlite.models.llama3 import Transformer
 from titanlite.models.llama3.parallelize import llama_units
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.pipeline.unit import StagePlan, StageUnion, balanced_starts, keep_stage
+from titanlite.parallelisms.pipeline.unit import StageLayout, StageUnion, balanced_starts, keep_stage
 from titanlite.tools.dry_run import fake_process_group
 
 
-def plan(n_blocks: int = 6, local_batch: int = 8, **p) -> StagePlan:
-    return StagePlan.of(Parallelism(**{f"pipeline_parallel_{k}": v for k, v in p.items()}), n_blocks, local_batch)
+def plan(n_blocks: int = 6, local_batch: int = 8, **p) -> StageLayout:
+    return StageLayout.of(Parallelism(**{f"pipeline_parallel_{k}": v for k, v in p.items()}), n_blocks, local_batch)
 
 
 def test_balanced_split_counts_embedding_and_output_as_blocks():

@@ -200,10 +200,10 @@ def test_pipeline_stages_hand_the_routing_on_so_the_aux_loss_covers_every_stage(
     stage's extra loss equals the whole model's, with the same gradient in the first stage's router; the
     last stage handed nothing (the control) misses layer 1's routing."""
     from titanlite.config import Parallelism
-    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
+    from titanlite.parallelisms.pipeline.unit import StageLayout, keep_stage
 
     whole, x = model(), tokens()
-    plan = StagePlan.of(Parallelism(pipeline_parallel_degree=2), ARGS.n_layers, local_batch=2)
+    plan = StageLayout.of(Parallelism(pipeline_parallel_degree=2), ARGS.n_layers, local_batch=2)
     stages = [copy.deepcopy(whole) for _ in range(2)]
     for i, stage in enumerate(stages):
         keep_stage(stage, SPEC.units(stage), plan, i)
@@ -230,13 +230,13 @@ def test_fsdp2_hands_a_stage_its_carried_routing_sums_unrounded(process_group):
 
     from titanlite.config import Parallelism
     from titanlite.parallelisms.data_parallel.fsdp2 import apply_fsdp2
-    from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
-    from titanlite.parallelisms.pipeline.unit import StagePlan, keep_stage
+    from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
+    from titanlite.parallelisms.pipeline.unit import StageLayout, keep_stage
 
     stage = model()
-    keep_stage(stage, SPEC.units(stage), StagePlan.of(Parallelism(pipeline_parallel_degree=2), 3, local_batch=2), 1)
+    keep_stage(stage, SPEC.units(stage), StageLayout.of(Parallelism(pipeline_parallel_degree=2), 3, local_batch=2), 1)
     units = SPEC.units(stage)
-    reshard = ReshardPlan.of("default", len(units.blocks))
+    reshard = ReshardPolicy.of("default", len(units.blocks))
     apply_fsdp2(stage, units, init_device_mesh("cpu", (1,)), torch.bfloat16, torch.float32, reshard)
     routing = torch.tensor([[257.0] * 8, [1.5] * 8, [300.0] * 8])
     stage(torch.randn(2, SEQ, ARGS.dim, dtype=torch.bfloat16), routing)

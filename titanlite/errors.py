@@ -90,7 +90,7 @@ def _stop(signum: int, frame: object) -> None:
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
     """Run a command's `main(argv)`: a `UserError` becomes one line on stderr and its exit code. The launcher,
-    the ranks and the set-up's checks run so: their stop signals are their own (`launcher/signals.py`)."""
+    the ranks and the set-up's checks run so: their stop signals are their own (`run/signals.py`)."""
     try:
         return main(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:

@@ -72,7 +72,7 @@ def units(model: nn.Module) -> Units:
 
 
 SPEC = ModelSpec(name="mlp_lm", model_cls=MLPLM, flavors={"tiny": MLPArgs()}, units=units)
-"""No tensor-parallel plan: AC, compile and SimpleFSDP/FSDP2 come from the framework's parallelize."""
+"""No tensor-parallel styles: AC, compile and SimpleFSDP/FSDP2 come from the framework's parallelize."""
 
 if __name__ == "__main__":
     from titanlite.train import main

@@ -31,13 +31,13 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from titanlite.compile.collectives import graph_collectives
 from titanlite.compile.partitioner import Partitioner
-from titanlite.compile.passes import BLOCK_PLAN, BucketingPass, CostModel, RecomputeTagPass
+from titanlite.compile.passes import BLOCK_BUCKET, BucketingPass, CostModel, RecomputeTagPass
 from titanlite.compile.report import REPORT_NAME, CompileReport, Unit
 from titanlite.compile.scope import resolve_scope, with_passes
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.data_parallel.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelize import compile_options, graph_break
@@ -99,7 +99,7 @@ def apply_compile(
     ac: dict[str, CheckpointedBlock],
     cfg: JobConfig,
     dims: ParallelDims,
-    reshard: ReshardPlan,
+    reshard: ReshardPolicy,
 ) -> CompileReport | None:
     """Compile `model` as `cfg.compile` says, in place; returns the report when graph passes are installed.
 
@@ -139,7 +139,7 @@ def apply_compile(
     )
     bucketing = None
     if c.bucketing != "none" and scope != "prefetch":  # prefetch: the graphs hold no collectives
-        plans = (BLOCK_PLAN,) if scope == "block" else _model_plans(units)
+        plans = (BLOCK_BUCKET,) if scope == "block" else _model_buckets(units)
         bucketing = BucketingPass(
             c.bucketing,
             c.reorder,
@@ -247,7 +247,7 @@ def _await_collective_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[
     return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
-def _model_plans(units: Units) -> tuple:
+def _model_buckets(units: Units) -> tuple:
     """Manual bucket plans for a whole-model graph: modules before the blocks one each, one per block,
     and the modules after the blocks together (the final norm and the output projection)."""
     return (*units.before, *units.blocks, tuple(units.after))

@@ -362,9 +362,9 @@ class BucketingPass(CustomGraphPass):
         )
 
 
-BLOCK_PLAN = "block"
+BLOCK_BUCKET = "block"
 
 
 def _whole_graph_stack(node: fx.Node) -> list[tuple[str, type]]:
-    """Every node that came from a module belongs to the plan `BLOCK_PLAN` (a graph of one block)."""
-    return [(BLOCK_PLAN, torch.nn.Module)] if node_module_stack(node) else []
+    """Every node that came from a module belongs to the plan `BLOCK_BUCKET` (a graph of one block)."""
+    return [(BLOCK_BUCKET, torch.nn.Module)] if node_module_stack(node) else []

@@ -22,7 +22,7 @@ from titanlite.parallelisms.units import Units
 if TYPE_CHECKING:
     from titanlite.compile.report import CompileReport
     from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock
-    from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+    from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 
 
 def compiles_model(cfg: JobConfig) -> bool:
@@ -44,12 +44,12 @@ class Compilation:
         """The phase for a run of `cfg` on `dims`; None where the model runs eager."""
         return cls(cfg, dims) if compiles_model(cfg) else None
 
-    def apply(self, model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], reshard: ReshardPlan) -> None:
+    def apply(self, model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], reshard: ReshardPolicy) -> None:
         from titanlite.compile.compiler import apply_compile
 
         self.report = apply_compile(model, units, ac, self.cfg, self.dims, reshard)
 
-    def after_data_parallel(self, model: nn.Module, units: Units, reshard: ReshardPlan) -> None:
+    def after_data_parallel(self, model: nn.Module, units: Units, reshard: ReshardPolicy) -> None:
         if self.report is not None:
             from titanlite.compile.prefetch import apply_prefetch
 

@@ -18,11 +18,11 @@ from torch import nn
 from titanlite.compile.collectives import Collective
 from titanlite.compile.report import CompileReport
 from titanlite.parallelisms.data_parallel import block_prefetch
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.units import Units
 
 
-def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report: CompileReport) -> None:
+def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPolicy, report: CompileReport) -> None:
     """Under scope `prefetch`, after data parallelism: install the eager prefetcher on `model` and add
     its collectives to `report` as one more unit; nothing under other scopes."""
     if report.settings["scope"] != "prefetch":
@@ -33,7 +33,7 @@ def apply_prefetch(model: nn.Module, units: Units, reshard: ReshardPlan, report:
         report.record(unit, phase, before, after)
 
 
-def prefetch_collectives(model: nn.Module, units: Units, plan: ReshardPlan) -> dict[str, tuple[list, list]]:
+def prefetch_collectives(model: nn.Module, units: Units, plan: ReshardPolicy) -> dict[str, tuple[list, list]]:
     """phase -> (the per-parameter collectives a step would issue unbucketed, the flat ones the prefetcher
     issues) for the compile report, with which of the flat ones compute overlaps (module docstring)."""
     specs = block_prefetch.prefetch_units(model, units, plan)

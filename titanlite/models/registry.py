@@ -2,7 +2,7 @@
 
 A family registers one `ModelSpec`; nothing outside `models/<name>/` knows its module names or shapes. It
 supplies data and its model; the framework applies every parallelism in its own order
-(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_plan`, and runs the
+(`titanlite/parallelisms/parallelize.py`) from the family's `units` and `parallel.tp_styles`, and runs the
 step (`titanlite/run/step.py`) with the family's `hooks`. The model follows a small protocol: built on the
 meta device from its args, `init_weights(seed, buffer_device)`, `model(tokens) -> logits` (with `positions`
 and `mask` under `block_causal`), and `model.args` with `vocab_size` (replaced by the tokenizer's),
@@ -27,7 +27,7 @@ from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:  # types only: the launcher's preflight reads the specs without DTensor
     from titanlite.parallelisms.step_context import ExtraLoss
-    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlanFn
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStylesFn
 
 BUILTIN = {
     "llama3": "titanlite.models.llama3",
@@ -67,16 +67,16 @@ class ParallelSeams:
     """The seams the family's model declares for the parallelisms that need one: without a seam, a
     degree above one is refused before any rank starts."""
 
-    tp_plan: TensorParallelPlanFn | None = None
-    """The family's tensor-parallel plan (data: module name -> torch `ParallelStyle`), given whether the
+    tp_styles: TensorParallelStylesFn | None = None
+    """The family's tensor-parallel styles (data: module name -> torch `ParallelStyle`), given whether the
     loss is vocab-parallel."""
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     """Sizes the tensor-parallel degree must divide (e.g. attention heads), checked in the plan."""
     context_parallel: bool = False
-    """The model's attention declares the context-parallel seam (`parallelisms/context_parallel.py`)."""
+    """The model's attention declares the context-parallel seam (`parallelisms/context_parallel/unit.py`)."""
     num_experts: Callable[[Any], int] | None = None
     """The experts of each MoE layer, where the model's experts declare the expert-parallel seam
-    (`parallelisms/expert_parallel.py`)."""
+    (`parallelisms/expert_parallel/unit.py`)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class PlanningTerms:
     """The family's terms in the dry run and the layout search (`titanlite/planning/`)."""
 
     activation_bytes: Callable[..., dict[str, int]] | None = None
-    """The memory plan's activation model `(args, layout) -> {part: bytes, "peak": bytes, "held": bytes}`
+    """The memory estimate's activation model `(args, layout) -> {part: bytes, "peak": bytes, "held": bytes}`
     ("held": what a microbatch keeps from its forward to its backward); None: no dry run."""
     step_cost: Callable[[Any, int, int], ModelCost] | None = None
     """The step-time model's cost per token `(args, seq_len, compute dtype bytes) -> ModelCost`
@@ -122,7 +122,7 @@ class ModelSpec:
     """Flavor name -> model args (a dataclass with the protocol's fields)."""
     units: Callable[[nn.Module], Units]
     """The model's blocks and root modules: the unit every parallelism works per (AC and compile wrap a
-    block, FSDP gathers one, a pipeline stage holds whole ones; the memory plan counts them)."""
+    block, FSDP gathers one, a pipeline stage holds whole ones; the memory estimate counts them)."""
     shape: ShapeRules = ShapeRules()
     parallel: ParallelSeams = ParallelSeams()
     hooks: TrainingHooks = TrainingHooks()

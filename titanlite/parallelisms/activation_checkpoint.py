@@ -66,7 +66,7 @@ def _every_other_mm_context() -> Any:
 
 
 def block_ac(cfg: ActivationCheckpoint, index: int) -> BlockAC:
-    """How block `index` is checkpointed under `cfg` (the one rule; the memory plan reads it too)."""
+    """How block `index` is checkpointed under `cfg` (the one rule; the memory estimate reads it too)."""
     if cfg.mode == "none":
         return "none"
     if cfg.mode == "full":

@@ -161,7 +161,7 @@ class ParallelDims:
             )
 
     def __hash__(self) -> int:
-        """By the degrees and the plan's choices (the meshes aside): a memory plan's `Layout` holds the dims
+        """By the degrees and the plan's choices (the meshes aside): a memory estimate's `Layout` holds the dims
         and the layout search keys its stage layouts by it."""
         degrees = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep, self.world_size)
         return hash((degrees, self.dp_impl, self.disable_loss_parallel))

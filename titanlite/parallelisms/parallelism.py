@@ -61,8 +61,8 @@ class ApplyArgs:
 
     model: nn.Module
     units: Units
-    tp_plan: Any
-    """The family's `tensor_parallel.TensorParallelPlanFn`, or None (the family has none)."""
+    tp_styles: Any
+    """The family's `tensor_parallel.TensorParallelStylesFn`, or None (the family has none)."""
     dims: ParallelDims
     cfg: JobConfig
     replay: HostReplay
@@ -70,7 +70,7 @@ class ApplyArgs:
     high_precision: tuple[str, ...] = ()
     """The family's linear layers that stay in high precision (`ShapeRules.high_precision`)."""
     reshard: Any = None
-    """The data phase's: the model's `reshard.ReshardPlan`, read by the compiled graphs too."""
+    """The data phase's: the model's `reshard.ReshardPolicy`, read by the compiled graphs too."""
     own: dict[nn.Module, Any] = field(default_factory=dict)
     """The data phase's: the modules the model phase placed on a mesh of their own, with that mesh."""
 
@@ -116,7 +116,7 @@ class Stages:
     """A parallelism that cuts the model into stages over its ranks (module docstring: stages)."""
 
     plan: Callable[[JobConfig, ParallelDims, Any], Any]
-    """`(cfg, dims, args)`: the stage plan (`RunPlan.pipeline`): which blocks each stage holds, which stages
+    """`(cfg, dims, args)`: the stage layout (`RunPlan.pipeline`): which blocks each stage holds, which stages
     a rank runs (`stages_of`), the microbatches."""
     keep: Callable[[nn.Module, Units, Any, int], None]
     """`(model, units, plan, stage)`: reduce the model on the meta device to one stage."""
@@ -148,7 +148,7 @@ class ParallelismUnit:
     """Returns the modules it placed on a mesh of their own (a `DataParallelMesh` each), else nothing."""
     phase: Literal["model", "data"] = "model"
     """`model`: applied before activation checkpointing and compilation; `data`: after them, given the
-    reshard plan and the modules with their own mesh (`parallelize.py`)."""
+    reshard policy and the modules with their own mesh (`parallelize.py`)."""
     gathers: Callable[[ApplyArgs], None] | None = None
     """After the data phase: what it changes in the weights' gathers (float8 bits on the wire)."""
     step_hook: Callable[[ParallelDims], StepHook | None] = _no_hook

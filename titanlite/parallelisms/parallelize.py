@@ -22,7 +22,7 @@ from titanlite.config import JobConfig
 from titanlite.parallelisms.activation_checkpoint import CheckpointedBlock, apply_ac
 from titanlite.parallelisms.context_parallel import unit as context_parallel
 from titanlite.parallelisms.data_parallel import unit as data_parallel
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.expert_parallel import unit as expert_parallel
 from titanlite.parallelisms.float8 import unit as float8
 from titanlite.parallelisms.host_replay import HostReplay
@@ -35,7 +35,7 @@ from titanlite.parallelisms.tied_parameters import TiedParameters
 from titanlite.parallelisms.units import Units
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlanFn
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStylesFn
 
 PARALLELISMS: tuple[ParallelismUnit, ...] = (
     float8.UNIT,
@@ -115,11 +115,11 @@ class CompilePhase(Protocol):
     the parallelisms import no compiler: `apply` after activation checkpointing (`ac`: what `apply_ac`
     returned) and before data parallelism, `after_data_parallel` once the model is wrapped."""
 
-    def apply(self, model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], reshard: ReshardPlan) -> None:
+    def apply(self, model: nn.Module, units: Units, ac: dict[str, CheckpointedBlock], reshard: ReshardPolicy) -> None:
         """Compile `model` in place (lazily: its graphs are traced at the first call)."""
         ...
 
-    def after_data_parallel(self, model: nn.Module, units: Units, reshard: ReshardPlan) -> None:
+    def after_data_parallel(self, model: nn.Module, units: Units, reshard: ReshardPolicy) -> None:
         """What compilation adds to the wrapped model (compile scope `prefetch`'s eager hooks)."""
         ...
 
@@ -127,7 +127,7 @@ class CompilePhase(Protocol):
 def parallelize(
     model: nn.Module,
     units: Units,
-    tp_plan: TensorParallelPlanFn | None,
+    tp_styles: TensorParallelStylesFn | None,
     dims: ParallelDims,
     cfg: JobConfig,
     order: tuple[ParallelismUnit, ...] | None = None,
@@ -135,8 +135,8 @@ def parallelize(
     compiler: CompilePhase | None = None,
 ) -> nn.Module:
     """Apply every configured parallelism to `model` (on the meta device, its mesh built), in place, in
-    the order above; returns `model`. `units` are the model's blocks and root modules, `tp_plan` the
-    family's tensor-parallel plan (`ModelSpec.parallel.tp_plan`; None: the family has none, and TP must
+    the order above; returns `model`. `units` are the model's blocks and root modules, `tp_styles` the
+    family's tensor-parallel styles (`ModelSpec.parallel.tp_styles`; None: the family has none, and TP must
     be off); `order` the units (default `PARALLELISMS`); `high_precision` the linear layers float8 never
     converts (`ShapeRules.high_precision`); `compiler` the compile phase (None: the model runs eager)."""
     # The host values the blocks' forwards read (expert parallelism's row splits), replayed by the
@@ -144,7 +144,7 @@ def parallelize(
     replay = HostReplay()
     tied = TiedParameters.of(model)
     on = enabled(cfg, dims, order)
-    applied = ApplyArgs(model, units, tp_plan, dims, cfg, replay, high_precision)
+    applied = ApplyArgs(model, units, tp_styles, dims, cfg, replay, high_precision)
     own: dict[nn.Module, object] = {}
     for unit in on:
         if unit.phase == "model":
@@ -153,9 +153,9 @@ def parallelize(
     # which then shards it once (`tied_parameters.py`).
     tied.retie(model)
     ac = apply_ac(units.blocks, cfg.activation_checkpoint, replay)
-    # One reshard plan for this model (or pipeline stage: its own blocks), read by the compiled graphs'
+    # One reshard policy for this model (or pipeline stage: its own blocks), read by the compiled graphs'
     # recompute tags and by the data-parallel wrapper alike.
-    reshard = ReshardPlan.of(
+    reshard = ReshardPolicy.of(
         cfg.parallelism.fsdp_reshard_after_forward, len(units.blocks), gathers=dims.dp_mode != "replicate"
     )
     if compiler is not None:

@@ -3,7 +3,7 @@
 A step runs one backward per microbatch (the gradient-accumulation batches, or a pipeline schedule's
 microbatches). Holding state across them trades memory held for the step against collectives: gradients
 reduced once after the last backward instead of in every backward, weights gathered once for the step
-instead of in every forward. `StepPolicy` is that choice, as a value the run plan lists, the memory plan
+instead of in every forward. `StepPolicy` is that choice, as a value the run plan lists, the memory estimate
 chooses among (`planning.memory.first_fitting`) and the step context runs; the parallelism that holds the
 state says which policies a run allows and what the chosen one changes in the model
 (`parallelism.StepPolicies`, data parallelism's: `data_parallel/gradient_reduction.py`).

@@ -181,7 +181,7 @@ class RankMemory:
     layout: Layout
     """The whole model's layout (`memory.pipeline_estimate` reads its step policy)."""
     in_flight: tuple[int, ...] = (1,)
-    """Per stage, the microbatches the schedule keeps in flight at most (`StagePlan.stage_in_flight`)."""
+    """Per stage, the microbatches the schedule keeps in flight at most (`StageLayout.stage_in_flight`)."""
     microbatches: int = 1
     pipelined: bool = False
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.step_policy import StepPolicy
 from titanlite.parallelisms.units import Units
@@ -156,7 +156,7 @@ def gather_buffers(
     elif layout.keep_gathers or (layout.blocks is not None and layout.dp_impl == "fsdp2"):
         held = set(numel)  # kept for the step; FSDP2 under torch's pipeline stage: from the first backward on
     else:
-        plan = ReshardPlan.of(layout.reshard, len(units.blocks))
+        plan = ReshardPolicy.of(layout.reshard, len(units.blocks))
         prefixes = plan.kept(units) + (() if plan.root else ("root",))
         held = {u for u in kept if under(u, prefixes)}
         if layout.dp_impl == "simple_fsdp":
@@ -287,7 +287,7 @@ class StageMemory:
     first: bool
     last: bool
     in_flight: int
-    """Microbatches the schedule keeps in flight on this stage at most (`StagePlan.stage_in_flight`)."""
+    """Microbatches the schedule keeps in flight on this stage at most (`StageLayout.stage_in_flight`)."""
 
 
 def stage_runtime(
@@ -381,7 +381,7 @@ class StepChoice:
                 memory += f"; over {margin}: " + ", ".join(
                     f"{_SHORT[c.reduce_once, c.keep_gathers]} {t / GiB:.1f} GiB" for c, t in over
                 )
-            why.append(f"auto, by the memory plan: {memory}")
+            why.append(f"auto, by the memory estimate: {memory}")
         return f"{self.policy.describe()} ({'; '.join(why)})" if why else self.policy.describe()
 
 

@@ -5,7 +5,7 @@ between config keys checked while computing it.
 one line, exit code 2); the ranks build the same plan and never re-derive a fact from the raw config. It holds
 the batch (global batch, accumulation, virtual shards, backwards per step), the model (the family's spec, the
 tokenizer, the shaped args), the layout (`ParallelDims`, pipeline stages and microbatches, loss parallel), the
-precision, the step policies the config allows (the memory plan picks one: `build.choose_step_policy`) and
+precision, the step policies the config allows (the memory estimate picks one: `build.choose_step_policy`) and
 the data sources, parsed once.
 """
 
@@ -192,7 +192,7 @@ class RunPlan:
     compile_passes: bool
     """Compilation installs SimpleFSDP's graph passes (`compile.check_compile`)."""
     pipeline: Any = None
-    """The stage plan of the unit that cuts the model into stages (`parallelism.Stages.plan`: which blocks
+    """The stage layout of the unit that cuts the model into stages (`parallelism.Stages.plan`: which blocks
     each stage holds, which stages a rank runs, the microbatches), else None."""
     step_candidates: list[StepPolicy] = dataclasses.field(init=False)
     """The step policies the config allows, most collectives saved first (`parallelize.step_candidates`)."""
@@ -284,7 +284,7 @@ class RunPlan:
         return StepPolicy()
 
     def layout(self, policy: StepPolicy | None = None, device_type: str = "cuda") -> Layout:
-        """The memory plan's view of this run under step policy `policy` (the trainer's build), on
+        """The memory estimate's view of this run under step policy `policy` (the trainer's build), on
         `device_type` (the dry run plans GPUs)."""
         p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
         effective = self.effective(policy or StepPolicy())

@@ -7,7 +7,7 @@ calibrated training efficiency, elementwise bytes over HBM; backward 2 x the mat
 2.5 x the attention; recomputation as the AC mode repeats the forward. Collectives are ring traffic plus a
 fixed latency (`link.Link`) over NVLink or the network: tensor and context parallelism's are their units'
 terms (`ParallelismUnit.step_time`), data parallelism's `data_parallel_time.py`'s, the pipeline's
-send/recv here. A schedule step lasts m T / (1 - bubble) (`StagePlan.bubble_fraction`), plus its
+send/recv here. A schedule step lasts m T / (1 - bubble) (`StageLayout.bubble_fraction`), plus its
 accumulation batches, the once-per-step reductions and AdamW (32 bytes per fp32 parameter).
 docs/layout_search.md gives each term and its sources.
 """
@@ -301,7 +301,7 @@ class StepTimeModel:
 
 
 def bubble_fraction(plan: RunPlan) -> float:
-    """The schedule's bubble (`StagePlan.bubble_fraction`), the zero-bubble schedule's at
+    """The schedule's bubble (`StageLayout.bubble_fraction`), the zero-bubble schedule's at
     `ZERO_BUBBLE_SHARE` of it with at least as many microbatches as pipeline ranks; none without PP."""
     sp = plan.pipeline
     if sp is None:

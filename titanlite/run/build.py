@@ -5,7 +5,7 @@
     init_distributed(cfg, device)             the process group: torchrun's, or one rank of our own
     loader = build_loader(plan, dp_rank)      the data-parallel rank's stream of batches (run/loader.py)
     model = build_model(plan, device)         meta -> parallelize (the framework's order) -> materialise -> init
-    training = build_training(plan, device)   the step runner, its step policy chosen from the memory plan
+    training = build_training(plan, device)   the step runner, its step policy chosen from the memory estimate
 
 A single process is a world of one with the same plan as any world, so one GPU trains as it would on many.
 """
@@ -195,7 +195,7 @@ def _parallelized_on_meta(plan: RunPlan, mesh_device_type: str, stage: int | Non
     return parallelize(
         model,
         spec.units(model),
-        spec.parallel.tp_plan,
+        spec.parallel.tp_styles,
         plan.dims,
         plan.cfg,
         high_precision=spec.shape.high_precision,
@@ -212,7 +212,7 @@ def _materialise(plan: RunPlan, model: nn.Module, device: torch.device) -> None:
 
 
 def rank_estimate(plan: RunPlan, parts: dict[int | None, nn.Module], layout: Layout, pp_rank: int) -> MemoryEstimate:
-    """One rank's memory under `layout` (`memory_plan`): its whole model (`parts` = {None: model}) or its
+    """One rank's memory under `layout` (`planning.memory`): its whole model (`parts` = {None: model}) or its
     pipeline stages ({stage: module}), each stage for one microbatch, combined with the microbatches its
     schedule keeps in flight on pipeline rank `pp_rank`."""
     spec, args = plan.spec, plan.model_args
@@ -240,7 +240,7 @@ def choose_step_policy(
     max_over_ranks: Callable[[list[int]], list[int]] | None = None,
     device_type: str = "cuda",
 ) -> StepChoice:
-    """The step policy of the run (`memory_plan.first_fitting`), the one decision the trainer and the dry
+    """The step policy of the run (`planning.memory.first_fitting`), the one decision the trainer and the dry
     run share: every candidate the config allows (`plan.step_candidates`) is estimated on each planned rank
     (`ranks`: pipeline rank -> its parallelized model or stages, on any device, meta included),
     `max_over_ranks` (the trainer: a MAX over every rank, so all ranks choose alike) combines the worst totals, and the
@@ -296,7 +296,7 @@ def step_context(plan: RunPlan, step_choice: StepChoice) -> StepContext:
 def build_training(plan: RunPlan, device: torch.device) -> TrainingModel:
     """This rank's model, or its pipeline stages and their schedule, each built as `build_model` builds
     one, with the step policy decided between the parallelize plan and materialisation (one build): the
-    memory plan of the meta-device modules, agreed over every rank, applied before anything is allocated
+    memory estimate of the meta-device modules, agreed over every rank, applied before anything is allocated
     (`parallelize.apply_step_policy`: kept gathers turn reshard-after-forward off). Returns the step
     runner over them."""
     if not plan.dims.mesh_built:

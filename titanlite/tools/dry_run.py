@@ -35,7 +35,7 @@ from titanlite.compile.report import REPORT_NAME
 from titanlite.config import DEFAULT_CONFIG, JobConfig, load_config
 from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.layout import Layout
 from titanlite.parallelisms.pipeline.unit import StageUnion
 from titanlite.parallelisms.units import Units
@@ -273,7 +273,7 @@ def gathers_lines(r: DryRun) -> list[str]:
     when = "per step (kept for the step)" if lay.keep_gathers else "per forward"
     again = ""
     if cfg.compile.enable and "model" in cfg.compile.components and scope_of(r) == "prefetch":
-        plan = ReshardPlan.of(lay.reshard, sum(len(u.blocks) for u in r.units))
+        plan = ReshardPolicy.of(lay.reshard, sum(len(u.blocks) for u in r.units))
         freed = [b for units in r.units for b in units.blocks]
         regathered = sum(s.get(b, 0) for s in sizes for b, f in zip(freed, plan.blocks) if f)
         again = f", {regathered / GiB:.2f} GiB again before backward (the prefetcher's re-gathers)"

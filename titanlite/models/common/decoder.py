@@ -30,7 +30,7 @@ from titanlite.models.common.rope_rows import Rope, rope_rows
 from titanlite.parallelisms.context_parallel.unit import SequenceShard
 
 FeedForwardName = Literal["feed_forward", "moe"]
-"""A block's feed-forward's name, which the tensor-parallel plans and the HF adapters address."""
+"""A block's feed-forward's name, which the tensor-parallel styles and the HF adapters address."""
 
 
 class DecoderArgs(Protocol):
@@ -100,7 +100,7 @@ class DecoderBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None, kv: LayerKV | None = None
     ) -> torch.Tensor:
-        # The KV cache only when generating: a tensor-parallel plan declares the layouts of (x, cos, sin, mask).
+        # The KV cache only when generating: a tensor-parallel styles declares the layouts of (x, cos, sin, mask).
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, *([kv] if kv is not None else []))
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 

@@ -1,4 +1,4 @@
-"""A dense decoder's activation memory per GPU (Llama 3, Qwen3), for the dry run's memory plan
+"""A dense decoder's activation memory per GPU (Llama 3, Qwen3), for the dry run's memory estimate
 (`titanlite/planning/memory.py`).
 
 Per token of one microbatch, what autograd saves with the eager kernels, measured op by op on this model

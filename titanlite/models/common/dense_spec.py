@@ -14,7 +14,7 @@ from torch import nn
 
 from titanlite.models.common.dense_activations import activation_bytes
 from titanlite.models.common.dense_cost import step_cost
-from titanlite.models.common.tensor_parallel import dense_tp_divisible, dense_tp_plan
+from titanlite.models.common.tensor_parallel import dense_tp_divisible, dense_tp_styles
 from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules
 from titanlite.parallelisms.units import Units
 
@@ -44,7 +44,7 @@ def dense_spec(
             tied_embeddings=lambda args: args.tie_embeddings,
         ),
         parallel=ParallelSeams(
-            tp_plan=partial(dense_tp_plan, qk_norm=qk_norm),
+            tp_styles=partial(dense_tp_styles, qk_norm=qk_norm),
             tp_divisible=dense_tp_divisible,
             context_parallel=True,
         ),

@@ -1,5 +1,5 @@
 """The SwiGLU feed-forward of Llama 3 and of Qwen3-MoE's dense layers: `w2(silu(w1 x) * w3 x)`. The
-parameter names `w1`, `w2`, `w3` are TorchTitan's, which the tensor-parallel plans and the Hugging Face
+parameter names `w1`, `w2`, `w3` are TorchTitan's, which the tensor-parallel styles and the Hugging Face
 converters address by name."""
 
 from __future__ import annotations

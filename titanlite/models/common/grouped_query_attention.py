@@ -3,7 +3,7 @@ biases, RoPE by the family's rotation (Llama 3's interleaved pairs, the Qwen3 fa
 `rope_halves.py`), a head width of its own, and optionally RMSNorm over each head's queries and keys
 before RoPE (QK-norm, `q_norm` and `k_norm`: the Qwen3 families).
 
-The names are TorchTitan's, which the tensor-parallel plans (`tensor_parallel.py`) and the HF adapters
+The names are TorchTitan's, which the tensor-parallel styles (`tensor_parallel.py`) and the HF adapters
 address. Attention itself, and the KV cache of generation, is `kv_cache.attend_cached`; under context
 parallelism the keys and values of the whole sequence are gathered through the `context_parallel` seam
 (`parallelisms/context_parallel/unit.py`). Another attention (DeepSeek-V3's latent attention) plugs into

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan of a dense decoder (Llama 3, Qwen3): Megatron-style TP with sequence
+"""The tensor-parallel styles of a dense decoder (Llama 3, Qwen3): Megatron-style TP with sequence
 parallelism on norms, the residual stream and the embedding output; with loss parallel the logits stay
 sharded on the vocab dim (the loss runs under `loss_parallel()` without gathering them). Between pipeline
 stages the hidden states travel sequence-sharded, as local tensors.
@@ -15,17 +15,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStyles
 
 
-def dense_tp_plan(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelPlan:
+def dense_tp_styles(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelStyles:
     """The plan (module docstring) for blocks `attention.{wq,wk,wv,wo[,q_norm,k_norm]}`, `feed_forward.w1..3`,
     `attention_norm`, `ffn_norm`, and the roots `tok_embeddings`, `norm`, `output`."""
     # Imported here: the family's spec is read by the launcher's preflight, which imports no DTensor.
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
+    from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStyles
 
     norms = (
         {
@@ -35,7 +35,7 @@ def dense_tp_plan(loss_parallel: bool, qk_norm: bool = False) -> TensorParallelP
         if qk_norm
         else {}
     )
-    return TensorParallelPlan(
+    return TensorParallelStyles(
         roots={
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),

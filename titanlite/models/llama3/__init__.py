@@ -1,5 +1,5 @@
 """Llama 3: the model, its flavors, its blocks, its HF adapter; registered as a dense decoder
-(`models/common/dense_spec.py`: its tensor-parallel plan, activation memory and step cost)."""
+(`models/common/dense_spec.py`: its tensor-parallel styles, activation memory and step cost)."""
 
 from titanlite.models.common.dense_spec import dense_spec
 from titanlite.models.llama3.flavors import llama3_configs

@@ -2,7 +2,7 @@
 interleaved-pair layout with optional Llama 3.1 frequency scaling (`rope.py`), and SwiGLU.
 
 The module tree and parameter names are TorchTitan's (`tok_embeddings`, `layers.{i}.attention.wq`,
-`feed_forward.w1`, `norm`, `output`), which the tensor-parallel plan and the Hugging Face converter address
+`feed_forward.w1`, `norm`, `output`), which the tensor-parallel styles and the Hugging Face converter address
 (it permutes q/k weights between RoPE layouts). Initialisation is TorchTitan's, the residual projections
 scaled by layer depth or, without `depth_init`, by the layer count.
 """

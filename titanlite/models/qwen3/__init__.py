@@ -1,5 +1,5 @@
 """Qwen3 (dense): the model, its flavors, its blocks, its HF adapter; registered as a dense decoder with
-QK-norm (`models/common/dense_spec.py`: its tensor-parallel plan, activation memory and step cost)."""
+QK-norm (`models/common/dense_spec.py`: its tensor-parallel styles, activation memory and step cost)."""
 
 from titanlite.models.common.dense_spec import dense_spec
 from titanlite.models.qwen3.flavors import qwen3_configs

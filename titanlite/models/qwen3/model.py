@@ -4,7 +4,7 @@ in Hugging Face's halves layout (`models/common/rope_halves.py`), SwiGLU, and th
 to the embedding in the small flavors.
 
 The module tree is Llama 3's (TorchTitan's names, plus `attention.{q,k}_norm`), so the dense
-tensor-parallel plan addresses it (`models/common/tensor_parallel.py`) and the HF conversion is a renaming
+tensor-parallel styles addresses it (`models/common/tensor_parallel.py`) and the HF conversion is a renaming
 (`hf_adapter.py`). With `tie_embeddings` the output projection's weight is the embedding's Parameter: one
 tensor, sharded, gathered, initialised and trained once under every layout (the framework keeps the tie
 through parallelisation and materialisation, `parallelisms/tied_parameters.py`).

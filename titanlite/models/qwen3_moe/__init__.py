@@ -5,7 +5,7 @@ from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics, u
 from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
-from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_plan
+from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_styles
 from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules, TrainingHooks
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
@@ -43,7 +43,7 @@ SPEC = ModelSpec(
     units=lambda model: Units.of(model, "layers"),
     shape=ShapeRules(keys=SHAPE_KEYS, check_args=check_args, check_layout=check_layout, high_precision=("moe.gate",)),
     parallel=ParallelSeams(
-        tp_plan=qwen3_moe_tp_plan,
+        tp_styles=qwen3_moe_tp_styles,
         tp_divisible=lambda args: {
             "n_heads": args.n_heads,
             "n_kv_heads": args.kv_heads,

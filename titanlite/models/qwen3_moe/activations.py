@@ -1,4 +1,4 @@
-"""Qwen3-MoE's activation memory per GPU, for the dry run's memory plan (`titanlite/planning/memory.py`).
+"""Qwen3-MoE's activation memory per GPU, for the dry run's memory estimate (`titanlite/planning/memory.py`).
 
 Per token of one microbatch, with the eager kernels: attention as the dense decoders'
 (`models/common/dense_activations.py`) plus the q/k norms and RoPE copies; a MoE layer's router logits and

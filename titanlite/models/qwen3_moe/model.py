@@ -5,7 +5,7 @@ is a mixture of experts (`moe.py`), or a dense SwiGLU in the layers `decoder_spa
 The module tree mirrors Hugging Face's `Qwen3MoeForCausalLM` one to one (`tok_embeddings` ->
 `model.embed_tokens`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`, `layers.{i}.moe.{gate,experts}`
 or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`). The attention is dense Qwen3's QK-norm
-attention (`models/common/qk_norm_attention.py`) and RoPE rotates halves of each head as Hugging Face does
+attention (`models/common/grouped_query_attention.py`) and RoPE rotates halves of each head as Hugging Face does
 (`models/common/rope_halves.py`), so the export is a renaming (`hf_adapter.py`).
 
 Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name

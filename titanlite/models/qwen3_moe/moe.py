@@ -99,7 +99,7 @@ class Experts(nn.Module):
     """`num_experts` SwiGLU FFNs, stored as Hugging Face stores them: `gate_up_proj` [E, 2I, H] (gate rows
     then up rows), `down_proj` [E, H, I].
 
-    Expert parallelism's seam (`parallelisms/expert_parallel.py`): with `expert_parallel` set, the weights
+    Expert parallelism's seam (`parallelisms/expert_parallel/unit.py`): with `expert_parallel` set, the weights
     are DTensors sharded over the experts' dim, and the rows go to the ranks that hold their experts and
     back (`ExpertShard.run`); `compute` runs this rank's experts either way."""
 

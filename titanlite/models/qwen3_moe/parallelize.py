@@ -1,4 +1,4 @@
-"""Qwen3-MoE's tensor-parallel plan: the dense decoder's for the dense parts, the MoE layer on gathered
+"""Qwen3-MoE's tensor-parallel styles: the dense decoder's for the dense parts, the MoE layer on gathered
 tokens.
 
 Attention, the dense FFN layers, the embedding, norms and output split as dense Qwen3's (Megatron-style
@@ -16,14 +16,14 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from titanlite.models.common.tensor_parallel import dense_tp_plan
+from titanlite.models.common.tensor_parallel import dense_tp_styles
 from titanlite.parallelisms.data_parallel.replicate_weights import ReplicateWeights
-from titanlite.parallelisms.tensor_parallel.unit import TensorParallelPlan
+from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStyles
 
 
-def qwen3_moe_tp_plan(loss_parallel: bool) -> TensorParallelPlan:
-    dense = dense_tp_plan(loss_parallel, qk_norm=True)
-    return TensorParallelPlan(
+def qwen3_moe_tp_styles(loss_parallel: bool) -> TensorParallelStyles:
+    dense = dense_tp_styles(loss_parallel, qk_norm=True)
+    return TensorParallelStyles(
         roots=dense.roots,
         block={
             **dense.block,  # the attention, its norms, ffn_norm and the dense layers' feed_forward

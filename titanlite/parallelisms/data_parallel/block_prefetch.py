@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from titanlite import torch_support
 from titanlite.parallelisms.data_parallel.kept_gathers import hand_out
 from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.data_parallel.simple_fsdp import parametrized, simple_fsdp_states
 from titanlite.parallelisms.data_parallel.step_reduction import StepReduction
 from titanlite.parallelisms.units import Units
@@ -231,7 +231,7 @@ def _hand_out(gather: ReplicateComputation, x: DTensor) -> torch.Tensor:
     return hand_out(gather, x)
 
 
-def prefetch_units(model: nn.Module, units: Units, plan: ReshardPlan) -> list[tuple[str, nn.Module, bool, bool]]:
+def prefetch_units(model: nn.Module, units: Units, plan: ReshardPolicy) -> list[tuple[str, nn.Module, bool, bool]]:
     """(name, module, holds a block, freed after forward) per unit, in forward order: each root module
     before the blocks on its own, each block, and the root modules after the blocks together (their
     first module's pre-hook gathers them, the last one's output starts their backward)."""
@@ -242,7 +242,7 @@ def prefetch_units(model: nn.Module, units: Units, plan: ReshardPlan) -> list[tu
     return out
 
 
-def install(model: nn.Module, units: Units, plan: ReshardPlan) -> BlockPrefetch:
+def install(model: nn.Module, units: Units, plan: ReshardPolicy) -> BlockPrefetch:
     """Route `model`'s SimpleFSDP gathers through the prefetcher (module docstring); call after
     `simple_fsdp.data_parallel`. Returns the prefetcher (its hooks keep it alive)."""
     for state in simple_fsdp_states(model):

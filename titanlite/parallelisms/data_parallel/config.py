@@ -30,6 +30,6 @@ class DataParallel:
     gradient_reduction: Literal["auto", "per_step", "per_microbatch"] = "auto"
     """With several backwards per step (gradient accumulation, pipeline microbatches): reduce each gradient
     once per step, holding the rank's gradients unsharded until then, or in every backward (sharded only).
-    `auto` = per_step when the memory plan fits comfortably (90% of the GPU), else per_microbatch; always
+    `auto` = per_step when the memory estimate fits comfortably (90% of the GPU), else per_microbatch; always
     per_microbatch for SimpleFSDP under a zero-bubble schedule (its split weight backward needs the
     parameters in the autograd graph)."""

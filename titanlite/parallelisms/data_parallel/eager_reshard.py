@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from titanlite.parallelisms.data_parallel.replicate_compute import ReplicateComputation, SimpleFSDPState
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.data_parallel.simple_fsdp import simple_fsdp_states
 from titanlite.parallelisms.units import Units
 
@@ -27,7 +27,7 @@ def set_reshard_after_forward(module: nn.Module, enabled: bool) -> None:
             sub.reshard_after_forward = enabled
 
 
-def apply_reshard(model: nn.Module, units: Units, plan: ReshardPlan) -> None:
+def apply_reshard(model: nn.Module, units: Units, plan: ReshardPolicy) -> None:
     """Eager reshard-after-forward for the units `plan` frees (compiled units use the graph tags instead).
     `model` is the root `simple_fsdp.data_parallel` wrapped."""
     if not plan.any:

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titanlite.parallelisms.data_parallel.reshard import ReshardPlan
+from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.units import Units
 
 
@@ -17,7 +17,7 @@ def apply_fsdp2(
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
-    reshard: ReshardPlan,
+    reshard: ReshardPolicy,
 ) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block, freed in zip(units.blocks.values(), reshard.blocks):

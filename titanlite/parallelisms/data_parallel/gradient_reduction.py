@@ -5,7 +5,7 @@ choices (`StepPolicy`) trade memory held for the step against collectives: gradi
 `per_microbatch` (only sharded gradients ever held) or `per_step` (accumulated unsharded, one reduction per
 parameter after the last backward), and gathered weights `kept` for the step (`kept_gathers`) or regathered
 by every forward. `step_candidates` lists what the config allows, most collectives saved first; `auto`
-settings leave the choice to the memory plan. Under pipeline parallelism torch's stage handles FSDP2 itself,
+settings leave the choice to the memory estimate. Under pipeline parallelism torch's stage handles FSDP2 itself,
 so only SimpleFSDP is handled here; a zero-bubble schedule reduces per microbatch, and compiled SimpleFSDP
 keeps weights only with per_step. The policies, their rules and measurements: docs/parallelism.md.
 """

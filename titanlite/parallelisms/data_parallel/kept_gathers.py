@@ -2,7 +2,7 @@
 
 In a step of several backwards every forward would gather every weight again; with this, the first forward's
 gather is kept until the step's last backward, so the step's all-gathers do not grow with its microbatches, at
-the cost of the rank's gathered weights held for the step (`memory_plan` counts it; `auto` keeps them only
+the cost of the rank's gathered weights held for the step (`planning.memory` counts it; `auto` keeps them only
 where the plan fits comfortably).
 
     keep_for_step(model)        at build time: no reshard-after-forward; FSDP2: `set_reshard_after_forward(False)`

@@ -11,7 +11,7 @@ One policy (`parallelism.fsdp_reshard_after_forward`) for every implementation:
 
 Pure replication gathers nothing, so nothing is resharded. The plan is read by SimpleFSDP eager
 (saved-tensor hooks, `eager_reshard.apply_reshard`), SimpleFSDP compiled (recompute tags,
-`passes.ReshardTagPass`), FSDP2 (`reshard_after_forward` of each `fully_shard`), and the memory plan.
+`passes.ReshardTagPass`), FSDP2 (`reshard_after_forward` of each `fully_shard`), and the memory estimate.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from titanlite.parallelisms.units import Units
 
 
 @dataclass(frozen=True)
-class ReshardPlan:
+class ReshardPolicy:
     blocks: tuple[bool, ...]
     """Per block, in forward order: True = its gathered weights are freed after forward."""
     root: bool
     """The root modules (embedding, final norm, output): True = freed after forward."""
 
     @classmethod
-    def of(cls, policy: str, n_blocks: int, gathers: bool = True) -> ReshardPlan:
+    def of(cls, policy: str, n_blocks: int, gathers: bool = True) -> ReshardPolicy:
         """The plan of `policy`; `gathers=False` (pure replication) frees nothing."""
         if policy == "never" or not gathers:
             return cls((False,) * n_blocks, False)

@@ -3,7 +3,7 @@
 The last phase of the order (`parallelize.py`), after activation checkpointing and compilation: SimpleFSDP
 (`simple_fsdp.data_parallel`, its eager reshard-after-forward `eager_reshard.apply_reshard`) or FSDP2
 (`fsdp2.apply_fsdp2`, `parallelism.dp_impl`), with the configured mixed precision and the model's one
-reshard plan (`reshard.ReshardPlan`, which the compiled graphs' recompute tags read too). The modules the
+reshard policy (`reshard.ReshardPolicy`, which the compiled graphs' recompute tags read too). The modules the
 model phase placed on a mesh of their own (expert parallelism's experts) are sharded there.
 
 Its rules are the mesh's (`ParallelDims`). Its step policies (`StepPolicies`) are the gradient reduction's
@@ -31,7 +31,7 @@ def _rules(cfg: JobConfig, dims: ParallelDims, spec: Any, args: Any) -> None:
 
 
 def _apply(a: ApplyArgs) -> dict[nn.Module, Any]:
-    """SimpleFSDP or FSDP2 with the configured mixed precision and the reshard plan (`a.reshard`); `a.own`:
+    """SimpleFSDP or FSDP2 with the configured mixed precision and the reshard policy (`a.reshard`); `a.own`:
     the modules on a mesh of their own."""
     # Imported here, where ranks build their model: the run plan imports the order in the launcher, before
     # any rank, which imports neither DTensor nor FSDP2.

@@ -215,4 +215,4 @@ UNIT = ParallelismUnit(
     name="expert", on=_on, rules=when_on(_on, check_expert_parallel), apply=_apply, graph_break=dispatches
 )
 """Expert parallelism as one unit (`parallelism.ParallelismUnit`); its all-to-alls are not in the step-time
-model, and their buffers are the family's activation model's (`models/qwen3_moe/memory.py`)."""
+model, and their buffers are the family's activation model's (`models/qwen3_moe/activations.py`)."""

@@ -150,7 +150,7 @@ def layer_filter(filter_fqns: list[str], recipe: str) -> Callable[[nn.Module, st
 
 def converted_weights(model: nn.Module) -> frozenset[str]:
     """The names of the weights of `model`'s float8 layers: those `apply_float8` converted (`layer_filter`
-    chose them), read from the model so that the memory plans count exactly what a run gathers in float8
+    chose them), read from the model so that the memory estimates count exactly what a run gathers in float8
     (`float8.all_gather`)."""
     from torchao.float8.float8_linear import Float8Linear  # imported by apply_float8 already
 
@@ -259,5 +259,5 @@ UNIT = ParallelismUnit(
     step_hook=lambda dims: Float8Refresh(),
     compile_options=inductor_config,
 )
-"""Float8 training as one unit (`parallelism.ParallelismUnit`): its memory is the memory plan's
+"""Float8 training as one unit (`parallelism.ParallelismUnit`): its memory is the memory estimate's
 (`Layout.float8_gather`, `converted_weights`)."""

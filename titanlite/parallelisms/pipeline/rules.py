@@ -1,8 +1,8 @@
 """What pipeline parallelism needs from the other keys and the model family, checked before any rank starts.
 
 With pipeline_parallel_degree > 1: no validation, a causal mask, untied embeddings, a family's extra loss
-term that crosses stages, and the reductions and compilation its schedule can run; the stage plan's own
-rules are `StagePlan.of`'s. With degree 1, none of its keys is set.
+term that crosses stages, and the reductions and compilation its schedule can run; the stage layout's own
+rules are `StageLayout.of`'s. With degree 1, none of its keys is set.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Pipeline parallelism: the model cut into stages along its blocks, run by torch.distributed.pipelining.
 
-    StagePlan.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
+    StageLayout.of(cfg.parallelism, n_blocks, local_batch)   stages, their blocks, microbatches: checked
     keep_stage(model, units, plan, stage)                   on the meta device: delete what a stage lacks
     PipelineRunner(plan, parts, dims, device, context, backwards)   PipelineStages + torch's schedule
 
 A stage is the whole model with the other stages' blocks deleted, so parameter names do not change and
-initialisation, checkpoints and every per-stage plan work as on one process. Each microbatch's loss is divided
+initialisation, checkpoints and every per-stage layout work as on one process. Each microbatch's loss is divided
 by (microbatches x accumulation batches) inside the step's `StepContext`, so the summed gradient is that of the
 mean over the rank's batch (torch's `scale_grads` is off); the step's reduction policy spans all microbatches.
 Stages, schedules, data and checks: docs/parallelism.md#pipeline-parallelism.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # torch.distributed.pipelining is imported when a pipeline is built: importing it pulls in Dynamo
 # (~0.4 s per process), which runs without pipeline parallelism should not pay. The runner's step
 # (DTensor, through the step context and clipping) is imported where it runs: the run plan's
-# `StagePlan` is built by the launcher's preflight, which imports no DTensor.
+# `StageLayout` is built by the launcher's preflight, which imports no DTensor.
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 """Schedules of one stage per rank (torch.distributed.pipelining class names)."""
 MULTI_STAGE = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
@@ -42,7 +42,7 @@ MULTI_STAGE = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "InterleavedZeroBub
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageLayout:
     """Which blocks each stage holds, which stages each pipeline rank runs, and the microbatches."""
 
     degree: int
@@ -56,7 +56,7 @@ class StagePlan:
     """Microbatches per schedule step: the local batch over the microbatch size."""
 
     @classmethod
-    def of(cls, p: Parallelism, n_blocks: int, local_batch: int) -> StagePlan:
+    def of(cls, p: Parallelism, n_blocks: int, local_batch: int) -> StageLayout:
         """The plan of config section `parallelism` (`p`) for a model of `n_blocks` blocks; a plan torch's
         schedule cannot run is a `ConfigError`."""
         pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
@@ -196,7 +196,7 @@ def balanced_starts(n_blocks: int, n_stages: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def keep_stage(model: nn.Module, units: Units, plan: StagePlan, stage: int) -> None:
+def keep_stage(model: nn.Module, units: Units, plan: StageLayout, stage: int) -> None:
     """Reduce `model` (on the meta device) to stage `stage`: the other blocks are deleted from their
     container, the embedding (`units.before`) is kept on the first stage only and the norm and output
     (`units.after`) on the last only. Names of what remains are unchanged."""
@@ -242,7 +242,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        plan: StagePlan,
+        plan: StageLayout,
         parts: dict[int, nn.Module],
         dims: ParallelDims,
         device: torch.device,
@@ -323,8 +323,8 @@ class PipelineRunner:
         raise NotImplementedError("validation with pipeline parallelism")
 
 
-def _plan(cfg: JobConfig, dims: ParallelDims, args: Any) -> StagePlan:
-    return StagePlan.of(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
+def _plan(cfg: JobConfig, dims: ParallelDims, args: Any) -> StageLayout:
+    return StageLayout.of(cfg.parallelism, args.n_layers, cfg.training.local_batch_size)
 
 
 def _apply(a: ApplyArgs) -> dict:

@@ -1,6 +1,6 @@
 """Tensor parallelism from a family's plan: which module is split how, as data the framework applies.
 
-A family states its plan as a `TensorParallelPlan` (torch's `ParallelStyle`s by module name, for the
+A family states its plan as a `TensorParallelStyles` (torch's `ParallelStyle`s by module name, for the
 root modules and for every block alike); `apply_tp` applies it with `parallelize_module`. The family
 never calls torch's tensor-parallel API itself, so the order of the parallelisms stays in one place
 (`parallelize.py`) and a family without a plan is refused with a tensor-parallel degree above one.
@@ -27,23 +27,23 @@ if TYPE_CHECKING:  # DTensor is imported where a plan is applied: the run plan r
 
 
 @dataclass(frozen=True)
-class TensorParallelPlan:
+class TensorParallelStyles:
     """One model's tensor-parallel layout: module name -> torch `ParallelStyle`."""
 
     roots: dict[str, ParallelStyle]
-    """Root modules (`Units.before`/`after`), by name; a pipeline stage plans only those it holds."""
+    """Root modules (`Units.before`/`after`), by name; a pipeline stage layouts only those it holds."""
     block: dict[str, ParallelStyle]
     """Submodules of one block, by name relative to the block; the same plan for every block (an entry
     naming a module a block does not have is skipped there: a MoE family's dense and MoE blocks share
     one plan)."""
 
 
-TensorParallelPlanFn = Callable[[bool], TensorParallelPlan]
+TensorParallelStylesFn = Callable[[bool], TensorParallelStyles]
 """A family's plan, given `loss_parallel` (True: the output projection keeps its logits vocab-sharded,
 for a loss run under `torch.distributed.tensor.parallel.loss_parallel`)."""
 
 
-def apply_tp(model: nn.Module, units: Units, plan: TensorParallelPlan, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: nn.Module, units: Units, plan: TensorParallelStyles, tp_mesh: DeviceMesh) -> None:
     """Split `model`'s modules over `tp_mesh` as `plan` says, in place. Root modules a pipeline stage
     does not hold (set to None) are skipped."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -69,8 +69,8 @@ def check_tensor_parallel(cfg: JobConfig, dims: ParallelDims, spec: Any, args: A
     `ParallelDims`): a family with a plan, and a sequence its ranks split evenly (sequence parallelism holds
     the hidden states between the blocks sequence-sharded, and pipeline stages pass them so; an uneven split
     ends in the collectives' size mismatch on a rank)."""
-    if spec.parallel.tp_plan is None:
-        raise ConfigError(f"model {cfg.model.name} has no tensor-parallel plan: set tensor_parallel_degree 1")
+    if spec.parallel.tp_styles is None:
+        raise ConfigError(f"model {cfg.model.name} has no tensor-parallel styles: set tensor_parallel_degree 1")
     seq_len = cfg.training.seq_len
     local = seq_len // dims.cp  # the positions a rank holds (context parallelism's own rule: cp divides)
     if dims.tp_enabled and local % dims.tp:
@@ -100,9 +100,9 @@ def step_time(work: StageWork) -> float:
 
 def _apply(a: ApplyArgs) -> dict:
     """First: it replaces parameters with DTensors on the tp mesh, which data parallelism shards further."""
-    assert a.tp_plan is not None, "RunPlan.build refuses tensor parallelism for a family without a plan"
+    assert a.tp_styles is not None, "RunPlan.build refuses tensor parallelism for a family without TP styles"
     assert a.dims.tp_mesh is not None
-    apply_tp(a.model, a.units, a.tp_plan(a.dims.loss_parallel), a.dims.tp_mesh)
+    apply_tp(a.model, a.units, a.tp_styles(a.dims.loss_parallel), a.dims.tp_mesh)
     return {}
 
 
