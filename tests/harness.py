@@ -83,7 +83,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     # torch's compile cache (importing torch._dynamo creates it) is the one of the test process's temp
     # folder for every launch, as torch's default would make it for that process: a launch given a
-    # TMPDIR of its own leaves there only what the launch itself leaves (tests/test_launcher.py).
+    # TMPDIR of its own leaves there only what the launch itself leaves (tests/unit/launcher/test_launcher.py).
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a crashing child (SIGSEGV in a backend) prints its Python stack

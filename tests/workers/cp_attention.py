@@ -1,8 +1,8 @@
 """Context-parallel attention against plain PyTorch, on the ranks of one cp group.
 
-Run by tests/test_context_parallel.py on 2 ranks (`harness.launch_workers`). Every rank builds the same
-Llama attention (GQA) and the same input; the reference runs it over the whole sequence in one process (no seam); the
-context-parallel copy runs on this rank's head-tail part under its queries' causal mask, with keys and
+Run by tests/unit/parallelisms/test_context_parallel.py on 2 ranks (`harness.launch_workers`). Every rank builds the
+same Llama attention (GQA) and the same input; the reference runs it over the whole sequence in one process (no
+seam); the context-parallel copy runs on this rank's head-tail part under its queries' causal mask, with keys and
 values all-gathered over the world. Rank 0 writes the max abs differences of the output, the input's
 gradient (this rank's part) and the weights' gradients (summed over the ranks, as the data-parallel
 plan's reduction does), and the overlap of the K/V gather and of its gradient's reduce-scatter: the

@@ -1,6 +1,6 @@
 """Expert-parallel dispatch and combine against plain PyTorch, on the ranks of one ep group.
 
-Run by tests/test_expert_parallel.py on 2 ranks (`harness.launch_workers`). Every rank builds the same
+Run by tests/unit/parallelisms/test_expert_parallel.py on 2 ranks (`harness.launch_workers`). Every rank builds the same
 Qwen3-MoE layer and every rank's input; the reference runs the layer over all ranks' tokens in one process
 (no seam), its loss the sum over the ranks of each rank's output against its own output gradient; the
 expert-parallel copy holds num_experts / ep experts and runs this rank's tokens only. Compared (max abs

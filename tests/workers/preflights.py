@@ -1,4 +1,4 @@
-"""The run_train.sh checks of many command lines in one process (tests/test_doc_commands.py).
+"""The run_train.sh checks of many command lines in one process (tests/project/test_doc_commands.py).
 
 `python tests/workers/preflights.py CHECKS.json`, where CHECKS.json is a list of {"argv": [...], "world":
 N, "how": "preflight" | "config"}: `preflight` runs `titanlite.launcher.preflight.preflight(argv, N)`, the checks

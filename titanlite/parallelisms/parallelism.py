@@ -13,7 +13,8 @@
                 `comm_words` name its mesh group and that term
 
 A parallelism is its folder with this unit, its setting and its place in the order; the plan, the build and
-the step name none of them (`tests/test_parallelism_unit.py` lists who else imports each folder, and why).
+the step name none of them (`tests/unit/parallelisms/test_parallelism_unit.py` lists who else imports each
+folder, and why).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ usage: python -m titanlite.tools.generate [--config FILE] [--checkpoint DIR | --
 Prints the prompt and its continuation on stdout; on stderr, the weights it loaded (`loaded
 <dump_folder>/checkpoint/step-N`, or the Hugging Face folder) and the speed. The prompt runs through the
 model once, then each new token alone against a KV cache of the keys and values so far (the model's
-`new_cache`; the same tokens as recomputing the whole sequence, tests/test_generate.py). Runs on the first
+`new_cache`; the same tokens as recomputing the whole sequence, tests/unit/tools/test_generate.py). Runs on the first
 CUDA device if there is one, else on the CPU, in float32. On CPU, one token at a time is a chain of small
 matmuls: threads on cores that other work occupies wait for each other at every one of them (on a busy
 2-core machine the debug model made 20 tokens/s with 2 threads, 314 with 1), hence the default.
@@ -80,7 +80,7 @@ def generate(
 
     With `cache` (a model that has `new_cache`, and `use_cache`) the prompt runs once and each new token
     runs alone against the cached keys and values; without, every token runs the model over the whole
-    sequence so far. Both give the same tokens (tests/test_generate.py)."""
+    sequence so far. Both give the same tokens (tests/unit/tools/test_generate.py)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([ids], device=device)
     cache = model.new_cache(1, len(ids) + max_new_tokens) if use_cache and hasattr(model, "new_cache") else None

@@ -2,7 +2,7 @@
 (`titanlite/planning/memory.py`).
 
 Per token of one microbatch, what autograd saves with the eager kernels, measured op by op on this model
-(tests/test_dry_run.py): the norms' fp32 copies, q, k, v and the SDPA output, four FFN-wide tensors for
+(tests/unit/planning/test_dry_run.py): the norms' fp32 copies, q, k, v and the SDPA output, four FFN-wide tensors for
 SwiGLU, the logits and the loss's fp32 buffers. Tensor parallelism divides the heads, the FFN and (with
 sequence parallelism) the norms by tp; context parallelism divides every per-token part by cp and adds the
 gathered keys and values. The peak is the larger of the start of backward and the last block's backward;

@@ -4,7 +4,7 @@ outside, or stuck in Python) caught by the launcher's watchdog, non-finite losse
 Faults come from the test-only TITANLITE_FAULT_* environment variables (titanlite/faults.py).
 Runs use the debug model cut to 2 blocks, with seq_len 64 and metrics every step, so each is a few seconds.
 The goodput ledger of these launches (the line, metrics and parts against each launch's wall time) is
-checked here too; the ledger's own logic with the clock given is tests/test_goodput.py's.
+checked here too; the ledger's own logic with the clock given is tests/unit/metrics/test_goodput.py's.
 """
 
 from __future__ import annotations

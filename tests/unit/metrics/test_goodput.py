@@ -1,6 +1,6 @@
 """The goodput ledger (titanlite/metrics/goodput.py) with the clock given: rank 0's interval
 (goodput_clock.py), the launcher's rows (launcher/launch_ledger.py), a kill in the middle of a row, and
-the line. The launches that fail and restart are in tests/test_resilience.py."""
+the line. The launches that fail and restart are in tests/runs/test_resilience.py."""
 
 from __future__ import annotations
 

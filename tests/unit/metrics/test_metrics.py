@@ -114,7 +114,7 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
         legacy.Reload()
     assert not [r for r in caplog.records if r.name.startswith("tensorboard")], caplog.text
     for m in METRICS:
-        if not m.cuda_only and not m.family and not m.straggler:  # a family's: tests/test_qwen3_moe.py
+        if not m.cuda_only and not m.family and not m.straggler:  # a family's: tests/unit/models/test_qwen3_moe.py
             meta = legacy.SummaryMetadata(m.tag)
             assert (meta.plugin_data.plugin_name, meta.display_name) == ("scalars", m.display_name)
             assert meta.summary_description == m.description
@@ -134,7 +134,7 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
     assert board.scalars["throughput/mfu_pct"].values[0][1] == pytest.approx(100 * 512 * 1e6 / 0.25 / 1e12 / 0.5)
     assert board.layout["loss"]["Training loss (nats/token)"] == ["loss/loss"]
     # docs/metrics.md describes the dashboards as this reader prints them.
-    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "metrics.md").read_text()
     assert "```\n" + describe(board) + "\n```" in page
     # The old metrics.jsonl keys still read the same values (for one release).
     assert all(r["mfu"] == r["mfu_pct"] and r["data_time_pct"] == r["data_pct"] for r in records)

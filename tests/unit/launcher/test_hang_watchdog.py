@@ -1,6 +1,6 @@
 """The hang watchdog's window (titanlite/launcher/hang_watchdog.py) over the progress files ranks write
 (titanlite/run/progress.py), with the clock given: when it is armed, how it stretches with slow
-steps and during saves, and the line it prints. The launches that hang are in tests/test_resilience.py."""
+steps and during saves, and the line it prints. The launches that hang are in tests/runs/test_resilience.py."""
 
 from __future__ import annotations
 

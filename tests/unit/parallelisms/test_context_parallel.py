@@ -3,12 +3,12 @@ run_train.sh against one process, with checkpoints resumed across cp degrees.
 
 The layouts' parity through the trainer's step (cp2 with FSDP2, AC, accumulation, block_causal, bf16,
 compile; cp2 x dp_shard2, x dp_replicate2, x tp2, pp2 x cp2 (x tp2)) and its negative control are in
-tests/test_parallel_parity.py. Through run_train.sh this module runs what only the command line
+tests/runs/test_parallel_parity.py. Through run_train.sh this module runs what only the command line
 proves: cp2 against one process with checkpoints and validation, one composed 4-rank layout (cp2 x
 dp_shard2: the loader's data-parallel ranks each shared by two cp ranks), and checkpoints resumed on the
 same and on other cp degrees. The other layouts are checked in-process only: block_causal, bf16 (within
 1e-3 of bf16 dp_shard2), compiled with bucketing, cp2 x tp2 and pp2 x cp2 in
-tests/test_parallel_parity.py.
+tests/runs/test_parallel_parity.py.
 
 CLI runs: the debug model cut to 2 blocks, seq_len 64, global batch 4, 4 steps, a checkpoint at step 2. Tolerances: fp32
 layouts agree within the harness's relative 1e-5; a resume on its own layout is bitwise.
@@ -63,7 +63,7 @@ LAYOUTS = {
     "cp2_dp_shard2": (4, "2", [*CP2, "--parallelism.data_parallel_shard_degree", "2"]),
 }
 # (source run, layout it resumes on): a cp2 checkpoint on cp2 (bitwise) and on dp2, a one-process
-# checkpoint on cp2. A checkpoint of 2 ranks resumed by one process is tests/test_checkpoint_resume.py's
+# checkpoint on cp2. A checkpoint of 2 ranks resumed by one process is tests/runs/test_checkpoint_resume.py's
 # (pp2 x dp2 to one process).
 RESUMES = [("cp2", "cp2"), ("cp2", "dp2"), ("single", "cp2")]
 

@@ -386,7 +386,7 @@ CASES_2 = [
     *FULL_AC_COMPILED,
     *FULL_AC_PREFETCH,
 ]
-# dp x tp with compiled blocks runs in the 4-rank launch of tests/test_parallel_parity.py.
+# dp x tp with compiled blocks runs in the 4-rank launch of tests/runs/test_parallel_parity.py.
 # bf16 parameters / fp32 reduction (the GPU recipe) under each bucketing mode, against eager SimpleFSDP in
 # the same precision (bf16 rounding makes the fp32 reference unreachable). Same launch as CASES_2.
 BF16 = f"{SHARD2} --training.mixed_precision_param bfloat16 --training.mixed_precision_reduce float32"

@@ -15,7 +15,7 @@ import pytest
 
 from titanlite import torch_support
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLDEST, NEWEST = torch_support.name(torch_support.OLDEST), torch_support.name(torch_support.NEWEST)
 
 

@@ -3,9 +3,10 @@ without torchrun, equal to 2 processes, whose metrics and TensorBoard events are
 preflight's one-line refusals.
 
 Layout parity through the command line is checked where a layout's own runs are: dp2 x tp2, FSDP2 (dp4)
-and pipeline stages (pp2 x dp2) resumed from a dp2 checkpoint in tests/test_checkpoint_resume.py (within
+and pipeline stages (pp2 x dp2) resumed from a dp2 checkpoint in tests/runs/test_checkpoint_resume.py (within
 1e-5 of the uninterrupted dp2 run), cp2 and cp2 x dp_shard2 against one process in
-tests/test_context_parallel.py; every layout through the trainer's step in tests/test_parallel_parity.py.
+tests/unit/parallelisms/test_context_parallel.py; every layout through the trainer's step in
+tests/runs/test_parallel_parity.py.
 """
 
 from __future__ import annotations

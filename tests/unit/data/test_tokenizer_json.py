@@ -164,7 +164,7 @@ def test_a_resume_compares_the_tokenizer_files(bundled, tmp_path, process_group)
     """As for a tiktoken file, a resume with other tokenizer files stops in one line, even with the tiktoken
     file this tokenizer.json was made from (the fingerprint is the files, not the ids; the same files
     elsewhere have the same one: `test_the_fingerprint_covers_the_config`)."""
-    from test_checkpoint import Run
+    from checkpointed_run import Run
 
     first = Run(tmp_path / "run", over={"model.tokenizer_path": bundled[1].path})
     first.train(1, 1)

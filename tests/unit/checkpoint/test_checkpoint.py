@@ -25,72 +25,24 @@ from pathlib import Path
 import pytest
 import torch
 from builders import config, loader
+from checkpointed_run import ARGS, LBS, TOK, Run, full_state
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.tensor import DTensor
 
-from harness import ROOT, child_env, tiny_args
+from harness import ROOT, child_env
 from titanlite.checkpoint import folders, lineage, lock, purge, rank_state
 from titanlite.checkpoint.hf import export_hf
 from titanlite.checkpoint.manager import CheckpointManager
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DumpFolderInUse, run_cli
 from titanlite.launcher import preflight
 from titanlite.models.llama3 import SPEC, ModelArgs
 from titanlite.parallelisms.parallel_dims import WorldLayout
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.optimizer import lr_factor
-from titanlite.run.trainer import Trainer
-
-TOK = build_tokenizer(None)
-SEQ, LBS = 8, 2
-ARGS = tiny_args(n_layers=2, vocab_size=TOK.n_words)
 
 
 @pytest.fixture(autouse=True)
 def _process_group(process_group):
     """Each test runs as a single-process run does: in a one-rank process group."""
-
-
-class Run:
-    """A trainer of the tiny model (one process), stepped by the shipped `Trainer.train_step` and saved
-    after each step as the trainer's loop does."""
-
-    def __init__(self, dump: Path, args: ModelArgs = ARGS, seed: int = 0, over: dict | None = None, **ckpt):
-        """`ckpt`: checkpoint keys; `over`: any other `section.key` values."""
-        cfg = config(
-            dump,
-            {"training__seq_len": SEQ, "training__local_batch_size": LBS, "training__steps": 20},
-            {"training__seed": seed, "checkpoint__enable": True, "checkpoint__interval": 1},
-            {f"checkpoint__{key}": value for key, value in ckpt.items()},
-            {key.replace(".", "__"): value for key, value in (over or {}).items()},
-        )
-        self.cfg = cfg
-        self.trainer = Trainer(cfg, RunPlan.build(cfg, 1, args=args))
-        self.model, self.sched, self.loader = self.trainer.model, self.trainer.lr_scheduler, self.trainer.dataloader
-        self.ckpt = self.trainer.checkpointer
-        self.data = None
-
-    def train(self, first: int, last: int) -> list[float]:
-        """Steps first..last (1-based), saving after each as the Trainer does; returns the losses."""
-        if self.data is None:
-            self.data = iter(self.loader)
-        losses = []
-        for step in range(first, last + 1):
-            self.trainer.step = step
-            loss, _ = self.trainer.train_step([next(self.data)])
-            losses.append(loss.item())
-            self.ckpt.save(step, last_step=step == 20)
-        return losses
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return full_state(self.model)
-
-
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict as plain tensors (SimpleFSDP holds DTensor shards, here on one rank)."""
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
-    }
 
 
 def root(dump: Path) -> Path:
@@ -250,7 +202,7 @@ def test_pruning_deletes_in_the_background_one_at_a_time_and_close_waits_for_it(
 def test_a_stop_signal_while_the_run_waits_for_a_deletion_ends_the_wait(tmp_path, monkeypatch, caplog):
     """A run that finished waits for its deletions; a stop signal then (the launcher kills ranks still
     running after comm.stop_grace_seconds) ends the wait: the folder stays retired for the next run,
-    said in one line. (A stop signal before the wait: tests/test_checkpoint_faults.py.)"""
+    said in one line. (A stop signal before the wait: tests/runs/test_checkpoint_faults.py.)"""
     caplog.set_level(logging.INFO, logger="titanlite")
     release, waiting = threading.Event(), threading.Event()
     monkeypatch.setattr(purge.faults, "slow_purge", lambda path: (waiting.set(), release.wait(60)))

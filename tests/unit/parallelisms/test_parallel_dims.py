@@ -18,7 +18,7 @@ from titanlite.parallelisms.parallel_dims import (
     reset_to_data_parallel,
 )
 
-ROOT = Path(__file__).resolve().parents[1] / "titanlite"
+ROOT = Path(__file__).resolve().parents[3] / "titanlite"
 DEGREE_NAMES = {"cp", "tp", "ep", "pp", "efsdp"}
 """The degrees by their dim names: a variable so named holds one."""
 DEGREE_ATTRIBUTES = {

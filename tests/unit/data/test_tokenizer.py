@@ -17,7 +17,7 @@ from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.tools.build_tokenizer import BPETrainer, count_pretokens, write_tiktoken
 
-CORPUS = Path(__file__).resolve().parents[1] / "titanlite" / "data" / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "titanlite" / "data" / "corpus"
 
 
 @pytest.fixture(scope="module")

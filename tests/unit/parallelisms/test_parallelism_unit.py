@@ -29,7 +29,7 @@ from titanlite.planning.memory import StepChoice
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run import build
 
-PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
+PACKAGE = Path(__file__).resolve().parents[3] / "titanlite"
 
 
 @dataclass(frozen=True)

@@ -152,21 +152,31 @@ def documented_commands() -> list[Command]:
 
 
 # First match wins; the last rules are the defaults for what a page adds later.
-DRY_RUNS = "tests/test_dry_run.py plans every shipped config at its world, in one process"
-PLANS = "a search of 10 s to a minute; tests/test_layout_search.py searches through run_train.sh"
+DRY_RUNS = "tests/unit/planning/test_dry_run.py plans every shipped config at its world, in one process"
+PLANS = "a search of 10 s to a minute; tests/unit/planning/test_layout_search.py searches through run_train.sh"
 RULES: list[Rule] = [
     Rule(r"^\./run_tests\.sh", "listed", "the suite itself, which runs this test"),
-    Rule(r"scripts/gpu_smoke\.sh", "listed", "one GPU; its CPU form runs in tests/test_gpu_smoke.py"),
-    Rule(r"^(\w+=\S+ )?scripts/gpu_check\.sh", "listed", "one GPU; its CPU form runs in tests/test_launch.py"),
-    Rule(r"^sbatch ", "listed", "needs SLURM; tests/test_launch.py runs the script's launch line"),
-    Rule(r"pip freeze|scripts/wheelhouse\.sh", "listed", "two machines, one offline; tests/test_setup.py: wheelhouses"),
-    Rule(r"benchmarks/", "listed", "a measurement that takes minutes"),
-    Rule(r"-m titanlite\.tools\.(calibration|reconciliation)$", "listed", "tests/test_calibration.py: the tables"),
+    Rule(r"scripts/gpu_smoke\.sh", "listed", "one GPU; its CPU form runs in tests/project/test_gpu_smoke.py"),
+    Rule(r"^(\w+=\S+ )?scripts/gpu_check\.sh", "listed", "one GPU; its CPU form runs in tests/runs/test_launch.py"),
+    Rule(r"^sbatch ", "listed", "needs SLURM; tests/runs/test_launch.py runs the script's launch line"),
     Rule(
-        r"-m titanlite\.tools\.tokenize --config CONFIG", "listed", "placeholders; tests/test_token_shards.py runs it"
+        r"pip freeze|scripts/wheelhouse\.sh",
+        "listed",
+        "two machines, one offline; tests/project/test_setup.py: wheelhouses",
     ),
-    # TorchTitan's published runs as the reconciliation plans them (tests/test_calibration.py: the block is
-    # `reconciliation.commands()`, their memory its table's).
+    Rule(r"benchmarks/", "listed", "a measurement that takes minutes"),
+    Rule(
+        r"-m titanlite\.tools\.(calibration|reconciliation)$",
+        "listed",
+        "tests/unit/planning/test_calibration.py: the tables",
+    ),
+    Rule(
+        r"-m titanlite\.tools\.tokenize --config CONFIG",
+        "listed",
+        "placeholders; tests/unit/data/test_token_shards.py runs it",
+    ),
+    # TorchTitan's published runs as the reconciliation plans them (tests/unit/planning/test_calibration.py: the
+    # block is `reconciliation.commands()`, their memory its table's).
     Rule(r"--comm\.fake_gpu_memory_gib 95 --parallelism\.dp_impl fsdp2", "config", "17 dry runs of 8B-405B"),
     # The newcomer's first run and one run of each model family with checkpoints, trained for real (two
     # steps), then the tools on what they wrote.
