@@ -20,45 +20,13 @@ from typing import Any, Literal, get_args, get_origin
 from titanlite.checkpoint.config import Checkpoint
 from titanlite.compile.config import Compile
 from titanlite.config.ranges import NON_NEGATIVE, POSITIVE, TIMEOUT, DtypeName, _range
-from titanlite.data.config import SOURCE_NAME, DatasetSource
+from titanlite.data.config import SOURCE_NAME, DatasetSource  # noqa: F401  SOURCE_NAME: loading reads it here
 from titanlite.metrics.config import Metrics, Profiling
 from titanlite.models.config import Model
 from titanlite.parallelisms.config import ActivationCheckpoint, Parallelism
 from titanlite.parallelisms.float8.config import Float8
-from titanlite.parallelisms.pipeline.config import SPLIT_BACKWARD_SCHEDULES
-from titanlite.planning.config import GpuName, LayoutSearch
+from titanlite.planning.config import LayoutSearch
 from titanlite.run.config import LRScheduler, Optimizer, Validation
-
-__all__ = [
-    "CHOICES",
-    "DEFAULT_CONFIG",
-    "FIELD_TYPES",
-    "SECTION_TYPES",
-    "SOURCE_NAME",
-    "SPLIT_BACKWARD_SCHEDULES",
-    "ActivationCheckpoint",
-    "Checkpoint",
-    "Comm",
-    "Compile",
-    "DatasetSource",
-    "DtypeName",
-    "Float8",
-    "GpuName",
-    "Job",
-    "JobConfig",
-    "LRScheduler",
-    "LayoutSearch",
-    "Metrics",
-    "Model",
-    "Optimizer",
-    "Parallelism",
-    "Profiling",
-    "Training",
-    "Validation",
-    "all_keys",
-    "sections",
-    "shape_fields",
-]
 
 DEFAULT_CONFIG = "train_configs/debug_model.toml"
 """The config of a run started without `--config` (relative to the working directory, the checkout)."""

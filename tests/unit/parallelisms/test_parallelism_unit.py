@@ -123,8 +123,9 @@ SECTION = "parallelisms/config.py"
 FOOTPRINT = {
     "float8": {
         ORDER,
-        # The schema's list of sections composes its section (`float8/config.py`).
+        # The schema's list of sections composes its section (`float8/config.py`), which the config exports.
         "config/schema.py",
+        "config/__init__.py",
         # The memory estimates count the weights gathered in float8 (`converted_weights`).
         "planning/memory.py",
         "planning/layout_memory.py",
@@ -137,9 +138,9 @@ FOOTPRINT = {
     "pipeline": {
         ORDER,
         SECTION,
-        # The schema lists the schedules that split the weight backward (`SPLIT_BACKWARD_SCHEDULES`), under
+        # The config exports the schedules that split the weight backward (`SPLIT_BACKWARD_SCHEDULES`), under
         # which SimpleFSDP's gradient reduction runs per microbatch.
-        "config/schema.py",
+        "config/__init__.py",
         # The layout space enumerates the schedules (`SINGLE_STAGE`, `MULTI_STAGE`).
         "planning/layout_space.py",
         # The dry run plans a rank's stages as one module (`StageUnion`).
