@@ -49,7 +49,12 @@ def run_rank(rank: int, nproc: int, port_pipe: int, run_id: str, script: str, ar
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    # As torchrun puts the script's folder first; the tests' helpers (harness, builders) follow, for a test
+    # module under tests/unit/ or tests/runs/ that is its own worker.
+    sys.path[0:1] = [
+        os.path.dirname(os.path.abspath(script)),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ]
     try:
         runpy.run_path(script, run_name="__main__")
         return 0
