@@ -220,7 +220,7 @@ def test_reshard_dp2_to_dp2_tp2(reference, runs):
     _assert_close(losses(run), losses(reference), INTERVAL + 1)
     got, expected = val_losses(run)[STEPS], val_losses(reference)[STEPS]
     assert abs(got - expected) <= LOSS_REL * expected, (got, expected)
-    # One reader per replica (parallelisms/data_parallel/replica_batches.py): the tp rank 1s received their batches and
+    # One reader per replica (run/replica_batches.py): the tp rank 1s received their batches and
     # never advanced their own loaders past the resumed step.
     saved = [rank_state.read(checkpoint(run) / f"step-{STEPS}", r)["dataloader"]["step"] for r in range(4)]
     assert saved == [STEPS, INTERVAL, STEPS, INTERVAL]

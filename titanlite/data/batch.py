@@ -9,7 +9,7 @@ value a stream produces does not depend on where windows, batches or resumes cut
 offset in its tokenized document, which the loader's state records). The model reads positions only
 under `model.attn_mask_type = "block_causal"` (RoPE angles, and the document mask derived from them in
 `titanlite/models/common/attention.py`); otherwise they cost one more [b, s] int64 per microbatch on the host
-(and in the broadcast of a replica's batch, `parallelisms/data_parallel/replica_batches.py`), never a device copy.
+(and in the broadcast of a replica's batch, `run/replica_batches.py`), never a device copy.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from titanlite.metrics.goodput_clock import GoodputClock
 from titanlite.metrics.profiling import Profiler
 from titanlite.metrics.runs import layout_label
 from titanlite.metrics.straggler import StragglerMeter
-from titanlite.parallelisms.data_parallel.replica_batches import replica_batches
 from titanlite.parallelisms.step_context import StepContext
 from titanlite.planning.run_plan import RunPlan, describe_shape
 from titanlite.run import socket_interfaces
@@ -47,6 +46,7 @@ from titanlite.run.optimizer import build_lr_scheduler, build_optimizer
 from titanlite.run.progress import Progress
 from titanlite.run.rank_exit import LAUNCHER_PID_ENV
 from titanlite.run.rank_logging import init_logging
+from titanlite.run.replica_batches import replica_batches
 from titanlite.run.resilience import StepVerdict, agree, stop_agreed
 from titanlite.run.signals import Preemption
 from titanlite.run.validation import Validator

@@ -45,8 +45,8 @@ from titanlite.parallelisms.context_parallel.unit import (
     shard_sequence,
     unshard_sequence,
 )
-from titanlite.parallelisms.data_parallel.replica_batches import replica_ranks
 from titanlite.planning.run_plan import RunPlan
+from titanlite.run.replica_batches import replica_ranks
 
 STEPS, SAVE_AT = 4, 2
 CP2 = ["--parallelism.context_parallel_degree", "2"]

@@ -157,9 +157,8 @@ FOOTPRINT = {
         "parallelisms/step_context.py",
         # The reshard policy and the unreduced gradients' bucket the memory estimate counts (`REDUCE_BUCKET_BYTES`).
         "planning/memory.py",
-        # The dry run's reshard policy, a replica's batches in the trainer, the checkpoint's sharded views.
+        # The dry run's reshard policy, the checkpoint's sharded views.
         "tools/dry_run.py",
-        "run/trainer.py",
         "checkpoint/weights.py",
         # SimpleFSDP's states, gathers and reshard policy, which the compiler's passes bucket and its prefetch installs.
         "compile/compiler.py",

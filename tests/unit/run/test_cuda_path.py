@@ -27,11 +27,11 @@ from titanlite.data.batch import Batch
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import preflight
 from titanlite.models.common.init import InitSpec, init_parameter_, init_parameters_
-from titanlite.parallelisms.data_parallel.replica_batches import replica_batches
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.build import CUDA_ALLOC_CONF, init_device, prepare_flight_recorder
 from titanlite.run.loader import build_loader, loader_workers
+from titanlite.run.replica_batches import replica_batches
 from titanlite.run.trainer import Trainer
 from titanlite.tools.dry_run import fake_process_group
 from titanlite.tools.visible_gpus import visible_gpus

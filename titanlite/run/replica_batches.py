@@ -1,5 +1,6 @@
-"""One reader per data-parallel replica: the ranks of a replica (its tensor- and pipeline-parallel ranks)
-train on the same batches, so only its first rank reads them and the others receive them.
+"""A rank's batches from the run's data loader (`loader.py`), one reader per data-parallel replica: the ranks
+of a replica (its tensor-, context- and pipeline-parallel ranks) train on the same batches, so only its first
+rank reads them and the others receive them. It reads the mesh's coordinates only, no parallelism's state.
 
 Without this every rank of a replica would read and tokenize the same documents: for an `hf://` dataset
 that is the same shards streamed tp x pp times over the network, and for local data the same
