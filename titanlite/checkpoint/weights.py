@@ -34,7 +34,7 @@ from titanlite.checkpoint.hf import configured_model, hf_without_flag, import_hf
 from titanlite.checkpoint.resume_policy import model_change
 from titanlite.config import JobConfig
 from titanlite.errors import CheckpointError
-from titanlite.parallelisms.data_parallel.simple_fsdp import sharded_view
+from titanlite.parallelisms.parallelize import sharded_view
 from titanlite.planning.run_plan import RunPlan
 
 logger = logging.getLogger("titanlite")
@@ -49,9 +49,9 @@ def quiet_single_process_dcp() -> None:
 
 
 def sharded(fn, model, *args, **kwargs):
-    """Call a torch state-dict API on `model` (a module or a list of pipeline parts) with its SimpleFSDP
-    parameters seen as shards (it resolves names by attribute access, which would otherwise all-gather
-    every parameter)."""
+    """Call a torch state-dict API on `model` (a module or a list of pipeline parts) with its parameters
+    seen as stored, SimpleFSDP's as shards (it resolves names by attribute access, which would otherwise
+    all-gather every parameter: `parallelize.sharded_view`)."""
     with sharded_view(model):
         return fn(model, *args, **kwargs)
 

@@ -25,6 +25,7 @@ from titanlite.config import DEFAULT_CONFIG, Checkpoint, JobConfig, load_config
 from titanlite.data.data_source import DataSource
 from titanlite.errors import CheckpointError, ConfigError, run_cli
 from titanlite.metrics import check_wandb
+from titanlite.parallelisms.parallelize import check_device
 from titanlite.planning.run_plan import RunPlan
 from titanlite.run.loader import build_loader, build_validation_loader
 from titanlite.run.socket_interfaces import check as check_socket_interfaces
@@ -139,12 +140,11 @@ def check_run(cfg: JobConfig, world_size: int) -> RunPlan:
     plan = RunPlan.build(cfg, world_size)
     check_socket_interfaces(os.environ)
     check_wandb(cfg.metrics)
-    if cfg.float8.enable and not cfg.checkpoint.create_seed_checkpoint:
+    if not cfg.checkpoint.create_seed_checkpoint:  # a seed checkpoint is built on the host, never on a GPU
         import torch
 
-        from titanlite.parallelisms.float8.unit import check_device
-
-        check_device(cfg, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        check_device(cfg, plan.dims, device)
     check_writable("job.dump_folder", cfg.job.dump_folder)
     ckpt = cfg.checkpoint
     for key, folder in lock.run_folders(cfg.job.dump_folder, ckpt.folder if ckpt.enable else None).items():

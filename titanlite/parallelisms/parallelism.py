@@ -2,11 +2,12 @@
 
     on          `(cfg, dims) -> bool`: whether the run has it (a mesh degree above one, or a config switch)
     rules       `(cfg, dims, spec, args) -> None`, raising one-line `ConfigError`s; the run plan calls it
-                for every unit before any rank starts
+                for every unit before any rank starts; `check_device`: those that need the ranks' device
     apply       `(ApplyArgs) -> own meshes`: applied to the model on the meta device, in its phase of the
                 framework's order (`parallelize.PARALLELISMS`); `gathers` changes how weights are gathered
     step_hook   `(dims) -> StepHook | None`: what it changes in a training step (`step_context.StepContext`)
-    stages      `Stages`: the plan, cut and runner of a parallelism that cuts the model into stages
+    stages      `Stages`: the plan, cut, runner and union of a parallelism that cuts the model into stages
+    sharded_view  `(model) -> context`: the weights it re-parametrizes read as stored (a state dict's view)
     step_policies  `StepPolicies`: which `step_policy.StepPolicy` a run allows and what the chosen one
                 changes in the model, for a parallelism that holds state across a step's backwards
     step_time   `(StageWork) -> seconds`: its exposed collectives, for the step-time model; `group` and
@@ -20,6 +21,7 @@ folder, and why).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -123,6 +125,9 @@ class Stages:
     """`(model, units, plan, stage)`: reduce the model on the meta device to one stage."""
     runner: Callable[..., Any]
     """`(plan, parts, dims, device, context, backwards_per_step)`: the step runner over the rank's stages."""
+    union: Callable[[list[nn.Module]], nn.Module]
+    """`(parts)`: a rank's stages as the one module the rest of the run sees (its runner's `model`, the dry
+    run's): the stage itself, or their union under the model's own parameter names."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,14 @@ class ParallelismUnit:
     graph_break: Callable[[nn.Module], bool] | None = None
     """Whether a block runs this parallelism eagerly inside its forward, which the compiled block then
     compiles around (`parallelize.graph_break`)."""
+    check_device: Callable[[JobConfig, torch.device], None] | None = None
+    """`(cfg, device)`: refuses, in one-line `ConfigError`s, a device the ranks cannot run it on; apart from
+    `rules` since a plan is also made on a machine without that device (the dry run), and called by the
+    launcher's preflight with the ranks' device (`parallelize.check_device`)."""
+    sharded_view: Callable[[nn.Module | list[nn.Module]], AbstractContextManager[None]] | None = None
+    """`(model or parts)`: a context in which attribute access on the weights it re-parametrizes returns them
+    as stored (the shards) instead of computing them, so a state dict reads them without a collective; a
+    model without its parametrization is left as it is (`parallelize.sharded_view`, read by checkpoints)."""
 
 
 def when_on(on: Callable[[JobConfig, ParallelDims], bool], rules: Rules) -> Rules:

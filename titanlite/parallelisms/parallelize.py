@@ -13,9 +13,12 @@ step sits where it does: docs/parallelism.md. A family supplies data only; the m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
 
 from titanlite.config import JobConfig
@@ -108,6 +111,27 @@ def graph_break(block: nn.Module, cfg: JobConfig, dims: ParallelDims) -> bool:
     """Whether `block` runs a parallelism of this mesh eagerly inside its forward (a unit's `graph_break`),
     so its compiled forward is not one full graph."""
     return any(unit.graph_break(block) for unit in enabled(cfg, dims) if unit.graph_break is not None)
+
+
+def check_device(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Every rule of this run's units that needs the ranks' `device` (`ParallelismUnit.check_device`), in
+    the order; raises the first one-line `ConfigError`."""
+    for unit in enabled(cfg, dims):
+        if unit.check_device is not None:
+            unit.check_device(cfg, device)
+
+
+@contextlib.contextmanager
+def sharded_view(model: nn.Module | list[nn.Module]) -> Iterator[None]:
+    """Attribute access on `model` (a module or a rank's pipeline parts) returns the weights as stored, not
+    as any unit of the order re-parametrizes them (`ParallelismUnit.sharded_view`): a state dict then reads
+    the shards without gathering them. Every unit, on or off: a model without its parametrization is left
+    as it is, so a checkpoint needs no config to enter it."""
+    with contextlib.ExitStack() as stack:
+        for unit in _order(None):
+            if unit.sharded_view is not None:
+                stack.enter_context(unit.sharded_view(model))
+        yield
 
 
 class CompilePhase(Protocol):

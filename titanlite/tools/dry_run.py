@@ -37,7 +37,7 @@ from titanlite.errors import ConfigError, exit_now, run_tool
 from titanlite.parallelisms.activation_checkpoint import OP_OPTIONS
 from titanlite.parallelisms.data_parallel.reshard import ReshardPolicy
 from titanlite.parallelisms.layout import Layout
-from titanlite.parallelisms.pipeline.unit import StageUnion
+from titanlite.parallelisms.parallelize import staging
 from titanlite.parallelisms.units import Units
 from titanlite.planning.assumed_vocabulary import build_run_plan
 from titanlite.planning.memory import (
@@ -126,7 +126,8 @@ def dry_run(cfg: JobConfig) -> DryRun:
     layout = plan.layout(step_choice.policy)
     estimates = {r: rank_estimate(plan, parts, layout, r) for r, parts in ranks.items()}
     parts = list(ranks[pp_rank].values())
-    model = parts[0] if len(parts) == 1 else StageUnion(parts)
+    staged = staging(plan.cfg, plan.dims)
+    model = staged.union(parts) if staged is not None else parts[0]
     if layout.ac_mode == "selective" and layout.ac_option in OP_OPTIONS:
         notes.append(selective_op_note(plan, layout))
     pipeline_ranks = list(estimates.values()) if plan.pipeline is not None else []

@@ -10,8 +10,10 @@ reach it through the order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch
 from builders import config
 from torch import nn
 
+from titanlite.checkpoint.weights import sharded
 from titanlite.errors import ConfigError
 from titanlite.launcher.preflight import check_run
 from titanlite.parallelisms import parallelize
@@ -104,6 +107,28 @@ def test_the_step_policies_come_from_a_unit(monkeypatch, process_group, tmp_path
     assert training.step_choice.policy == chosen and applied == [(training.model, chosen)]
 
 
+def test_the_device_rules_and_the_stored_view_come_from_the_units(monkeypatch, tmp_path):
+    """The launcher's check of the ranks' device and a checkpoint's view of the weights as stored reach a
+    unit through the order: a toy that refuses every device and records the models viewed."""
+    viewed: list[nn.Module] = []
+
+    @contextlib.contextmanager
+    def stored(model: nn.Module) -> Iterator[None]:
+        viewed.append(model)
+        yield
+
+    def no_device(cfg, device: torch.device) -> None:
+        raise ConfigError(f"the toy runs on no {device.type}")
+
+    toy = ParallelismUnit("toy", lambda cfg, dims: True, lambda *a: None, lambda a: {})
+    toy = dataclasses.replace(toy, check_device=no_device, sharded_view=stored)
+    monkeypatch.setattr(parallelize, "PARALLELISMS", (*parallelize.PARALLELISMS, toy))
+    with pytest.raises(ConfigError, match="^the toy runs on no (cpu|cuda)$"):
+        check_run(config(tmp_path), 1)
+    model = nn.Linear(2, 3)
+    assert sharded(lambda m: m.weight.shape, model) == (3, 2) and viewed == [model]
+
+
 def _importers(folder: str, package: Path = PACKAGE) -> set[str]:
     """Product files outside the model families and outside `folder` that import
     `titanlite.parallelisms.<folder>`."""
@@ -129,8 +154,6 @@ FOOTPRINT = {
         # The memory estimates count the weights gathered in float8 (`converted_weights`).
         "planning/memory.py",
         "planning/layout_memory.py",
-        # The launcher checks the ranks' device for the recipe (`check_device`).
-        "launcher/preflight.py",
     },
     "tensor_parallel": {ORDER, SECTION},
     "context_parallel": {ORDER, SECTION},
@@ -143,8 +166,6 @@ FOOTPRINT = {
         "config/__init__.py",
         # The layout space enumerates the schedules (`SINGLE_STAGE`, `MULTI_STAGE`).
         "planning/layout_space.py",
-        # The dry run plans a rank's stages as one module (`StageUnion`).
-        "tools/dry_run.py",
     },
     "data_parallel": {
         ORDER,
@@ -157,9 +178,8 @@ FOOTPRINT = {
         "parallelisms/step_context.py",
         # The reshard policy and the unreduced gradients' bucket the memory estimate counts (`REDUCE_BUCKET_BYTES`).
         "planning/memory.py",
-        # The dry run's reshard policy, the checkpoint's sharded views.
+        # The dry run's re-gathers under the prefetcher follow the reshard policy the memory estimate counts.
         "tools/dry_run.py",
-        "checkpoint/weights.py",
         # SimpleFSDP's states, gathers and reshard policy, which the compiler's passes bucket and its prefetch installs.
         "compile/compiler.py",
         "compile/phase.py",

@@ -14,6 +14,7 @@ kept gathers (`kept_gathers.keep_for_step`); the step runs them in the step cont
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
@@ -57,6 +58,14 @@ def _apply(a: ApplyArgs) -> dict[nn.Module, Any]:
     return {}
 
 
+def _sharded_view(model: nn.Module | list[nn.Module]) -> AbstractContextManager[None]:
+    """SimpleFSDP's parameters seen as their shards (`simple_fsdp.sharded_view`); FSDP2's and replication's
+    attribute access reads them as stored already."""
+    from titanlite.parallelisms.data_parallel.simple_fsdp import sharded_view  # DTensor: ranks and tools only
+
+    return sharded_view(model)
+
+
 def _candidates(cfg: JobConfig, dims: ParallelDims, backwards: int) -> tuple[list[StepPolicy], list[str]]:
     """`gradient_reduction.step_candidates` under the mesh's data-parallel mode."""
     return step_candidates(cfg, dims.dp_mode, backwards)
@@ -77,6 +86,7 @@ UNIT = ParallelismUnit(
     apply=_apply,
     phase="data",
     step_policies=StepPolicies(_candidates, _apply_policy),
+    sharded_view=_sharded_view,
 )
 """Data parallelism as one unit (`parallelism.ParallelismUnit`); its collectives' time is the step-time
 model's own term (`planning/data_parallel_time.py`)."""

@@ -258,6 +258,7 @@ UNIT = ParallelismUnit(
     gathers=_gathers,
     step_hook=lambda dims: Float8Refresh(),
     compile_options=inductor_config,
+    check_device=check_device,
 )
 """Float8 training as one unit (`parallelism.ParallelismUnit`): its memory is the memory estimate's
 (`Layout.float8_gather`, `converted_weights`)."""

@@ -232,6 +232,11 @@ class StageUnion(nn.Module):
                     self._modules[name] = child
 
 
+def union(parts: list[nn.Module]) -> nn.Module:
+    """A rank's stages as one module (`Stages.union`): the stage itself, or their `StageUnion`."""
+    return parts[0] if len(parts) == 1 else StageUnion(parts)
+
+
 class PipelineRunner:
     """This rank's pipeline stages and the schedule that runs them: the step runner under pipeline
     parallelism (`step.StepRunner`), in the step's one `StepContext` like the local runner.
@@ -267,8 +272,7 @@ class PipelineRunner:
             self.schedule = getattr(pipelining, SINGLE_STAGE[plan.schedule])(self.stages[0], **kwargs)
         else:
             self.schedule = getattr(pipelining, MULTI_STAGE[plan.schedule])(self.stages, **kwargs)
-        modules = list(self.parts.values())
-        self.model = modules[0] if len(modules) == 1 else StageUnion(modules)
+        self.model = union(list(self.parts.values()))
         self._step: tuple[StepContext, int] | None = None
         """The context and backwards of the step the schedule is running (its loss hook reads them)."""
 
@@ -338,7 +342,7 @@ UNIT = ParallelismUnit(
     on=lambda cfg, dims: dims.pp_enabled,
     rules=check_pipeline,
     apply=_apply,
-    stages=Stages(plan=_plan, keep=keep_stage, runner=PipelineRunner),
+    stages=Stages(plan=_plan, keep=keep_stage, runner=PipelineRunner, union=union),
 )
 """Pipeline parallelism as one unit (`parallelism.ParallelismUnit`): its send/recv and bubble are the
 step-time model's own terms (`planning/step_time.py`)."""
