@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from titanlite.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from titanlite.data.loader import build_dataloader  # noqa: E402
-from titanlite.data.sources import LocalSource, open_source  # noqa: E402
+from titanlite.data.local_source import LocalSource  # noqa: E402
+from titanlite.data.sources import open_source  # noqa: E402
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 
 WARMUP_BATCHES = 5

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titanlite.data.hf_tokenizer import hf_tokenizer_files  # noqa: E402
-from titanlite.data.sources import LocalSource, open_source  # noqa: E402
+from titanlite.data.local_source import LocalSource  # noqa: E402
+from titanlite.data.sources import open_source  # noqa: E402
 from titanlite.data.tiktoken_bpe import BUNDLED_VOCAB, TiktokenTokenizer  # noqa: E402
 from titanlite.data.tokenizer_json import HFTokenizer  # noqa: E402
 

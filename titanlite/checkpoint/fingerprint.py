@@ -16,8 +16,10 @@ import os
 from pathlib import Path
 
 from titanlite.data.data_source import DataSource
+from titanlite.data.local_files import resolve_files
+from titanlite.data.local_source import LocalSource
 from titanlite.data.mixture import MixedSources
-from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource, LocalSource, resolve_files
+from titanlite.data.sources import BUNDLED_CORPUS, DocumentSource
 from titanlite.data.token_shards import TokenShards
 from titanlite.data.tokenizer import tokenizer_digest
 

@@ -34,7 +34,7 @@ class DataSource:
 
 @dataclass(frozen=True)
 class LocalFiles(DataSource):
-    """Files on this machine (`data/sources.py` resolves them); an empty path is the bundled corpus."""
+    """Files on this machine (`data/local_files.py` resolves them); an empty path is the bundled corpus."""
 
     @property
     def bundled(self) -> bool:

@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlite.data.batch import Batch
+from titanlite.data.local_files import counted
 from titanlite.data.mixture import MixedSources
-from titanlite.data.sources import DocumentSource, counted
+from titanlite.data.sources import DocumentSource
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import CheckpointError, ConfigError, DataError
 

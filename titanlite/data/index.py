@@ -1,6 +1,6 @@
 """The document index of a local data file, scanned once and kept next to the run.
 
-Scanning a file into document byte offsets (`sources.py`) reads every byte, the slow part of starting on
+Scanning a file into document byte offsets (`file_scan.py`) reads every byte, the slow part of starting on
 a large dataset, and every process of a launch needs the same index. So the first process to scan a
 file stores its `FileIndex` in `index_dir` (`<job.dump_folder>/data_index/`), holding an `fcntl.flock`
 beside the entry while the others wait, and later processes load it while the file's size and

@@ -21,8 +21,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.config import DatasetSource
 from titanlite.data.batch import Batch, collate
 from titanlite.data.dataset import STATE_VERSION, PackedShards, ShardLayout
+from titanlite.data.local_files import counted
+from titanlite.data.local_source import LocalSource
 from titanlite.data.mixture import MixedSources, Mixture
-from titanlite.data.sources import DocumentSource, LocalSource, counted, open_source
+from titanlite.data.sources import DocumentSource, open_source
 from titanlite.data.token_shards import TokenShards
 from titanlite.data.tokenizer import Tokenizer, tokenizer_digest
 from titanlite.data.workers import WorkerSetup, worker_context

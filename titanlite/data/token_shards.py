@@ -215,7 +215,7 @@ class TokenShards:
         return self._made_by
 
     def part(self, begin: int, end: int) -> TokenShards:
-        """Documents [begin, end) as a source numbered from 0 (`sources.LocalSource.part`), sharing this one's
+        """Documents [begin, end) as a source numbered from 0 (`local_source.LocalSource.part`), sharing this one's
         open shards and checks."""
         if not 0 <= begin <= end <= self.num_documents:
             raise ValueError(f"documents [{begin}, {end}) of {self.num_documents}")

@@ -33,7 +33,9 @@ from pathlib import Path
 
 from titanlite.checkpoint.fingerprint import dataset_fingerprint, tokenizer_fingerprint
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.data.sources import LocalSource, counted, open_source
+from titanlite.data.local_files import counted
+from titanlite.data.local_source import LocalSource
+from titanlite.data.sources import open_source
 from titanlite.data.token_shards import (
     FORMAT,
     INDEX,

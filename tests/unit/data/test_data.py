@@ -574,7 +574,7 @@ def test_each_new_epoch_is_logged_once_with_its_step(tmp_path, docs, caplog):
 def test_a_text_file_read_in_chunks_of_any_size_has_the_paragraphs_of_reading_it_line_by_line(tmp_path, monkeypatch):
     """Paragraphs are runs of lines with a non-whitespace byte; the scan reads chunks, so a paragraph, a
     line or a UTF-8 character can straddle two. Reference: lines read one by one, here."""
-    from titanlite.data import sources
+    from titanlite.data import file_scan
 
     def by_lines(data: bytes) -> tuple[list[tuple[int, int]], int]:
         spans, bad, para, start, pos = [], 0, [], 0, 0
@@ -599,10 +599,10 @@ def test_a_text_file_read_in_chunks_of_any_size_has_the_paragraphs_of_reading_it
     pieces = [b"a", b"b", b" ", b"\t", b"\n", b"\n", b"\r", b"\x0b", b"\x0c", "é".encode(), b"\xff", b"\xe2\x82"]
     files = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 40))) for _ in range(300)]
     for chunk in (1, 2, 3, 7):
-        monkeypatch.setattr(sources, "_SCAN_CHUNK", chunk)
+        monkeypatch.setattr(file_scan, "_SCAN_CHUNK", chunk)
         for data in files:
             spans, issues = [], Counter()
-            sources._scan_txt(io.BytesIO(data), 0, "text", issues, spans, sources.index.content_hash())
+            file_scan._scan_txt(io.BytesIO(data), 0, "text", issues, spans, file_scan.index.content_hash())
             assert (spans, issues["undecodable paragraphs"]) == by_lines(data), (chunk, data)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.data import sources, verified_shards
+from titanlite.data import local_source, verified_shards
 from titanlite.data.loader import build_dataloader
 from titanlite.data.sources import open_source
 from titanlite.data.tokenizer import build_tokenizer
@@ -36,7 +36,7 @@ def test_a_cold_entry_is_built_by_one_of_two_racing_processes_while_the_other_wa
     text = tmp_path / "docs.txt"
     text.write_text("".join(f"document {i} of the race\n\n" for i in range(40)))
     path, reads = str(text), 1
-    target, name = sources.LocalSource, "_index"
+    target, name = local_source.LocalSource, "_index"
     if kind == "tokens":
         tokenize_source(str(text), "text", "", tmp_path / "tokens", workers=1, per_shard=20)
         path, reads = str(tmp_path / "tokens"), 2

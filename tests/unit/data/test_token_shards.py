@@ -27,7 +27,7 @@ import pytest
 
 from harness import ROOT, SHALLOW, SMALL, child_env, train
 from titanlite.config import DEFAULT_CONFIG, load_config
-from titanlite.data import sources
+from titanlite.data import file_streams
 from titanlite.data.loader import build_dataloader
 from titanlite.data.open_files import OPEN_FILES
 from titanlite.data.sources import BUNDLED_CORPUS, open_source
@@ -194,9 +194,9 @@ def test_a_compressed_file_is_decompressed_once_not_once_per_document(tmp_path, 
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "docs.jsonl").write_text("".join(lines))
     opened = []
-    real = sources.open_stream
+    real = file_streams.open_stream
     monkeypatch.setattr(
-        sources, "open_stream", lambda path, compression: opened.append(path) or real(path, compression)
+        file_streams, "open_stream", lambda path, compression: opened.append(path) or real(path, compression)
     )
     open_source(str(data), "text")
     indexing = len(opened)  # the index scan's reads
