@@ -4,7 +4,7 @@ A family describes its repeated block and its output once (`ModelSpec.planning.s
 sequence of `seq_len` tokens and for the forward pass only; the step-time model multiplies out the
 backward, the recomputation of activation checkpointing, the tensor-parallel split and the batch.
 Parameter bytes (what data parallelism moves) come from the model's real shard shapes instead
-(`titanlite/planning/layout_memory.py`), so they are not repeated here.
+(`titanlite/planning/param_shapes.py`), so they are not repeated here.
 """
 
 from __future__ import annotations

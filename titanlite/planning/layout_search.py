@@ -5,7 +5,7 @@ activation checkpointing, batch split, pipeline schedule, reshard policy) is est
 GPU (`layout_memory`, the dry run's estimate applied to parameter shapes) and step time (`step_time`, with
 the GPU kind's figures from `gpus`). Layouts within `COMFORT_FRACTION` of the GPU's memory are ranked by
 estimated tokens/s per GPU; the fastest of each structure is kept. The meta-device model build comes from
-the caller (`layout_memory.MetaBuild`), since building a model is the run's, a layer above. The command,
+the caller (`param_shapes.MetaBuild`), since building a model is the run's, a layer above. The command,
 its confirmation by the dry run and its report are `tools/layout_search.py`; docs/layout_search.md.
 """
 
@@ -22,9 +22,10 @@ from titanlite.errors import ConfigError
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.planning.assumed_vocabulary import build_run_plan
 from titanlite.planning.gpus import GpuKind
-from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel, MetaBuild, ShapeTable
+from titanlite.planning.layout_memory import LayoutMemory, LayoutMemoryModel
 from titanlite.planning.layout_space import Degrees, ParallelLayout, least_memory, structures, with_choices
 from titanlite.planning.memory import COMFORT_FRACTION, GiB
+from titanlite.planning.param_shapes import MetaBuild, ShapeTable
 from titanlite.planning.run_plan import RunPlan
 from titanlite.planning.step_time import Features, StepTime, StepTimeModel
 

@@ -153,7 +153,7 @@ FOOTPRINT = {
         "config/__init__.py",
         # The memory estimates count the weights gathered in float8 (`converted_weights`).
         "planning/memory.py",
-        "planning/layout_memory.py",
+        "planning/param_shapes.py",
     },
     "tensor_parallel": {ORDER, SECTION},
     "context_parallel": {ORDER, SECTION},

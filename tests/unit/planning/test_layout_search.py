@@ -29,10 +29,11 @@ from titanlite.config import GpuName, load_config
 from titanlite.errors import run_cli
 from titanlite.planning.assumed_vocabulary import build_run_plan
 from titanlite.planning.gpus import GPU_KINDS, gpu_kind
-from titanlite.planning.layout_memory import LayoutMemoryModel, ShapeTable
+from titanlite.planning.layout_memory import LayoutMemoryModel
 from titanlite.planning.layout_search import LayoutSearch, planned_config, structure_of
 from titanlite.planning.layout_space import Degrees, context_degrees
 from titanlite.planning.memory import GiB
+from titanlite.planning.param_shapes import ShapeTable
 from titanlite.planning.step_time import Link
 from titanlite.tools import layout_search, search_progress
 from titanlite.tools.dry_run import dry_run, meta_model
