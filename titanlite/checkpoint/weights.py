@@ -57,7 +57,7 @@ def sharded(fn, model, *args, **kwargs):
 
 
 NOT_MODEL = ("optimizer", "lr_scheduler", "train_state")
-"""The top-level entries a full checkpoint holds beside the model's parameters (`CheckpointManager._full_state`)."""
+"""The top-level entries a full checkpoint holds beside the model's parameters (`TrainingState.full`)."""
 
 
 def check_compatible(path: str, state: dict) -> None:

@@ -150,7 +150,7 @@ def build_rank(plan: RunPlan, rank: int, world_size: int) -> dict[int | None, nn
 
 def meta_model(plan: RunPlan) -> nn.Module:
     """The model of `plan` (no pipeline parallelism) as rank 0 of its world builds it on the meta device: the
-    layout search reads its parameter shapes (`layout_memory.ShapeTable`)."""
+    layout search reads its parameter shapes (`param_shapes.ShapeTable`)."""
     return build_rank(plan, 0, plan.dims.world_size)[None]
 
 
