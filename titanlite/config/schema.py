@@ -21,6 +21,7 @@ from titanlite.checkpoint.config import Checkpoint
 from titanlite.compile.config import Compile
 from titanlite.config.ranges import NON_NEGATIVE, POSITIVE, TIMEOUT, DtypeName, _range
 from titanlite.data.config import SOURCE_NAME, DatasetSource  # noqa: F401  SOURCE_NAME: loading reads it here
+from titanlite.fault_tolerance.config import FaultTolerance
 from titanlite.metrics.config import Metrics, Profiling
 from titanlite.models.config import Model
 from titanlite.parallelisms.config import ActivationCheckpoint, Parallelism
@@ -141,6 +142,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     layout_search: LayoutSearch = field(default_factory=LayoutSearch)
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from titanlite.data.data_source import DataSource
 from titanlite.data.dataset import virtual_shard_count
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.fault_tolerance.rules import check as check_fault_tolerance
 from titanlite.models.registry import ModelSpec, get_model_spec
 from titanlite.parallelisms.activation_checkpoint import block_ac
 from titanlite.parallelisms.layout import Layout
@@ -84,6 +85,12 @@ def training_data(cfg: JobConfig) -> DataSource:
         return DataSource.parse(cfg.training.dataset_path)
     sources = [DataSource.parse(entry.path) for entry in cfg.training.datasets]
     return next((s for s in sources if not s.local), sources[0])
+
+
+def replica_groups(cfg: JobConfig) -> int:
+    """The job's replica groups: `fault_tolerance.group_size` when it is on, else 1."""
+    ft = cfg.fault_tolerance
+    return ft.group_size if ft.enable else 1
 
 
 def check_combinations(cfg: JobConfig, data: DataSource) -> None:
@@ -182,7 +189,8 @@ class RunPlan:
     model_args: Any
     dims: ParallelDims
     global_batch: int
-    """Samples per optimizer step over every data-parallel rank."""
+    """Samples per optimizer step over every data-parallel rank (of this replica group: the job's
+    `training.global_batch_size` over `fault_tolerance.group_size`)."""
     grad_accum: int
     """Local batches per optimizer step on each data-parallel rank."""
     virtual_shards: int
@@ -219,14 +227,18 @@ class RunPlan:
         if why := spec.shape.check_layout(args, dims):
             raise ConfigError(f"model {cfg.model.name}: {why}")
         check_rules(cfg, dims, spec, args)  # each parallelism's, with the other keys, the family and the mesh
+        check_fault_tolerance(cfg, dims.pp, spec)
         t = cfg.training
+        groups = replica_groups(cfg)
         per_step = dims.sequences(t.local_batch_size)  # one local batch on every data-parallel rank
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
-        if global_batch % per_step:
+        job_batch = t.global_batch_size if t.global_batch_size > 0 else per_step * groups
+        if job_batch % (per_step * groups):
+            of_groups = f" x replica groups {groups}" if groups > 1 else ""
             raise ConfigError(
-                f"training.global_batch_size {global_batch} is not a multiple of "
-                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}"
+                f"training.global_batch_size {job_batch} is not a multiple of "
+                f"local_batch_size {t.local_batch_size} x data-parallel degree {dims.dp}{of_groups}"
             )
+        global_batch = job_batch // groups
         staged = staging(cfg, dims)
         pipeline = staged.plan(cfg, dims, args) if staged is not None else None
         compile_passes = False
@@ -238,10 +250,26 @@ class RunPlan:
             full_ac = any(block_ac(cfg.activation_checkpoint, i) == "full" for i in range(args.n_layers))
             compile_passes = check_compile(cfg, dims, full_ac)
         accum = global_batch // per_step
-        virtual_shards = virtual_shard_count(t.dataset_virtual_shards, global_batch)
+        virtual_shards = virtual_shard_count(t.dataset_virtual_shards, job_batch)
         return cls(
             cfg, spec, tokenizer, args, dims, global_batch, accum, virtual_shards, data, compile_passes, pipeline
         )
+
+    @property
+    def replica_groups(self) -> int:
+        """The job's replica groups (`fault_tolerance.group_size`; 1 without fault tolerance)."""
+        return replica_groups(self.cfg)
+
+    @property
+    def data_dp_degree(self) -> int:
+        """The data-parallel degree the data is split over: this run's, times the job's replica groups (group
+        K reads what dp replica K of one run with `group_size` replicas would read)."""
+        return self.dims.dp * self.replica_groups
+
+    def data_dp_rank(self, dp_rank: int) -> int:
+        """The index among `data_dp_degree` of this run's data-parallel rank `dp_rank`."""
+        ft = self.cfg.fault_tolerance
+        return (ft.replica_id if ft.enable else 0) * self.dims.dp + dp_rank
 
     @property
     def backwards_per_step(self) -> int:
@@ -250,8 +278,8 @@ class RunPlan:
 
     @property
     def samples_per_shard(self) -> int:
-        """Samples each virtual shard contributes to one global batch."""
-        return self.global_batch // self.virtual_shards
+        """Samples each virtual shard contributes to one global batch (of every replica group)."""
+        return self.global_batch * self.replica_groups // self.virtual_shards
 
     @property
     def tokens_per_gpu_step(self) -> float:

@@ -57,7 +57,8 @@ def naming_key(section: str) -> Iterator[None]:
 def build_loader(
     plan: RunPlan, dp_rank: int, device_type: str = "cpu", report: bool = True, verify: bool = False
 ) -> Any:
-    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it), as configured,
+    """The data loader of data-parallel rank `dp_rank` (tensor-parallel peers share it; in replica group K,
+    the data of the job's dp rank `plan.data_dp_rank(dp_rank)`), as configured,
     for a rank computing on `device_type` (CUDA: pinned batches and, by default, worker processes);
     `report`: print the data's warnings (the launcher's preflight does, its ranks need not repeat them);
     `verify`: read the pre-tokenized shards not verified as they are now (the preflight does, its ranks
@@ -72,9 +73,9 @@ def build_loader(
             text_field=t.dataset_text_field,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
-            global_batch_size=plan.global_batch,
-            dp_rank=dp_rank,
-            dp_degree=plan.dims.dp,
+            global_batch_size=plan.global_batch * plan.replica_groups,
+            dp_rank=plan.data_dp_rank(dp_rank),
+            dp_degree=plan.data_dp_degree,
             virtual_shards=plan.virtual_shards,
             num_workers=loader_workers(plan, device_type),
             pin_memory=device_type == "cuda",
