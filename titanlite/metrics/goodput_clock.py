@@ -21,6 +21,7 @@ from titanlite.metrics.goodput import (
     Totals,
     append_row,
     last_end,
+    latest,
     ledger_path,
     read_rows,
     totals,
@@ -61,6 +62,10 @@ class GoodputClock:
         """(category, seconds) of the process's first step, split at `snapshot`."""
         self._later_steps, self._later_seconds = 0, 0.0
         self.last_step = 0
+        self.missed_before = sum(row.get("missed_steps", 0) for row in latest(rows).values())
+        """The replica group's missed steps the ledger's other intervals hold (`missed`)."""
+        self.missed_steps = 0
+        """The replica group's missed steps this interval learnt (`missed`); in its row when any."""
 
     def mark(self, category: str) -> float:
         """The time since the last mark was spent in `category`; returns now (`time.perf_counter`)."""
@@ -81,6 +86,12 @@ class GoodputClock:
             self._later_steps += 1
             self._later_seconds += seconds
         self.last_step = max(self.last_step, step)
+
+    def missed(self, total: int) -> None:
+        """The job has trained `total` steps without this replica group (it learnt so when it received a live
+        group's state): its row holds those no other interval of the ledger holds, as `missed_steps`, so the
+        ledger sums to the total."""
+        self.missed_steps = max(total - self.missed_before, 0)
 
     def snapshot(self) -> dict[str, float]:
         """Seconds per category up to the last mark, the first step split into compile and a step."""
@@ -108,6 +119,7 @@ class GoodputClock:
             "end": round(self.started + (self._last - self._origin), 3),
             "seconds": {c: round(s, 4) for c, s in self.snapshot().items()},
             "step": self.last_step,
+            **({"missed_steps": self.missed_steps} if self.missed_steps else {}),
         }
 
     def flush(self) -> None:

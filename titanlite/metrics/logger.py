@@ -68,6 +68,7 @@ class MetricsLogger:
         world_size: int = 1,
         compiled: bool = False,
         sources: tuple[str, ...] = (),
+        replicas: bool = False,
     ):
         self.cfg, self.enabled, self.flops_per_token = cfg, enabled, flops_per_token
         self.dump_folder, self.run_config = dump_folder, run_config
@@ -78,7 +79,10 @@ class MetricsLogger:
         self.metrics = [
             m
             for m in shown
-            if (device.type == "cuda" or not m.cuda_only) and not m.validation and (stragglers or not m.straggler)
+            if (device.type == "cuda" or not m.cuda_only)
+            and not m.validation
+            and (stragglers or not m.straggler)
+            and (replicas or not m.replicas)
         ]
         self.metrics += [tokens_seen_metric(name) for name in sources]
         self.val_metrics = [m for m in METRICS if m.validation] if validation else []
@@ -158,6 +162,7 @@ class MetricsLogger:
         record.update({f"tokens_seen/{name}": n for name, n in s.tokens_seen.items()})
         record.update(s.straggler)
         record.update(s.goodput)
+        record.update(s.replicas)
         if reserved is not None:
             record["mem_reserved_gib"] = reserved
             record["mem_pct"] = 100.0 * reserved * 2**30 / self.memory.capacity
@@ -171,6 +176,8 @@ class MetricsLogger:
         seconds_left = self._eta(s.step, record["step_time_s"])
         eta = "n/a (the first step compiles)" if seconds_left is None else clock(seconds_left)
         family = "".join(f"{name}: {value:.4f}  " for name, value in s.family.items())
+        if s.replicas:
+            family += f"quorum: {s.replicas['ft/quorum_size']:.0f}  "
         mfu = "n/a" if record["mfu_pct"] is None else format(record["mfu_pct"], ".2f") + "%"
         logger.info(
             f"{c['red']}step {s.step:>{len(str(total))}d}/{total}  {c['green']}loss: {s.loss:8.4f}  "

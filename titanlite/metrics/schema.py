@@ -47,6 +47,8 @@ class StepStats:
     """`straggler/slowest_rank` and `straggler/ratio` (`straggler.StragglerMeter`); none in a world of one."""
     goodput: dict[str, float] = field(default_factory=dict)
     """`goodput` and `badput/<category>` of the job so far (`goodput_clock.GoodputClock.metrics`)."""
+    replicas: dict[str, float] = field(default_factory=dict)
+    """`ft/quorum_size` and `ft/recoveries` of a replica group (`fault_tolerance.ReplicaGroup.metrics`)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Metric:
     """Reported by the model family (`ModelSpec.hooks.step_metrics`): logged only for a family that reports it."""
     straggler: bool = False
     """Measured across ranks (`straggler.StragglerMeter`): logged only in a run of several ranks that measures it."""
+    replicas: bool = False
+    """Of the job's replica groups (`fault_tolerance.enable`): logged only by a replica group."""
 
     @property
     def tag(self) -> str:
@@ -120,6 +124,38 @@ METRICS = (
         "Productive step time over the job's wall time, every launch and restart in the dump folder (goodput.jsonl).",
     ),
     *(Metric(f"badput/{c.name}", "badput", c.title, "s", f"{c.description} The job's total so far.") for c in BADPUT),
+    Metric(
+        "ft/quorum_size",
+        "ft",
+        "Quorum",
+        "replica groups",
+        "The replica groups that trained the step together (fewer than fault_tolerance.group_size during a failure).",
+        replicas=True,
+    ),
+    Metric(
+        "ft/recoveries",
+        "ft",
+        "Recoveries",
+        "",
+        "Times this group received a newer state from a live group, or sent one to a group that rejoined.",
+        replicas=True,
+    ),
+    Metric(
+        "ft/missed_steps",
+        "ft",
+        "Missed steps",
+        "steps",
+        "Steps the other groups trained while this group was away (skipped when it rejoined); goodput.jsonl too.",
+        replicas=True,
+    ),
+    Metric(
+        "ft/params_digest",
+        "ft",
+        "Parameters digest",
+        "",
+        "The bit patterns of every parameter summed, mod 2^24: equal in every group while their weights are equal.",
+        replicas=True,
+    ),
     Metric(
         "moe_aux_loss",
         "moe",

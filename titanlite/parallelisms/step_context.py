@@ -49,6 +49,9 @@ class StepContext:
     """Added to each training microbatch's loss (`ModelSpec.hooks.extra_loss`); not to validation's."""
     hooks: tuple[StepHook, ...] = ()
     """The step hooks of the parallelisms the mesh runs, in their order (`parallelize.step_hooks`)."""
+    across_replicas: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    """`(model, loss) -> loss`: the gradients and the loss averaged over the job's replica groups, after the
+    reduction and before clipping (`fault_tolerance.ReplicaGroup.average`); None: one group."""
 
     def before_step(self, model: nn.Module) -> None:
         """What the step hooks do before a step's (or an evaluation's) first forward, with `model` (this
@@ -69,6 +72,10 @@ class StepContext:
     def with_loss(self, loss_fn: LossFn) -> StepContext:
         """The same context with another loss (a test's injected fault)."""
         return dataclasses.replace(self, loss_fn=loss_fn)
+
+    def with_replicas(self, average: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> StepContext:
+        """The same context, its gradients averaged over the job's replica groups (`across_replicas`)."""
+        return dataclasses.replace(self, across_replicas=average)
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a per-token tensor of a microbatch ([batch, seq]: inputs, labels): all of

@@ -101,7 +101,8 @@ class LocalRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each microbatch's loss is divided by their count, so the accumulated gradient is that of the
         mean over the rank's whole batch; SimpleFSDP/FSDP2 then average it over the data-parallel ranks
-        (once per step or per microbatch, as the context's policy says)."""
+        (once per step or per microbatch, as the context's policy says), and replica groups over the job's
+        groups (`StepContext.across_replicas`)."""
         ctx = context or self.context
         optimizer.zero_grad(set_to_none=True)
         ctx.before_step(self.model)
@@ -114,6 +115,8 @@ class LocalRunner:
                     before_backward(i == n - 1)
                     loss.backward()
                 total += replicated(loss).detach()
+        if ctx.across_replicas is not None:
+            total = ctx.across_replicas(self.model, total)
         grad_norm = clip_grad_norm_(list(self.model.parameters()), ctx.max_norm)
         return total, grad_norm
 

@@ -24,6 +24,8 @@ from titanlite.checkpoint.lock import DumpFolderLock, run_folders
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config import JobConfig
 from titanlite.errors import DumpFolderInUse, RunNotSaved, TrainingDiverged
+from titanlite.fault_tolerance.data_states import GroupLoaderStates
+from titanlite.fault_tolerance.replica_group import ReplicaGroup
 from titanlite.faults import StepFaults
 from titanlite.metrics import METRICS, MetricsLogger, StepStats
 from titanlite.metrics.goodput_clock import GoodputClock
@@ -47,6 +49,7 @@ from titanlite.run.progress import Progress
 from titanlite.run.rank_exit import LAUNCHER_PID_ENV
 from titanlite.run.rank_logging import init_logging
 from titanlite.run.replica_batches import replica_batches
+from titanlite.run.replica_state import ReplicaState
 from titanlite.run.resilience import StepVerdict, agree, stop_agreed
 from titanlite.run.signals import Preemption
 from titanlite.run.validation import Validator
@@ -113,6 +116,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self._init_loop_state(preemption)
         self.checkpointer = self._build_checkpointer()
+        self.replicas = self._join_replica_groups()
         self.metrics = self._build_metrics()
 
     def stopping(self) -> bool:
@@ -135,6 +139,9 @@ class Trainer:
         report = not os.environ.get(LAUNCHER_PID_ENV)
         self.dataloader = None if self.seed_only else build_loader(self.plan, dp_rank, self.device.type, report)
         self.validator = None if self.seed_only else Validator.create(self.plan, dp_rank)
+        ft = self.cfg.fault_tolerance
+        self.loader_states = GroupLoaderStates(self.dataloader, ft.replica_id) if ft.enable else None
+        """A replica group's loader with every group's position: what its checkpoints save and a peer receives."""
 
     def _join_process_group(self) -> None:
         """The process group (one that exists already is used and left open), after rank 0 has named the
@@ -183,6 +190,8 @@ class Trainer:
         self.preempted = False
         self.progress = Progress(self.rank)
         """What the launcher's hang watchdog reads: each finished step, and the phases that may outlast one."""
+        self.committed = True
+        """Whether the last step was applied: a replica group's step that its quorum did not commit is retried."""
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
@@ -190,11 +199,20 @@ class Trainer:
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader,
+            dataloader=self.loader_states or self.dataloader,
             rank=self.rank,
             device=self.device,
             stopping=self.stopping,
         )
+
+    def _join_replica_groups(self) -> ReplicaGroup | None:
+        """This run as replica group `fault_tolerance.replica_id` of the job (`fault_tolerance.enable`), whose
+        torchft manager this rank joins; None for a run of its own."""
+        ft = self.cfg.fault_tolerance
+        if not ft.enable:
+            return None
+        state = ReplicaState(self.checkpointer.state, self.loader_states, self.plan, lambda: self.step)
+        return ReplicaGroup(ft, self.loader_states, state.capture, state.restore, self.device)
 
     def _build_metrics(self) -> MetricsLogger:
         cfg, t = self.cfg, self.cfg.training
@@ -214,6 +232,7 @@ class Trainer:
             world_size=self.world_size,
             compiled=cfg.compile.enable,
             sources=tuple(source.name for source in t.datasets),
+            replicas=self.replicas is not None,
         )
 
     # --- the step ---------------------------------------------------------------------------------------
@@ -221,14 +240,20 @@ class Trainer:
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], context: StepContext | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients, agreement across ranks, then the optimizer step unless the step is not finite;
-        `context` replaces the runner's for this step.
+        """Gradients, agreement across ranks (and a replica group's commit across groups: `self.committed`),
+        then the optimizer step unless the step is not finite or not committed; `context` replaces the
+        runner's for this step.
 
         One host sync: the agreement's single read (`resilience.agree`), which also brings the logged
         loss and grad norm to the host (`self.verdict`); nothing else in the step waits for the device."""
         loss, grad_norm = self.runner.forward_backward(self.optimizer, batches, context)
         self.verdict = agree(self.preemption, loss, grad_norm, self.device)
         self.preempted = self.verdict.preempted
+        if self.replicas is not None:
+            self.committed = self.replicas.commit(self.replicas.exchange_data())
+            if not self.committed:
+                self.optimizer.zero_grad(set_to_none=True)
+                return loss, grad_norm
         if self.verdict.finite:
             self.optimizer.step()
             self.lr_scheduler.step()
@@ -264,6 +289,8 @@ class Trainer:
         self.goodput.mark("startup")
         self.step = start = self.checkpointer.load()
         self.goodput.mark("checkpoint_load")
+        if self.replicas is not None:
+            self.replicas.resume_at(self.step)
         if stop_agreed(self.preemption, self.device):  # signalled while starting: nothing trained
             self.preempted = True
             since = f" since the checkpoint of step {start}" if start else ""
@@ -300,14 +327,28 @@ class Trainer:
         self.goodput.flush()
         first_step = self.step + 1  # of this process: after a resume or a restart too
         faults = StepFaults.from_env(self.rank)
+        retry: list | None = None  # a replica group's step that did not commit, trained again on its batches
         with Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device, self.step) as profiler:
             while self.step < cfg.steps:
+                if self.replicas is not None and (healed := self.replicas.start_step(self.step)) is not None:
+                    data_iter, retry = self._rejoined(healed), None
+                    if self.step >= cfg.steps:
+                        break
                 self.step += 1
                 faults.before_step(self.step)
                 t0 = self.goodput.mark("other")
-                batches = [next(data_iter) for _ in range(self.grad_accum)]
+                batches = retry or [next(data_iter) for _ in range(self.grad_accum)]
                 window_data += self.goodput.mark("data_wait") - t0
                 self.train_step(batches, self._step_context(faults))
+                if not self.committed:
+                    logger.warning(
+                        f"step {self.step} not committed by the replica groups (a group failed or was late): "
+                        "training it again"
+                    )
+                    self.step, retry = self.step - 1, batches
+                    self.goodput.mark("recompute")
+                    continue
+                retry = None
                 self.goodput.step_done(self.step)
                 self.progress.beat(self.step)
                 profiler.step()
@@ -331,6 +372,7 @@ class Trainer:
                             tokens_seen=self.dataloader.dataset.tokens_seen(self.step - start),
                             straggler=straggler.metrics() if straggler else {},
                             goodput=self.goodput.metrics(),
+                            replicas=self.replicas.metrics(self.model, self.step) if self.replicas is not None else {},
                         ),
                         window_steps,
                     )
@@ -348,7 +390,8 @@ class Trainer:
                 if self.checkpointer.due(self.step, last_step):
                     self.progress.beat(self.step, "checkpoint")
                 self.goodput.mark("other")
-                self.checkpointer.save(self.step, last_step=last_step)
+                if self.replicas is None or self.replicas.saves_checkpoints():
+                    self.checkpointer.save(self.step, last_step=last_step)
                 self.goodput.mark("checkpoint_save")
                 self.progress.beat(self.step)
                 if cfg.gc_freq and self.step % cfg.gc_freq == 0:
@@ -360,10 +403,28 @@ class Trainer:
         logger.info("training finished")
 
     def _step_context(self, faults: StepFaults) -> StepContext:
-        """The runner's context for this step; its loss made NaN at a step the tests' faults name."""
+        """The runner's context for this step: a replica group's averages its gradients over the groups; its
+        loss made NaN at a step the tests' faults name."""
         context = self.runner.context
+        if self.replicas is not None:
+            context = context.with_replicas(self.replicas.average)
         loss_fn = faults.nan_loss(self.step, context.loss_fn)
         return context if loss_fn is context.loss_fn else context.with_loss(loss_fn)
+
+    def _rejoined(self, step: int):
+        """This replica group received the state of step `step` from a live group (model, optimizer, schedule
+        and its own data position): it continues from there, with its loader's iterator started anew."""
+        assert self.replicas is not None
+        missed = self.replicas.missed_steps(step)
+        logger.info(
+            f"replica group {self.cfg.fault_tolerance.replica_id} rejoined at step {step}: received the state of "
+            f"a live group (the job has trained {missed} of its steps without this group)"
+        )
+        self.goodput.missed(missed)
+        self.goodput.mark("restart")
+        self.step = step
+        shape = (self.cfg.training.local_batch_size, self.cfg.training.seq_len)
+        return replica_batches(self.dataloader, self.dims, self.device, shape, self.cfg.comm.init_timeout_seconds)
 
     def _save_and_stop(self, start: int) -> None:
         """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly;
@@ -383,6 +444,8 @@ class Trainer:
 
     def close(self) -> None:
         """Ends the run's outputs; the goodput ledger's last row, last (before the dump folder is free)."""
+        if self.replicas is not None:
+            self.replicas.close()
         self.progress.close()
         self.stragglers.close()
         self.goodput.mark("other")
