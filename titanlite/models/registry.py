@@ -33,6 +33,7 @@ BUILTIN = {
     "llama3": "titanlite.models.llama3",
     "qwen3": "titanlite.models.qwen3",
     "qwen3_moe": "titanlite.models.qwen3_moe",
+    "deepseek_v3": "titanlite.models.deepseek_v3",
 }
 _MODELS: dict[str, ModelSpec] = {}
 

@@ -114,15 +114,18 @@ def compiled_flex() -> tuple[Callable, Callable]:
     return torch.compile(flex_attention), torch.compile(create_block_mask, dynamic=False)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, causal: bool = True) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
     """Attention of q [b, h, sq, d] over k, v [b, kv_heads, skv, d] (grouped-query heads broadcast) under
-    the batch's `mask`; with no mask, causal when `causal` (from the first key), else every key."""
+    the batch's `mask`; with no mask, causal when `causal` (from the first key), else every key. `scale`:
+    the softmax scale, None for 1 / sqrt(d)."""
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
-        return compiled_flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
+        return compiled_flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=scale)
 
 
 def mask_bytes(mask_type: AttnMaskType, device_type: str, batch: int, q_len: int, kv_len: int) -> int:

@@ -36,19 +36,31 @@ class KVCache:
         return pos
 
     @classmethod
-    def empty(cls, like: torch.Tensor, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int) -> KVCache:
-        """An empty cache of `layers` blocks for `max_len` positions, on `like`'s device in its dtype."""
-        shape = (batch, kv_heads, max_len, head_dim)
-        make = [torch.zeros(shape, device=like.device, dtype=like.dtype) for _ in range(2 * layers)]
+    def empty(
+        cls,
+        like: torch.Tensor,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+    ) -> KVCache:
+        """An empty cache of `layers` blocks for `max_len` positions, on `like`'s device in its dtype; the
+        values `v_head_dim` wide where they differ from the keys (latent attention)."""
+        widths = (head_dim, v_head_dim or head_dim) * layers
+        make = [torch.zeros(batch, kv_heads, max_len, w, device=like.device, dtype=like.dtype) for w in widths]
         return cls(make[::2], make[1::2])
 
 
-def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kv: LayerKV | None) -> torch.Tensor:
+def attend_cached(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kv: LayerKV | None, scale: float | None = None
+) -> torch.Tensor:
     """Attention of q [b, s, heads, d] over k, v [b, s, kv_heads, d] -> [b, s, heads * d], what every
     dense family's attention runs once its heads are projected and rotated. With a block's `kv`
     (generation) the new keys and values are written into the cache and the queries attend every
     position so far: causally for a prompt (from position 0, `KVCache.check`), every key for a single
-    new token."""
+    new token. `scale`: the softmax scale, None for 1 / sqrt(head dim)."""
     bsz, seq = q.shape[:2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     causal = True
@@ -57,4 +69,4 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
         k_all[:, :, pos : pos + seq], v_all[:, :, pos : pos + seq] = k, v
         k, v = k_all[:, :, : pos + seq], v_all[:, :, : pos + seq]
         causal = seq > 1
-    return attend(q, k, v, mask, causal).transpose(1, 2).reshape(bsz, seq, -1)
+    return attend(q, k, v, mask, causal, scale).transpose(1, 2).reshape(bsz, seq, -1)

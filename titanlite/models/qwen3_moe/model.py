@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from titanlite.models.common import rope_halves
+from titanlite.models.common.attention import Mask
 from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
@@ -105,9 +106,59 @@ class ModelArgs:
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
-class Transformer(Decoder):
+class MoEDecoder(Decoder):
+    """A decoder whose blocks may hold MoE layers (`moe.MoE` and its subclasses): the forward that hands a
+    pipeline's routing sums on, and the routing counters zeroed at initialisation. Qwen3-MoE and
+    DeepSeek-V3 build on it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routing_in: torch.Tensor | None = None
+        """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
+
+    def forward(  # type: ignore[override]
+        self,
+        tokens: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        mask: Mask = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens [b, s] -> logits [b, s, vocab].
+
+        As a pipeline stage (`parallelisms/pipeline.keep_stage`) the load-balancing loss, which pools every
+        MoE layer's routing, travels with the hidden states: a stage before the last returns (hidden
+        states, the `moe.routing_sums` of its layers and of the `routing` it was handed), and the last
+        stage keeps the `routing` it was handed for the loss (`balance.aux_loss_term`). The gradient of
+        the loss reaches each stage's routers back along the same way.
+
+        With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
+        from position 0, then one token at a time (`models/common/kv_cache.py`). `positions` and `mask`
+        are the batch's documents where the family takes `block_causal` (`Decoder.hidden_states`)."""
+        h = self.hidden_states(tokens, cache, positions, mask)
+        if self.output is None:
+            if routing is None:  # the first stage
+                routing = torch.zeros(3, self.args.num_experts, device=h.device)
+            return h, routing_sums(layer_stats(self), routing)
+        self.routing_in = routing
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """The decoder's parameters and RoPE tables (`Decoder.init_weights`), and the routing counters zeroed."""
+        super().init_weights(seed, buffer_device)
+        device = self.rope_cos.device
+        for moe in moe_layers(self):
+            moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
+            if moe.expert_bias is not None:
+                moe.expert_bias = torch.zeros(moe.num_experts, device=device)
+            if moe.step_tokens is not None:
+                moe.step_tokens = torch.zeros(moe.num_experts, device=device)
+
+
+class Transformer(MoEDecoder):
     """Qwen3-MoE (module docstring): tokens [b, s] -> logits [b, s, vocab], or a pipeline stage's hidden
-    states and routing sums (`forward`)."""
+    states and routing sums (`MoEDecoder.forward`)."""
 
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
         rope = rope_halves.rope(args.head_dim, args.rope_theta)
@@ -124,36 +175,3 @@ class Transformer(Decoder):
 
         depth_scaled = ("attention.wo.weight", "feed_forward.w2.weight", "experts.down_proj")
         super().__init__(args, seq_len, block, rope, InitScheme(depth_scaled=depth_scaled))
-        self.routing_in: torch.Tensor | None = None
-        """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
-
-    def forward(  # type: ignore[override]
-        self, tokens: torch.Tensor, routing: torch.Tensor | None = None, cache: KVCache | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """tokens [b, s] -> logits [b, s, vocab].
-
-        As a pipeline stage (`parallelisms/pipeline.keep_stage`) the load-balancing loss, which pools every
-        MoE layer's routing, travels with the hidden states: a stage before the last returns (hidden
-        states, the `moe.routing_sums` of its layers and of the `routing` it was handed), and the last
-        stage keeps the `routing` it was handed for the loss (`balance.aux_loss_term`). The gradient of
-        the loss reaches each stage's routers back along the same way.
-
-        With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
-        from position 0, then one token at a time (`models/common/kv_cache.py`)."""
-        h = self.hidden_states(tokens, cache, None, None)
-        if self.output is None:
-            if routing is None:  # the first stage
-                routing = torch.zeros(3, self.args.num_experts, device=h.device)
-            return h, routing_sums(layer_stats(self), routing)
-        self.routing_in = routing
-        return self.output(self.norm(h))
-
-    @torch.no_grad()
-    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
-        """The decoder's parameters and RoPE tables (`Decoder.init_weights`), and the routing counters zeroed."""
-        super().init_weights(seed, buffer_device)
-        device = self.rope_cos.device
-        for moe in moe_layers(self):
-            moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
-            if moe.expert_bias is not None:
-                moe.expert_bias, moe.step_tokens = (torch.zeros(moe.num_experts, device=device) for _ in range(2))

@@ -163,12 +163,14 @@ class MoE(nn.Module):
         self.register_buffer("step_tokens", None, persistent=False)
         self.stats: RouterStats | None = None
 
-    def enable_routing_bias(self) -> None:
+    def enable_routing_bias(self, count_steps: bool = True) -> None:
         """Aux-loss-free balancing: a per-expert bias added to the router's probabilities for choosing the
-        experts only (the combine weights stay the probabilities), saved in checkpoints, and the step's
-        token counts it is updated from (`balance.update_routing_bias`)."""
+        experts only (the combine weights stay the probabilities), saved in checkpoints, and (`count_steps`)
+        the step's token counts it is updated from (`balance.update_routing_bias`); without them the bias
+        routes but stays as loaded."""
         self.register_buffer("expert_bias", torch.zeros(self.num_experts))
-        self.register_buffer("step_tokens", torch.zeros(self.num_experts), persistent=False)
+        if count_steps:
+            self.register_buffer("step_tokens", torch.zeros(self.num_experts), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k experts [T, k])."""
