@@ -169,6 +169,18 @@ CASES_4 = [
     f"{CP2} {TP2} {BLOCK_CAUSAL}",
     f"{PP2} {CP2}",
 ]
+# DeepSeek-V3 (latent attention, group-limited routing, shared experts, the balancing bias updated after every
+# step in the reference too): one launch of their own.
+DEEPSEEK = "--model.name deepseek_v3"
+EP2 = "--parallelism.expert_parallel_degree 2"
+DEEPSEEK_CASES = [
+    f"{DEEPSEEK} {SHARD2}",
+    f"{DEEPSEEK} {SHARD2} {EP2}",
+    f"{DEEPSEEK} {TP2}",
+    f"{DEEPSEEK} {PP2} {MB2}",  # the bias fixed: pipeline stages refuse its update
+    f"{DEEPSEEK} {CP2}",
+    Case(f"{DEEPSEEK} {SHARD2}", control="same_data", apart=True),
+]
 # 3D: HSDP x TP needs 8 ranks; 8 gloo processes still fit this 2-core machine.
 CASES_8 = [
     f"{REP2} {SHARD2} {TP2}",
@@ -206,6 +218,28 @@ def records(tmp_path_factory):
 def test_parity(records, nproc, case):
     all_cases = {2: CASES_2, 4: CASES_4, 8: CASES_8}[nproc]
     check_parity([records(nproc, all_cases)[case_id(case)]])
+
+
+@pytest.fixture(scope="module")
+def deepseek_records(tmp_path_factory) -> dict[str, dict]:
+    """The DeepSeek-V3 cases' records by case id, in one 2-rank launch."""
+    out = parity(DEEPSEEK_CASES, 2, tmp_path_factory.mktemp("parity_deepseek"))
+    return {case_id(r["case"]): r for r in out}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _checked(DEEPSEEK_CASES), ids=[case_id(c) for c in _checked(DEEPSEEK_CASES)])
+def test_deepseek_v3_parity(deepseek_records, case):
+    check_parity([deepseek_records[case_id(case)]])
+
+
+@pytest.mark.slow
+def test_deepseek_v3_parity_detects_a_wrong_layout(deepseek_records):
+    """The DeepSeek-V3 cases can fail: dp2 with every rank on the same slice leaves the tolerance."""
+    rec = deepseek_records[case_id(Case(f"{DEEPSEEK} {SHARD2}", control="same_data"))]
+    assert rec["loss_rel"] > LOSS_REL
+    with pytest.raises(AssertionError):
+        check_parity([rec])
 
 
 @pytest.mark.slow

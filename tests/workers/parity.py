@@ -34,6 +34,8 @@ from builders import config  # noqa: E402
 from harness import TINY, Case, end_worker, tiny_args  # noqa: E402
 from titanlite.config import JobConfig, apply_dict  # noqa: E402
 from titanlite.data.batch import Batch  # noqa: E402
+from titanlite.models.deepseek_v3 import ModelArgs as DeepSeekArgs  # noqa: E402
+from titanlite.models.deepseek_v3 import Transformer as DeepSeekTransformer  # noqa: E402
 from titanlite.models.llama3 import Transformer  # noqa: E402
 from titanlite.models.qwen3 import ModelArgs as Qwen3Args  # noqa: E402
 from titanlite.models.qwen3 import Transformer as Qwen3Transformer  # noqa: E402
@@ -55,6 +57,31 @@ QWEN3 = Qwen3Args(
     tie_embeddings=True,
 )
 """The tiny Qwen3 of the `--model.name qwen3` cases: QK-norm, head_dim 32 (not dim / n_heads), tied embeddings."""
+DEEPSEEK = DeepSeekArgs(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    vocab_size=257,
+    ffn_dim=192,
+    moe_ffn_dim=32,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_experts=8,
+    n_shared_experts=1,
+    top_k=2,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=1.5,
+    router_bias_update_rate=0.001,
+    max_seq_len=64,
+)
+"""The tiny DeepSeek-V3 of the `--model.name deepseek_v3` cases: a query latent, group-limited sigmoid routing,
+a shared expert, the first block dense, the balancing bias moving after every step."""
+MODELS = {DeepSeekArgs: DeepSeekTransformer, Qwen3Args: Qwen3Transformer}
 
 
 def make_batches() -> list[Batch]:
@@ -118,8 +145,9 @@ def reference(batches, args, mask: str = "causal", float8: str = ""):
     `float8` recipe, torchao's float8 training (emulated) on every linear layer but the output."""
     cfg = base_config()
     o, warmup = cfg.optimizer, cfg.lr_scheduler.warmup_steps
-    model = (Qwen3Transformer if isinstance(args, Qwen3Args) else Transformer)(args, seq_len=SEQ)
+    model = MODELS.get(type(args), Transformer)(args, seq_len=SEQ)
     model.init_weights(seed=SEED)
+    loads = record_loads(model)
     if float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -138,10 +166,31 @@ def reference(batches, args, mask: str = "causal", float8: str = ""):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
         opt.step()
+        for moe, load in loads.items():  # aux-loss-free balancing: each bias a step towards the mean load
+            moe.expert_bias += args.router_bias_update_rate * torch.sign(load.mean() - load)
+            load.zero_()
         sched.step()
         losses.append(loss.item())
         first = first or snapshot(model)
     return losses, *first
+
+
+def record_loads(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Tensor]:
+    """Per MoE layer whose balancing bias moves (a DeepSeek-V3 model), the tokens each expert is chosen by
+    in the training forwards since the last reset, counted from the router's choices."""
+    loads = {}
+    for moe in model.modules():
+        if getattr(moe, "step_tokens", None) is None:
+            continue
+        loads[moe] = load = torch.zeros(moe.num_experts)
+
+        def route(x, route=moe.route, load=load):
+            probs, weights, experts = route(x)
+            load += torch.bincount(experts.flatten(), minlength=len(load))
+            return probs, weights, experts
+
+        moe.route = route
+    return loads
 
 
 def case_config(case: Case, dump: str, world_size: int) -> JobConfig:
@@ -218,9 +267,15 @@ class CountGathers(TorchDispatchMode):
 
 
 def case_args(case: Case, cfg: JobConfig):
-    """The tiny model of the case's family: Qwen3 tied or not, Llama at the case's depth."""
+    """The tiny model of the case's family: Qwen3 tied or not, DeepSeek-V3 (its bias fixed under pipeline
+    stages, which refuse its update), Llama at the case's depth."""
     if cfg.model.name == "qwen3":
         return dataclasses.replace(QWEN3, tie_embeddings=case.tied)
+    if cfg.model.name == "deepseek_v3":
+        staged = cfg.parallelism.pipeline_parallel_degree > 1
+        return dataclasses.replace(
+            DEEPSEEK, router_bias_update_rate=0.0 if staged else DEEPSEEK.router_bias_update_rate
+        )
     return tiny_args(n_layers=case.layers)
 
 

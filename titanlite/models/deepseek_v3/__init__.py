@@ -4,6 +4,7 @@ family's spec (docs/deepseek_v3.md)."""
 from titanlite.models.deepseek_v3.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.deepseek_v3.flavors import deepseek_v3_configs
 from titanlite.models.deepseek_v3.model import SHAPE_KEYS, ModelArgs, Transformer
+from titanlite.models.deepseek_v3.parallelize import deepseek_v3_tp_styles
 from titanlite.models.qwen3_moe import check_layout
 from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules, TrainingHooks
 from titanlite.parallelisms.units import Units
@@ -41,8 +42,13 @@ SPEC = ModelSpec(
         high_precision=("moe.gate",),
     ),
     parallel=ParallelSeams(
-        tp_styles=None,
-        tp_divisible=lambda args: {"n_heads": args.n_heads},
+        tp_styles=deepseek_v3_tp_styles,
+        tp_divisible=lambda args: {
+            "n_heads": args.n_heads,
+            # The dense layers' SwiGLU and the shared experts are split over tp (routed experts are whole).
+            **({"ffn_dim": args.ffn_dim} if args.first_k_dense_replace or not args.num_experts else {}),
+            **({"shared_ffn_dim": args.n_shared_experts * args.moe_ffn_dim} if args.moe_layers else {}),
+        },
         context_parallel=True,
         num_experts=lambda args: args.num_experts,
     ),

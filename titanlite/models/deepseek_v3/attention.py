@@ -22,6 +22,7 @@ from titanlite.models.common.grouped_query_attention import Rotate
 from titanlite.models.common.kv_cache import LayerKV, attend_cached
 from titanlite.models.common.norm import RMSNorm
 from titanlite.parallelisms.context_parallel.unit import SequenceShard
+from titanlite.parallelisms.tensor_parallel.partial_grad import head_local
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -73,7 +74,8 @@ class MultiHeadLatentAttention(nn.Module):
         """x [b, s, dim] -> [b, s, heads, qk_head_dim + v_head_dim]: each head's key (nope, then the shared
         rotated rope part) and value, side by side (one tensor for the context-parallel gather)."""
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        k_rope = self.rotate(k_rope.unsqueeze(2), cos, sin)
+        # One head every head shares: under tensor parallelism each rank's heads give part of its gradient.
+        k_rope = self.rotate(head_local(k_rope).unsqueeze(2), cos, sin)
         kv = self.wkv_b(self.kv_norm(latent)).view(*x.shape[:2], -1, self.nope + self.v_head_dim)
         k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
         return torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1), v), dim=-1)
