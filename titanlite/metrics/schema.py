@@ -173,6 +173,14 @@ METRICS = (
         family=True,
     ),
     Metric(
+        "moe_bias_spread",
+        "moe",
+        "Balancing bias spread",
+        "",
+        "max - min of a MoE layer's routing bias, the widest layer.",
+        family=True,
+    ),
+    Metric(
         "val_loss",
         "validation",
         "Validation loss",

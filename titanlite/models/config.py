@@ -19,10 +19,12 @@ class Model:
     """Which model: a family, a named flavor, optional overrides of the flavor's shape, the tokenizer."""
 
     name: str = "llama3"
-    """Model family: llama3, qwen3, qwen3_moe, or one registered with titanlite.models.registry.register_model."""
+    """Model family: llama3, qwen3, qwen3_moe, deepseek_v3, or one registered with
+    titanlite.models.registry.register_model."""
     flavor: str = "debugmodel"
     """The family's named shape (llama3: debugmodel, 1B, 8B, 70B, 405B; qwen3: debugmodel, debugmodel_tied,
-    0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: debugmodel, 30B-A3B, 235B-A22B); the keys below override parts of it."""
+    0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: debugmodel, 30B-A3B, 235B-A22B; deepseek_v3: debugmodel, 16B,
+    671B); the keys below override parts of it."""
     tokenizer_path: str = ""
     """A tiktoken-format BPE file (e.g. Llama 3's original/tokenizer.model), or a Hugging Face tokenizer.json
     (the file, or its folder: Qwen3's, Llama 3's; needs the hf extra); empty = the bundled 2k vocabulary."""
@@ -59,7 +61,8 @@ class Model:
     """Mixture of experts: weight of the load-balancing loss in the training loss; 0 = the flavor's."""
     router_bias_update_rate: float = field(default=0.0, metadata=SHAPE)
     """Mixture of experts: aux-loss-free balancing, the step of each expert's routing bias after every
-    optimizer step (DeepSeek-V3: 0.001); 0 = the flavor's (off in every built-in flavor)."""
+    optimizer step (DeepSeek-V3: 0.001); 0 = the flavor's (0.001 in deepseek_v3's flavors, off in the
+    others)."""
     moe_experts: Literal["grouped_mm", "loop"] = "grouped_mm"
     """Mixture of experts: how the experts compute, as grouped GEMMs (`torch._grouped_mm`, where the widths
     and dtype fit; the loop elsewhere) or always as a loop over the experts (the reference, a benchmark
