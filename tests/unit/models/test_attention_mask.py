@@ -202,9 +202,9 @@ def test_a_pipeline_stage_under_context_parallelism_attends_with_the_steps_mask_
     monkeypatch.setattr(attention, "block_mask", lambda *ids: FlexMask(dense_mask(*ids)))
     masks, attend = [], kv_cache.attend
 
-    def recording_attend(q, k, v, mask, causal=True):
+    def recording_attend(q, k, v, mask, causal=True, scale=None):
         masks.append(mask)
-        return attend(q, k, v, mask.dense if isinstance(mask, FlexMask) else mask, causal)
+        return attend(q, k, v, mask.dense if isinstance(mask, FlexMask) else mask, causal, scale)
 
     monkeypatch.setattr(kv_cache, "attend", recording_attend)
     tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
