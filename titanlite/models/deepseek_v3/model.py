@@ -22,22 +22,12 @@ from titanlite.models.deepseek_v3 import rope as yarn_rope
 from titanlite.models.deepseek_v3.attention import MultiHeadLatentAttention
 from titanlite.models.deepseek_v3.moe import DeepSeekMoE, ScoreFunc
 from titanlite.models.deepseek_v3.rope import YaRN
+from titanlite.models.qwen3_moe import model as qwen3_moe_model
 from titanlite.models.qwen3_moe.model import MoEDecoder
 
-SHAPE_KEYS = (
-    "n_layers",
-    "dim",
-    "n_heads",
-    "ffn_dim",
-    "rope_theta",
-    "max_seq_len",
-    "num_experts",
-    "top_k",
-    "moe_ffn_dim",
-    "router_aux_loss_coef",
-    "router_bias_update_rate",
-)
-"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""
+SHAPE_KEYS = tuple(key for key in qwen3_moe_model.SHAPE_KEYS if key != "n_kv_heads")
+"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`): Qwen3-MoE's but the key/value
+heads (every head has its own, expanded from the latent)."""
 
 
 @dataclass
