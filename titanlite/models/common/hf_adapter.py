@@ -3,8 +3,8 @@ common, the rule that names the embedding and output projection (tied or not), t
 writes and their names for a family that may tie them, and the conversion of a tensor that HF stores as
 titanlite does (by name only).
 
-The families' own parts (their extra modules, `config.json`, RoPE permutation, expert splitting) stay in
-their `hf_adapter.py`."""
+The per-expert names of the stacked experts are shared by the mixture-of-experts families; their other
+parts (their extra modules, `config.json`, RoPE permutation) stay in their `hf_adapter.py`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def hf_name(fqn: str, block: dict[str, str], tied: bool = False) -> str:
     _, layer, rest = fqn.split(".", 2)
     module, _, leaf = rest.rpartition(".")
     return f"model.layers.{layer}.{block[module]}.{leaf}"
+
+
+def expert_pieces(fqn: str, block: dict[str, str], num_experts: int) -> list[list[str]] | None:
+    """Per expert, the HF tensors that a stacked expert weight (`moe.experts.gate_up_proj` [E, 2I, H] or
+    `down_proj` [E, H, I], named through `block`) is written as: `mlp.experts.{j}.gate_proj.weight` and
+    `up_proj.weight`, or `down_proj.weight`, the published checkpoints' layout; None for another tensor."""
+    prefix, _, leaf = fqn.rpartition(".")
+    if not prefix.endswith("moe.experts"):
+        return None
+    base = hf_name(f"{prefix}.weight", block).removesuffix(".weight")
+    pieces = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
+    return [[f"{base}.{j}.{piece}.weight" for piece in pieces] for j in range(num_experts)]
 
 
 def reads_tied(tie_embeddings: bool, config: dict) -> bool:

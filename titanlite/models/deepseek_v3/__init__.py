@@ -3,6 +3,7 @@ family's spec (docs/deepseek_v3.md)."""
 
 from titanlite.models.deepseek_v3.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.deepseek_v3.flavors import deepseek_v3_configs
+from titanlite.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
 from titanlite.models.deepseek_v3.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.deepseek_v3.parallelize import deepseek_v3_tp_styles
 from titanlite.models.qwen3_moe import check_layout
@@ -59,6 +60,7 @@ SPEC = ModelSpec(
         after_step=update_routing_bias,
     ),
     planning=PlanningTerms(),
+    hf_adapter=DeepseekV3HFAdapter(),
 )
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "deepseek_v3_configs"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from titanlite.errors import CheckpointError
-from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, hf_name
+from titanlite.models.common.hf_adapter import DECODER_BLOCK, QK_NORM, ByName, expert_pieces, hf_name
 from titanlite.models.common.hf_config import decoder_config, differ, hf_rope, norm_act_bias
 from titanlite.models.qwen3_moe.model import ModelArgs
 
@@ -99,9 +99,4 @@ class Qwen3MoeHFAdapter(ByName):
     @staticmethod
     def split_names(fqn: str, args: ModelArgs) -> list[list[str]] | None:
         """Per expert, the HF tensors a stacked expert weight is written as (module docstring)."""
-        prefix, _, leaf = fqn.rpartition(".")
-        if not prefix.endswith("moe.experts"):
-            return None
-        base = hf_name(f"{prefix}.weight", _BLOCK).removesuffix(".weight")
-        pieces = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
-        return [[f"{base}.{j}.{piece}.weight" for piece in pieces] for j in range(args.num_experts)]
+        return expert_pieces(fqn, _BLOCK, args.num_experts)
