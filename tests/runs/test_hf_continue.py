@@ -13,7 +13,7 @@ from harness import SMALL, step_metric, train_in_one_launch
 from titanlite.checkpoint.hf import export_hf
 from titanlite.planning.run_plan import RunPlan
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 PADDED = 2112
 """The bundled tokenizer's 2,056 ids padded to a multiple of 64, as a published checkpoint's vocabulary is."""
 
