@@ -37,6 +37,12 @@ class BlockCost:
     context_parallel_elements: int = 0
     """Elements per token that its attention all-gathers over the context-parallel ranks (the keys and
     values, before tensor parallelism splits their heads); 0 for a family without context parallelism."""
+    replicated_matmul_flops: float = 0.0
+    """Matmul FLOPs that every tensor-parallel rank runs whole, on the gathered sequence (a MoE layer that
+    tensor parallelism does not split); `matmul_flops` counts them too, so the rest is split over tp."""
+    expert_parallel_elements: float = 0.0
+    """Elements per token that one dispatch of its MoE layer sends to the experts' ranks (top_k rows of the
+    hidden state; the combine sends as many back); 0 for a block without routed experts."""
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ class StageWork:
     """The step-time model's `Features` (techniques compared with, not run)."""
     ring: Callable[[float], float]
     """Seconds of an all-gather or reduce-scatter of that many unsharded bytes over this unit's group."""
+    all_to_all: Callable[[float], float] = lambda nbytes: 0.0
+    """Seconds of an all-to-all in which each rank of this unit's group holds that many bytes to exchange."""
 
 
 Rules = Callable[[JobConfig, ParallelDims, Any, Any], None]

@@ -185,8 +185,12 @@ class LayoutMemoryModel:
             self._activations[layout] = self.spec.planning.activation_bytes(self.args, layout)
         return self._activations[layout]
 
-    def _params(self, tp: int, shard: int, dp_impl: str, blocks: range, first: bool, last: bool) -> _StageParams:
-        key = (tp, shard, dp_impl, blocks.start, blocks.stop, first, last)
+    def _params(
+        self, tp: int, shard: int, dp_impl: str, blocks: range, first: bool, last: bool, ep: int = 1
+    ) -> _StageParams:
+        """The stage's parameters sharded over `shard` data-parallel ranks (the experts over ep x efsdp: the
+        same elements per rank, gathered over efsdp alone)."""
+        key = (tp, shard, dp_impl, blocks.start, blocks.stop, first, last, ep)
         if key not in self._stage_params:
             nbytes = trainable = float8_local = float8_weights = 0
             units: dict[str, int] = {}
@@ -210,11 +214,12 @@ class LayoutMemoryModel:
                 n = p.local_numel(shard) * p.itemsize
                 nbytes += n
                 trainable += n if p.trainable else 0
-                units[unit] = units.get(unit, 0) + p.gathered_numel
+                gathered = p.gathered_numel // ep if p.expert else p.gathered_numel
+                units[unit] = units.get(unit, 0) + gathered
                 tensors[unit] = tensors.get(unit, 0) + 1
-                largest = max(largest, p.gathered_numel)
+                largest = max(largest, gathered)
                 if p.float8:
-                    float8[unit] = float8.get(unit, 0) + p.gathered_numel
+                    float8[unit] = float8.get(unit, 0) + gathered
                     float8_local += p.local_numel(shard)
                     float8_weights += 1
             self._stage_params[key] = _StageParams(
@@ -239,7 +244,7 @@ class LayoutMemoryModel:
         return self._stages[key]
 
     def _stage(self, layout: Layout, tp: int, shard: int, stage: int, blocks: range, first: bool, last: bool):
-        params = self._params(tp, shard, layout.dp_impl, blocks, first, last)
+        params = self._params(tp, shard, layout.dp_impl, blocks, first, last, layout.ep)
         b = self._buffers(layout, params, blocks)
         acts = dict(self.activations(layout))
         peak, held_acts = acts.pop("peak"), acts.pop("held", 0)

@@ -121,7 +121,9 @@ class LayoutSearch:
         reshard choice of a structure, or only its least-memory choices when none of those fits."""
         limit = self.capacity * COMFORT_FRACTION
         mesh = None
-        for structure in structures(self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build):
+        for structure in structures(
+            self.cfg, self.world, self.kind.gpus_per_node, self.global_batch(), self.build, self._args
+        ):
             if structure.layout.degrees != mesh:
                 mesh = structure.layout.degrees
                 self.memory_model.forget_layouts()

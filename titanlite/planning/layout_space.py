@@ -50,30 +50,34 @@ whose chunks are whole): every cp degree multiplies the meshes, batch splits and
 405B on 512 GPUs at seq 8192 (docs/layout_search.md): 2048 (cp <= 4) searched 28,539 layouts in 69 s."""
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The fields of `Degrees` that are mesh dims (their product is the world), outermost first."""
+
+
 @dataclass(frozen=True)
 class Degrees:
-    """The degrees a searched layout sets, by dim name (`parallel_dims.DEGREE_KEYS`), outermost mesh dim first."""
+    """The degrees a searched layout sets, by dim name (`parallel_dims.DEGREE_KEYS`), outermost mesh dim first;
+    `ep` splits dp_shard x cp again (expert parallelism borrows those ranks), so it is no factor of the world."""
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
-        out = 1
-        for f in dataclasses.fields(self):
-            out *= getattr(self, f.name)
-        return out
+        return math.prod(getattr(self, name) for name in MESH_DIMS)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        parts = [f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name) > 1]
-        return " x ".join(parts) or "one rank"
+        parts = [f"{name} {getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        experts = f" (experts over ep {self.ep})" if self.ep > 1 else ""
+        return (" x ".join(parts) or "one rank") + experts
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class ParallelLayout:
         p, t, d = cfg.parallelism, cfg.training, plan.dims
         sp = plan.pipeline
         return cls(
-            Degrees(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
+            Degrees(d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.ep),
             cfg.activation_checkpoint.mode,
             cfg.activation_checkpoint.selective_ac_option,
             t.local_batch_size,
@@ -163,8 +167,8 @@ def divisors(n: int) -> list[int]:
 
 
 def factorisations(world: int) -> Iterator[Degrees]:
-    """Every assignment of degrees to `Degrees`' fields whose product is `world`."""
-    names = [f.name for f in dataclasses.fields(Degrees)]
+    """Every assignment of degrees to `Degrees`' mesh dims (`MESH_DIMS`) whose product is `world`."""
+    names = list(MESH_DIMS)
 
     def rest(n: int, k: int) -> Iterator[tuple[int, ...]]:
         if k == 1:
@@ -186,6 +190,17 @@ def context_degrees(cfg: JobConfig, world: int) -> frozenset[int]:
         return frozenset({1})
     seq = cfg.training.seq_len
     return frozenset({1} | {c for c in divisors(world) if seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS})
+
+
+def expert_degrees(cfg: JobConfig, args: Any, degrees: Degrees) -> list[int]:
+    """The expert-parallel degrees searched on a mesh: 1, and where the model family declares the seam
+    (`ModelSpec.parallel.num_experts`) every degree above one that divides both dp_shard x cp (the ranks it
+    borrows) and the experts; the run plan refuses those its other rules exclude (pipeline stages, FSDP2)."""
+    count = get_model_spec(cfg.model.name).parallel.num_experts
+    if count is None or args is None:
+        return [1]
+    experts = count(args)
+    return [1] + [e for e in divisors(degrees.dp_shard * degrees.cp) if e > 1 and experts % e == 0]
 
 
 def dominated(degrees: Degrees, microbatch: int) -> bool:
@@ -220,14 +235,20 @@ Build = Callable[[JobConfig], RunPlan]
 """`RunPlan.build` for the search's world, with the tokenizer and model args already resolved."""
 
 
-def structures(cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Build) -> Iterator[Structure]:
+def structures(
+    cfg: JobConfig, world: int, gpus_per_node: int, global_batch: int, build: Build, args: Any = None
+) -> Iterator[Structure]:
     """Every (degrees, local batch, pipeline option) for `world` ranks at `global_batch` sequences per step
-    that the run plan accepts without activation checkpointing."""
+    that the run plan accepts without activation checkpointing; `args`, the model's, give the expert-parallel
+    degrees searched (`expert_degrees`; None: none)."""
     cps = context_degrees(cfg, world)
-    for degrees in factorisations(world):
-        if degrees.tp > gpus_per_node or global_batch % degrees.dp or degrees.cp not in cps:
+    for mesh in factorisations(world):
+        if mesh.tp > gpus_per_node or global_batch % mesh.dp or mesh.cp not in cps:
             continue
-        for local in divisors(global_batch // degrees.dp):
+        for degrees, local in itertools.product(
+            [dataclasses.replace(mesh, ep=ep) for ep in expert_degrees(cfg, args, mesh)],
+            divisors(global_batch // mesh.dp),
+        ):
             for schedule, v, mb in pipeline_options(degrees.pp, local):
                 if dominated(degrees, mb):
                     continue

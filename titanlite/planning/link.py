@@ -14,7 +14,9 @@ class Link:
     bus bandwidth on 8-GPU nodes with a NIC per GPU is about eight times one NIC's)."""
 
     def __init__(self, kind: GpuKind, size: int, per_node: int):
-        self.size = size
+        self.size, self.per_node = size, per_node
+        self.nvlink_bytes_per_s = kind.nvlink_gbps * 1e9 * COLLECTIVE_EFFICIENCY
+        self.network_bytes_per_s = kind.network_gbps * 1e9 * COLLECTIVE_EFFICIENCY
         inter = size > per_node
         bw = min(kind.nvlink_gbps, per_node * kind.network_gbps) if inter else kind.nvlink_gbps
         self.bytes_per_s = bw * 1e9 * COLLECTIVE_EFFICIENCY
@@ -31,6 +33,16 @@ class Link:
             return 0.0
         share = (self.size - 1) / self.size * (2 if all_reduce else 1)
         return share * nbytes / self.bytes_per_s + self.latency
+
+    def all_to_all(self, nbytes: float) -> float:
+        """An all-to-all in which each rank holds `nbytes` to spread evenly over the group (it keeps its own
+        share): the shares for ranks on its node cross NVLink, the others its own NIC, both at once. No
+        ring spreads the network part over the node's NICs, so it is slower than a ring of the same bytes."""
+        if self.size == 1 or nbytes == 0:
+            return 0.0
+        local = (self.per_node - 1) / self.size * nbytes / self.nvlink_bytes_per_s
+        remote = (self.size - self.per_node) / self.size * nbytes / self.network_bytes_per_s
+        return max(local, remote) + self.latency
 
     def send(self, nbytes: float) -> float:
         return 0.0 if self.size == 1 else nbytes / self.bytes_per_s + self.latency

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from titanlite.config import JobConfig
+from titanlite.parallelisms.expert_parallel.unit import expert_modules
 from titanlite.parallelisms.float8.unit import converted_weights
 from titanlite.parallelisms.parallel_dims import reset_to_data_parallel
 from titanlite.planning.run_plan import RunPlan
@@ -38,6 +39,9 @@ class ParamShape:
     trainable: bool
     float8: bool = False
     """The weight of a float8 layer (`float8.converted_weights`)."""
+    expert: bool = False
+    """A weight of routed experts (a module with expert parallelism's seam): under expert parallelism it is
+    split over the ep ranks first, and its data-parallel gather runs over the rest (efsdp)."""
 
     def local_numel(self, shard: int) -> int:
         if not self.shape:
@@ -84,6 +88,7 @@ class ShapeTable:
         units = plan.spec.units(model)
         index = {fqn: i for i, fqn in enumerate(units.blocks)}
         float8 = converted_weights(model) if cfg.float8.enable else frozenset()
+        experts = {id(p) for module in expert_modules(model) for p in module.parameters(recurse=False)}
         out = []
         for fqn, param in model.named_parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
@@ -99,6 +104,7 @@ class ShapeTable:
                     local.element_size(),
                     param.requires_grad,
                     fqn in float8,
+                    id(param) in experts,
                 )
             )
         return out

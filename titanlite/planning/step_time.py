@@ -152,7 +152,7 @@ class MicrobatchModel:
             compute += comp
             rec += recs
             for name, term, link in self.terms:
-                comm[name] += term(self.work(*counted, ring=link.ring))
+                comm[name] += term(self.work(*counted, ring=link.ring, all_to_all=link.all_to_all))
             pp += self.send_recv
             self.dp.add_stage(st, fwd_c, bwd_c, dp)
         return RankTime(compute, rec, comm, pp, dp)
@@ -239,7 +239,9 @@ class StepTimeModel:
         fused_blocks = c.enable and "model" in c.components
         fused_loss = c.enable and "loss" in c.components
         tp, b = plan.dims.tp, cost.block
-        blk_mm = tokens * b.matmul_flops / tp / block_mm_rate
+        # Matmuls split over tp, and those every tp rank runs whole (a MoE layer tp does not split).
+        split_mm = b.matmul_flops - b.replicated_matmul_flops
+        blk_mm = tokens * (split_mm / tp + b.replicated_matmul_flops) / block_mm_rate
         blk_attn = tokens * b.attention_flops / tp / attn_rate
         blk_ew = tokens * (b.fused_elementwise_bytes if fused_blocks else b.elementwise_bytes) / tp / hbm
         blk_fwd = blk_mm + blk_attn + blk_ew

@@ -157,7 +157,13 @@ FOOTPRINT = {
     },
     "tensor_parallel": {ORDER, SECTION},
     "context_parallel": {ORDER, SECTION},
-    "expert_parallel": {ORDER, SECTION},
+    "expert_parallel": {
+        ORDER,
+        SECTION,
+        # The layout search's parameter shapes mark the routed experts' weights (`expert_modules`), which expert
+        # parallelism splits before data parallelism gathers the rest.
+        "planning/param_shapes.py",
+    },
     "pipeline": {
         ORDER,
         SECTION,

@@ -25,7 +25,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.parallelisms.host_replay import HostReplay
 from titanlite.parallelisms.parallel_dims import ParallelDims
-from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, when_on
+from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StageWork, when_on
 
 if TYPE_CHECKING:
     from titanlite.parallelisms.data_parallel.simple_fsdp import DataParallelMesh
@@ -211,8 +211,29 @@ def _on(cfg: JobConfig, dims: ParallelDims) -> bool:
     return dims.ep_enabled
 
 
+def step_time(work: StageWork) -> float:
+    """Per block with routed experts (`ModelCost.block.expert_parallel_elements` per token, averaged over the
+    blocks): the dispatch and the combine in forward, their gradients in backward, and both again where the
+    block's forward is recomputed (full or selective AC: the all-to-all is no saved op); exposed, since
+    the experts wait for their rows and the next layer for the combine. Under TP every tp rank exchanges
+    the whole gathered sequence's rows (the MoE layer is not split). Routing is taken as balanced."""
+    elements = work.cost.block.expert_parallel_elements
+    if not elements:
+        return 0.0
+    one = work.all_to_all(work.tokens * elements * work.itemsize)
+    return (4 * work.blocks + 2 * (work.full + work.selective)) * one
+
+
 UNIT = ParallelismUnit(
-    name="expert", on=_on, rules=when_on(_on, check_expert_parallel), apply=_apply, graph_break=dispatches
+    name="expert",
+    on=_on,
+    rules=when_on(_on, check_expert_parallel),
+    apply=_apply,
+    graph_break=dispatches,
+    step_time=step_time,
+    group=lambda dims: (dims.ep, dims.tp),
+    comm_words="ep all-to-alls",
 )
-"""Expert parallelism as one unit (`parallelism.ParallelismUnit`); its all-to-alls are not in the step-time
-model, and their buffers are the family's activation model's (`models/qwen3_moe/activations.py`)."""
+"""Expert parallelism as one unit (`parallelism.ParallelismUnit`): its group is the innermost `ep` ranks of
+dp_shard x cp, `tp` ranks apart; the all-to-alls' buffers are the family's activation model's
+(`models/qwen3_moe/activations.py`)."""
