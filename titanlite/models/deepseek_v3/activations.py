@@ -1,17 +1,16 @@
-"""DeepSeek-V3's activation memory per GPU, for the dry run's memory estimate (`titanlite/planning/memory.py`).
-
-Per token of one microbatch, what autograd saves with the eager kernels, measured tensor by tensor on the
-debug model (tests/unit/planning/test_deepseek_v3_plan.py). Multi-head latent attention: the latents' RMSNorms
-(their fp32 inputs), the queries and the keys/values as attention takes them (qk_head_dim and v_head_dim per
-head) and its output; on CUDA the memory-efficient kernel (the head dims differ, which flash attention refuses)
-saves its logsumexp, elsewhere the math kernel saves the scores' probabilities. DeepSeekMoE: the router's fp32
-scores and its choice's indices, per routed (token, expert) row the gathered input, gate/up, SwiGLU input and
-weighted output, and the shared experts' SwiGLU; dense layers: their SwiGLU. Tensor parallelism divides the
-heads and the dense SwiGLU (latents replicated; a MoE layer runs whole on every tp rank); context parallelism
-divides the tokens and adds the gathered keys and values. Selective AC counts as none (an upper bound). Under
-full AC a MoE block also keeps what its forward saved up to the router's scores: the router's statistics
-(`RouterStats.prob_sum`, kept with its graph for the optional auxiliary loss) leave the checkpoint with it.
-Under expert parallelism one layer's all-to-all send and receive buffers are added (balanced routing).
+"""DeepSeek-V3's activation memory per GPU, for the dry run's memory estimate (`titanlite/planning/memory.py`). Per
+token of one microbatch, what autograd saves with the eager kernels, measured tensor by tensor on the debug model
+(tests/unit/planning/test_deepseek_v3_plan.py). Multi-head latent attention: the latents' RMSNorms (their fp32
+inputs), the queries and the keys/values as attention takes them (qk_head_dim and v_head_dim per head) and its
+output; on CUDA the memory-efficient kernel (the head dims differ, which flash attention refuses) saves its
+logsumexp, elsewhere the math kernel saves the scores' probabilities. DeepSeekMoE: the router's fp32 scores and its
+choice's indices, per routed (token, expert) row the gathered input, gate/up, SwiGLU input and weighted output, and
+the shared experts' SwiGLU; dense layers: their SwiGLU. Tensor parallelism divides the heads, the dense SwiGLU and
+the shared experts (latents replicated; routing and routed experts run whole on every tp rank); context parallelism
+divides the tokens and adds the gathered keys and values. Selective AC counts as none (an upper bound). Under full
+AC a MoE block also keeps what its forward saved up to the router's scores: the router's statistics
+(`RouterStats.prob_sum`, kept with its graph for the optional auxiliary loss) leave the checkpoint with it. Under
+expert parallelism one layer's all-to-all send and receive buffers are added (balanced routing).
 docs/layout_search.md#deepseek-v3.
 """
 
@@ -67,10 +66,10 @@ def activation_bytes(args: Any, layout: Layout) -> dict[str, int]:
     norm = (8 * d + 4) / t + d * e
     attention = attention_bytes(args, layout)
     router = router_bytes(args, e)
-    moe = router + k * (2 * d * e + 4 * i * e + 16 + e) + 4 * shared * e
+    moe = router + k * (2 * d * e + 4 * i * e + 16 + e) + 4 * shared * e / t
     ffn = {True: moe, False: 4 * args.ffn_dim * e / t}
     full = {layer: 2 * norm + attention + ffn[args.is_moe(layer)] for layer in range(args.n_layers)}
-    widest = {True: max(4 * k * i, 2 * shared) * e, False: (2 * args.ffn_dim / t + 2 * d) * e}
+    widest = {True: max(4 * k * i, 2 * shared / t) * e, False: (2 * args.ffn_dim / t + 2 * d) * e}
     grads = {layer: widest[args.is_moe(layer)] for layer in range(args.n_layers)}
     # What a fully checkpointed MoE block keeps besides its input (module docstring): its forward's saved
     # tensors up to the router, but the block input and attention's output, which are not held twice.

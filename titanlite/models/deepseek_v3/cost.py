@@ -1,17 +1,17 @@
 """DeepSeek-V3's cost per token for the step-time model (`titanlite/models/cost.py` says what each field is).
 
-The model's blocks differ (the first `first_k_dense_replace` are dense, the rest MoE), and the step-time model
-times one block shape, so each field is the mean over the blocks (a pipeline stage of other proportions is
-timed at the model's mean). Matmuls at 2 FLOPs per weight element and token: multi-head latent attention's
-projections (the latents, their up-projections, wo), the dense layers' SwiGLU, and per MoE layer the router,
-the top_k routed experts (active FLOPs only) and the shared experts. Tensor parallelism splits attention's
-heads and the dense SwiGLU; a MoE layer runs whole on every tp rank (`replicated_matmul_flops`). Attention: QK^T
-over qk_head_dim and PV over v_head_dim, halved under the causal mask. Selective AC `op` recomputes the routed
-experts' grouped GEMMs (no saved op) and about half of the other matmuls. Elementwise traffic follows the
-dense decoder's counts (`models/common/dense_cost.py`) for the ops this model runs. Under expert parallelism a
-MoE layer's dispatch sends top_k rows of `dim` per token (`expert_parallel_elements`). Collectives under TP:
-four per dense block's forward, three per MoE block (its output is split back locally). No context
-parallelism. docs/layout_search.md#deepseek-v3.
+The model's blocks differ (the first `first_k_dense_replace` are dense, the rest MoE), and the step-time model times
+one block shape, so each field is the mean over the blocks (a pipeline stage of other proportions is timed at the
+model's mean). Matmuls at 2 FLOPs per weight element and token: multi-head latent attention's projections (the
+latents, their up-projections, wo), the dense layers' SwiGLU, and per MoE layer the router, the top_k routed experts
+(active FLOPs only) and the shared experts. Tensor parallelism splits attention's heads, the dense SwiGLU and the
+shared experts; the router and the routed experts run whole on every tp rank (`replicated_matmul_flops`). Attention:
+QK^T over qk_head_dim and PV over v_head_dim, halved under the causal mask; context parallelism gathers each head's
+key and value (qk_head_dim + v_head_dim per head). Selective AC `op` recomputes the routed experts' grouped GEMMs
+(no saved op) and about half of the other matmuls. Elementwise traffic follows the dense decoder's counts
+(`models/common/dense_cost.py`) for the ops this model runs. Under expert parallelism a MoE layer's dispatch sends
+top_k rows of `dim` per token (`expert_parallel_elements`). Collectives under TP: four per dense block's forward,
+three per MoE block (its output is split back locally). docs/layout_search.md#deepseek-v3.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def step_cost(args: Any, seq_len: int, compute_bytes: int) -> ModelCost:
         fused_elementwise_bytes=attn_fused + (1 - share) * 3 * e * args.ffn_dim + share * moe_fused,
         tp_collectives=round(4 - share),
         tp_recomputed_selective=2,
-        replicated_matmul_flops=2 * share * (routed + shared + router),
+        context_parallel_elements=h * (qk + vd),
+        replicated_matmul_flops=2 * share * (routed + router),
         expert_parallel_elements=share * rows,
     )
     return ModelCost(
