@@ -1,7 +1,9 @@
 """DeepSeek-V3: multi-head latent attention, DeepSeekMoE with aux-loss-free balancing, flavors and the
 family's spec (docs/deepseek_v3.md)."""
 
+from titanlite.models.deepseek_v3.activations import activation_bytes
 from titanlite.models.deepseek_v3.balance import aux_loss_term, routing_metrics, update_routing_bias
+from titanlite.models.deepseek_v3.cost import step_cost
 from titanlite.models.deepseek_v3.flavors import deepseek_v3_configs
 from titanlite.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
 from titanlite.models.deepseek_v3.model import SHAPE_KEYS, ModelArgs, Transformer
@@ -59,7 +61,7 @@ SPEC = ModelSpec(
         step_metrics=routing_metrics,
         after_step=update_routing_bias,
     ),
-    planning=PlanningTerms(),
+    planning=PlanningTerms(activation_bytes=activation_bytes, step_cost=step_cost),
     hf_adapter=DeepseekV3HFAdapter(),
 )
 
