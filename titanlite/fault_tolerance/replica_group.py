@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -63,7 +64,10 @@ class ReplicaGroup:
     ):
         # torchft's Rust side logs every quorum and commit at INFO, some lines a step; a user's RUST_LOG wins.
         os.environ.setdefault("RUST_LOG", "warn")
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are of NCCL's flight recorder
+        # Its Python side logs a failed collective with a traceback: `commit` names the error in one line.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        # Reading a received state, torch warns once that torchft's buffer is read-only (it is only read).
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         from torchft.manager import Manager
 
         self.cfg, self.loaders, self._capture, self._restore = cfg, loaders, capture, restore
@@ -72,6 +76,8 @@ class ReplicaGroup:
         self.recoveries = 0
         """Times this group received a newer state from a peer, or sent one to a peer behind it."""
         self.healed_to: int | None = None
+        self.last_error: str | None = None
+        """Why this group's last step failed across groups (torchft's error, first sentence), or None."""
         self._step = 0
         host, port = self._group_store()
         self.manager = Manager(
@@ -169,10 +175,14 @@ class ReplicaGroup:
         return data_states.decode(rows, lengths)
 
     def commit(self, exchanged: dict[int, dict] | None) -> bool:
-        """torchft's vote on the step (module docstring); a committed step's loader states are kept."""
+        """torchft's vote on the step (module docstring); a committed step's loader states are kept. Why a
+        step did not commit, when this group saw it fail, is `last_error`."""
+        error = self.manager.errored()
         committed = self.manager.should_commit()
         if committed and exchanged is not None and self.loaders is not None:
             self.loaders.adopt(exchanged)
+        cause = error.original_exception if error is not None else None
+        self.last_error = str(cause).split(". ")[0].strip()[:200] if cause is not None else None
         return committed
 
     def quorum_size(self) -> int:

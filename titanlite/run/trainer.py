@@ -341,10 +341,9 @@ class Trainer:
                 window_data += self.goodput.mark("data_wait") - t0
                 self.train_step(batches, self._step_context(faults))
                 if not self.committed:
-                    logger.warning(
-                        f"step {self.step} not committed by the replica groups (a group failed or was late): "
-                        "training it again"
-                    )
+                    assert self.replicas is not None
+                    cause = self.replicas.last_error or "another group failed or was late"
+                    logger.warning(f"step {self.step} not committed by the replica groups ({cause}): training it again")
                     self.step, retry = self.step - 1, batches
                     self.goodput.mark("recompute")
                     continue
