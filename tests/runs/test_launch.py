@@ -66,11 +66,9 @@ def test_two_nodes_use_the_c10d_rendezvous():
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("rdzv_host", "endpoint"), [(None, "192.0.2.7:29500"), ("2001:db8::9", "[2001:db8::9]:29500")])
-def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path, rdzv_host, endpoint):
-    """The agents meet at the head node's address as the head node reports it (a host name may resolve to
-    another interface on each node), or at RDZV_HOST; an IPv6 address is bracketed before the port."""
+def slurm_env(tmp_path) -> dict[str, str]:
+    """A SLURM job's environment on this machine: fake srun, scontrol and hostname, two nodes of 2 "GPUs" (this CPU
+    machine stands in for them), the launch printed instead of run (DRY_LAUNCH=1)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("hostname", FAKE_HOSTNAME)):
@@ -90,6 +88,15 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path, rdzv_
     )
     for key in ("NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_HOST"):
         env.pop(key, None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rdzv_host", "endpoint"), [(None, "192.0.2.7:29500"), ("2001:db8::9", "[2001:db8::9]:29500")])
+def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path, rdzv_host, endpoint):
+    """The agents meet at the head node's address as the head node reports it (a host name may resolve to
+    another interface on each node), or at RDZV_HOST; an IPv6 address is bracketed before the port."""
+    env = slurm_env(tmp_path)
     if rdzv_host:
         env["RDZV_HOST"] = rdzv_host
     argv = launched(
@@ -115,6 +122,21 @@ def test_slurm_script_starts_one_agent_per_node_at_the_head_node(tmp_path, rdzv_
         "titanlite-1234",
     )
     assert "--nproc_per_node=2" in argv and argv[-2:] == ["--training.steps", "5"]
+
+
+@pytest.mark.slow
+def test_a_replica_groups_slurm_job_is_a_multinode_run_as_group_k(tmp_path):
+    """replica_group.slurm K G runs multinode_trainer.slurm as replica group K of G into its own dump folder;
+    without TORCHFT_LIGHTHOUSE it stops in one line, exit 2."""
+    env = slurm_env(tmp_path)
+    run = ["bash", str(ROOT / "replica_group.slurm"), "1", "2", "--training.steps", "5"]
+    missing = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1 and "TORCHFT_LIGHTHOUSE" in missing.stderr
+    env["TORCHFT_LIGHTHOUSE"] = "http://192.0.2.8:29510"
+    argv = launched(subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    assert "--nproc_per_node=2" in argv and option(argv, "--nnodes") == "2"
+    assert option(argv, "--fault_tolerance.replica_id") == "1" and option(argv, "--fault_tolerance.group_size") == "2"
+    assert "--fault_tolerance.enable" in argv and option(argv, "--job.dump_folder") == "outputs/replica_groups/group1"
 
 
 @pytest.mark.slow
