@@ -76,6 +76,7 @@ class Rule:
     append: str = ""  # arguments added to the command (`run`)
     chain: str = ""  # commands of one chain use what its training runs wrote: run after them, one at a time
     seed: str = ""  # a dump folder of another command whose checkpoints are copied into this one's first
+    last: bool = False  # a training run of a chain that reads what its tools wrote: run after them
 
 
 def _blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -158,7 +159,16 @@ RULES: list[Rule] = [
     Rule(r"^\./run_tests\.sh", "listed", "the suite itself, which runs this test"),
     Rule(r"scripts/gpu_smoke\.sh", "listed", "one GPU; its CPU form runs in tests/project/test_gpu_smoke.py"),
     Rule(r"^(\w+=\S+ )?scripts/gpu_check\.sh", "listed", "one GPU; its CPU form runs in tests/runs/test_launch.py"),
-    Rule(r"^sbatch ", "listed", "needs SLURM; tests/runs/test_launch.py runs the script's launch line"),
+    Rule(
+        r"^(TORCHFT_LIGHTHOUSE=\S+ )?sbatch ",
+        "listed",
+        "needs SLURM; tests/runs/test_launch.py runs the script's launch line",
+    ),
+    Rule(
+        r"^(TITANLITE_EXTRAS=ft )?scripts/python\.sh -m titanlite\.tools\.lighthouse ",
+        "listed",
+        "a server that runs until stopped; tests/runs/test_replica_groups.py starts it so",
+    ),
     Rule(
         r"pip freeze|scripts/wheelhouse\.sh",
         "listed",
@@ -191,6 +201,23 @@ RULES: list[Rule] = [
         seed="/tmp/demo/run",
     ),
     Rule(r"-m titanlite\.tools\.hf export --config \S+qwen3_moe", "run", "", chain="moe"),
+    # DeepSeek-V3 to Hugging Face and back (docs/deepseek_v3.md): trained, exported, sampled, trained from it.
+    Rule(
+        r"deepseek_v3_debug\.toml --training\.steps 20 --checkpoint\.enable",
+        "run",
+        "",
+        chain="dsv3",
+        append="--training.steps 2",
+    ),
+    Rule(r"-m titanlite\.tools\.(hf export|generate) --config \S+deepseek_v3", "run", "", chain="dsv3"),
+    Rule(
+        r"--checkpoint\.initial_load_path /tmp/demo/dsv3/hf",
+        "run",
+        "",
+        chain="dsv3",
+        append="--training.steps 2",
+        last=True,
+    ),
     Rule(r"-m titanlite\.tools\.(generate|hf export) --config ", "run", "", chain="llama"),
     Rule(r"-m titanlite\.tools\.dashboard ", "run", "", chain="llama"),
     Rule(r"-m tensorboard\.main ", "run", "a server: its version only", chain="llama", append="--version_tb"),
@@ -204,7 +231,11 @@ RULES: list[Rule] = [
     Rule(r"--dry-run\b", "config", DRY_RUNS),
     # Llama 3's own vocabulary, which titanlite does not ship: where a run would start, one line names it.
     Rule(r"llama3_(8b|70b|405b)(_pp)?\.toml$", "preflight", "", exit_code=2, says="model.tokenizer_path"),
-    Rule(r"^(NGPU=\d+ |NNODES=\d+ |RDZV_\w+=\S+ |TITANLITE_EXTRAS=\S+ )*\./run_train\.sh", "preflight", ""),
+    Rule(
+        r"^(NGPU=\d+ |NNODES=\d+ |RDZV_\w+=\S+ |TITANLITE_EXTRAS=\S+ |TORCHFT_LIGHTHOUSE=\S+ )*\./run_train\.sh",
+        "preflight",
+        "",
+    ),
 ]
 
 
@@ -334,7 +365,8 @@ def test_documented_commands_run_as_written(tmp_path):
     held_out = (ROOT / "titanlite/data/corpus/pydocs_008.txt").read_text().split("\n\n")
     (alone / "held_out.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in held_out if t.strip()))
     chains: dict[str, list[tuple[Command, Rule]]] = {}
-    for c, r in sorted(commands, key=lambda cr: "--training.steps" not in cr[1].append):  # training runs first
+    # Training runs first, then the tools on what they wrote, then the runs that read what the tools wrote.
+    for c, r in sorted(commands, key=lambda cr: (cr[1].last, "--training.steps" not in cr[1].append)):
         if r.chain:
             chains.setdefault(r.chain, []).append((c, r))
     free = [(c, r) for c, r in commands if r.how == "run" and not r.chain]
