@@ -24,6 +24,7 @@ import pytest
 
 from harness import LOSS_REL, ROOT, RunResult, child_env, rank_pid, start_launch, train
 from titanlite.metrics.goodput import latest, ledger_path, read_rows
+from titanlite.tools.dashboard import read_dashboard
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +133,11 @@ def test_the_survivor_keeps_stepping_with_a_quorum_of_one_and_never_restarts(fai
     after_kill = [r for r in logged if r["step"] > failure["killed_at"]]
     assert any(r["ft/quorum_size"] == 1 for r in after_kill), [r["ft/quorum_size"] for r in after_kill]
     assert logged[-1]["ft/quorum_size"] == 2
+    # TensorBoard shows the ft/ scalars of every log step, as metrics.jsonl holds them.
+    [run] = (g0.dump / "tb").iterdir()
+    board = read_dashboard(str(run))
+    for tag in ("ft/quorum_size", "ft/recoveries", "ft/missed_steps", "ft/params_digest"):
+        assert [v for _, v in board.scalars[tag].values] == [r[tag] for r in logged], tag
 
 
 def test_the_killed_group_restarts_receives_the_state_and_rejoins(failure):

@@ -114,11 +114,12 @@ def test_dashboard_shows_every_logged_metric_with_its_name_unit_and_description(
         legacy.Reload()
     assert not [r for r in caplog.records if r.name.startswith("tensorboard")], caplog.text
     for m in METRICS:
-        if not m.cuda_only and not m.family and not m.straggler:  # a family's: tests/unit/models/test_qwen3_moe.py
+        # A family's: tests/unit/models/test_qwen3_moe.py; a replica group's: tests/runs/test_replica_groups.py.
+        if not m.cuda_only and not m.family and not m.straggler and not m.replicas:
             meta = legacy.SummaryMetadata(m.tag)
             assert (meta.plugin_data.plugin_name, meta.display_name) == ("scalars", m.display_name)
             assert meta.summary_description == m.description
-    logged = {m.tag: m for m in METRICS if not m.cuda_only and not m.family and not m.straggler}
+    logged = {m.tag: m for m in METRICS if not m.cuda_only and not m.family and not m.straggler and not m.replicas}
     records = [r for r in rows if "loss" in r]
     val_records = [r for r in rows if "val_loss" in r]
     assert set(board.scalars) == set(logged)
