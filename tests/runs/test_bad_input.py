@@ -23,6 +23,7 @@ F8 = ["--float8.enable", "--float8.emulate"]
 AUTO = "auto_filter_small_kn"
 # A rule between compile and data-parallel keys: refused by the run plan, so by the preflight.
 BUCKETED_FSDP2 = ["--compile.enable", "--compile.bucketing", "transformer_block", "--parallelism.dp_impl", "fsdp2"]
+FT2 = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
 
 # (file text or None for the debug config, overrides, world size, fragments the message must contain)
 CASES = [
@@ -231,6 +232,43 @@ CASES = [
     ),
     (None, ["--float8.all_gather"], 2, ["float8.all_gather is set but float8.enable is not"]),
     (None, ["--job.dump_folder", "{tmp}/a_file"], 2, ["job.dump_folder", "a_file' is a file, not a folder"]),
+    # Replica groups (fault_tolerance): what no group of the job could run.
+    (
+        None,
+        [*FT2, "--fault_tolerance.replica_id", "2"],
+        2,
+        ["fault_tolerance.replica_id 2 is outside fault_tolerance.group_size 2", "numbered 0 .. 1"],
+    ),
+    (
+        None,
+        [*FT2, "--fault_tolerance.min_replica_size", "3"],
+        2,
+        ["fault_tolerance.min_replica_size 3 is more than fault_tolerance.group_size 2", "no step could ever commit"],
+    ),
+    (
+        None,
+        ["--fault_tolerance.group_size", "2"],
+        2,
+        ["fault_tolerance.group_size is set but fault_tolerance.enable is not"],
+    ),
+    (
+        None,
+        ["--fault_tolerance.lighthouse", "http://h:1"],
+        2,
+        ["fault_tolerance.lighthouse is set but fault_tolerance.enable is not"],
+    ),
+    (
+        None,
+        [*FT2, *PP2, "--parallelism.data_parallel_shard_degree", "1"],
+        2,
+        ["fault_tolerance.enable does not combine with pipeline_parallel_degree > 1"],
+    ),
+    (
+        None,
+        [*FT2, "--training.global_batch_size", "48"],
+        2,
+        ["global_batch_size 48 is not a multiple of local_batch_size 8 x data-parallel degree 2 x replica groups 2"],
+    ),
     (
         None,
         ["--checkpoint.initial_load_path", "{tmp}"],
