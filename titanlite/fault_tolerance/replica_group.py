@@ -43,6 +43,18 @@ class ReplicaGroupError(UserError):
     """The job's replica groups cannot go on with this group (no quorum, a refused join): one line, exit code 2."""
 
 
+START_LIGHTHOUSE = (
+    "start it with `scripts/python.sh -m titanlite.tools.lighthouse --min_replicas N --port P` and point "
+    "fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE at it"
+)
+"""The hint of a group that found no lighthouse, or no quorum at it."""
+
+
+def _first_line(error: BaseException) -> str:
+    """torchft's error in a few words: its first line, cut to 160 characters."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:160]
+
+
 def replica_name(replica_id: int) -> str:
     """The group's torchft replica id: zero-padded, so the lighthouse's order (by name) is the groups' order and
     the lowest live group is participant 0."""
@@ -80,23 +92,29 @@ class ReplicaGroup:
         """Why this group's last step failed across groups (torchft's error, first sentence), or None."""
         self._step = 0
         host, port = self._group_store()
-        self.manager = Manager(
-            pg=_cross_group_process_group(device, cfg.timeout_seconds),
-            load_state_dict=self._received,
-            state_dict=self._sent,
-            min_replica_size=cfg.min_replica_size,
-            use_async_quorum=False,  # a received state is applied before the step's first collective
-            timeout=timedelta(seconds=cfg.timeout_seconds),
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
-            connect_timeout=timedelta(seconds=cfg.connect_timeout_seconds),
-            rank=self.rank,
-            world_size=self.world,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=replica_name(cfg.replica_id),
-            init_sync=True,  # every group starts from one group's weights, and a different model is refused
-        )
+        try:
+            self.manager = Manager(
+                pg=_cross_group_process_group(device, cfg.timeout_seconds),
+                load_state_dict=self._received,
+                state_dict=self._sent,
+                min_replica_size=cfg.min_replica_size,
+                use_async_quorum=False,  # a received state is applied before the step's first collective
+                timeout=timedelta(seconds=cfg.timeout_seconds),
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=cfg.connect_timeout_seconds),
+                rank=self.rank,
+                world_size=self.world,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=self.lighthouse,
+                replica_id=replica_name(cfg.replica_id),
+                init_sync=True,  # every group starts from one group's weights, and a different model is refused
+            )
+        except Exception as e:  # torchft's connect error: the lighthouse unreachable within connect_timeout
+            raise ReplicaGroupError(
+                f"fault_tolerance: could not join the lighthouse at {self.lighthouse} within "
+                f"{cfg.connect_timeout_seconds:g} s ({_first_line(e)}); {START_LIGHTHOUSE}"
+            ) from None
 
     def _group_store(self) -> tuple[str, int]:
         """A store of this group for torchft (the manager's address, the groups' rendezvous), new for every
@@ -127,8 +145,7 @@ class ReplicaGroup:
             raise ReplicaGroupError(
                 f"fault_tolerance: no quorum of at least {self.cfg.min_replica_size} replica group(s) from the "
                 f"lighthouse at {self.lighthouse} within {self.cfg.quorum_timeout_seconds:g} s "
-                f"({str(e).splitlines()[0][:160]}); start it with `scripts/python.sh -m titanlite.tools.lighthouse "
-                "--min_replicas N --port P` and point fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE at it"
+                f"({_first_line(e)}); {START_LIGHTHOUSE}"
             ) from None
         healed, self.healed_to = self.healed_to, None
         if healed is None or healed <= step:

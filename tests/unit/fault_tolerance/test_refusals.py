@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from replica_groups import free_port
 
 from harness import ROOT, child_env
 from titanlite.errors import run_cli
@@ -87,9 +88,7 @@ def test_the_lighthouse_on_a_taken_port_is_one_line():
 
 def test_the_lighthouse_on_a_free_port_serves_until_sigterm():
     # The negative control of the taken port: the same command on a free one serves, and stops cleanly.
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = start_lighthouse(port)
     try:
         line = proc.stdout.readline()
