@@ -3,8 +3,8 @@
 # a fresh machine). Extra arguments go to pytest, e.g. ./run_tests.sh -m "not slow" for the fast tier.
 set -euo pipefail
 # The dev tools, and transformers as a real client of the Hugging Face export (`hf`), W&B's client (`wandb`),
-# torchao for float8 training (`float8`).
-TITANLITE_EXTRAS=dev,hf,wandb,float8
+# torchao for float8 training (`float8`), torchft for the replica groups (`ft`).
+TITANLITE_EXTRAS=dev,hf,wandb,float8,ft
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/env.sh"
 cd "$TITANLITE_ROOT"
 # As modules: in an existing environment the tools may live in .deps/, whose scripts are not on PATH.

@@ -13,7 +13,7 @@
 #                                         setting up for GPU nodes: TITANLITE_TORCH=cuda)
 # An environment of the user (1, 2, 4) is never changed: its torch is never reinstalled, and what it lacks
 # (torchdata, say) is installed into .deps/<python>/ in the checkout, put on PYTHONPATH here. Only the
-# runtime requirements are needed to train; TITANLITE_EXTRAS adds extras (run_tests.sh: dev,hf,wandb,float8).
+# runtime requirements are needed to train; TITANLITE_EXTRAS adds extras (run_tests.sh: dev,hf,wandb,float8,ft).
 # Offline: TITANLITE_WHEELHOUSE=DIR (or a .wheelhouse/ folder in the checkout) is the only source, made by
 # scripts/wheelhouse.sh on a connected machine; without one, an unreachable index is one line within seconds.
 #

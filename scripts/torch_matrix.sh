@@ -38,7 +38,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --disable-pip-version-check "torch==$VERSION"
   BUILT="built"
 fi
-EXTRAS=(--extras dev,hf,wandb,float8)
+EXTRAS=(--extras dev,hf,wandb,float8,ft)
 [ "$SMOKE_ONLY" = 1 ] && EXTRAS=()
 "$PY" "$ROOT/scripts/deps.py" ensure --own-venv "${EXTRAS[@]+"${EXTRAS[@]}"}" >/dev/null
 TORCH=$("$PY" -c "import torch; print(torch.__version__)")

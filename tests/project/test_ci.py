@@ -6,6 +6,7 @@ when its 2-rank run fails (a side environment whose Python has no torch)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -14,6 +15,11 @@ from pathlib import Path
 import pytest
 
 from titanlite import torch_support
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 OLDEST, NEWEST = torch_support.name(torch_support.OLDEST), torch_support.name(torch_support.NEWEST)
@@ -97,3 +103,24 @@ def test_torch_matrix_smoke_exits_non_zero_when_its_run_fails(tmp_path):
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith(f"torch {NEWEST}: 2-rank compiled bucketed run_train.sh: exit "), summary
     assert not summary.startswith(f"torch {NEWEST}: 2-rank compiled bucketed run_train.sh: exit 0,")
+
+
+SUITE_EXTRAS = {"run_tests.sh": r"^TITANLITE_EXTRAS=(\S+)$", "scripts/torch_matrix.sh": r"^EXTRAS=\(--extras (\S+)\)$"}
+"""Where each script that runs the suite names the extras it installs."""
+
+
+def uninstalled(script: str, pattern: str) -> set[str]:
+    """pyproject.toml's extras that `script` (its text) leaves out: an extra counts as installed when each of
+    its requirements comes with one the script names (the `data` extra's zstandard comes with `dev`)."""
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = re.search(pattern, script, re.MULTILINE)
+    installed = {r for extra in (named.group(1).split(",") if named else []) for r in optional.get(extra, [])}
+    return {extra for extra, requirements in optional.items() if not set(requirements) <= installed}
+
+
+@pytest.mark.parametrize("script", sorted(SUITE_EXTRAS))
+def test_the_suite_installs_every_extra_so_every_optional_feature_is_tested(script):
+    text = (ROOT / script).read_text()
+    assert not uninstalled(text, SUITE_EXTRAS[script])
+    # The negative control: the script without its `ft` would leave torchft, so the replica groups, untested.
+    assert uninstalled(text.replace("float8,ft", "float8"), SUITE_EXTRAS[script]) == {"ft"}
