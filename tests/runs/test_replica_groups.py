@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from replica_groups import finish, rows, start_group, start_lighthouse, wait_for_step
@@ -155,3 +156,42 @@ def test_the_parity_check_fails_for_one_replicas_data(parity, tmp_path):
     """The negative control: one replica's data alone (a single run of one rank) leaves the tolerance."""
     single = train(tmp_path / "single", 1, "--training.steps", "8", "--metrics.log_freq", "1").ok()
     assert relative(single.losses, parity["replicated"].losses) > LOSS_REL
+
+
+def train_groups(tmp: Path, *overrides: str, kill_at: int = 0) -> list[RunResult]:
+    """Two groups into tmp/group0 and tmp/group1 that wait for each other (`min_replica_size 2`) at every
+    quorum; with `kill_at`, both launches are killed (SIGKILL to each launch's process group, a lost job) once
+    group 0 has logged that step."""
+    tmp.mkdir(exist_ok=True)
+    lighthouse = start_lighthouse(tmp, min_replicas=2)
+    try:
+        both = ["--fault_tolerance.min_replica_size", "2", *overrides]
+        (g0, dump0), (g1, dump1) = (start_group(tmp, lighthouse.address, k, *both) for k in (0, 1))
+        if kill_at:
+            wait_for_step(dump0, kill_at, g0)
+            for proc in (g0, g1):
+                os.killpg(proc.pid, signal.SIGKILL)
+        return [finish(g0, dump0), finish(g1, dump1)]
+    finally:
+        lighthouse.stop()
+
+
+def test_a_whole_job_restart_resumes_from_the_lowest_groups_checkpoint_exactly(tmp_path):
+    """The lowest live group (0) writes the durable checkpoints, group 1 none. Both groups lost at step 6 and
+    started again: group 0 resumes from its checkpoint of step 4, group 1 (no checkpoint of its own) receives
+    it, its own data position included, at the first quorum; steps 5-10 are those of the job never stopped."""
+    ckpt = ["--training.steps", "10", "--checkpoint.enable", "--checkpoint.interval", "4"]
+    never = [r.ok() for r in train_groups(tmp_path / "never", *ckpt)]
+    lost = train_groups(tmp_path / "lost", *ckpt, kill_at=6)
+    assert all(r.returncode != 0 for r in lost)
+    again = [r.ok() for r in train_groups(tmp_path / "lost", *ckpt)]
+    assert "checkpoint: resumed from" in again[0].log and "rejoined at step 4:" in again[1].log
+    expected = {r["step"]: r["loss"] for r in rows(never[0])}
+    for group in again:
+        resumed = rows(group)[-6:]  # metrics.jsonl holds the lost launch's rows before them
+        assert [r["step"] for r in resumed] == list(range(5, 11))
+        assert [r["loss"] for r in resumed] == [expected[step] for step in range(5, 11)]
+    assert [r["ft/params_digest"] for r in rows(again[0])[-6:]] == [r["ft/params_digest"] for r in rows(again[1])[-6:]]
+    # Only the lowest live group saved; the control: group 0 did.
+    assert not list((tmp_path / "lost" / "group1").glob("checkpoint/step-*"))
+    assert list((tmp_path / "lost" / "group0").glob("checkpoint/step-*"))
