@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from titanlite.models.common.moe import MoE
 from titanlite.models.qwen3_moe import qwen3_moe_configs
-from titanlite.models.qwen3_moe.moe import MoE
 
 
 def step_ms(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> float:

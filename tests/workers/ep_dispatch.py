@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import end_worker  # noqa: E402
-from titanlite.models.qwen3_moe.moe import MoE  # noqa: E402
+from titanlite.models.common.moe import MoE  # noqa: E402
 from titanlite.parallelisms.expert_parallel.unit import ExpertShard, apply_expert_parallel  # noqa: E402
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 32, 16, 8, 2, 24

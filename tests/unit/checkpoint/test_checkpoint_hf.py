@@ -18,9 +18,10 @@ from harness import ROOT, assert_ok, child_env, launch_workers, tiny_args
 from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, run_cli
 from titanlite.models.common.hf_adapter import DECODER_BLOCK, hf_name
+from titanlite.models.common.rope_pairs import apply_rope
 from titanlite.models.llama3 import SPEC, ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.hf_adapter import from_hf_rope, hf_config, to_hf_rope
-from titanlite.models.llama3.rope import apply_rope, rope_tables
+from titanlite.models.llama3.rope import rope_tables
 
 # DCP warns on every single-process save/load (no process group), which is what these tests do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

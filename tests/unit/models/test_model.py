@@ -8,9 +8,10 @@ import torch
 from titanlite.models.common.attention import attend
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
 from titanlite.models.common.init import InitSpec, init_parameter_
+from titanlite.models.common.rope_pairs import apply_rope
 from titanlite.models.llama3 import ModelArgs, Transformer, llama3_configs
 from titanlite.models.llama3.model import attention
-from titanlite.models.llama3.rope import apply_rope, rope_tables
+from titanlite.models.llama3.rope import rope_tables
 
 PUBLISHED = {"8B": 8.03e9, "70B": 70.55e9, "405B": 405.85e9}
 

@@ -15,9 +15,9 @@ from builders import config
 
 from titanlite.checkpoint import hf
 from titanlite.errors import CheckpointError, ConfigError
+from titanlite.models.common import moe as moe_module
+from titanlite.models.common.moe import Experts, MoE, grouped_gemm_dtype
 from titanlite.models.qwen3_moe import SPEC, ModelArgs, Transformer
-from titanlite.models.qwen3_moe import moe as moe_module
-from titanlite.models.qwen3_moe.moe import Experts, MoE, grouped_gemm_dtype
 from titanlite.planning.run_plan import RunPlan
 from titanlite.tools.generate import generate
 

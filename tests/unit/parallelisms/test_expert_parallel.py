@@ -39,7 +39,7 @@ from harness import step_metric as losses
 from harness import train as run_trainer
 from titanlite.config import ActivationCheckpoint, load_config
 from titanlite.errors import ConfigError
-from titanlite.models.qwen3_moe.moe import MoE
+from titanlite.models.common.moe import MoE
 from titanlite.parallelisms.activation_checkpoint import apply_ac
 from titanlite.parallelisms.expert_parallel.unit import apply_expert_parallel
 from titanlite.parallelisms.host_replay import HostReplay

@@ -8,7 +8,14 @@ on its vocabulary rows (dim 0), so a weight the two share (tied embeddings) has 
 
 With per-head q/k RMSNorms (Qwen3's QK-norm) each rank normalises its own heads, [b, s, local heads,
 head_dim]: the norms' weights are replicated (`SequenceParallel` over the heads dim, whose weight
-gradients are reduced over tp)."""
+gradients are reduced over tp).
+
+A MoE layer (Qwen3-MoE, DeepSeek-V3; `moe_tp_block`) is not split: its input's sequence shards are gathered,
+every tp rank routes the same tokens with the same (replicated) router and experts, and the output is split
+back into sequence shards. So the experts' weights and gradients are whole and equal on every tp rank, expert
+parallelism (which splits them over the data-parallel shard ranks) needs nothing of tp, and the router's
+auxiliary loss sees the whole microbatch as in one process. The price is the MoE layer's compute done tp
+times; splitting the experts' tokens over tp is not done."""
 
 from __future__ import annotations
 
@@ -64,6 +71,27 @@ def dense_tp_styles(loss_parallel: bool, qk_norm: bool = False) -> TensorParalle
             "feed_forward.w3": ColwiseParallel(),
         },
     )
+
+
+def moe_tp_block() -> dict[str, Any]:
+    """The block styles of a MoE layer `moe` with `moe.gate` and `moe.experts` (module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from titanlite.parallelisms.data_parallel.replicate_weights import ReplicateWeights
+
+    return {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        ),
+        "moe.gate": ReplicateWeights(),
+        "moe.experts": ReplicateWeights(),
+    }
 
 
 def dense_tp_divisible(args: Any) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """DeepSeek-V3: multi-head latent attention, DeepSeekMoE with aux-loss-free balancing, flavors and the
 family's spec (docs/deepseek_v3.md)."""
 
+from titanlite.models.common.moe_balance import check_layout
 from titanlite.models.deepseek_v3.activations import activation_bytes
 from titanlite.models.deepseek_v3.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.deepseek_v3.cost import step_cost
@@ -8,7 +9,6 @@ from titanlite.models.deepseek_v3.flavors import deepseek_v3_configs
 from titanlite.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
 from titanlite.models.deepseek_v3.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.deepseek_v3.parallelize import deepseek_v3_tp_styles
-from titanlite.models.qwen3_moe import check_layout
 from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules, TrainingHooks
 from titanlite.parallelisms.units import Units
 

@@ -1,11 +1,11 @@
 """DeepSeek-V3's load balancing as the step sees it: the bias update after each optimizer step and the
 routing metrics at each log.
 
-`update_routing_bias` (`hooks.after_step`) is Qwen3-MoE's: every rank, one all-reduce of the step's tokens
-per expert over the world, then bias += rate * sign(mean load - load) per layer. `routing_metrics`
-(`hooks.step_metrics`) adds to Qwen3-MoE's expert load imbalance and pooled auxiliary loss the spread of
-the balancing bias (max - min over the experts, the worst layer, all ranks: one all-reduce of the
-maximum). Both in docs/deepseek_v3.md.
+`update_routing_bias` (`hooks.after_step`) is the MoE families' (`models/common/moe_balance.py`): every
+rank, one all-reduce of the step's tokens per expert over the world, then bias += rate * sign(mean load - load)
+per layer. `routing_metrics` (`hooks.step_metrics`) adds to their expert load imbalance and pooled auxiliary
+loss the spread of the balancing bias (max - min over the experts, the worst layer, all ranks: one all-reduce of
+the maximum). Both in docs/deepseek_v3.md.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.models.qwen3_moe.balance import aux_loss_term, update_routing_bias
-from titanlite.models.qwen3_moe.balance import routing_metrics as expert_load_metrics
-from titanlite.models.qwen3_moe.moe import moe_layers
+from titanlite.models.common.moe import moe_layers
+from titanlite.models.common.moe_balance import aux_loss_term, update_routing_bias
+from titanlite.models.common.moe_balance import routing_metrics as expert_load_metrics
 
 __all__ = ["aux_loss_term", "routing_metrics", "update_routing_bias"]
 

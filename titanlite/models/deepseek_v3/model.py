@@ -5,7 +5,7 @@ The module tree is TorchTitan's (`tok_embeddings`, `layers.{i}.attention.{wq | w
 kv_norm, wkv_b, wo}`, `layers.{i}.feed_forward.{w1,w2,w3}` or `layers.{i}.moe.{gate, expert_bias, experts,
 shared_experts}`, `norm`, `output`, never tied), which the tensor-parallel styles (`parallelize.py`) and the
 HF adapter address. The decoder, its pipeline routing hand-off and its KV cache are the shared ones
-(`models/common/decoder.py`, `models/qwen3_moe/model.MoEDecoder`). Multi-token prediction is not built.
+(`models/common/decoder.py`, `models/common/moe_decoder.py`). Multi-token prediction is not built.
 
 Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name
 (`models/common/init.py`) and zeroes the balancing bias and the routing counters.
@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from titanlite.models.common.decoder import DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.kv_cache import KVCache
+from titanlite.models.common.moe_decoder import MOE_SHAPE_KEYS, MoEDecoder
 from titanlite.models.deepseek_v3 import rope as yarn_rope
 from titanlite.models.deepseek_v3.attention import MultiHeadLatentAttention
 from titanlite.models.deepseek_v3.moe import DeepSeekMoE, ScoreFunc
 from titanlite.models.deepseek_v3.rope import YaRN
-from titanlite.models.qwen3_moe import model as qwen3_moe_model
-from titanlite.models.qwen3_moe.model import MoEDecoder
 
-SHAPE_KEYS = tuple(key for key in qwen3_moe_model.SHAPE_KEYS if key != "n_kv_heads")
-"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`): Qwen3-MoE's but the key/value
+SHAPE_KEYS = MOE_SHAPE_KEYS
+"""The fields the `model.*` config keys override (`ModelSpec.shape.keys`): the MoE families', no key/value
 heads (every head has its own, expanded from the latent)."""
 
 
@@ -69,7 +68,7 @@ class ModelArgs:
     """Aux-loss-free balancing: each expert's routing bias moves by this much after every optimizer step,
     up for experts that got fewer tokens than the mean, down for more; 0: the bias stays as loaded."""
     router_aux_loss_coef: float = 0.0
-    """Weight of the load-balancing loss over the normalised scores (`qwen3_moe.balance`); 0: none."""
+    """Weight of the load-balancing loss over the normalised scores (`models/common/moe_balance.py`); 0: none."""
     grouped_mm: bool = True
     """Experts as grouped GEMMs (`torch._grouped_mm`) where they fit; False: a loop over the experts."""
     norm_eps: float = 1e-6

@@ -1,15 +1,15 @@
 """DeepSeekMoE: routed experts chosen by a biased, group-limited router, plus shared experts every token uses.
 
 Routing (Hugging Face's `DeepseekV3TopkRouter`): scores = sigmoid (or softmax) of the router's logits, in
-fp32; for choosing, each expert's `expert_bias` is added (aux-loss-free balancing, `balance.py`); with
-`n_group` > 1 the experts are cut into groups and only the `topk_group` groups whose two best biased scores
-sum highest stay eligible; the `top_k` best eligible experts are taken. Their combine weights are the
-unbiased scores, divided by their sum when `norm_topk_prob`, times `routed_scaling_factor`. The output is
-the routed experts' weighted sum plus `shared_experts(x)`, one SwiGLU `n_shared_experts` x `moe_ffn_dim`
-wide.
+fp32; for choosing, each expert's `expert_bias` is added (aux-loss-free balancing,
+`models/common/moe_balance.py`); with `n_group` > 1 the experts are cut into groups and only the `topk_group`
+groups whose two best biased scores sum highest stay eligible; the `top_k` best eligible experts are taken.
+Their combine weights are the unbiased scores, divided by their sum when `norm_topk_prob`, times
+`routed_scaling_factor`. The output is the routed experts' weighted sum plus `shared_experts(x)`, one SwiGLU
+`n_shared_experts` x `moe_ffn_dim` wide.
 
 The dispatch, the experts (stacked weights, grouped GEMMs, expert parallelism's seam) and the routing
-statistics are Qwen3-MoE's (`models/qwen3_moe/moe.py`): this layer changes the router and adds the shared
+statistics are the MoE families' (`models/common/moe.py`): this layer changes the router and adds the shared
 experts. The statistics' probabilities are the scores normalised over the experts (a sigmoid's do not sum
 to 1), which the optional auxiliary loss pools.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models.common.feed_forward import FeedForward
-from titanlite.models.qwen3_moe.moe import MoE, local
+from titanlite.models.common.moe import MoE, local
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 

@@ -10,7 +10,7 @@ Latent attention (Megatron-style, sequence-parallel around it as the dense decod
   gradient is summed over tp (`parallelisms/tensor_parallel/partial_grad.head_local`);
 - `wo`: rowwise, its output sequence-sharded.
 The dense layers' SwiGLU and the embedding, norms and output are the dense decoder's
-(`models/common/tensor_parallel.py`). The MoE layer is Qwen3-MoE's (`models/qwen3_moe/parallelize.py`):
+(`models/common/tensor_parallel.py`). The MoE layer is the MoE families' (`tensor_parallel.moe_tp_block`):
 its tokens gathered, the router and routed experts replicated over tp; the shared experts, a SwiGLU on the
 same gathered tokens, split colwise/rowwise over tp and reduced back to the whole tokens.
 """
@@ -20,21 +20,19 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from titanlite.models.common.tensor_parallel import dense_tp_styles
-from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_styles
+from titanlite.models.common.tensor_parallel import dense_tp_styles, moe_tp_block
 from titanlite.parallelisms.data_parallel.replicate_weights import ReplicateWeights
 from titanlite.parallelisms.tensor_parallel.unit import TensorParallelStyles
 
 
 def deepseek_v3_tp_styles(loss_parallel: bool) -> TensorParallelStyles:
     dense = dense_tp_styles(loss_parallel)
-    moe = {k: v for k, v in qwen3_moe_tp_styles(loss_parallel).block.items() if k.startswith("moe")}
     return TensorParallelStyles(
         roots=dense.roots,
         block={
             # The attention's input, wq, wo, the block's norms and the dense layers' feed-forward.
             **{k: v for k, v in dense.block.items() if k not in ("attention.wk", "attention.wv")},
-            **moe,
+            **moe_tp_block(),
             "attention.wq_a": ReplicateWeights(),
             "attention.q_norm": ReplicateWeights(),
             "attention.wq_b": ColwiseParallel(),

@@ -1,5 +1,5 @@
 """DeepSeek-V3's RoPE: the rotary part of each head (`qk_rope_head_dim` channels) in the interleaved-pair
-layout of the published weights, rotated as Llama 3 rotates (`models/llama3/rope.apply_rope`), with YaRN's
+layout of the published weights, rotated as Llama 3 rotates (`models/common/rope_pairs.py`), with YaRN's
 long-context frequencies when the flavor sets `rope_scaling`.
 
 YaRN (as Hugging Face's `rope_type="yarn"` computes it, applied at every length): the frequencies of pairs
@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from titanlite.models.common.decoder import RoPE
-from titanlite.models.llama3.rope import apply_rope
+from titanlite.models.common.rope_pairs import apply_rope
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any
 from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme, RoPE
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
-from titanlite.models.llama3.rope import apply_rope, rope_at, rope_tables
+from titanlite.models.common.rope_pairs import apply_rope
+from titanlite.models.llama3.rope import rope_at, rope_tables
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "ffn_dim_multiplier", "rope_theta", "max_seq_len")
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""

@@ -2,7 +2,8 @@
 with Llama 3.1's long-context frequency scaling when the flavor enables it (`ModelArgs.use_scaled_rope`).
 The Hugging Face converter permutes q/k weights between this layout and HF's halves (`hf_adapter.py`).
 
-The tables hold one angle per pair, [.., head_dim // 2], computed in float64 and stored in float32."""
+The tables hold one angle per pair, [.., head_dim // 2], computed in float64 and stored in float32; the
+rotation is the shared one of interleaved pairs (`models/common/rope_pairs.py`)."""
 
 from __future__ import annotations
 
@@ -62,16 +63,3 @@ def _scale_freqs(freqs: torch.Tensor, factor: float = 8.0, low: float = 1.0, hig
     scaled = torch.where(wavelen > old_ctx / low, freqs / factor, freqs)
     mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
     return torch.where(mid, (1 - smooth) * freqs / factor + smooth * freqs, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the position's angle: `cos`/`sin`
-    are a table [>= s, d // 2] (positions 0 .. s - 1) or per token [b, s, d // 2] (`rope_at`)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    if cos.dim() == 3:
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    else:
-        cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)

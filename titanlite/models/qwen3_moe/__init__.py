@@ -1,13 +1,13 @@
-"""Qwen3-MoE: the model, its mixture-of-experts layer, flavors, load balancing and HF adapter."""
+"""Qwen3-MoE: the model, flavors, TP styles, activation model and HF adapter, on the MoE layer and load
+balancing the MoE families share (`models/common/moe.py`, `moe_balance.py`)."""
 
+from titanlite.models.common.moe_balance import aux_loss_term, check_layout, routing_metrics, update_routing_bias
 from titanlite.models.qwen3_moe.activations import activation_bytes
-from titanlite.models.qwen3_moe.balance import aux_loss_term, routing_metrics, update_routing_bias
 from titanlite.models.qwen3_moe.flavors import qwen3_moe_configs
 from titanlite.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from titanlite.models.qwen3_moe.model import SHAPE_KEYS, ModelArgs, Transformer
 from titanlite.models.qwen3_moe.parallelize import qwen3_moe_tp_styles
 from titanlite.models.registry import ModelSpec, ParallelSeams, PlanningTerms, ShapeRules, TrainingHooks
-from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.units import Units
 
 
@@ -20,19 +20,6 @@ def check_args(args: ModelArgs) -> str | None:
         return f"head dim {args.head_dim} must be even for RoPE"
     if not 0 < args.top_k <= args.num_experts:
         return f"top_k {args.top_k} must be between 1 and num_experts {args.num_experts}"
-    return None
-
-
-def check_layout(args: ModelArgs, dims: ParallelDims) -> str | None:
-    """Aux-loss-free balancing counts the tokens of every training forward. Under pipeline parallelism
-    torch's stages run one forward more on their first step, to infer the shapes they exchange (on the
-    first microbatch, or on uninitialised hidden states), whose tokens would move the routing bias."""
-    if dims.pp > 1 and args.router_bias_update_rate > 0:
-        return (
-            "aux-loss-free balancing (model.router_bias_update_rate > 0) does not combine with "
-            "pipeline_parallel_degree > 1: the pipeline stages' first forward, run to infer shapes, would count "
-            "tokens that are not trained on"
-        )
     return None
 
 

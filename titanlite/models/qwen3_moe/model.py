@@ -1,12 +1,13 @@
 """Qwen3-MoE: GQA attention with RMSNorm on each head's q and k, RoPE, and decoder blocks whose feed-forward
-is a mixture of experts (`moe.py`), or a dense SwiGLU in the layers `decoder_sparse_step` and
+is a mixture of experts (`models/common/moe.py`), or a dense SwiGLU in the layers `decoder_sparse_step` and
 `mlp_only_layers` leave dense (Hugging Face's rule).
 
 The module tree mirrors Hugging Face's `Qwen3MoeForCausalLM` one to one (`tok_embeddings` ->
 `model.embed_tokens`, `layers.{i}.attention.{wq,wk,wv,wo,q_norm,k_norm}`, `layers.{i}.moe.{gate,experts}`
 or `layers.{i}.feed_forward.{w1,w2,w3}`, `norm`, `output`). The attention is dense Qwen3's QK-norm
 attention (`models/common/grouped_query_attention.py`) and RoPE rotates halves of each head as Hugging Face does
-(`models/common/rope_halves.py`), so the export is a renaming (`hf_adapter.py`).
+(`models/common/rope_halves.py`), so the export is a renaming (`hf_adapter.py`). The decoder around the
+blocks is the MoE families' (`models/common/moe_decoder.py`).
 
 Built on the meta device; `init_weights` fills each parameter from a stream of the seed and its name
 (`models/common/init.py`) and zeroes the routing counters, so every parallel layout starts from the same weights.
@@ -16,30 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from titanlite.models.common import rope_halves
-from titanlite.models.common.attention import Mask
-from titanlite.models.common.decoder import Decoder, DecoderBlock, InitScheme
+from titanlite.models.common.decoder import DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.grouped_query_attention import GroupedQueryAttention
-from titanlite.models.common.kv_cache import KVCache
-from titanlite.models.qwen3_moe.moe import MoE, layer_stats, moe_layers, routing_sums
+from titanlite.models.common.moe import MoE
+from titanlite.models.common.moe_decoder import MOE_SHAPE_KEYS, MoEDecoder
 
-SHAPE_KEYS = (
-    "n_layers",
-    "dim",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "rope_theta",
-    "max_seq_len",
-    "num_experts",
-    "top_k",
-    "moe_ffn_dim",
-    "router_aux_loss_coef",
-    "router_bias_update_rate",
-)
+SHAPE_KEYS = (*MOE_SHAPE_KEYS, "n_kv_heads")
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`)."""
 
 
@@ -104,56 +89,6 @@ class ModelArgs:
         """Training FLOPs per token: 6 x the active parameters plus the attention scores."""
         n = self.num_params(exclude_embedding=True, active=True)
         return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-
-
-class MoEDecoder(Decoder):
-    """A decoder whose blocks may hold MoE layers (`moe.MoE` and its subclasses): the forward that hands a
-    pipeline's routing sums on, and the routing counters zeroed at initialisation. Qwen3-MoE and
-    DeepSeek-V3 build on it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.routing_in: torch.Tensor | None = None
-        """The routing sums the earlier pipeline stages handed this (last) stage in its last forward."""
-
-    def forward(  # type: ignore[override]
-        self,
-        tokens: torch.Tensor,
-        routing: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        positions: torch.Tensor | None = None,
-        mask: Mask = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """tokens [b, s] -> logits [b, s, vocab].
-
-        As a pipeline stage (`parallelisms/pipeline.keep_stage`) the load-balancing loss, which pools every
-        MoE layer's routing, travels with the hidden states: a stage before the last returns (hidden
-        states, the `moe.routing_sums` of its layers and of the `routing` it was handed), and the last
-        stage keeps the `routing` it was handed for the loss (`balance.aux_loss_term`). The gradient of
-        the loss reaches each stage's routers back along the same way.
-
-        With a KV `cache` (generation, the whole model) the tokens continue the cached positions: a prompt
-        from position 0, then one token at a time (`models/common/kv_cache.py`). `positions` and `mask`
-        are the batch's documents where the family takes `block_causal` (`Decoder.hidden_states`)."""
-        h = self.hidden_states(tokens, cache, positions, mask)
-        if self.output is None:
-            if routing is None:  # the first stage
-                routing = torch.zeros(3, self.args.num_experts, device=h.device)
-            return h, routing_sums(layer_stats(self), routing)
-        self.routing_in = routing
-        return self.output(self.norm(h))
-
-    @torch.no_grad()
-    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
-        """The decoder's parameters and RoPE tables (`Decoder.init_weights`), and the routing counters zeroed."""
-        super().init_weights(seed, buffer_device)
-        device = self.rope_cos.device
-        for moe in moe_layers(self):
-            moe.tokens_per_expert = torch.zeros(moe.num_experts, device=device)
-            if moe.expert_bias is not None:
-                moe.expert_bias = torch.zeros(moe.num_experts, device=device)
-            if moe.step_tokens is not None:
-                moe.step_tokens = torch.zeros(moe.num_experts, device=device)
 
 
 class Transformer(MoEDecoder):

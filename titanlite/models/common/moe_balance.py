@@ -1,4 +1,5 @@
-"""Qwen3-MoE's load balancing as the step sees it: the auxiliary loss term and the routing metrics.
+"""The MoE families' load balancing as the step sees it: the auxiliary loss term, the routing metrics, the
+balancing bias's update and the layouts it refuses.
 
 `aux_loss_term(model)` (`hooks.extra_loss`): `router_aux_loss_coef` times Hugging Face's load-balancing loss
 over the MoE layers of the forward that just ran, with the routing sums earlier pipeline stages handed on.
@@ -6,16 +7,20 @@ over the MoE layers of the forward that just ran, with the routing sums earlier 
 tokens per expert, the worst layer's) and the pooled auxiliary loss; the counters are reset.
 `update_routing_bias(model)` (`hooks.after_step`, aux-loss-free balancing as DeepSeek-V3): moves each expert's
 routing bias by `router_bias_update_rate` towards the mean load. Both sum over the world in one all-reduce of a
-tensor with a row per layer, each rank filling the layers it holds. The metrics and the bias: docs/moe.md.
+tensor with a row per layer, each rank filling the layers it holds. `check_layout` (`shape.check_layout`):
+the bias refuses pipeline stages. The metrics and the bias: docs/moe.md.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.models.qwen3_moe.moe import aux_loss_of_sums, layer_stats, moe_layers, routing_sums
+from titanlite.models.common.moe import aux_loss_of_sums, layer_stats, moe_layers, routing_sums
+from titanlite.parallelisms.parallel_dims import ParallelDims
 
 
 def aux_loss_term(model: nn.Module) -> torch.Tensor:
@@ -64,3 +69,17 @@ def update_routing_bias(model: nn.Module) -> None:
     for m in layers:
         m.expert_bias.add_(step[m.layer_id])
         m.step_tokens.zero_()
+
+
+def check_layout(args: Any, dims: ParallelDims) -> str | None:
+    """Aux-loss-free balancing counts the tokens of every training forward. Under pipeline parallelism
+    torch's stages run one forward more on their first step, to infer the shapes they exchange (on the
+    first microbatch, or on uninitialised hidden states), whose tokens would move the routing bias. `args`:
+    the family's ModelArgs."""
+    if dims.pp > 1 and args.router_bias_update_rate > 0:
+        return (
+            "aux-loss-free balancing (model.router_bias_update_rate > 0) does not combine with "
+            "pipeline_parallel_degree > 1: the pipeline stages' first forward, run to infer shapes, would count "
+            "tokens that are not trained on"
+        )
+    return None

@@ -1,4 +1,6 @@
-"""Qwen3-MoE's mixture-of-experts feed-forward: a softmax router, top-k experts, SwiGLU experts.
+"""The mixture-of-experts feed-forward of the MoE families: a router, top-k experts, SwiGLU experts, and the
+routing statistics their load balancing reads. Qwen3-MoE uses `MoE` as it is; DeepSeek-V3 changes its router
+and adds shared experts (`models/deepseek_v3/moe.py`).
 
 Routing follows Hugging Face's `Qwen3MoeSparseMoeBlock` (softmax in fp32, top-k combine weights renormalised
 when `norm_topk_prob`); with `enable_routing_bias` a per-expert bias is added for choosing the experts only.
@@ -6,7 +8,8 @@ The (token, expert) pairs are sorted by expert and run as one grouped GEMM per w
 or as a loop over the experts where grouped GEMM cannot run; `grouped_gemm_dtype` says where and in which
 dtype (bf16 on CUDA 9.x and 10.x). The GEMMs go through an opaque op (`grouped_mm`) that compiled graphs do
 not trace into, and a rank that received no rows calls no kernel. Each forward records its router statistics
-(`RouterStats`) for the family's load-balancing loss and accumulates `tokens_per_expert` for the metrics.
+(`RouterStats`) for the family's load-balancing loss (`moe_balance.py`) and accumulates `tokens_per_expert`
+for the metrics.
 Expert compute per device, measured: docs/moe.md.
 """
 
@@ -26,7 +29,7 @@ from titanlite.parallelisms.expert_parallel.unit import ExpertShard
 
 def local(weight: torch.Tensor) -> torch.Tensor:
     """A weight as this rank computes with it: under tensor parallelism the MoE layer's weights are
-    replicated over tp (`ReplicateWeights`, `models/qwen3_moe/parallelize.py`) and the layer runs on the
+    replicated over tp (`ReplicateWeights`, `tensor_parallel.moe_tp_block`) and the layer runs on the
     same tokens on every tp rank, so their local tensor is the whole weight and its gradient whole."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
@@ -166,7 +169,7 @@ class MoE(nn.Module):
     def enable_routing_bias(self, count_steps: bool = True) -> None:
         """Aux-loss-free balancing: a per-expert bias added to the router's probabilities for choosing the
         experts only (the combine weights stay the probabilities), saved in checkpoints, and (`count_steps`)
-        the step's token counts it is updated from (`balance.update_routing_bias`); without them the bias
+        the step's token counts it is updated from (`moe_balance.update_routing_bias`); without them the bias
         routes but stays as loaded."""
         self.register_buffer("expert_bias", torch.zeros(self.num_experts))
         if count_steps:
