@@ -82,9 +82,16 @@ class ActivationPeak(MemTracker):
 
 
 def measure_activation_peak(
-    model: torch.nn.Module, vocab: int, batch: int, seq: int, use_loss_parallel: bool, sequence=None
+    model: torch.nn.Module,
+    vocab: int,
+    batch: int,
+    seq: int,
+    use_loss_parallel: bool,
+    sequence=None,
+    extra_loss=None,
 ) -> int:
-    """`sequence`: under context parallelism, the rank's `SequenceShard` (the batch is its part)."""
+    """`sequence`: under context parallelism, the rank's `SequenceShard` (the batch is its part);
+    `extra_loss`: the family's term added to the loss, as the step adds it (`TrainingHooks.extra_loss`)."""
     tokens = torch.randint(0, vocab, (batch, seq))
     labels = torch.randint(0, vocab, (batch, seq))
     if sequence is not None:
@@ -93,7 +100,8 @@ def measure_activation_peak(
     tracker.track_external(model, tokens, labels)
     with tracker, loss_parallel() if use_loss_parallel else contextlib.nullcontext():
         pred = model(tokens)  # held through backward, as the training step holds it
-        cross_entropy_loss(pred, labels).backward()
+        loss = cross_entropy_loss(pred, labels)
+        (loss + extra_loss(model) if extra_loss is not None else loss).backward()
     return tracker.peak
 
 

@@ -41,7 +41,8 @@ class RouterStats:
     counts: torch.Tensor
     """[experts] float: how many (token, slot) pairs chose each expert (no gradient)."""
     prob_sum: torch.Tensor
-    """[experts] fp32: the router's softmax probability of each expert, summed over the tokens."""
+    """[experts] fp32: the router's softmax probability of each expert, summed over the tokens; with its
+    autograd graph only where an auxiliary loss reads it (`MoE.aux_loss`)."""
     tokens: int
 
 
@@ -153,10 +154,15 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         grouped: bool,
         layer_id: int = 0,
+        aux_loss: bool = True,
     ):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob, self.grouped = num_experts, top_k, norm_topk_prob, grouped
         self.layer_id = layer_id
+        self.aux_loss = aux_loss
+        """An auxiliary loss reads the router's probabilities: `stats.prob_sum` keeps its graph. Without one
+        it is recorded without: the graph would keep the router's inputs (the block's norms and attention)
+        alive until the loss, and under full activation checkpointing what their recompute saved."""
         """The decoder block's index: the metrics and the balancing bias line the layers up by it across
         pipeline stages."""
         self.gate = nn.Linear(dim, num_experts, bias=False)
@@ -199,7 +205,8 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
                 if self.step_tokens is not None:
                     self.step_tokens.add_(counts.to(self.step_tokens.dtype))
-        self.stats = RouterStats(counts.detach().float(), probs.sum(dim=0), x.shape[0])
+        prob_sum = probs.sum(dim=0) if self.aux_loss else probs.detach().sum(dim=0)
+        self.stats = RouterStats(counts.detach().float(), prob_sum, x.shape[0])
         # (token, slot) pairs sorted by expert; a stable sort keeps the token order within an expert.
         order = torch.argsort(flat, stable=True)
         out = self.experts(x[order // self.top_k], counts, self.grouped)

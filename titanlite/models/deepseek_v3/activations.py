@@ -8,9 +8,10 @@ choice's indices, per routed (token, expert) row the gathered input, gate/up, Sw
 the shared experts' SwiGLU; dense layers: their SwiGLU. Tensor parallelism divides the heads, the dense SwiGLU and
 the shared experts (latents replicated; routing and routed experts run whole on every tp rank); context parallelism
 divides the tokens and adds the gathered keys and values. Selective AC counts as none (an upper bound). Under full
-AC a MoE block also keeps what its forward saved up to the router's scores: the router's statistics
-(`RouterStats.prob_sum`, kept with its graph for the optional auxiliary loss) leave the checkpoint with it. Under
-expert parallelism one layer's all-to-all send and receive buffers are added (balanced routing).
+AC a fully checkpointed block keeps its input; with the optional auxiliary loss (`router_aux_loss_coef` > 0, 0 in
+the flavors) a MoE block also keeps what its forward saved up to the router's scores, whose graph the router's
+statistics (`RouterStats.prob_sum`) carry out of the checkpoint to the loss. Under expert parallelism one layer's
+all-to-all send and receive buffers are added (balanced routing).
 docs/layout_search.md#deepseek-v3.
 """
 
@@ -71,9 +72,9 @@ def activation_bytes(args: Any, layout: Layout) -> dict[str, int]:
     full = {layer: 2 * norm + attention + ffn[args.is_moe(layer)] for layer in range(args.n_layers)}
     widest = {True: max(4 * k * i, 2 * shared / t) * e, False: (2 * args.ffn_dim / t + 2 * d) * e}
     grads = {layer: widest[args.is_moe(layer)] for layer in range(args.n_layers)}
-    # What a fully checkpointed MoE block keeps besides its input (module docstring): its forward's saved
-    # tensors up to the router, but the block input and attention's output, which are not held twice.
-    routed = 2 * norm + attention + router - 2 * d * e
+    # What a fully checkpointed MoE block keeps besides its input under the auxiliary loss (module docstring):
+    # its forward's saved tensors up to the router, but the block input and attention's output, not held twice.
+    routed = 2 * norm + attention + router - 2 * d * e if args.router_aux_loss_coef > 0 else 0.0
     blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
 
     def saved(b: int) -> float:

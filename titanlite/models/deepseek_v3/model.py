@@ -166,6 +166,7 @@ class Transformer(MoEDecoder):
                 grouped=a.grouped_mm,
                 count_steps=a.router_bias_update_rate > 0,
                 layer_id=layer,
+                aux_loss=a.router_aux_loss_coef > 0,
             )
             return DecoderBlock(attention, moe, a.dim, a.norm_eps, ffn_name="moe", norms_first=True)
 

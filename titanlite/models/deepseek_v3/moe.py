@@ -48,8 +48,9 @@ class DeepSeekMoE(MoE):
         grouped: bool,
         count_steps: bool,
         layer_id: int = 0,
+        aux_loss: bool = True,
     ):
-        super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob, grouped, layer_id)
+        super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob, grouped, layer_id, aux_loss)
         self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.enable_routing_bias(count_steps)

@@ -103,7 +103,8 @@ class Transformer(MoEDecoder):
             attention = GroupedQueryAttention(a.dim, a.n_heads, a.kv_heads, a.head_dim, rope.rotate, a.norm_eps)
             if not a.is_moe(layer):
                 return DecoderBlock(attention, FeedForward(a.dim, a.ffn_dim), a.dim, a.norm_eps, norms_first=True)
-            moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm, layer)
+            aux_loss = a.router_aux_loss_coef > 0
+            moe = MoE(a.dim, a.moe_ffn_dim, a.num_experts, a.top_k, a.norm_topk_prob, a.grouped_mm, layer, aux_loss)
             if a.router_bias_update_rate > 0:
                 moe.enable_routing_bias()
             return DecoderBlock(attention, moe, a.dim, a.norm_eps, ffn_name="moe", norms_first=True)
