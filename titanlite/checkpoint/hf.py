@@ -3,11 +3,12 @@
 Model-agnostic: the names, conversions and `config.json` come from the model family's adapter
 (`ModelSpec.hf_adapter`, e.g. `models/llama3/hf_adapter.py`: `params`, `hf_name`, `to_hf`, `row_group`,
 `from_hf`, `config`, `config_mismatches`, `import_name`, optionally `split_names` for a stacked parameter
-stored as one tensor per expert). An export is a folder `transformers` loads whole, written streaming: one
-gathered parameter at a time, rank 0 writing a shard whenever the next tensor would pass `max_shard_bytes`.
-An import checks `config.json` against the model first (`check_hf_config`, one line), then each rank reads
-only the rows and columns of its own block of every parameter through safetensors' lazy slices. The command
-line is `python -m titanlite.tools.hf` (`tools/hf.py`); the folder and the checks: docs/hf.md.
+stored as one tensor per expert and `keep_fp32`, the tensors written in fp32 whatever the export dtype). An
+export is a folder `transformers` loads whole, written streaming: one gathered parameter at a time, rank 0
+writing a shard whenever the next tensor would pass `max_shard_bytes`. An import checks `config.json` against
+the model first (`check_hf_config`, one line), then each rank reads only the rows and columns of its own block
+of every parameter through safetensors' lazy slices. The command line is `python -m titanlite.tools.hf`
+(`tools/hf.py`); the folder and the checks: docs/hf.md.
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ def export_hf(
     """Write `model` (any layout) to `out` as HF safetensors shards + index + config + generation config;
     collective. `write_extra(folder)` (rank 0) adds files such as the tokenizer.
 
-    The folder is written as `<out>.partial` and renamed when complete; `out` must not exist yet.
+    The folder is written as `<out>.partial` and renamed when complete; `out` must not exist yet. The
+    adapter is asked for the tensors first, so a model it refuses leaves no folder. Tensors whose name holds
+    a fragment of the adapter's `keep_fp32` (a router transformers keeps in fp32) are written in fp32.
     """
     out = Path(out)
+    params = adapter.params(model)  # every rank: a refusal raises before any folder or collective
+    keep_fp32 = getattr(adapter, "keep_fp32", ())
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = out.with_name(out.name + ".partial")
     error = None
@@ -97,10 +102,11 @@ def export_hf(
     # Imported here: the launcher's preflight reads HF configs (`check_hf_config`) without DTensor.
     from torch.distributed.tensor import DTensor
 
-    for fqn, param in adapter.params(model):
+    for fqn, param in params:
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if rank == 0:
-            for name, t in _hf_tensors(adapter, fqn, full.detach().to("cpu", dtype), args):
+            written = torch.float32 if any(f in fqn for f in keep_fp32) else dtype
+            for name, t in _hf_tensors(adapter, fqn, full.detach().to("cpu", written), args):
                 if size and size + t.nbytes > max_shard_bytes:
                     flush()
                 buffer[name] = t

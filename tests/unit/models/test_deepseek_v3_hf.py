@@ -193,7 +193,21 @@ def test_what_transformers_cannot_compute_is_refused_in_one_line(tmp_path):
     softmax = titan(dataclasses.replace(ARGS, score_func="softmax"))
     with pytest.raises(CheckpointError, match="score_func 'softmax' routes differently .* sigmoid only"):
         export_hf(softmax, tmp_path / "softmax", adapter=SPEC.hf_adapter, bos_id=1, eos_id=2)
-    assert not (tmp_path / "softmax").exists()
+    assert not list(tmp_path.glob("softmax*"))  # nor its `.partial` folder: refused before it is made
+
+
+def test_a_bf16_export_keeps_the_router_and_its_bias_in_fp32(tmp_path):
+    """With export dtype bf16 every tensor is bf16 but the router's weight and balancing bias, written in fp32
+    as transformers holds them: the bias exactly, where bf16 would round it (the negative control)."""
+    model = titan(ARGS)
+    export_hf(model, tmp_path / "hf", adapter=SPEC.hf_adapter, dtype=torch.bfloat16, bos_id=1, eos_id=2)
+    tensors = {n: t for f in (tmp_path / "hf").glob("*.safetensors") for n, t in load_file(str(f)).items()}
+    fp32 = {n for n, t in tensors.items() if t.dtype == torch.float32}
+    assert fp32 == {f"model.layers.{i}.mlp.gate.{w}" for i in (1, 2) for w in ("weight", "e_score_correction_bias")}
+    assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n not in fp32)
+    bias = model.layers["1"].moe.expert_bias
+    assert torch.equal(tensors["model.layers.1.mlp.gate.e_score_correction_bias"], bias)
+    assert not torch.equal(bias.bfloat16().float(), bias)
 
 
 PUBLISHED = {

@@ -142,6 +142,10 @@ class DeepseekV3HFAdapter(ByName):
 
     config_mismatches = staticmethod(config_mismatches)
     config = staticmethod(hf_config)
+    keep_fp32 = ("moe.gate.", "moe.expert_bias")
+    """The router's weight and balancing bias, written in fp32 whatever `checkpoint.export_dtype`:
+    transformers holds them in fp32 (`_keep_in_fp32_modules_strict`), and a bf16 bias would round the small
+    differences that pick the experts."""
 
     @staticmethod
     def params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
