@@ -74,13 +74,13 @@ def activation_bytes(args: Any, layout: Layout) -> dict[str, int]:
     grads = {layer: widest[args.is_moe(layer)] for layer in range(args.n_layers)}
     # What a fully checkpointed MoE block keeps besides its input under the auxiliary loss (module docstring):
     # its forward's saved tensors up to the router, but the block input and attention's output, not held twice.
-    routed = 2 * norm + attention + router - 2 * d * e if args.router_aux_loss_coef > 0 else 0.0
+    router_graph = 2 * norm + attention + router - 2 * d * e if args.router_aux_loss_coef > 0 else 0.0
     blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
 
     def saved(b: int) -> float:
         if layout.block_ac(b) != "full":
             return full[b]
-        return d * e / t + (routed if args.is_moe(b) else 0)
+        return d * e / t + (router_graph if args.is_moe(b) else 0)
 
     kept = [saved(b) for b in blocks]
     vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
