@@ -72,6 +72,7 @@ def start_lighthouse(port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_the_lighthouse_on_a_taken_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("", 0))
@@ -86,6 +87,7 @@ def test_the_lighthouse_on_a_taken_port_is_one_line():
     assert err.startswith(f"titanlite: error: lighthouse: cannot serve on [::]:{port} (Address already in use"), err
 
 
+@pytest.mark.slow
 def test_the_lighthouse_on_a_free_port_serves_until_sigterm():
     # The negative control of the taken port: the same command on a free one serves, and stops cleanly.
     port = free_port()

@@ -265,6 +265,7 @@ def test_block_causal_runs_each_document_alone():
     assert not torch.allclose(packed[:, 6:], whole[:, 6:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_debug_flavor_loss_falls():
     """The debug flavor (bundled vocabulary size) learns a fixed batch: 20 AdamW steps more than halve
     the loss."""

@@ -83,6 +83,7 @@ def _full_ac_peak(aux_coef: float) -> tuple[int, Transformer]:
     return measure_activation_peak(model, 2048, BATCH, SEQ, False, extra_loss=SPEC.hooks.extra_loss), model
 
 
+@pytest.mark.slow
 def test_router_statistics_hold_no_graph_without_the_auxiliary_loss():
     """Without the auxiliary loss (the flavors') the router's statistics hold no graph, so full AC keeps each
     block's input only: the step's peak is under 60% of the same step with the loss on, which keeps every MoE
