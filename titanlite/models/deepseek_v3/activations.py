@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanlite.models.common.activation_peak import activation_peak
+from titanlite.models.common.activation_peak import moe_activation_bytes
 from titanlite.parallelisms.layout import Layout
 
 
@@ -83,22 +83,6 @@ def activation_bytes(args: Any, layout: Layout) -> dict[str, int]:
         return d * e / t + (router_graph if args.is_moe(b) else 0)
 
     kept = [saved(b) for b in blocks]
-    vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
-    final_norm = norm if layout.output else 0
-    logits = vocab * e if layout.output else 0
-    # fp32 log-softmax output and two fp32 gradients; loss parallel's sharded log-softmax keeps one more.
-    loss = vocab * (16 if layout.loss_parallel else 12) if layout.output else 0
     last = blocks[-1] if len(blocks) else 0
     last_backward = full[last] + grads[last] + (kept[-1] - d * e / t if len(blocks) else 0)
-    parts, peak = activation_peak(kept, last_backward, final_norm, logits, loss, layout.output)
-    if layout.ep > 1 and any(args.is_moe(b) for b in blocks):
-        parts["ep all-to-all send + receive"] = 2 * k * d * e
-        peak += parts["ep all-to-all send + receive"]
-    out = {name: round(v * tokens) for name, v in parts.items()}
-    out["peak"] = round(peak * tokens)
-    out["held"] = round((sum(kept) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
-    # The hidden state a pipeline stage hands on (sequence-parallel under TP); only a fully checkpointed
-    # block is counted as saving it.
-    out["boundary"] = round(d * e / t * tokens)
-    out["input_saved"] = out["boundary"] if len(blocks) and layout.block_ac(blocks[0]) == "full" else 0
-    return out
+    return moe_activation_bytes(args, layout, kept, last_backward, norm, tokens)

@@ -11,7 +11,7 @@ times the rows. What the plan counts: docs/moe.md#dry-run.
 
 from __future__ import annotations
 
-from titanlite.models.common.activation_peak import activation_peak
+from titanlite.models.common.activation_peak import moe_activation_bytes
 from titanlite.models.qwen3_moe.model import ModelArgs
 from titanlite.parallelisms.layout import Layout
 
@@ -29,21 +29,5 @@ def activation_bytes(args: ModelArgs, layout: Layout) -> dict[str, int]:
     grads = {layer: (max(4 * k * i, 2 * args.ffn_dim / t) + 2 * d) * e for layer in range(args.n_layers)}
     blocks = range(args.n_layers) if layout.blocks is None else layout.blocks
     saved = [d * e / t if layout.block_ac(b) == "full" else full[b] for b in blocks]
-    vocab = args.vocab_size / t if layout.loss_parallel else args.vocab_size
-    final_norm = norm if layout.output else 0
-    logits = vocab * e if layout.output else 0
-    # fp32 log-softmax output and two fp32 gradients; loss parallel's sharded log-softmax keeps one more.
-    loss = vocab * (16 if layout.loss_parallel else 12) if layout.output else 0
     last = blocks[-1] if len(blocks) else 0
-    parts, peak = activation_peak(saved, full[last] + grads[last], final_norm, logits, loss, layout.output)
-    if layout.ep > 1 and any(args.is_moe(b) for b in blocks):
-        parts["ep all-to-all send + receive"] = 2 * k * d * e
-        peak += parts["ep all-to-all send + receive"]
-    out = {name: round(v * tokens) for name, v in parts.items()}
-    out["peak"] = round(peak * tokens)
-    out["held"] = round((sum(saved) + final_norm + logits + (vocab * 4 if layout.output else 0)) * tokens)
-    # The hidden state a pipeline stage hands on (sequence-parallel under TP; the routing counts handed on
-    # beside it are a few numbers per layer); only a fully checkpointed block is counted as saving it.
-    out["boundary"] = round(d * e / t * tokens)
-    out["input_saved"] = out["boundary"] if len(blocks) and layout.block_ac(blocks[0]) == "full" else 0
-    return out
+    return moe_activation_bytes(args, layout, saved, full[last] + grads[last], norm, tokens)
