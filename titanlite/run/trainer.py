@@ -305,9 +305,7 @@ class Trainer:
                 "(raise training.steps to train on)"
             )
             return
-        # One rank of each data-parallel replica reads; its other ranks receive its batches.
-        shape, timeout = (cfg.local_batch_size, cfg.seq_len), self.cfg.comm.init_timeout_seconds
-        data_iter = replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
+        data_iter = self._batches()
         gc.disable()
         try:
             self._loop(data_iter, start)
@@ -422,8 +420,14 @@ class Trainer:
         self.goodput.missed(missed)
         self.goodput.mark("restart")
         self.step = step
-        shape = (self.cfg.training.local_batch_size, self.cfg.training.seq_len)
-        return replica_batches(self.dataloader, self.dims, self.device, shape, self.cfg.comm.init_timeout_seconds)
+        return self._batches()
+
+    def _batches(self):
+        """This rank's batches from where its loader is: one rank of each data-parallel replica reads, its
+        other ranks receive them (`replica_batches`)."""
+        t = self.cfg.training
+        shape, timeout = (t.local_batch_size, t.seq_len), self.cfg.comm.init_timeout_seconds
+        return replica_batches(self.dataloader, self.dims, self.device, shape, timeout)
 
     def _save_and_stop(self, start: int) -> None:
         """All ranks agreed on a stop signal: checkpoint this step, wait for it, and end the run cleanly;
