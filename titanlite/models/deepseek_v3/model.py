@@ -19,10 +19,9 @@ from titanlite.models.common.decoder import DecoderBlock, InitScheme
 from titanlite.models.common.feed_forward import FeedForward
 from titanlite.models.common.kv_cache import KVCache
 from titanlite.models.common.moe_decoder import MOE_SHAPE_KEYS, MoEDecoder
-from titanlite.models.deepseek_v3 import rope as yarn_rope
 from titanlite.models.deepseek_v3.attention import MultiHeadLatentAttention
 from titanlite.models.deepseek_v3.moe import DeepSeekMoE, ScoreFunc
-from titanlite.models.deepseek_v3.rope import YaRN
+from titanlite.models.deepseek_v3.rope import YaRN, rope, softmax_scale
 
 SHAPE_KEYS = MOE_SHAPE_KEYS
 """The fields the `model.*` config keys override (`ModelSpec.shape.keys`): the MoE families', no key/value
@@ -134,8 +133,8 @@ class Transformer(MoEDecoder):
 
     def __init__(self, args: ModelArgs, seq_len: int | None = None):
         a = args
-        rope = yarn_rope.rope(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
-        scale = yarn_rope.softmax_scale(a.qk_head_dim, a.rope_scaling)
+        rotary = rope(a.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
+        scale = softmax_scale(a.qk_head_dim, a.rope_scaling)
 
         def block(layer: int) -> DecoderBlock:
             attention = MultiHeadLatentAttention(
@@ -146,7 +145,7 @@ class Transformer(MoEDecoder):
                 a.qk_nope_head_dim,
                 a.qk_rope_head_dim,
                 a.v_head_dim,
-                rope.rotate,
+                rotary.rotate,
                 scale,
                 a.norm_eps,
             )
@@ -176,7 +175,7 @@ class Transformer(MoEDecoder):
             "experts.down_proj",
             "shared_experts.w2.weight",
         )
-        super().__init__(args, seq_len, block, rope, InitScheme(depth_scaled=depth_scaled))
+        super().__init__(args, seq_len, block, rotary, InitScheme(depth_scaled=depth_scaled))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for generating up to `max_len` positions: keys qk_head_dim wide, values
