@@ -182,6 +182,14 @@ def all_keys() -> list[str]:
     return [f"{s}.{k}" for s, hints in FIELD_TYPES.items() for k in hints]
 
 
+def first_set_key(section: Any, keys: tuple[str, ...] | None = None) -> str | None:
+    """The first of `keys` (default: every key) that a section's values hold away from its defaults, or None:
+    the rules of a feature that is off name such a key, since setting it says the feature was meant."""
+    defaults = type(section)()
+    names = keys if keys is not None else tuple(f.name for f in dataclasses.fields(section))
+    return next((key for key in names if getattr(section, key) != getattr(defaults, key)), None)
+
+
 def shape_fields() -> list[str]:
     """The `model.*` keys that override a flavor's shape, in schema order."""
     return [f.name for f in dataclasses.fields(Model) if f.metadata.get("shape")]

@@ -3,11 +3,11 @@ line. torchft is looked up, not imported, so the launcher's preflight stays ligh
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from typing import Any
 
 from titanlite.config import JobConfig
+from titanlite.config.schema import first_set_key
 from titanlite.errors import ConfigError
 
 INSTALL = "run with TITANLITE_EXTRAS=ft (run_train.sh installs it), or pip install 'titanlite[ft]'"
@@ -17,9 +17,7 @@ def check(cfg: JobConfig, pipeline_degree: int, spec: Any) -> None:
     """Why these settings cannot run as a replica group (or set a fault_tolerance key while it is off)."""
     ft = cfg.fault_tolerance
     if not ft.enable:
-        defaults = type(ft)()
-        stray = next((f.name for f in dataclasses.fields(ft) if getattr(ft, f.name) != getattr(defaults, f.name)), None)
-        if stray is not None:
+        if (stray := first_set_key(ft)) is not None:
             raise ConfigError(
                 f"fault_tolerance.{stray} is set but fault_tolerance.enable is not: add --fault_tolerance.enable, "
                 "or drop it"

@@ -23,6 +23,7 @@ from torch import nn
 
 from titanlite import torch_support
 from titanlite.config import ConfigError, JobConfig
+from titanlite.config.schema import first_set_key
 from titanlite.parallelisms.parallel_dims import ParallelDims
 from titanlite.parallelisms.parallelism import ApplyArgs, ParallelismUnit, StepHook
 
@@ -48,15 +49,7 @@ def rules(cfg: JobConfig, dims: ParallelDims, tied_output: str | None = None) ->
     shares the embedding's weight (`ShapeRules.output`), else None."""
     f8 = cfg.float8
     if not f8.enable:
-        defaults = type(f8)()  # a switch or a choice away from its default says float8 was meant
-        stray = next(
-            (
-                key
-                for key in ("all_gather", "emulate", "recipe", "filter_fqns")
-                if getattr(f8, key) != getattr(defaults, key)
-            ),
-            None,
-        )
+        stray = first_set_key(f8, ("all_gather", "emulate", "recipe", "filter_fqns"))
         if stray is not None:
             raise ConfigError(f"float8.{stray} is set but float8.enable is not: add --float8.enable, or drop it")
         return
