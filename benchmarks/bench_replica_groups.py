@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from replica_groups import start_lighthouse  # noqa: E402  as the tests start it (heartbeat timeout 2 s)
 
 from harness import rank_pid  # noqa: E402  the tests' way of finding a rank from outside
 
@@ -50,16 +51,6 @@ def rows(dump: Path) -> list[dict]:
             if "loss" in row:
                 out.append(row)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def seen(path: Path, text: str) -> bool:
-    return path.exists() and text in path.read_text(errors="replace")
 
 
 def start_group(case: str, k: int, tmp: Path, env: dict, steps: int, extra: list[str], mode: str = "w"):
@@ -97,15 +88,8 @@ def watch_rejoin(proc: subprocess.Popen, dump: Path, err: Path, since: float, af
 
 
 def run_case(case: str, tmp: Path, steps: int, at: int, away: float, extra: list[str]) -> dict:
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "titanlite.tools.lighthouse", "--min_replicas", "1", "--port", str(port)]
-        + ["--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "500"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    env = {**os.environ, "NGPU": "1", "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "OMP_NUM_THREADS": "1"}
+    lighthouse = start_lighthouse(tmp)
+    env = {**os.environ, "NGPU": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address, "OMP_NUM_THREADS": "1"}
     launches = [start_group(case, k, tmp, env, steps, extra) for k in (0, 1)]
     (g0, dump0, err0), (g1, dump1, err1) = launches
     times: dict[str, float] = {}
@@ -124,8 +108,7 @@ def run_case(case: str, tmp: Path, steps: int, at: int, away: float, extra: list
             marks = {"rejoin_s": "rejoined at step"}
         times = watch_rejoin(g1, dump1, err1, time.monotonic(), after, marks)
     codes = [g0.wait(), g1.wait()]
-    lighthouse.send_signal(signal.SIGTERM)
-    lighthouse.wait()
+    lighthouse.stop()
     logged = rows(dump0)
     both = [1 / r["step_time_s"] for r in logged if 1 < r["step"] < at and r["ft/quorum_size"] == 2]
     alone_rows = [r for r in logged if r["ft/quorum_size"] == 1 and r["step"] > 1]
